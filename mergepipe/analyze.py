@@ -1,0 +1,211 @@
+"""ANALYZE: one sequential pass over base and expert computing per-block statistics of the delta.
+
+Per block of delta = expert - base: L2 and L1 norms, max |delta|, non-zero count and a sketch
+(see sketch.py). Per (expert, tensor): the same totals and exact top-k magnitude thresholds for a
+grid of densities (what TIES/breadcrumbs need), so a budgeted merge never reads a whole tensor to
+learn them. Thresholds are found by a radix select on the float32 bit pattern of |delta|: pass one
+histograms the top 16 bits; pass two gathers only the entries of the bins that hold the k-th largest
+(from memory for small tensors, otherwise re-read from the page cache the first pass just filled).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .catalog import Catalog, now
+from .errors import CatalogError
+from .grid import DEFAULT_BLOCK_BYTES, BlockSpan, tensor_grid
+from .registry import check_unchanged
+from .sketch import DEFAULT_SKETCH_SIZE, make_sketch
+from .storage import FLOAT_DTYPES, Checkpoint, RangeReader, TensorInfo, open_checkpoint
+
+DEFAULT_DENSITIES = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
+IN_MEMORY_TENSOR_BYTES = 64 << 20
+HIST_BINS = 1 << 15
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class AnalyzeResult:
+    model_id: str
+    skipped: bool
+    bytes_read: int = 0
+    seconds: float = 0.0
+    n_blocks: int = 0
+
+
+def load_delta(base: torch.Tensor, expert: torch.Tensor, kind: str) -> torch.Tensor:
+    """The float32 delta of a block: the expert's bytes themselves for a delta checkpoint."""
+    if kind == "delta":
+        return expert.float()
+    return expert.float() - base.float()
+
+
+def kth_largest_thresholds(hist: torch.Tensor, numel: int, nnz: int, densities, gather) -> dict[float, float]:
+    """Exact k-th largest |delta| for k = int(d * numel), d in ``densities`` (radix select)."""
+    desc = hist.flip(0).cumsum(0)  # desc[j] = count of entries in the top j+1 bins
+    wanted: dict[float, tuple[int, int]] = {}
+    for d in densities:
+        k = int(d * numel)
+        if k <= 0 or k > nnz:
+            continue
+        j = int(torch.searchsorted(desc, torch.tensor(k)))
+        above = int(desc[j - 1]) if j > 0 else 0
+        wanted[d] = (HIST_BINS - 1 - j, k - above)
+    values = gather(sorted({b for b, _ in wanted.values()}))
+    out = {}
+    for d in densities:
+        k = int(d * numel)
+        if k <= 0:
+            out[d] = float("inf")
+        elif d not in wanted:
+            out[d] = 0.0  # fewer non-zeros than k: every non-zero entry is kept
+        else:
+            b, rank = wanted[d]
+            out[d] = float(values[b].sort(descending=True).values[rank - 1])
+    return out
+
+
+def analyze_expert(
+    catalog: Catalog,
+    expert_id: str,
+    block_bytes: int | None = None,
+    sketch_size: int = DEFAULT_SKETCH_SIZE,
+    densities=DEFAULT_DENSITIES,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> AnalyzeResult:
+    """Analyze one expert against its base; skipped when nothing it depends on changed."""
+    expert = catalog.model(expert_id)
+    if not expert["base_id"]:
+        raise CatalogError(f"{expert_id} has no base; register it with --base to analyze it")
+    base = catalog.model(expert["base_id"])
+    grid_bytes = catalog.grid_block_bytes(base["id"])
+    if block_bytes is None:
+        block_bytes = grid_bytes or DEFAULT_BLOCK_BYTES
+    if block_bytes <= 0:
+        raise CatalogError("--block-bytes must be positive")
+    densities = tuple(sorted(set(float(d) for d in densities)))
+    prev = catalog.analysis(expert_id)
+    if (
+        not force and prev and grid_bytes == block_bytes and catalog.is_analyzed(expert_id)
+        and prev["sketch_size"] == sketch_size and set(json.loads(prev["densities"])) >= set(densities)
+    ):
+        return AnalyzeResult(expert_id, skipped=True)
+
+    check_unchanged(base)
+    check_unchanged(expert)
+    base_ck = open_checkpoint(base["uri"])
+    exp_ck = open_checkpoint(expert["uri"])
+    t0 = time.perf_counter()
+    block_rows, stat_rows = [], []
+    with RangeReader(base_ck, sequential=True) as rb, RangeReader(exp_ck, sequential=True) as re_:
+        order = sorted(exp_ck.tensors.values(), key=lambda t: (t.file, t.offset))
+        total = sum(t.nbytes for t in order)
+        done = 0
+        for einfo in order:
+            binfo = base_ck.tensors[einfo.name]
+            blocks, stats = _analyze_tensor(rb, re_, binfo, einfo, block_bytes, sketch_size, densities,
+                                            expert["kind"], expert_id)
+            block_rows += blocks
+            stat_rows.append(stats)
+            done += einfo.nbytes
+            if progress:
+                progress(expert_id, done, total)
+        bytes_read = rb.bytes_read + re_.bytes_read
+    seconds = time.perf_counter() - t0
+    with catalog.transaction():
+        if grid_bytes != block_bytes:
+            catalog.db["grids"].upsert(
+                {"base_id": base["id"], "block_bytes": block_bytes, "n_blocks": len(block_rows),
+                 "created_at": now()}, pk="base_id")
+        for table in ("blocks", "tensor_stats"):
+            catalog.conn.execute(f"DELETE FROM {table} WHERE model_id = ?", [expert_id])
+        catalog.db["blocks"].insert_all(block_rows, batch_size=2000)
+        catalog.db["tensor_stats"].insert_all(stat_rows, batch_size=2000)
+        catalog.db["analyses"].upsert(
+            {"model_id": expert_id, "base_id": base["id"], "fingerprint": expert["fingerprint"],
+             "base_fingerprint": base["fingerprint"], "block_bytes": block_bytes, "sketch_size": sketch_size,
+             "densities": json.dumps(list(densities)), "n_blocks": len(block_rows), "bytes_read": bytes_read,
+             "seconds": round(seconds, 4), "analyzed_at": now()}, pk="model_id")
+    return AnalyzeResult(expert_id, False, bytes_read, seconds, len(block_rows))
+
+
+def _analyze_tensor(rb: RangeReader, re_: RangeReader, binfo: TensorInfo, einfo: TensorInfo,
+                    block_bytes: int, sketch_size: int, densities, kind: str, expert_id: str):
+    spans = tensor_grid(binfo, block_bytes)
+    is_float = einfo.dtype in FLOAT_DTYPES
+    keep_in_memory = einfo.numel * 4 <= IN_MEMORY_TENSOR_BYTES
+    cached: list[torch.Tensor] = []
+    hist = torch.zeros(HIST_BINS, dtype=torch.int64)
+    rows = []
+    tot = {"l2sq": 0.0, "l1": 0.0, "max": 0.0, "nnz": 0}
+
+    def delta_of(span: BlockSpan) -> torch.Tensor:
+        e = re_.tensor_rows(einfo, span.row_start, span.row_end)
+        b = None if kind == "delta" else rb.tensor_rows(binfo, span.row_start, span.row_end)
+        return load_delta(b, e, kind).reshape(-1)
+
+    for span in spans:
+        if is_float:
+            d = delta_of(span)
+            absd = d.abs()
+            l2 = float(torch.linalg.vector_norm(d)) if d.numel() else 0.0
+            l1 = float(absd.sum(dtype=torch.float64)) if d.numel() else 0.0
+            mx = float(absd.max()) if d.numel() else 0.0
+            nnz = int(torch.count_nonzero(d))
+            if nnz:
+                hist += torch.bincount((absd.view(torch.int32) >> 16).long(), minlength=HIST_BINS)
+            sketch = make_sketch(d, mx, sketch_size)
+            if keep_in_memory:
+                cached.append(absd)
+        else:
+            l2 = l1 = mx = 0.0
+            nnz = 0
+            sketch = b""
+        tot["l2sq"] += l2 * l2
+        tot["l1"] += l1
+        tot["max"] = max(tot["max"], mx)
+        tot["nnz"] += nnz
+        rows.append({
+            "model_id": expert_id, "tensor": einfo.name, "block": span.index, "row_start": span.row_start,
+            "row_end": span.row_end, "offset": einfo.offset + span.rel_offset, "nbytes": span.nbytes,
+            "delta_l2": l2, "delta_l1": l1, "delta_max_abs": mx, "delta_nnz": nnz, "sketch": sketch,
+        })
+
+    def gather(bins: list[int]) -> dict[int, torch.Tensor]:
+        if not bins:
+            return {}
+        wanted = torch.tensor(bins, dtype=torch.int64)
+        parts: dict[int, list[torch.Tensor]] = {b: [] for b in bins}
+        sources = cached if keep_in_memory else (delta_of(s).abs() for s in spans)
+        for absd in sources:
+            hi = (absd.view(torch.int32) >> 16).long()
+            sel = torch.isin(hi, wanted)
+            vals, his = absd[sel], hi[sel]
+            for b in bins:
+                parts[b].append(vals[his == b])
+        return {b: torch.cat(v) for b, v in parts.items()}
+
+    thresholds = kth_largest_thresholds(hist, einfo.numel, tot["nnz"], densities, gather) if tot["nnz"] else {}
+    stats = {
+        "model_id": expert_id, "tensor": einfo.name, "numel": einfo.numel, "delta_l2": tot["l2sq"] ** 0.5,
+        "delta_l1": tot["l1"], "delta_max_abs": tot["max"], "delta_nnz": tot["nnz"],
+        "thresholds": json.dumps({str(k): v for k, v in thresholds.items()}),
+    }
+    return rows, stats
+
+
+def analyze(catalog: Catalog, model_ids=None, progress: Progress | None = None, **kw) -> list[AnalyzeResult]:
+    """Analyze the given experts (default: every registered model that has a base)."""
+    if not model_ids:
+        model_ids = [m["id"] for m in catalog.models() if m["base_id"]]
+    for mid in model_ids:
+        catalog.model(mid)  # fail before any work on an unknown id
+    return [analyze_expert(catalog, mid, progress=progress, **kw) for mid in model_ids]

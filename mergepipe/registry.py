@@ -1,0 +1,152 @@
+"""Registering checkpoints: read headers and config only, fingerprint, check an expert against its base."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+from .catalog import Catalog, now
+from .errors import CatalogError
+from .storage import Checkpoint, open_checkpoint
+
+KINDS = ("full", "delta")
+
+
+def fingerprint(ckpt: Checkpoint) -> str:
+    """sha256 over the tensor layout (names, dtypes, shapes, offsets), file sizes and mtimes.
+
+    Reads no tensor bytes. Sibling fine-tunes share one layout, so the files' modification times are
+    part of it: a rewritten expert gets a new fingerprint and is re-analyzed, never silently reused.
+    """
+    h = hashlib.sha256(ckpt.headers_digest_source())
+    for f in ckpt.files:
+        h.update(f"{f.name}:{f.stat().st_mtime_ns}".encode())
+    return "sha256:" + h.hexdigest()
+
+
+def current_fingerprint(row: dict) -> str:
+    """Fingerprint of the files a registered model points at, as they are now."""
+    return fingerprint(open_checkpoint(row["uri"]))
+
+
+def check_unchanged(row: dict) -> None:
+    """Refuse to use a model whose files changed since it was registered."""
+    if current_fingerprint(row) != row["fingerprint"]:
+        raise CatalogError(
+            f"the files of {row['id']!r} ({row['uri']}) changed since registration; "
+            f"re-register it with --replace"
+        )
+
+
+def content_hash(ckpt: Checkpoint) -> str:
+    """sha256 over every byte of every file (opt-in: reads the whole checkpoint)."""
+    h = hashlib.sha256()
+    for f in ckpt.files:
+        with open(f, "rb") as fh:
+            while chunk := fh.read(16 << 20):
+                h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def layout_mismatches(base: Checkpoint, expert: Checkpoint, limit: int = 20) -> list[str]:
+    """Differences in tensor names, shapes and dtypes between an expert and its base."""
+    problems = []
+    for name in sorted(set(base.tensors) - set(expert.tensors)):
+        problems.append(f"missing tensor {name}")
+    for name in sorted(set(expert.tensors) - set(base.tensors)):
+        problems.append(f"extra tensor {name}")
+    for name in sorted(set(base.tensors) & set(expert.tensors)):
+        b, e = base.tensors[name], expert.tensors[name]
+        if b.shape != e.shape:
+            problems.append(f"{name}: shape {list(e.shape)} != base {list(b.shape)}")
+        if b.dtype != e.dtype:
+            problems.append(f"{name}: dtype {e.dtype} != base {b.dtype}")
+    if len(problems) > limit:
+        problems = problems[:limit] + [f"... and {len(problems) - limit} more"]
+    return problems
+
+
+def register(
+    catalog: Catalog,
+    model_id: str,
+    uri: str,
+    base_id: str | None = None,
+    kind: str = "full",
+    with_content_hash: bool = False,
+    replace: bool = False,
+    snapshot_id: str | None = None,
+) -> dict:
+    """Register a checkpoint; returns {'model_id', 'status': 'registered'|'unchanged'|'replaced', ...}."""
+    if not model_id or not model_id.strip():
+        raise CatalogError("model id must not be empty")
+    if kind not in KINDS:
+        raise CatalogError(f"unsupported kind {kind!r} (supported: {', '.join(KINDS)})")
+    if kind == "delta" and not base_id:
+        raise CatalogError("a delta checkpoint needs --base")
+    ckpt = open_checkpoint(uri)
+    fp = fingerprint(ckpt)
+    if base_id is not None:
+        if base_id == model_id:
+            raise CatalogError("a model cannot be its own base")
+        base_row = catalog.model(base_id)
+        base_ckpt = open_checkpoint(base_row["uri"])
+        problems = layout_mismatches(base_ckpt, ckpt)
+        if problems:
+            raise CatalogError(
+                f"{model_id} does not match base {base_id}: " + "; ".join(problems)
+            )
+    existing = catalog.query("SELECT * FROM models WHERE id = ?", [model_id])
+    if existing:
+        old = existing[0]
+        same = (
+            old["fingerprint"] == fp
+            and old["base_id"] == base_id
+            and old["kind"] == kind
+            and str(Path(old["uri"]).resolve()) == str(Path(uri).resolve())
+        )
+        if same:
+            return {"model_id": model_id, "status": "unchanged", "fingerprint": fp}
+        if not replace:
+            raise CatalogError(
+                f"model {model_id!r} is already registered with different content or settings "
+                f"(uri {old['uri']}); pass --replace to replace it"
+            )
+        if old["snapshot_id"]:
+            raise CatalogError(f"model {model_id!r} is a published snapshot and cannot be replaced")
+    dtypes = sorted({t.dtype for t in ckpt.tensors.values()})
+    row = {
+        "id": model_id,
+        "uri": str(Path(uri).resolve()),
+        "kind": kind,
+        "base_id": base_id,
+        "fingerprint": fp,
+        "content_hash": content_hash(ckpt) if with_content_hash else None,
+        "architecture": ",".join(ckpt.config.get("architectures", [])) or ckpt.config.get("model_type"),
+        "dtype": dtypes[0] if len(dtypes) == 1 else "mixed:" + ",".join(dtypes),
+        "params": sum(math.prod(t.shape) for t in ckpt.tensors.values()),
+        "bytes": ckpt.nbytes,
+        "n_tensors": len(ckpt.tensors),
+        "config": json.dumps(ckpt.config, sort_keys=True),
+        "registered_at": now(),
+        "snapshot_id": snapshot_id,
+    }
+    ordered = sorted(ckpt.tensors.values(), key=lambda t: (t.file, t.offset))
+    tensor_rows = [
+        {
+            "model_id": model_id, "name": t.name, "idx": i, "shape": json.dumps(list(t.shape)),
+            "dtype": t.dtype, "file": t.file, "offset": t.offset, "nbytes": t.nbytes,
+        }
+        for i, t in enumerate(ordered)
+    ]
+    with catalog.transaction():
+        if existing:
+            for table in ("tensors", "blocks", "tensor_stats", "analyses"):
+                catalog.conn.execute(f"DELETE FROM {table} WHERE model_id = ?", [model_id])
+            catalog.conn.execute("DELETE FROM models WHERE id = ?", [model_id])
+        catalog.db["models"].insert(row)
+        catalog.db["tensors"].insert_all(tensor_rows, batch_size=1000)
+    status = "replaced" if existing else "registered"
+    return {"model_id": model_id, "status": status, "fingerprint": fp, "bytes": ckpt.nbytes,
+            "n_tensors": len(ckpt.tensors)}

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Set up MergePipe on a fresh machine: a virtual environment in .venv with the CPU build of torch
+# (installed first and pinned, so that pip never resolves a multi-GB CUDA build), the package with its
+# test extras, and Debian's chromium for the browser tests. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/pip install -q torch==2.13.0
+.venv/bin/pip install -q -e '.[test]'
+if [ ! -x /usr/bin/chromium ]; then
+    if [ "$(id -u)" = 0 ]; then
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null
+    else
+        echo "note: /usr/bin/chromium missing; browser tests need: sudo apt-get install -y chromium" >&2
+    fi
+fi
