@@ -4,7 +4,7 @@ Per block of delta = expert - base: L2 and L1 norms, max |delta|, non-zero count
 (see sketch.py). Per (expert, tensor): the same totals and exact top-k magnitude thresholds for a
 grid of densities (what TIES/breadcrumbs need), so a budgeted merge never reads a whole tensor to
 learn them. Thresholds are found by a radix select on the float32 bit pattern of |delta|: pass one
-histograms the top 16 bits; pass two gathers only the entries of the bins that hold the k-th largest
+histograms the top 16 bits; pass two histograms the low 16 bits of only the bins that hold a k-th largest
 (from memory for small tensors, otherwise re-read from the page cache the first pass just filled).
 """
 
@@ -24,7 +24,8 @@ from .registry import check_unchanged
 from .sketch import DEFAULT_SKETCH_SIZE, make_sketch
 from .storage import FLOAT_DTYPES, Checkpoint, RangeReader, TensorInfo, open_checkpoint
 
-DEFAULT_DENSITIES = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
+# Top-k fractions with stored thresholds: every percent, plus two below 1 %.
+DEFAULT_DENSITIES = (0.001, 0.005) + tuple(round(i / 100, 2) for i in range(1, 100))
 IN_MEMORY_TENSOR_BYTES = 64 << 20
 HIST_BINS = 1 << 15
 
@@ -47,28 +48,35 @@ def load_delta(base: torch.Tensor, expert: torch.Tensor, kind: str) -> torch.Ten
     return expert.float() - base.float()
 
 
-def kth_largest_thresholds(hist: torch.Tensor, numel: int, nnz: int, densities, gather) -> dict[float, float]:
-    """Exact k-th largest |delta| for k = int(d * numel), d in ``densities`` (radix select)."""
-    desc = hist.flip(0).cumsum(0)  # desc[j] = count of entries in the top j+1 bins
+def kth_largest_thresholds(hist: torch.Tensor, numel: int, nnz: int, densities, sub_histograms) -> dict[float, float]:
+    """Exact k-th largest |delta| for k = int(d * numel), d in ``densities``, by radix select.
+
+    ``hist`` counts the top 16 bits of |delta|'s float32 pattern; ``sub_histograms(bins)`` returns, for
+    each requested top-16 bin, the counts of the low 16 bits of its entries ([len(bins), 65536]).
+    """
+    desc = hist.flip(0).cumsum(0)  # desc[j] = entries in the top j+1 bins
     wanted: dict[float, tuple[int, int]] = {}
     for d in densities:
         k = int(d * numel)
-        if k <= 0 or k > nnz:
-            continue
-        j = int(torch.searchsorted(desc, torch.tensor(k)))
-        above = int(desc[j - 1]) if j > 0 else 0
-        wanted[d] = (HIST_BINS - 1 - j, k - above)
-    values = gather(sorted({b for b, _ in wanted.values()}))
+        if 0 < k <= nnz:
+            j = int(torch.searchsorted(desc, torch.tensor(k)))
+            above = int(desc[j - 1]) if j > 0 else 0
+            wanted[d] = (HIST_BINS - 1 - j, k - above)
+    bins = sorted({b for b, _ in wanted.values()})
+    subs = sub_histograms(bins) if bins else None
     out = {}
     for d in densities:
         k = int(d * numel)
         if k <= 0:
-            out[d] = float("inf")
+            out[d] = float("inf")  # keep nothing
         elif d not in wanted:
             out[d] = 0.0  # fewer non-zeros than k: every non-zero entry is kept
         else:
             b, rank = wanted[d]
-            out[d] = float(values[b].sort(descending=True).values[rank - 1])
+            sub_desc = subs[bins.index(b)].flip(0).cumsum(0)
+            lo = 65535 - int(torch.searchsorted(sub_desc, torch.tensor(rank)))
+            bits = torch.tensor([(b << 16) | lo], dtype=torch.int32)
+            out[d] = float(bits.view(torch.float32)[0])
     return out
 
 
@@ -179,21 +187,20 @@ def _analyze_tensor(rb: RangeReader, re_: RangeReader, binfo: TensorInfo, einfo:
             "delta_l2": l2, "delta_l1": l1, "delta_max_abs": mx, "delta_nnz": nnz, "sketch": sketch,
         })
 
-    def gather(bins: list[int]) -> dict[int, torch.Tensor]:
-        if not bins:
-            return {}
-        wanted = torch.tensor(bins, dtype=torch.int64)
-        parts: dict[int, list[torch.Tensor]] = {b: [] for b in bins}
+    def sub_histograms(bins: list[int]) -> torch.Tensor:
+        lut = torch.full((HIST_BINS,), -1, dtype=torch.int64)
+        lut[torch.tensor(bins)] = torch.arange(len(bins))
+        sub = torch.zeros(len(bins) * 65536, dtype=torch.int64)
         sources = cached if keep_in_memory else (delta_of(s).abs() for s in spans)
         for absd in sources:
-            hi = (absd.view(torch.int32) >> 16).long()
-            sel = torch.isin(hi, wanted)
-            vals, his = absd[sel], hi[sel]
-            for b in bins:
-                parts[b].append(vals[his == b])
-        return {b: torch.cat(v) for b, v in parts.items()}
+            bits = absd.view(torch.int32)
+            slot = lut[(bits >> 16).long()]
+            sel = slot >= 0
+            key = slot[sel] * 65536 + (bits[sel] & 0xFFFF).long()
+            sub += torch.bincount(key, minlength=len(bins) * 65536)
+        return sub.view(len(bins), 65536)
 
-    thresholds = kth_largest_thresholds(hist, einfo.numel, tot["nnz"], densities, gather) if tot["nnz"] else {}
+    thresholds = kth_largest_thresholds(hist, einfo.numel, tot["nnz"], densities, sub_histograms) if tot["nnz"] else {}
     stats = {
         "model_id": expert_id, "tensor": einfo.name, "numel": einfo.numel, "delta_l2": tot["l2sq"] ** 0.5,
         "delta_l1": tot["l1"], "delta_max_abs": tot["max"], "delta_nnz": tot["nnz"],

@@ -59,6 +59,9 @@ SCHEMA = [
         blocks_done INTEGER DEFAULT 0, blocks_total INTEGER DEFAULT 0,
         expert_bytes_done INTEGER DEFAULT 0, expert_bytes_planned INTEGER DEFAULT 0,
         snapshot_id TEXT, error TEXT)""",
+    """CREATE TABLE IF NOT EXISTS txns (
+        id TEXT PRIMARY KEY, staging TEXT, out TEXT, status TEXT, pid INTEGER, started_at TEXT,
+        finished_at TEXT)""",
     """CREATE INDEX IF NOT EXISTS blocks_model ON blocks (model_id)""",
     """CREATE INDEX IF NOT EXISTS models_base ON models (base_id)""",
 ]
@@ -95,7 +98,8 @@ class Catalog:
         return self.db.conn
 
     def _migrate(self) -> None:
-        with self.transaction():
+        # Opening a catalog is not a change: no change-counter bump (the dashboard polls the counter).
+        with self.transaction(bump=False):
             for stmt in SCHEMA:
                 self.conn.execute(stmt)
             row = self.conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
@@ -113,7 +117,7 @@ class Catalog:
             self.conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('change_counter', '0')")
 
     @contextmanager
-    def transaction(self):
+    def transaction(self, bump: bool = True):
         """BEGIN IMMEDIATE ... COMMIT, rolled back on any exception; bumps the change counter."""
         if self.conn.in_transaction:
             yield
@@ -121,9 +125,10 @@ class Catalog:
         self.conn.execute("BEGIN IMMEDIATE")
         try:
             yield
-            self.conn.execute(
-                "UPDATE meta SET value = CAST(value AS INTEGER) + 1 WHERE key = 'change_counter'"
-            )
+            if bump:
+                self.conn.execute(
+                    "UPDATE meta SET value = CAST(value AS INTEGER) + 1 WHERE key = 'change_counter'"
+                )
             self.conn.execute("COMMIT")
         except BaseException:
             self.conn.execute("ROLLBACK")

@@ -1,0 +1,361 @@
+"""The streaming merge engine: executes a plan block by block and publishes a snapshot atomically.
+
+For each tensor of the base (in file order) and each group of adjacent grid blocks: read the base
+range and only the expert blocks the plan selected (exact positioned reads, adjacent ranges coalesced,
+a small read-ahead queue on a background thread), merge each block with the operator, and write it
+at its final offset of a pre-sized output shard. Blocks no expert touches are copied from the base
+without decoding. Memory is bounded by the read-ahead depth times one group's working set.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import shutil
+import signal
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .catalog import Catalog, now
+from .errors import ExecutionError, MergePipeError
+from .grid import BlockSpan, tensor_grid
+from .manifest import Manifest, file_sha256
+from .ops import block_seed, combine, get_op, sparsify
+from .planner import Plan, compact_ranges, expand_ranges, load_plan
+from .registry import check_unchanged, register
+from .storage import (DTYPES, FLOAT_DTYPES, INDEX_NAME, Checkpoint, RangeReader, TensorInfo,
+                      bytes_to_tensor, open_checkpoint, rows_shape)
+from .txn import Transaction, check_output_path
+
+DEFAULT_SHARD_BYTES = 2 << 30
+GROUP_BYTES = 4 << 20
+READAHEAD = 3
+COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                "chat_template.jinja")
+
+
+@dataclass
+class OutShard:
+    fname: str
+    header: bytes
+    offsets: dict[str, int]  # tensor -> absolute offset of its data in the file
+    size: int
+
+
+def plan_shards(tensors: list[TensorInfo], shard_bytes: int) -> list[OutShard]:
+    """Split tensors (in order) into shards of at most ``shard_bytes`` of data; build each header."""
+    groups: list[list[TensorInfo]] = [[]]
+    size = 0
+    for t in tensors:
+        if groups[-1] and size + t.nbytes > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.nbytes
+    shards = []
+    for i, group in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" if len(groups) > 1 else "model.safetensors"
+        header: dict = {"__metadata__": {"format": "pt"}}
+        pos = 0
+        rel = {}
+        for t in group:
+            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
+            rel[t.name] = pos
+            pos += t.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        start = 8 + len(raw)
+        shards.append(OutShard(fname, len(raw).to_bytes(8, "little") + raw,
+                               {n: start + r for n, r in rel.items()}, start + pos))
+    return shards
+
+
+class ShardWriter:
+    """Pre-sized output file written with positioned writes, hashed in write order."""
+
+    def __init__(self, directory: Path, shard: OutShard):
+        import hashlib
+        self.shard = shard
+        self.path = directory / shard.fname
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.ftruncate(self.fd, shard.size)
+        self.hash = hashlib.sha256()
+        self.pos = 0
+        self.write(0, shard.header)
+
+    def write(self, offset: int, data) -> None:
+        if offset != self.pos:
+            raise ExecutionError(f"{self.path.name}: out-of-order write at {offset} (expected {self.pos})")
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], offset + done)
+        self.hash.update(view)
+        self.pos += len(view)
+
+    def close(self) -> dict:
+        if self.pos != self.shard.size:
+            raise ExecutionError(f"{self.path.name}: wrote {self.pos} of {self.shard.size} bytes")
+        os.fsync(self.fd)
+        os.close(self.fd)
+        return {"sha256": "sha256:" + self.hash.hexdigest(), "bytes": self.pos}
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+class Engine:
+    """``Engine(catalog).execute(plan, out=DIR)`` -> ``(snapshot_id, manifest)``."""
+
+    def __init__(self, catalog: Catalog, storage=None, transaction_manager=None,
+                 readahead: int = READAHEAD, group_bytes: int = GROUP_BYTES):
+        self.catalog = catalog
+        self.readahead = readahead
+        self.group_bytes = group_bytes
+
+    # --- validation ------------------------------------------------------------------------------
+    def _check_inputs(self, plan: Plan) -> None:
+        for inp in [plan["base"], *plan["experts"]]:
+            row = self.catalog.model(inp["id"])
+            if row["fingerprint"] != inp["fingerprint"]:
+                raise ExecutionError(f"{inp['id']} was re-registered since plan {plan.id} was made; plan again")
+            check_unchanged(row)
+        if self.catalog.grid_block_bytes(plan["base"]["id"]) != plan["grid"]["block_bytes"]:
+            raise ExecutionError(f"the block grid of {plan['base']['id']} changed since plan {plan.id}; plan again")
+
+    def execute(self, plan: Plan | str, out: str | Path | None = None, model_id: str | None = None,
+                out_shard_bytes: int = DEFAULT_SHARD_BYTES, progress=None, run_id: int | None = None):
+        if isinstance(plan, str):
+            plan = load_plan(self.catalog, plan)
+        if out is None:
+            raise ExecutionError("an output directory is required (--out)")
+        out = Path(out).absolute()
+        model_id = model_id or out.name
+        if self.catalog.has_model(model_id):
+            raise ExecutionError(f"model id {model_id!r} is already registered; choose another --model-id")
+        if out_shard_bytes <= 0:
+            raise ExecutionError("--out-shard-size must be positive")
+        check_output_path(out)
+        self._check_inputs(plan)
+        from .planner import save_plan
+        if not self.catalog.query("SELECT 1 FROM plans WHERE id = ?", [plan.id]):
+            save_plan(self.catalog, plan)
+        txn = Transaction(self.catalog, out)
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, _raise_interrupt)
+        try:
+            staging = txn.begin()
+            t0 = time.perf_counter()
+            result = self._run(plan, staging, out_shard_bytes, progress)
+            manifest = self._manifest(plan, result, model_id, out, time.perf_counter() - t0)
+            manifest.write(staging)
+            txn.publish()
+            txn.commit(lambda: self._register(plan, manifest, model_id, out, run_id))
+        except BaseException:
+            txn.abort()
+            raise
+        finally:
+            if previous in (signal.SIG_DFL, None):
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        return manifest.snapshot_id, manifest
+
+    # --- the streaming loop ------------------------------------------------------------------------
+    def _run(self, plan: Plan, staging: Path, out_shard_bytes: int, progress) -> dict:
+        op = get_op(plan["operator"])
+        params = plan["params"]
+        experts = plan["experts"]
+        weight_sum = sum(e["weight"] for e in experts)
+        base_ck = open_checkpoint(plan["base"]["uri"])
+        exp_cks = [open_checkpoint(e["uri"]) for e in experts]
+        order = sorted(base_ck.tensors.values(), key=lambda t: (t.file, t.offset))
+        shards = plan_shards(order, out_shard_bytes)
+        shard_of = {n: s for s in shards for n in s.offsets}
+        selected = {e["id"]: {t: set(expand_ranges(rs)) for t, rs in plan["access"][e["id"]].items()} for e in experts}
+        passthrough_ok = not (op.whole_models and not params["normalize"] and abs(weight_sum - 1.0) > 0)
+        block_bytes = plan["grid"]["block_bytes"]
+        work = []
+        for info in order:
+            spans = tensor_grid(info, block_bytes)
+            group: list[BlockSpan] = []
+            size = 0
+            for span in spans:
+                group.append(span)
+                size += span.nbytes
+                if size >= self.group_bytes:
+                    work.append((info, group))
+                    group, size = [], 0
+            if group:
+                work.append((info, group))
+        total_blocks = sum(len(g) for _, g in work)
+        readers = [RangeReader(ck) for ck in exp_cks]
+        base_reader = RangeReader(base_ck, sequential=True)
+        writers = {s.fname: ShardWriter(staging, s) for s in shards}
+        by_tensor: dict[str, int] = {}
+        touched: dict[str, dict[str, list[int]]] = {e["id"]: {} for e in experts}
+        timing = {"read_wait_s": 0.0, "compute_s": 0.0, "write_s": 0.0}
+
+        def fetch(item):
+            info, group = item
+            start, end = group[0], group[-1]
+            base_buf = base_reader.read(info.file, info.offset + start.rel_offset,
+                                        end.rel_offset + end.nbytes - start.rel_offset)
+            exp_bufs = []
+            for ei, e in enumerate(experts):
+                sel = selected[e["id"]].get(info.name, ())
+                spans = [s for s in group if s.index in sel]
+                if not spans:
+                    exp_bufs.append({})
+                    continue
+                einfo = exp_cks[ei].tensors[info.name]
+                views = readers[ei].read_ranges([(einfo.file, einfo.offset + s.rel_offset, s.nbytes) for s in spans])
+                exp_bufs.append({s.index: v for s, v in zip(spans, views)})
+            return base_buf, exp_bufs
+
+        done_blocks = 0
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mergepipe-read")
+        queue: deque = deque()
+        it = iter(work)
+        try:
+            for item in it:
+                queue.append((item, pool.submit(fetch, item)))
+                if len(queue) >= self.readahead:
+                    break
+            while queue:
+                item, fut = queue.popleft()
+                t_wait = time.perf_counter()
+                base_buf, exp_bufs = fut.result()
+                timing["read_wait_s"] += time.perf_counter() - t_wait
+                nxt = next(it, None)
+                if nxt is not None:
+                    queue.append((nxt, pool.submit(fetch, nxt)))
+                info, group = item
+                writer = writers[shard_of[info.name].fname]
+                base_off = shard_of[info.name].offsets[info.name]
+                g0 = group[0].rel_offset
+                for span in group:
+                    raw = memoryview(base_buf)[span.rel_offset - g0: span.rel_offset - g0 + span.nbytes]
+                    contributors = [(ei, bufs[span.index]) for ei, bufs in enumerate(exp_bufs) if span.index in bufs]
+                    t_c = time.perf_counter()
+                    if info.dtype not in FLOAT_DTYPES or (not contributors and passthrough_ok):
+                        data = raw
+                    else:
+                        data = self._merge_block(op, params, plan["seed"], experts, weight_sum, info, span, raw,
+                                                 contributors, plan["thresholds"])
+                    t_w = time.perf_counter()
+                    timing["compute_s"] += t_w - t_c
+                    writer.write(base_off + span.rel_offset, data)
+                    timing["write_s"] += time.perf_counter() - t_w
+                    for ei, _ in contributors:
+                        touched[experts[ei]["id"]].setdefault(info.name, []).append(span.index)
+                        by_tensor[info.name] = by_tensor.get(info.name, 0) + span.nbytes
+                done_blocks += len(group)
+                if progress:
+                    progress(done_blocks, total_blocks, sum(r.bytes_read for r in readers))
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            for r in readers:
+                r.close()
+            base_reader.close()
+        outputs = {name: w.close() for name, w in writers.items()}
+        self._finish_files(base_ck, staging, shards)
+        for extra in sorted(staging.iterdir()):
+            if extra.name not in outputs:
+                outputs[extra.name] = {"sha256": file_sha256(extra), "bytes": extra.stat().st_size}
+        realized_by_expert = {e["id"]: r.bytes_read for e, r in zip(experts, readers)}
+        for e in experts:
+            planned = plan["expert_read_by_expert"][e["id"]]
+            if realized_by_expert[e["id"]] != planned:
+                raise ExecutionError(f"realized expert read of {e['id']} ({realized_by_expert[e['id']]} B) "
+                                     f"differs from the plan ({planned} B); nothing was published")
+        if sum(realized_by_expert.values()) > plan["budget"]["bytes"] and plan["full_expert_bytes"]:
+            raise ExecutionError("realized expert read exceeds the budget; nothing was published")
+        return {
+            "outputs": outputs, "realized_by_expert": realized_by_expert, "realized_by_tensor": by_tensor,
+            "touched": {e: {t: compact_ranges(b) for t, b in sorted(ts.items())} for e, ts in touched.items()},
+            "base_read": base_reader.bytes_read, "timing": timing,
+            "output_write": sum(o["bytes"] for o in outputs.values()),
+        }
+
+    def _merge_block(self, op, params, seed, experts, weight_sum, info, span, raw, contributors, thresholds):
+        shape = rows_shape(info, span.row_end - span.row_start)
+        base = bytes_to_tensor(raw, info.dtype, shape).float()
+        deltas = []
+        for ei, buf in contributors:
+            e = experts[ei]
+            x = bytes_to_tensor(buf, info.dtype, shape).float()
+            delta = x if e["kind"] == "delta" else x - base
+            thr = thresholds.get(e["id"], {}).get(info.name, [])
+            d = sparsify(op, delta, e["density"] or 1.0, params, thr, block_seed(seed, e["id"], info.name, span.index))
+            deltas.append((e["weight"], d))
+        merged = combine(op, base, deltas, weight_sum, params)
+        return tensor_bytes(merged.to(DTYPES[info.dtype][0]))
+
+    def _finish_files(self, base_ck: Checkpoint, staging: Path, shards: list[OutShard]) -> None:
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(s.size - len(s.header) for s in shards)},
+                     "weight_map": {n: s.fname for s in shards for n in s.offsets}}
+            (staging / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
+        if base_ck.root.is_dir():
+            for name in COPIED_FILES:
+                src = base_ck.root / name
+                if src.is_file():
+                    shutil.copyfile(src, staging / name)
+
+    # --- manifest and catalog ----------------------------------------------------------------------
+    def _manifest(self, plan: Plan, result: dict, model_id: str, out: Path, seconds: float) -> Manifest:
+        outputs = dict(result["outputs"])
+        core = {
+            "format": "mergepipe.manifest/1",
+            "plan_id": plan.id, "plan_digest": plan.digest,
+            "operator": plan["operator"], "params": plan["params"], "seed": plan["seed"],
+            "strategy": plan["strategy"], "grid": plan["grid"],
+            "inputs": {"base": plan["base"], "experts": plan["experts"]},
+            "budget": plan["budget"], "full_expert_bytes": plan["full_expert_bytes"],
+            "estimated": plan["estimate"],
+            "estimated_by_expert": plan["expert_read_by_expert"],
+            "realized": {"base_read": result["base_read"], "expert_read": sum(result["realized_by_expert"].values()),
+                         "output_write": result["output_write"]},
+            "realized_by_expert": result["realized_by_expert"],
+            "realized_by_tensor": dict(sorted(result["realized_by_tensor"].items())),
+            "touched": result["touched"],
+            "error_bound": plan["error_bound"],
+            "outputs": outputs,
+            "software": {"mergepipe": __version__, "torch": torch.__version__},
+            "parents": [{"id": plan["base"]["id"], "role": "base", "weight": None}]
+            + [{"id": e["id"], "role": "expert", "weight": e["weight"]} for e in plan["experts"]],
+        }
+        snapshot_id = "snap-" + os.urandom(6).hex()
+        run = {"snapshot_id": snapshot_id, "model_id": model_id, "out": str(out), "created_at": now(),
+               "seconds": round(seconds, 4), "timing": {k: round(v, 4) for k, v in result["timing"].items()},
+               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        return Manifest(core, run)
+
+    def _register(self, plan: Plan, manifest: Manifest, model_id: str, out: Path, run_id) -> None:
+        register(self.catalog, model_id, str(out), base_id=plan["base"]["id"], snapshot_id=manifest.snapshot_id)
+        self.catalog.db["snapshots"].insert({
+            "id": manifest.snapshot_id, "model_id": model_id, "plan_id": plan.id, "out": str(out),
+            "manifest_hash": manifest.manifest_hash, "created_at": manifest.run["created_at"]})
+        self.catalog.db["manifests"].insert({"snapshot_id": manifest.snapshot_id,
+                                             "manifest_hash": manifest.manifest_hash, "json": manifest.to_json()})
+        self.catalog.db["lineage"].insert_all(
+            [{"child_id": model_id, "parent_id": p["id"], "role": p["role"], "weight": p["weight"]}
+             for p in manifest.core["parents"]])
+        if run_id is not None:
+            self.catalog.conn.execute(
+                "UPDATE runs SET status='succeeded', snapshot_id=?, finished_at=?, updated_at=? WHERE id=?",
+                [manifest.snapshot_id, now(), now(), run_id])
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")

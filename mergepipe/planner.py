@@ -1,0 +1,480 @@
+"""The budget-aware planner: which (expert, tensor, block) triples to read, decided from the catalog
+alone, before any expert byte is read.
+
+Greedy by score per byte (default score |c_i| * ||delta_{i,t,b}||_2, which minimises the additive error
+bound), deterministic tie-break (expert order, tensor order, block index), budget-sound by
+construction. A plan is data: canonical JSON with a digest over the inputs' fingerprints, operator,
+parameters, grid and access set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import __version__
+from .budget import mib, parse_budget
+from .catalog import Catalog, now
+from .errors import PlanError
+from .grid import tensor_grid
+from .ops import OpSpec, coefficient, get_op, resolve_params, threshold_fractions
+from .registry import check_unchanged
+from .sketch import decode
+from .storage import FLOAT_DTYPES, TensorInfo
+
+STRATEGIES = ("norm", "conflict")
+PLAN_FORMAT = "mergepipe.plan/1"
+
+
+@dataclass
+class Plan:
+    """A content-addressed merge plan. ``data`` is the canonical, JSON-serialisable form."""
+
+    data: dict
+
+    @property
+    def id(self) -> str:
+        return self.data["id"]
+
+    @property
+    def digest(self) -> str:
+        return self.data["digest"]
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.data, sort_keys=True, indent=indent, separators=None if indent else (",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls(json.loads(text))
+
+    def __getitem__(self, key):
+        return self.data[key]
+
+    @property
+    def selected_blocks(self) -> int:
+        return sum(r[1] - r[0] for tensors in self.data["access"].values() for rs in tensors.values() for r in rs)
+
+    def explain(self) -> str:
+        return explain_plan(self.data)
+
+
+def canonical(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def compact_ranges(indices) -> list[list[int]]:
+    """[0,1,2,5,6] -> [[0,3],[5,7]] (half-open ranges)."""
+    out: list[list[int]] = []
+    for i in sorted(indices):
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return out
+
+
+def expand_ranges(ranges) -> list[int]:
+    return [i for a, b in ranges for i in range(a, b)]
+
+
+@dataclass
+class Candidates:
+    """Every block the operator could use, with its bytes and score, in greedy order."""
+
+    expert: np.ndarray  # index into experts
+    tensor: np.ndarray  # index into tensor names
+    block: np.ndarray
+    nbytes: np.ndarray
+    score: np.ndarray
+    bound_term: np.ndarray  # |c_i| * ||delta|| (additive error bound contribution)
+    order: np.ndarray = field(default=None)  # greedy order
+
+    def __post_init__(self):
+        ratio = np.where(self.nbytes > 0, self.score / np.maximum(self.nbytes, 1), np.inf)
+        # lexsort: last key is primary -> sort by -ratio, then expert, tensor, block
+        self.order = np.lexsort((self.block, self.tensor, self.expert, -ratio))
+        self.cum_bytes = np.cumsum(self.nbytes[self.order])
+        self.cum_bound = np.cumsum(self.bound_term[self.order])
+
+    @property
+    def full_bytes(self) -> int:
+        return int(self.nbytes.sum())
+
+    def select(self, budget_bytes: int) -> np.ndarray:
+        """Greedy: walk the order, take every block that still fits."""
+        nb = self.nbytes[self.order]
+        if budget_bytes >= self.full_bytes:
+            return self.order
+        # Fast path: the longest prefix that fits, then the remaining blocks that still fit.
+        k = int(np.searchsorted(self.cum_bytes, budget_bytes, side="right"))
+        chosen = list(self.order[:k])
+        used = int(self.cum_bytes[k - 1]) if k else 0
+        for pos in range(k, len(self.order)):
+            if used + nb[pos] <= budget_bytes:
+                chosen.append(self.order[pos])
+                used += int(nb[pos])
+        return np.array(chosen, dtype=np.int64)
+
+    def frontier(self, points: int = 101) -> list[tuple[int, float]]:
+        """(budget bytes, omitted bound) along the greedy prefix, for the budget-bound curve."""
+        total = float(self.bound_term.sum())
+        if len(self.order) == 0:
+            return [(0, 0.0)]
+        idx = np.unique(np.linspace(0, len(self.order), points).astype(int))
+        out = []
+        for k in idx:
+            used = int(self.cum_bytes[k - 1]) if k else 0
+            covered = float(self.cum_bound[k - 1]) if k else 0.0
+            out.append((used, max(0.0, total - covered)))
+        return out
+
+    def smallest_budget_for(self, target_abs: float) -> int:
+        total = float(self.bound_term.sum())
+        need = total - target_abs
+        if need <= 0:
+            return int(min(self.nbytes[self.nbytes > 0], default=1)) if len(self.nbytes) else 0
+        k = int(np.searchsorted(self.cum_bound, need - 1e-12 * max(1.0, total), side="left"))
+        k = min(k, len(self.order) - 1)
+        return int(self.cum_bytes[k])
+
+
+class PlanContext:
+    """Everything about a merge request except the budget: reusable while a user drags a slider."""
+
+    def __init__(self, catalog: Catalog, base_model: str, experts, operator: str = "ties",
+                 weights=None, density=None, lam=None, normalize=None, rescale=None, seed: int = 0,
+                 strategy: str = "norm", gamma=None, epsilon=None):
+        self.catalog = catalog
+        self.op: OpSpec = get_op(operator)
+        self.params = resolve_params(self.op, normalize=normalize, rescale=rescale, lam=lam,
+                                     gamma=gamma, epsilon=epsilon)
+        self.seed = int(seed)
+        if strategy not in STRATEGIES:
+            raise PlanError(f"unknown strategy {strategy!r} (choose from {', '.join(STRATEGIES)})")
+        self.strategy = strategy
+        self.base = catalog.model(base_model)
+        self.experts = self._expert_specs(experts, weights, density)
+        self.block_bytes = catalog.grid_block_bytes(self.base["id"])
+        self.tensors = [t for t in catalog.tensors(self.base["id"])]
+        self.tensor_index = {t["name"]: i for i, t in enumerate(self.tensors)}
+        self.weight_sum = sum(e["weight"] for e in self.experts)
+        self.thresholds = self._thresholds()
+        self.candidates = self._candidates()
+
+    def _expert_specs(self, experts, weights, density) -> list[dict]:
+        if not experts:
+            raise PlanError("no experts given")
+        specs = []
+        for i, e in enumerate(experts):
+            spec = {"model": e} if isinstance(e, str) else dict(e)
+            if "model" not in spec:
+                raise PlanError(f"expert {e!r} has no model id")
+            specs.append(spec)
+        ids = [s["model"] for s in specs]
+        if len(set(ids)) != len(ids):
+            raise PlanError(f"an expert is listed twice: {', '.join(sorted(i for i in ids if ids.count(i) > 1))}")
+        if weights is not None:
+            if len(weights) != len(specs):
+                raise PlanError(f"{len(weights)} weights given for {len(specs)} experts")
+            for s, w in zip(specs, weights):
+                s["weight"] = w
+        check_unchanged(self.base)
+        out = []
+        for s in specs:
+            row = self.catalog.model(s["model"])
+            if row["base_id"] != self.base["id"]:
+                raise PlanError(f"expert {row['id']!r} is registered with base {row['base_id']!r}, not {self.base['id']!r}")
+            if not self.catalog.is_analyzed(row["id"]):
+                raise PlanError(f"expert {row['id']!r} is not analyzed against {self.base['id']!r} "
+                                f"(run `mergepipe analyze --model-id {row['id']}`)")
+            check_unchanged(row)
+            w = float(s.get("weight", 1.0))
+            d = s.get("density", density)
+            d = 1.0 if d is None else float(d)
+            if not math.isfinite(w):
+                raise PlanError(f"weight of {row['id']} must be a finite number")
+            if self.op.uses_density and not 0 < d <= 1:
+                raise PlanError(f"density {d} of {row['id']} is outside (0, 1]")
+            if self.op.sparsify == "della":
+                eps = self.params["epsilon"]
+                if d < 1 and not (0 < eps and d - eps > 0 and d + eps <= 1):
+                    raise PlanError(f"della needs 0 < density - epsilon and density + epsilon <= 1 "
+                                    f"(density {d}, epsilon {eps})")
+            out.append({"id": row["id"], "uri": row["uri"], "fingerprint": row["fingerprint"],
+                        "kind": row["kind"], "weight": w, "density": d if self.op.uses_density else None})
+        return out
+
+    def _thresholds(self) -> dict[str, dict[str, list[float]]]:
+        out: dict[str, dict[str, list[float]]] = {}
+        for e in self.experts:
+            fracs = threshold_fractions(self.op, e["density"] or 1.0, self.params)
+            if not fracs:
+                continue
+            stats = self.catalog.tensor_stats(e["id"])
+            per = {}
+            for name, st in stats.items():
+                if not st["delta_nnz"]:
+                    continue
+                vals = []
+                for f in fracs:
+                    if f >= 1.0:
+                        vals.append(0.0)
+                        continue
+                    match = [v for k, v in st["thresholds"].items() if abs(k - f) < 1e-9]
+                    if not match:
+                        have = ", ".join(f"{k:g}" for k in sorted(st["thresholds"]))
+                        raise PlanError(
+                            f"no magnitude threshold for top-{f:g} of {e['id']} in the catalog (analyzed: {have}); "
+                            f"run `mergepipe analyze --model-id {e['id']} --densities {f:g}`")
+                    vals.append(match[0])
+                per[name] = vals
+            out[e["id"]] = per
+        return out
+
+    def _useful(self, expert_id: str, tensor: str, max_abs: np.ndarray) -> np.ndarray:
+        if self.op.sparsify == "magnitude":
+            t = self.thresholds[expert_id].get(tensor)
+            return max_abs >= t[0] if t else np.zeros_like(max_abs, dtype=bool)
+        if self.op.sparsify == "magnitude_outliers":
+            t = self.thresholds[expert_id].get(tensor)
+            return max_abs >= t[1] if t else np.zeros_like(max_abs, dtype=bool)
+        return np.ones_like(max_abs, dtype=bool)
+
+    def _candidates(self) -> Candidates:
+        cols = {k: [] for k in ("expert", "tensor", "block", "nbytes", "l2")}
+        float_tensor = {t["name"]: t["dtype"] in FLOAT_DTYPES for t in self.tensors}
+        self._block_keys = {}
+        for ei, e in enumerate(self.experts):
+            rows = self.catalog.query(
+                "SELECT tensor, block, nbytes, delta_l2, delta_max_abs, delta_nnz FROM blocks WHERE model_id = ?",
+                [e["id"]])
+            by_tensor: dict[str, list] = {}
+            for r in rows:
+                if r["delta_nnz"] and float_tensor.get(r["tensor"]):
+                    by_tensor.setdefault(r["tensor"], []).append(r)
+            for name, rs in by_tensor.items():
+                max_abs = np.array([r["delta_max_abs"] for r in rs])
+                useful = self._useful(e["id"], name, max_abs)
+                ti = self.tensor_index[name]
+                for r, ok in zip(rs, useful):
+                    if ok:
+                        cols["expert"].append(ei)
+                        cols["tensor"].append(ti)
+                        cols["block"].append(r["block"])
+                        cols["nbytes"].append(r["nbytes"])
+                        cols["l2"].append(r["delta_l2"])
+        arr = {k: np.array(v, dtype=np.float64 if k == "l2" else np.int64) for k, v in cols.items()}
+        coefs = np.array([abs(coefficient(self.op, e["weight"], self.weight_sum, self.params)) for e in self.experts])
+        bound_term = coefs[arr["expert"]] * arr["l2"] if len(arr["l2"]) else np.zeros(0)
+        score = bound_term.copy()
+        if self.strategy == "conflict" and len(score):
+            score = score * (1.0 - self._conflict_rates(arr))
+        return Candidates(arr["expert"], arr["tensor"], arr["block"], arr["nbytes"], score, bound_term)
+
+    def _sketch_matrix(self):
+        """Per (tensor, block): the experts' sketches rescaled to delta units, as [blocks, K, S]."""
+        keys: dict[tuple[str, int], int] = {}
+        entries = []
+        for ei, e in enumerate(self.experts):
+            for r in self.catalog.query(
+                    "SELECT tensor, block, delta_max_abs, delta_l2, sketch FROM blocks WHERE model_id = ? AND delta_nnz > 0",
+                    [e["id"]]):
+                idx = keys.setdefault((r["tensor"], r["block"]), len(keys))
+                entries.append((idx, ei, r["delta_max_abs"], r["sketch"]))
+        size = max((len(s) // 2 for *_, s in entries), default=0)
+        mat = np.zeros((len(keys), len(self.experts), size), dtype=np.float32)
+        for idx, ei, mx, blob in entries:
+            v = decode(blob) * mx
+            mat[idx, ei, : len(v)] = v
+        return keys, mat
+
+    def _conflict_rates(self, arr) -> np.ndarray:
+        """For each candidate: sign-conflict rate of the expert's delta against the others' weighted sum."""
+        keys, mat = self._sketch_matrix()
+        w = np.array([e["weight"] for e in self.experts], dtype=np.float32)
+        total = np.einsum("bks,k->bs", mat, w)
+        rates = np.zeros(len(arr["expert"]))
+        names = [t["name"] for t in self.tensors]
+        for n, (ei, ti, b) in enumerate(zip(arr["expert"], arr["tensor"], arr["block"])):
+            idx = keys.get((names[ti], int(b)))
+            if idx is None:
+                continue
+            mine = mat[idx, ei] * w[ei]
+            others = total[idx] - mine
+            both = (mine != 0) & (others != 0)
+            if both.any():
+                rates[n] = float((np.sign(mine[both]) != np.sign(others[both])).mean())
+        return rates
+
+    def full_norm_estimate(self) -> float:
+        """Estimated ||M_full - base||_2 = ||sum_i c_i delta_i||, with cross terms from the sketches."""
+        if hasattr(self, "_full_norm"):
+            return self._full_norm
+        keys, mat = self._sketch_matrix()
+        coefs = np.array([coefficient(self.op, e["weight"], self.weight_sum, self.params) for e in self.experts])
+        l2 = np.zeros((len(keys), len(self.experts)))
+        for ei, e in enumerate(self.experts):
+            for r in self.catalog.query("SELECT tensor, block, delta_l2 FROM blocks WHERE model_id = ? AND delta_nnz > 0",
+                                        [e["id"]]):
+                l2[keys[(r["tensor"], r["block"])], ei] = r["delta_l2"]
+        norms = np.linalg.norm(mat, axis=2, keepdims=True)
+        unit = np.divide(mat, norms, out=np.zeros_like(mat), where=norms > 0)
+        cos = np.einsum("bks,bjs->bkj", unit, unit)
+        a = l2 * coefs  # [B, K]
+        total = float(np.einsum("bk,bkj,bj->", a, cos, a))
+        self._full_norm = math.sqrt(max(total, 0.0))
+        return self._full_norm
+
+    # --- estimates -------------------------------------------------------------------------------
+    def base_bytes(self) -> int:
+        return sum(t["nbytes"] for t in self.tensors)
+
+    def plan(self, budget=None, budget_mb=None, target_bound: float | None = None) -> Plan:
+        cands = self.candidates
+        full = cands.full_bytes
+        if target_bound is not None:
+            if not target_bound >= 0:
+                raise PlanError("--target-bound must be a non-negative number")
+            if not self.op.additive:
+                raise PlanError(f"--target-bound needs an additive operator (linear, task_arithmetic), not {self.op.name}")
+            norm = self.full_norm_estimate()
+            budget_bytes = cands.smallest_budget_for(target_bound * norm) if full else 0
+            budget_spec = f"target-bound {target_bound:g}"
+        else:
+            if budget_mb is not None:
+                budget = mib(budget_mb)
+            budget_spec = "100%" if budget is None else str(budget)
+            budget_bytes = parse_budget(budget_spec, full) if full else 0
+        chosen = cands.select(budget_bytes) if full else np.zeros(0, dtype=np.int64)
+        return self._build(chosen, budget_spec, budget_bytes, target_bound)
+
+    def _build(self, chosen: np.ndarray, budget_spec: str, budget_bytes: int, target_bound) -> Plan:
+        cands = self.candidates
+        names = [t["name"] for t in self.tensors]
+        access: dict[str, dict[str, list[int]]] = {e["id"]: {} for e in self.experts}
+        per_expert_bytes = {e["id"]: 0 for e in self.experts}
+        per_tensor_bytes: dict[str, int] = {}
+        for c in chosen:
+            eid = self.experts[cands.expert[c]]["id"]
+            tname = names[cands.tensor[c]]
+            access[eid].setdefault(tname, []).append(int(cands.block[c]))
+            per_expert_bytes[eid] += int(cands.nbytes[c])
+            per_tensor_bytes[tname] = per_tensor_bytes.get(tname, 0) + int(cands.nbytes[c])
+        access = {e: {t: compact_ranges(b) for t, b in sorted(ts.items())} for e, ts in access.items()}
+        expert_read = sum(per_expert_bytes.values())
+        selected_mask = np.zeros(len(cands.nbytes), dtype=bool)
+        selected_mask[chosen] = True
+        bound = None
+        if self.op.additive:
+            omitted = float(cands.bound_term[~selected_mask].sum())
+            norm = self.full_norm_estimate()
+            bound = {"absolute": omitted, "full_delta_norm": norm,
+                     "relative": omitted / norm if norm > 0 else 0.0}
+        base_bytes = self.base_bytes()
+        core = {
+            "format": PLAN_FORMAT,
+            "base": {"id": self.base["id"], "uri": self.base["uri"], "fingerprint": self.base["fingerprint"]},
+            "experts": self.experts,
+            "operator": self.op.name,
+            "params": self.params,
+            "seed": self.seed,
+            "strategy": self.strategy,
+            "grid": {"block_bytes": self.block_bytes},
+            "budget": {"spec": budget_spec, "bytes": budget_bytes},
+            "access": access,
+            "thresholds": self.thresholds,
+        }
+        digest = hashlib.sha256(canonical(core)).hexdigest()
+        data = dict(core)
+        data.update({
+            "id": "plan-" + digest[:16],
+            "digest": "sha256:" + digest,
+            "full_expert_bytes": cands.full_bytes,
+            "estimate": {"base_read": base_bytes, "expert_read": expert_read, "output_write": base_bytes},
+            "expert_read_by_expert": per_expert_bytes,
+            "expert_read_by_tensor": dict(sorted(per_tensor_bytes.items())),
+            "blocks_selected": {e: sum(r[1] - r[0] for rs in ts.values() for r in rs) for e, ts in access.items()},
+            "blocks_candidate": {e["id"]: int((cands.expert == i).sum()) for i, e in enumerate(self.experts)},
+            "blocks_total": sum(len(tensor_grid(_info(t), self.block_bytes)) for t in self.tensors),
+            "error_bound": bound,
+            "target_bound": target_bound,
+            "software": {"mergepipe": __version__},
+        })
+        return Plan(data)
+
+
+def _info(row: dict) -> TensorInfo:
+    return TensorInfo(row["name"], row["dtype"], tuple(row["shape"]), row["file"], row["offset"], row["nbytes"])
+
+
+class Planner:
+    """``Planner(catalog).plan(base_model=..., experts=[...], operator="TIES", budget_mb=8192)``."""
+
+    def __init__(self, catalog: Catalog):
+        self.catalog = catalog
+
+    def context(self, base_model: str, experts, operator: str = "ties", **kw) -> PlanContext:
+        return PlanContext(self.catalog, base_model, experts, operator, **kw)
+
+    def plan(self, base_model: str, experts, operator: str = "ties", budget=None, budget_mb=None,
+             target_bound=None, save: bool = True, **kw) -> Plan:
+        plan = self.context(base_model, experts, operator, **kw).plan(budget, budget_mb, target_bound)
+        if save:
+            save_plan(self.catalog, plan)
+        return plan
+
+
+def save_plan(catalog: Catalog, plan: Plan) -> None:
+    with catalog.transaction():
+        catalog.db["plans"].upsert({
+            "id": plan.id, "created_at": now(), "base_id": plan["base"]["id"], "operator": plan["operator"],
+            "budget_bytes": plan["budget"]["bytes"], "full_expert_bytes": plan["full_expert_bytes"],
+            "expert_read_bytes": plan["estimate"]["expert_read"],
+            "error_bound": (plan["error_bound"] or {}).get("absolute"), "json": plan.to_json(),
+        }, pk="id")
+
+
+def load_plan(catalog: Catalog, plan_id: str) -> Plan:
+    rows = catalog.query("SELECT json FROM plans WHERE id = ? OR id = ?", [plan_id, "plan-" + plan_id])
+    if not rows:
+        raise PlanError(f"unknown plan id {plan_id!r}")
+    return Plan.from_json(rows[0]["json"])
+
+
+def explain_plan(p: dict) -> str:
+    """EXPLAIN-style text: inputs, budget, estimates, then selection per expert and per tensor."""
+    from .cli import human_bytes  # formatting only
+
+    lines = [f"PLAN {p['id']}  ({p['digest']})",
+             f"  operator   {p['operator']}  params {json.dumps(p['params'], sort_keys=True)}  seed {p['seed']}  "
+             f"strategy {p['strategy']}",
+             f"  base       {p['base']['id']}  {p['base']['fingerprint'][:19]}",
+             f"  grid       {human_bytes(p['grid']['block_bytes'])} blocks, {p['blocks_total']} per model",
+             f"  budget     {p['budget']['spec']} = {human_bytes(p['budget']['bytes'])} of "
+             f"{human_bytes(p['full_expert_bytes'])} full expert read",
+             f"  estimate   base read {human_bytes(p['estimate']['base_read'])}, expert read "
+             f"{human_bytes(p['estimate']['expert_read'])}, write {human_bytes(p['estimate']['output_write'])}"]
+    if p["error_bound"]:
+        b = p["error_bound"]
+        lines.append(f"  bound      ||M_full - M_A|| <= {b['absolute']:.6g}  (relative {b['relative']:.3e} "
+                     f"of ||M_full - base|| ~ {b['full_delta_norm']:.6g})")
+    lines.append("  experts")
+    for e in p["experts"]:
+        eid = e["id"]
+        extra = f" density {e['density']:g}" if e.get("density") is not None else ""
+        lines.append(f"    {eid:<20} weight {e['weight']:g}{extra}  blocks {p['blocks_selected'][eid]}/"
+                     f"{p['blocks_candidate'][eid]}  read {human_bytes(p['expert_read_by_expert'][eid])}")
+    lines.append("  tensors (blocks read per expert)")
+    tensors = sorted({t for ts in p["access"].values() for t in ts})
+    for t in tensors:
+        parts = []
+        for e in p["experts"]:
+            rs = p["access"][e["id"]].get(t, [])
+            if rs:
+                parts.append(f"{e['id']}:" + ",".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in rs))
+        lines.append(f"    {t:<48} {human_bytes(p['expert_read_by_tensor'].get(t, 0)):>12}  {' '.join(parts)}")
+    return "\n".join(lines)
