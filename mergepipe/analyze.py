@@ -100,6 +100,9 @@ def analyze_expert(
     if block_bytes <= 0:
         raise CatalogError("--block-bytes must be positive")
     densities = tuple(sorted(set(float(d) for d in densities)))
+    # Headers only: a model whose files changed since registration must never be skipped as unchanged.
+    check_unchanged(base)
+    check_unchanged(expert)
     prev = catalog.analysis(expert_id)
     if (
         not force and prev and grid_bytes == block_bytes and catalog.is_analyzed(expert_id)
@@ -107,8 +110,6 @@ def analyze_expert(
     ):
         return AnalyzeResult(expert_id, skipped=True)
 
-    check_unchanged(base)
-    check_unchanged(expert)
     base_ck = open_checkpoint(base["uri"])
     exp_ck = open_checkpoint(expert["uri"])
     t0 = time.perf_counter()

@@ -54,7 +54,8 @@ SCHEMA = [
         child_id TEXT NOT NULL, parent_id TEXT NOT NULL, role TEXT, weight REAL,
         PRIMARY KEY (child_id, parent_id))""",
     """CREATE TABLE IF NOT EXISTS runs (
-        id INTEGER PRIMARY KEY AUTOINCREMENT, plan_id TEXT, out TEXT, model_id TEXT, status TEXT,
+        id INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT DEFAULT 'merge', plan_id TEXT, out TEXT,
+        model_id TEXT, status TEXT,
         pid INTEGER, log_path TEXT, started_at TEXT, updated_at TEXT, finished_at TEXT,
         blocks_done INTEGER DEFAULT 0, blocks_total INTEGER DEFAULT 0,
         expert_bytes_done INTEGER DEFAULT 0, expert_bytes_planned INTEGER DEFAULT 0,

@@ -114,6 +114,7 @@ def _add_analyze(p):
     p.add_argument("--sketch-size", type=int, default=None, help="sketch samples per block (default 2048)")
     p.add_argument("--densities", type=float, nargs="*", help="extra top-k densities to store thresholds for")
     p.add_argument("--force", action="store_true", help="re-analyze even if unchanged")
+    p.add_argument("--run-id", type=int, help=argparse.SUPPRESS)
 
 
 @command("analyze", "compute per-block delta statistics of experts against their base")
@@ -126,8 +127,28 @@ def cmd_analyze(args):
     if args.block_bytes is not None:
         kw["block_bytes"] = args.block_bytes
     prog, cb = progress_bar("analyze")
-    with prog:
-        results = analyze(cat, args.model_ids, progress=cb, **kw)
+    run = None
+    if args.run_id is not None:
+        from .runs import RunProgress
+        run = RunProgress(cat, args.run_id)
+    total_models = max(1, len(args.model_ids or [m for m in cat.models() if m["base_id"]]))
+    finished = []
+
+    def progress(label, done, total):
+        cb(label, done, total)
+        if run:  # blocks_* columns carry bytes for analyze runs: models done + fraction of the current one
+            if done >= total:
+                finished.append(label)
+            run(int((len(finished) + (0 if done >= total else done / max(total, 1))) * 1000), total_models * 1000, done)
+    try:
+        with prog:
+            results = analyze(cat, args.model_ids, progress=progress, **kw)
+    except BaseException as exc:
+        if run:
+            run.fail("cancelled" if isinstance(exc, KeyboardInterrupt) else "failed", str(exc))
+        raise
+    if run:
+        run.finish()
     out = [r.__dict__ for r in results]
 
     def render(rows):
@@ -180,6 +201,182 @@ def cmd_demo(args):
     run_demo(Path(args.dir), dashboard=not args.no_dashboard, port=args.port)
 
 
+# --- plan / merge / execute ---------------------------------------------------------------------
+def _add_plan_args(p, with_out: bool):
+    p.add_argument("--base", required=True, help="base model id")
+    p.add_argument("--experts", nargs="+", required=True, help="expert model ids")
+    p.add_argument("--op", "--operator", dest="op", default="linear",
+                   help="linear (AVG), task_arithmetic, ties, dare_linear, dare_ties (DARE), breadcrumbs, "
+                        "breadcrumbs_ties, della, della_linear (default linear)")
+    p.add_argument("--weights", nargs="+", type=float)
+    p.add_argument("--density", type=float)
+    p.add_argument("--lambda", dest="lam", type=float)
+    p.add_argument("--gamma", type=float, help="breadcrumbs: fraction of largest magnitudes dropped (0.01)")
+    p.add_argument("--epsilon", type=float, help="della: spread of keep probabilities (0.1)")
+    p.add_argument("--normalize", dest="normalize", action="store_true", default=None)
+    p.add_argument("--no-normalize", dest="normalize", action="store_false")
+    p.add_argument("--rescale", dest="rescale", action="store_true", default=None)
+    p.add_argument("--no-rescale", dest="rescale", action="store_false")
+    p.add_argument("--budget", help="expert-read budget: 10%%, 0.1, 512MiB, 8GB (default 100%%)")
+    p.add_argument("--io-budget-mb", type=float, help="expert-read budget in MiB")
+    p.add_argument("--target-bound", type=float, help="smallest budget whose relative error bound <= this")
+    p.add_argument("--strategy", default="norm", choices=["norm", "conflict"])
+    p.add_argument("--seed", type=int, default=0)
+    if with_out:
+        _add_out_args(p)
+
+
+def _add_out_args(p):
+    p.add_argument("--out", required=True, help="output directory (must not exist)")
+    p.add_argument("--model-id", help="id of the merged model (default: the output directory's name)")
+    p.add_argument("--out-shard-size", type=int, default=2 << 30, help="bytes per output shard (default 2 GiB)")
+
+
+def _make_plan(args, cat, save=True):
+    from .planner import Planner
+    if args.budget is not None and args.io_budget_mb is not None:
+        raise MergePipeError("give either --budget or --io-budget-mb, not both")
+    return Planner(cat).plan(
+        args.base, args.experts, args.op, budget=args.budget, budget_mb=args.io_budget_mb,
+        target_bound=args.target_bound, save=save, weights=args.weights, density=args.density, lam=args.lam,
+        normalize=args.normalize, rescale=args.rescale, seed=args.seed, strategy=args.strategy,
+        gamma=args.gamma, epsilon=args.epsilon)
+
+
+def _plan_summary(plan) -> dict:
+    return {"plan_id": plan.id, "digest": plan.digest, "operator": plan["operator"],
+            "budget_bytes": plan["budget"]["bytes"], "full_expert_bytes": plan["full_expert_bytes"],
+            "estimated": plan["estimate"], "blocks_selected": plan["blocks_selected"],
+            "expert_read_by_expert": plan["expert_read_by_expert"], "error_bound": plan["error_bound"]}
+
+
+@command("plan", "make and store a plan (reads no expert bytes)")
+def cmd_plan(args):
+    cat = open_catalog(args)
+    plan = _make_plan(args, cat)
+    emit(args, _plan_summary(plan), lambda _: print(plan.explain()))
+
+
+def _execute(args, cat, plan):
+    from .api import merge_summary
+    from .engine import Engine
+    from .runs import RunProgress
+    run = RunProgress(cat, args.run_id) if getattr(args, "run_id", None) is not None else None
+    prog, cb = progress_bar("merge")
+
+    def progress(done, total, nbytes):
+        cb("blocks", done, total)
+        if run:
+            run(done, total, nbytes)
+    try:
+        with prog:
+            _, manifest = Engine(cat).execute(plan, out=args.out, model_id=args.model_id,
+                                              out_shard_bytes=args.out_shard_size, progress=progress)
+    except KeyboardInterrupt:
+        if run:
+            run.fail("cancelled", "cancelled by the user")
+        raise
+    except MergePipeError as exc:
+        if run:
+            run.fail("failed", str(exc))
+        raise
+    except Exception as exc:
+        if run:
+            run.fail("failed", f"{type(exc).__name__}: {exc}")
+        raise
+    summary = merge_summary(plan, manifest)
+    emit(args, summary, lambda s: print(
+        f"published {s['snapshot_id']} as model {s['model_id']} at {s['out']}\n"
+        f"  manifest {s['manifest_hash']}\n"
+        f"  expert read {human_bytes(s['realized']['expert_read'])} of {human_bytes(s['full_expert_bytes'])} "
+        f"(budget {human_bytes(s['budget_bytes'])}), base read {human_bytes(s['realized']['base_read'])}, "
+        f"wrote {human_bytes(s['realized']['output_write'])} in {s['seconds']:.2f} s"
+        + (f"\n  error bound {s['error_bound']['absolute']:.4g} (relative {s['error_bound']['relative']:.3e})"
+           if s["error_bound"] else "")))
+
+
+@command("merge", "plan and execute a merge, publishing a snapshot")
+def cmd_merge(args):
+    cat = open_catalog(args)
+    _execute(args, cat, _make_plan(args, cat))
+
+
+@command("execute", "execute a stored plan")
+def cmd_execute(args):
+    from .planner import load_plan
+    cat = open_catalog(args)
+    try:
+        plan = load_plan(cat, args.plan_id)
+    except MergePipeError as exc:
+        if args.run_id is not None:
+            from .runs import RunProgress
+            RunProgress(cat, args.run_id).fail("failed", str(exc))
+        raise
+    _execute(args, cat, plan)
+
+
+@command("explain", "print a plan or a snapshot, per expert and per tensor")
+def cmd_explain(args):
+    from .api import explain, load_manifest, load_plan
+    cat = open_catalog(args)
+    if args.json:
+        if cat.query("SELECT 1 FROM plans WHERE id = ? OR id = ?", [args.ref, "plan-" + args.ref]):
+            print(load_plan(cat, args.ref).to_json(indent=2))
+        else:
+            print(load_manifest(cat, args.ref).to_json())
+        return
+    print(explain(cat, args.ref))
+
+
+@command("verify", "re-hash a snapshot against its manifest (exit 1 on mismatch)")
+def cmd_verify(args):
+    from .errors import VerifyError
+    from .manifest import verify
+    cat = open_catalog(args) if (Path(args.db).exists() or not Path(args.ref).is_dir()) else None
+    res = verify(cat, args.ref)
+    emit(args, res, lambda r: print(
+        f"{'OK' if r['ok'] else 'MISMATCH'} {r['snapshot_id']} ({r['files_checked']} files) {r['out']}"
+        + "".join(f"\n  {p}" for p in r["problems"])))
+    if not res["ok"]:
+        raise VerifyError(f"{res['snapshot_id']}: " + "; ".join(res["problems"]))
+
+
+@command("snapshots", "list published snapshots")
+def cmd_snapshots(args):
+    from .api import snapshots
+    cat = open_catalog(args)
+    emit(args, snapshots(cat), lambda rs: table(rs, ["id", "model_id", "operator", "plan_id", "out",
+                                                      "expert_read_bytes", "manifest_hash", "created_at"]))
+
+
+@command("lineage", "ancestors and descendants of a model (the whole DAG without an id)")
+def cmd_lineage(args):
+    from .api import lineage, lineage_dot
+    cat = open_catalog(args)
+    g = lineage(cat, args.model_id)
+    if args.dot:
+        print(lineage_dot(g))
+        return
+    emit(args, g, lambda g: [print(f"{e['parent_id']} -[{e['role']}"
+                                   + (f" w={e['weight']:g}" if e["weight"] is not None else "")
+                                   + f"]-> {e['child_id']}") for e in g["edges"]] or print("(no merges yet)"))
+
+
+@command("recover", "roll back unfinished merges and clean up their leftovers")
+def cmd_recover(args):
+    from .txn import recover
+    cat = open_catalog(args)
+    res = recover(cat)
+    emit(args, res, lambda r: print(f"rolled back {len(r['rolled_back'])} transaction(s), removed "
+                                    f"{len(r['removed'])} path(s), marked {len(r['failed_runs'])} run(s) failed"))
+
+
+@command("dashboard", "start the Streamlit dashboard on 127.0.0.1")
+def cmd_dashboard(args):
+    from .dashboard import run_dashboard
+    run_dashboard(args.db, port=args.port)
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--db", default=argparse.SUPPRESS, help="catalog path (default $MERGEPIPE_DB or ./mergepipe.sqlite)")
@@ -206,18 +403,36 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dir", default="mergepipe-demo", help="where the demo family and catalog go")
     demo.add_argument("--no-dashboard", action="store_true", help="stop after the merge")
     demo.add_argument("--port", type=int, default=8501)
-    for extra in EXTRA_PARSERS:
-        extra(parsers)
+    _add_plan_args(parsers["plan"], with_out=False)
+    _add_plan_args(parsers["merge"], with_out=True)
+    parsers["execute"].add_argument("plan_id")
+    _add_out_args(parsers["execute"])
+    parsers["execute"].add_argument("--run-id", type=int, help=argparse.SUPPRESS)
+    for name in ("explain", "verify"):
+        parsers[name].add_argument("ref", help="plan id, snapshot id, merged model id or snapshot directory")
+    parsers["lineage"].add_argument("model_id", nargs="?")
+    parsers["lineage"].add_argument("--dot", action="store_true", help="print Graphviz DOT")
+    parsers["dashboard"].add_argument("--port", type=int, default=8501)
     return parser
 
 
-EXTRA_PARSERS: list = []
+def _first_positional(argv: list[str]) -> str | None:
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--db":
+            i += 2
+        elif tok.startswith("-"):
+            i += 1
+        else:
+            return tok
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if argv and argv[0] not in SUBCOMMANDS and "--base" in argv and "merge" in SUBCOMMANDS:
+    if _first_positional(argv) not in SUBCOMMANDS and "--base" in argv:
         argv = ["merge", *argv]  # the original MergePipe quick start: `mergepipe --db P --base B ...`
     args = parser.parse_args(argv)
     args.db = getattr(args, "db", None) or default_db()

@@ -1,0 +1,113 @@
+"""The Python API: what the CLI and the dashboard call. Thin over catalog, planner, engine, manifest."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .catalog import Catalog
+from .engine import DEFAULT_SHARD_BYTES, Engine
+from .errors import MergePipeError
+from .manifest import load_manifest, verify
+from .planner import Plan, Planner, load_plan, save_plan
+from .txn import recover
+
+__all__ = ["Catalog", "Planner", "Engine", "Plan", "merge", "plan_merge", "snapshots", "lineage", "verify",
+           "recover", "explain", "load_plan", "load_manifest", "save_plan"]
+
+
+def plan_merge(catalog: Catalog, base: str, experts, operator: str = "linear", budget=None, budget_mb=None,
+               target_bound=None, save: bool = True, **kw) -> Plan:
+    return Planner(catalog).plan(base, experts, operator, budget=budget, budget_mb=budget_mb,
+                                 target_bound=target_bound, save=save, **kw)
+
+
+def merge(catalog: Catalog, base: str, experts, out, operator: str = "linear", model_id: str | None = None,
+          out_shard_bytes: int = DEFAULT_SHARD_BYTES, progress=None, **plan_kw):
+    """Plan and execute; returns (plan, snapshot_id, manifest)."""
+    plan = plan_merge(catalog, base, experts, operator, **plan_kw)
+    snapshot_id, manifest = Engine(catalog).execute(plan, out=out, model_id=model_id,
+                                                    out_shard_bytes=out_shard_bytes, progress=progress)
+    return plan, snapshot_id, manifest
+
+
+def merge_summary(plan: Plan, manifest) -> dict:
+    core = manifest.core
+    return {
+        "snapshot_id": manifest.snapshot_id, "model_id": manifest.run["model_id"], "out": manifest.run["out"],
+        "plan_id": plan.id, "manifest_hash": manifest.manifest_hash, "operator": plan["operator"],
+        "budget_bytes": plan["budget"]["bytes"], "full_expert_bytes": plan["full_expert_bytes"],
+        "estimated": core["estimated"], "realized": core["realized"], "error_bound": plan["error_bound"],
+        "seconds": manifest.run["seconds"], "timing": manifest.run["timing"],
+    }
+
+
+def snapshots(catalog: Catalog) -> list[dict]:
+    return catalog.query(
+        """SELECT s.*, p.operator, p.budget_bytes, p.expert_read_bytes, p.full_expert_bytes
+           FROM snapshots s LEFT JOIN plans p ON p.id = s.plan_id ORDER BY s.created_at, s.id""")
+
+
+def lineage(catalog: Catalog, model_id: str | None = None) -> dict:
+    """Nodes and edges of the lineage DAG (all of it, or the ancestors and descendants of one model)."""
+    edges = catalog.query("SELECT child_id, parent_id, role, weight FROM lineage ORDER BY child_id, role, parent_id")
+    if model_id is not None:
+        catalog.model(model_id)
+        keep = {model_id}
+        for direction in ("up", "down"):
+            frontier = {model_id}
+            while frontier:
+                if direction == "up":
+                    nxt = {e["parent_id"] for e in edges if e["child_id"] in frontier}
+                else:
+                    nxt = {e["child_id"] for e in edges if e["parent_id"] in frontier}
+                frontier = nxt - keep
+                keep |= nxt
+        edges = [e for e in edges if e["child_id"] in keep and e["parent_id"] in keep]
+        node_ids = keep
+    else:
+        node_ids = {m["id"] for m in catalog.models()}
+    nodes = [{"id": m["id"], "kind": "snapshot" if m["snapshot_id"] else ("expert" if m["base_id"] else "base"),
+              "snapshot_id": m["snapshot_id"], "base_id": m["base_id"]}
+             for m in catalog.models() if m["id"] in node_ids]
+    return {"nodes": nodes, "edges": edges}
+
+
+def lineage_dot(graph: dict) -> str:
+    """Graphviz DOT source of a lineage graph (rendered by st.graphviz_chart, no binary needed)."""
+    shapes = {"base": "box", "expert": "ellipse", "snapshot": "doubleoctagon"}
+    lines = ["digraph lineage {", "  rankdir=LR;", '  node [fontname="Helvetica", fontsize=10];']
+    for n in graph["nodes"]:
+        label = n["id"] + (f"\\n{n['snapshot_id']}" if n["snapshot_id"] else "")
+        lines.append(f'  "{_dot(n["id"])}" [label="{_dot(label)}", shape={shapes[n["kind"]]}];')
+    for e in graph["edges"]:
+        lbl = e["role"] + (f" w={e['weight']:g}" if e["weight"] is not None else "")
+        lines.append(f'  "{_dot(e["parent_id"])}" -> "{_dot(e["child_id"])}" [label="{_dot(lbl)}"];')
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _dot(s: str) -> str:
+    return s.replace("\\", "\\\\").replace('"', '\\"') if "\\n" not in s else s.replace('"', '\\"')
+
+
+def explain(catalog: Catalog, ref: str) -> str:
+    """EXPLAIN a plan (by plan id) or a snapshot (by snapshot/model id or directory: its plan + realized)."""
+    rows = catalog.query("SELECT id FROM plans WHERE id = ? OR id = ?", [ref, "plan-" + ref])
+    if rows:
+        return load_plan(catalog, rows[0]["id"]).explain()
+    try:
+        manifest = load_manifest(catalog, ref)
+    except MergePipeError:
+        raise MergePipeError(f"unknown plan or snapshot {ref!r}") from None
+    core = manifest.core
+    text = load_plan(catalog, core["plan_id"]).explain() if catalog.query(
+        "SELECT 1 FROM plans WHERE id=?", [core["plan_id"]]) else f"PLAN {core['plan_id']}"
+    r, e = core["realized"], core["estimated"]
+    return (f"SNAPSHOT {manifest.snapshot_id}  model {manifest.run['model_id']}  at {manifest.run['out']}\n"
+            f"  manifest   {manifest.manifest_hash}\n"
+            f"  realized   base read {r['base_read']} B (est. {e['base_read']}), expert read {r['expert_read']} B "
+            f"(est. {e['expert_read']}), write {r['output_write']} B (est. {e['output_write']})\n" + text)
+
+
+def resolve_out(out) -> Path:
+    return Path(out).expanduser().absolute()
