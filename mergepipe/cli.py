@@ -395,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     mf = parsers["make-family"]
     mf.add_argument("out")
     mf.add_argument("--experts", type=int, default=4)
-    mf.add_argument("--size", default="small", choices=["tiny", "small", "qwen3-0.6b"])
+    mf.add_argument("--size", default="small", choices=["tiny", "small", "medium", "qwen3-0.6b"])
     mf.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
     mf.add_argument("--shard-bytes", type=int, default=256 << 20)
     mf.add_argument("--seed", type=int, default=0)

@@ -23,6 +23,8 @@ SIZES = {
                  arch="LlamaForCausalLM", model_type="llama", qk_norm=False),
     "small": dict(hidden=256, layers=4, heads=8, kv_heads=4, head_dim=32, inter=688, vocab=4096, tie=False,
                   arch="LlamaForCausalLM", model_type="llama", qk_norm=False),
+    "medium": dict(hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, inter=1376, vocab=16384, tie=False,
+                   arch="LlamaForCausalLM", model_type="llama", qk_norm=False),
     "qwen3-0.6b": dict(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, inter=3072, vocab=151936,
                        tie=True, arch="Qwen3ForCausalLM", model_type="qwen3", qk_norm=True),
 }
