@@ -83,7 +83,7 @@ def _rescale_blocks(info, delta, kept, block_bytes):
     out = kept.clone()
     for span in tensor_grid(info, block_bytes):
         d, k = delta[span.row_start:span.row_end], kept[span.row_start:span.row_end]
-        org, new = d.abs().sum(), k.abs().sum()
+        org, new = float(d.abs().sum(dtype=torch.float64)), float(k.abs().sum(dtype=torch.float64))
         if org >= 1e-8 and new >= 1e-8:
             out[span.row_start:span.row_end] = k * (org / new)
     return out
@@ -170,9 +170,10 @@ def main(argv=None) -> int:
     ap.add_argument("--density", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--block-bytes", type=int, default=1 << 20)
+    ap.add_argument("--expert-ids", nargs="*", help="ids seeding random operators (as in the catalog)")
     a = ap.parse_args(argv)
     res = naive_merge(a.base, a.experts, a.out, a.op, a.weights, [a.density] * len(a.experts), seed=a.seed,
-                      block_bytes=a.block_bytes)
+                      block_bytes=a.block_bytes, expert_ids=a.expert_ids)
     print(json.dumps(res))
     return 0
 

@@ -117,11 +117,15 @@ def uniform(seed: int, shape) -> torch.Tensor:
     return torch.rand(shape, generator=torch.Generator().manual_seed(seed))
 
 
+def l1_ratio(original: torch.Tensor, kept: torch.Tensor) -> float | None:
+    """||original||_1 / ||kept||_1, summed in float64 so the result does not depend on summation order."""
+    org, new = float(original.abs().sum(dtype=torch.float64)), float(kept.abs().sum(dtype=torch.float64))
+    return org / new if org >= 1e-8 and new >= 1e-8 else None
+
+
 def _l1_rescale(original: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    org, new = original.abs().sum(), kept.abs().sum()
-    if org >= 1e-8 and new >= 1e-8:
-        return kept * (org / new)
-    return kept
+    ratio = l1_ratio(original, kept)
+    return kept if ratio is None else kept * ratio
 
 
 def sparsify(spec: OpSpec, delta: torch.Tensor, density: float, params: dict, thresholds: list[float],
@@ -164,14 +168,20 @@ def combine(spec: OpSpec, base: torch.Tensor, deltas: list[tuple[float, torch.Te
     if spec.consensus:
         if not deltas:
             return base
-        weighted = torch.stack([w * d for w, d in deltas])
-        elected = torch.where(weighted.sum(0) >= 0, 1.0, -1.0)
-        agree = torch.sign(weighted) == elected
-        mixed = (weighted * agree).sum(0)
-        if params["normalize"]:
-            weights = torch.tensor([w for w, _ in deltas], dtype=torch.float32).view(-1, *[1] * base.dim())
-            divisor = (weights * agree).sum(0)
-            mixed = mixed / torch.where(divisor == 0, 1.0, divisor)
+        weighted = [w * d for w, d in deltas]
+        total = weighted[0].clone()
+        for wd in weighted[1:]:
+            total += wd
+        elected_pos = total >= 0  # a zero sum elects +
+        mixed = torch.zeros_like(base)
+        divisor = torch.zeros_like(base) if params["normalize"] else None
+        for (w, _), wd in zip(deltas, weighted):
+            agree = torch.where(elected_pos, wd > 0, wd < 0)
+            mixed += torch.where(agree, wd, 0.0)
+            if divisor is not None:
+                divisor += agree * w
+        if divisor is not None:
+            mixed /= torch.where(divisor == 0, 1.0, divisor)
         return base + mixed * lam if lam != 1 else base + mixed
     mixed = torch.zeros_like(base)
     for w, d in deltas:

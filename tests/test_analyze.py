@@ -8,7 +8,6 @@ import os
 
 import numpy as np
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 import mergepipe.analyze as analyze_mod
@@ -221,7 +220,7 @@ def test_incremental_analyze_skips_unchanged_and_reanalyzes_changed(tmp_path, mo
     assert register(cat, "expert_1", str(fam.experts[0]), base_id="base", replace=True)["status"] == "replaced"
     assert not cat.is_analyzed("expert_1") and cat.is_analyzed("expert_2")
     third = analyze(cat, densities=DENS)
-    assert [(r.model_id, r.skipped) for r in third] == [("expert_1", False), ("expert_2", True)]
+    assert {r.model_id: r.skipped for r in third} == {"expert_1": False, "expert_2": True}
     assert cat.analysis("expert_1")["analyzed_at"] == "2099-01-01T00:00:00Z"
     assert cat.analysis("expert_2") == analyses_before["expert_2"]
     new_stats = cat.tensor_stats("expert_1")
@@ -247,7 +246,7 @@ def test_grid_change_reanalyzes(tmp_path, fresh_family):
     # expert_2 was analyzed on the old grid: no longer current, and the next analyze redoes it
     assert not cat.is_analyzed("expert_2")
     again = analyze(cat, densities=DENS)
-    assert [(r.model_id, r.skipped) for r in again] == [("expert_1", True), ("expert_2", False)]
+    assert {r.model_id: r.skipped for r in again} == {"expert_1": True, "expert_2": False}
     assert cat.analysis("expert_2")["block_bytes"] == 2 * ANALYZE_BLOCK_BYTES
     # force re-analyzes even when nothing changed
     assert not analyze_expert(cat, "expert_2", densities=DENS, force=True).skipped

@@ -28,8 +28,6 @@ from mergepipe.storage import (
     row_nbytes,
 )
 
-SAFE_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-
 
 def _bits(t: torch.Tensor) -> np.ndarray:
     """Exact bit patterns (NaN-safe, bf16-safe) for equality checks."""

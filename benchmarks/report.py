@@ -1,0 +1,158 @@
+"""Turn benchmark results into docs/benchmarks/: results JSON, a markdown table, Plotly HTML charts."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+
+def medians(runs: list[dict]) -> dict:
+    groups = defaultdict(list)
+    for r in runs:
+        groups[(r["op"], r["contender"])].append(r)
+    out = {}
+    for key, rs in groups.items():
+        out[key] = {m: statistics.median(r[m] for r in rs) for m in ("wall_s", "read_bytes", "write_bytes", "peak_rss_bytes")}
+        out[key]["n"] = len(rs)
+        for extra in ("planned_expert_bytes", "full_expert_bytes", "base_bytes", "budget"):
+            if extra in rs[0]:
+                out[key][extra] = rs[0][extra]
+    return out
+
+
+def targets(results: dict) -> list[dict]:
+    """P1-P6 of the benchmark issue, each met or not with its measured ratio (where measurable)."""
+    rows = []
+    fams = {f["K"]: f for f in results["families"]}
+    kmax = max(fams)
+    f = fams[kmax]
+    m = medians(f["runs"])
+    mk = m.get(("ties", "mergekit"))
+    mp10 = m.get(("ties", "mergepipe 10%"))
+    mp100 = m.get(("ties", "mergepipe 100%"))
+    if mk and mp10:
+        ratio = mk["wall_s"] / mp10["wall_s"]
+        rows.append({"target": f"P1 ties d=0.2 budget 10%, K={kmax}: >= 12x faster than mergekit",
+                     "measured": f"{ratio:.1f}x", "met": ratio >= 12})
+    if mk and mp100:
+        ratio = mk["wall_s"] / mp100["wall_s"]
+        rows.append({"target": f"P2 ties budget 100%, K={kmax}: >= 1.5x faster than mergekit",
+                     "measured": f"{ratio:.2f}x", "met": ratio >= 1.5})
+    worst = None
+    for (op, c), v in m.items():
+        if c.startswith("mergepipe "):
+            fl = m.get((op, "floor " + c.split(" ")[1]))
+            if fl:
+                r = v["wall_s"] / fl["wall_s"]
+                if worst is None or r > worst[0]:
+                    worst = (r, op, c)
+    if worst:
+        rows.append({"target": "P3 MergePipe wall <= 1.3x the I/O floor at every budget",
+                     "measured": f"worst {worst[0]:.2f}x ({worst[1]}, {worst[2]})", "met": worst[0] <= 1.3})
+    rss = {k: max(v["peak_rss_bytes"] for (op, c), v in medians(fams[k]["runs"]).items() if c.startswith("mergepipe"))
+           for k in fams}
+    rows.append({"target": "P4 peak RSS <= 1.5 GB, flat in K",
+                 "measured": ", ".join(f"K={k}: {v / 1e9:.2f} GB" for k, v in sorted(rss.items())),
+                 "met": max(rss.values()) <= 1.5e9 and (len(rss) < 2 or max(rss.values()) <= 1.25 * min(rss.values()))})
+    plan_s = max(f.get("planning_s", {}).values() or [0])
+    cat_frac = f["catalog_bytes"] / f["family_bytes"]
+    rows.append({"target": f"P5 planning < 0.5 s at K={kmax}; catalog <= 1% of family bytes",
+                 "measured": f"planning {plan_s * 1000:.0f} ms (slowest op/budget); catalog {cat_frac * 100:.2f}%",
+                 "met": plan_s < 0.5 and cat_frac <= 0.01})
+    an, cr = m.get(("-", "analyze")), m.get(("-", "cold-read"))
+    if an and cr:
+        ratio = cr["wall_s"] / an["wall_s"]
+        rows.append({"target": "P6 ANALYZE >= 0.8x the speed of a plain cold read", "measured": f"{ratio:.2f}x",
+                     "met": ratio >= 0.8})
+    return rows
+
+
+def table(results: dict) -> str:
+    lines = []
+    for f in results["families"]:
+        m = medians(f["runs"])
+        lines += [f"### {f['family']}, K={f['K']} ({f['family_bytes'] / 1e9:.2f} GB of checkpoints)", "",
+                  "| op | contender | wall s | disk read MB | expert read planned MB | write MB | peak RSS MB | vs mergekit | vs floor |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for (op, c), v in sorted(m.items(), key=lambda kv: (kv[0][0], _order(kv[0][1]))):
+            mk = m.get((op, "mergekit"))
+            fl = m.get((op, "floor " + c.split(" ")[1])) if c.startswith("mergepipe ") else None
+            lines.append(
+                f"| {op} | {c} | {v['wall_s']:.2f} | {v['read_bytes'] / 1e6:.0f} | "
+                f"{v.get('planned_expert_bytes', 0) / 1e6:.0f} | {v['write_bytes'] / 1e6:.0f} | "
+                f"{v['peak_rss_bytes'] / 1e6:.0f} | {(mk['wall_s'] / v['wall_s']) if mk else float('nan'):.2f}x | "
+                f"{(v['wall_s'] / fl['wall_s']) if fl else float('nan'):.2f}x |")
+        lines.append("")
+        if f.get("checks"):
+            lines += ["Output checks:", ""]
+            for name, c in f["checks"].items():
+                if c.get("same_names"):
+                    lines.append(f"- {name}: {c['differing']} of {c['total']} values differ "
+                                 f"({c['fraction'] * 100:.3f}%), max |diff| {c['max_abs']:.3g}")
+                else:
+                    lines.append(f"- {name}: tensor names differ")
+            lines.append("")
+        plan = f.get("planning_s", {})
+        if plan:
+            lines.append(f"Planning (median of 5): {', '.join(f'{k} {v * 1000:.0f} ms' for k, v in plan.items())}")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def _order(c: str) -> tuple:
+    kind, _, b = c.partition(" ")
+    return ({"analyze": 0, "cold-read": 1, "mergepipe": 2, "floor": 3, "naive": 4, "mergekit": 5}.get(kind, 9),
+            float(b.rstrip("%")) if b else 0)
+
+
+def charts(results: dict, out: Path) -> list[Path]:
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+    fams = sorted(results["families"], key=lambda f: f["K"])
+    paths = []
+    for op in sorted({r["op"] for f in fams for r in f["runs"] if r["op"] != "-"}):
+        fig = make_subplots(rows=1, cols=2, subplot_titles=("expert + base bytes read from disk (GB)", "wall time (s)"))
+        for contender in ("naive", "mergekit", "mergepipe 10%", "mergepipe 25%", "mergepipe 100%"):
+            xs, reads, walls = [], [], []
+            for f in fams:
+                v = medians(f["runs"]).get((op, contender))
+                if v:
+                    xs.append(f["K"])
+                    reads.append(v["read_bytes"] / 1e9)
+                    walls.append(v["wall_s"])
+            if xs:
+                fig.add_trace(go.Scatter(x=xs, y=reads, mode="lines+markers", name=contender, legendgroup=contender), 1, 1)
+                fig.add_trace(go.Scatter(x=xs, y=walls, mode="lines+markers", name=contender, legendgroup=contender,
+                                         showlegend=False), 1, 2)
+        fig.update_xaxes(title_text="experts K")
+        fig.update_layout(title=f"{op}: bytes read and wall time vs K ({results['profile']} profile)", height=420)
+        p = out / f"{results['profile']}-{op}-vs-K.html"
+        fig.write_html(p, include_plotlyjs="cdn")
+        paths.append(p)
+    return paths
+
+
+def write_report(results: dict, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    prof = results["profile"]
+    rows = targets(results)
+    js = out / f"{prof}.json"
+    js.write_text(json.dumps({**results, "targets": rows}, indent=2, default=str))
+    md = out / f"{prof}.md"
+    mach = results["machine"]
+    md.write_text(
+        f"# Benchmark: {prof} profile\n\nRun {results['started']} on {mach['cpus']} CPUs, {mach['memory_gib']} GiB RAM, "
+        f"torch {mach['torch']}; cold cache before every run; medians of {results['repeats']} run(s). "
+        f"Operators with a density use {results['density']}. Reproduce: `python benchmarks/run.py --profile {prof}`.\n\n"
+        "## Targets\n\n| target | measured | met |\n|---|---|---|\n"
+        + "".join(f"| {r['target']} | {r['measured']} | {'yes' if r['met'] else 'no'} |\n" for r in rows)
+        + "\n## Results\n\n" + table(results))
+    return [js, md, *charts(results, out)]
+
+
+if __name__ == "__main__":
+    import sys
+    res = json.loads(Path(sys.argv[1]).read_text())
+    print("\n".join(map(str, write_report(res, Path(sys.argv[2])))))

@@ -1,0 +1,240 @@
+"""MergePipe benchmark runner: MergePipe at several budgets vs the naive full-read baseline vs mergekit
+vs the I/O floor, side by side, cold cache, each contender its own process.
+
+    python benchmarks/run.py --profile quick            # medium bf16 family, K=4 (a few minutes)
+    python benchmarks/run.py --profile full             # qwen3-0.6b-shaped bf16, K = 2, 4, 8, 16
+    python benchmarks/run.py --profile ci --no-mergekit # tiny sanity run used by the test suite
+
+Before every run each input and output file is evicted from the page cache (posix_fadvise DONTNEED).
+Wall time, bytes read/written (getrusage of the child: ru_inblock/ru_oublock x 512) and peak RSS are
+taken from os.wait4 of the child. Results go to docs/benchmarks/ as JSON, a markdown table and Plotly
+HTML charts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mergepipe.analyze import analyze  # noqa: E402
+from mergepipe.catalog import Catalog  # noqa: E402
+from mergepipe.family import make_family  # noqa: E402
+from mergepipe.planner import Planner  # noqa: E402
+from mergepipe.registry import register  # noqa: E402
+from mergepipe.storage import evict, open_checkpoint  # noqa: E402
+
+PROFILES = {
+    "ci": dict(size="small", dtype="bf16", ks=[4], ops=["linear", "ties"], budgets=["10%", "100%"], block=256 << 10),
+    "quick": dict(size="medium", dtype="bf16", ks=[4], ops=["linear", "task_arithmetic", "ties", "dare_ties"],
+                  budgets=["10%", "25%", "50%", "100%"], block=1 << 20),
+    "full": dict(size="qwen3-0.6b", dtype="bf16", ks=[2, 4, 8, 16], ops=["linear", "task_arithmetic", "ties", "dare_ties"],
+                 budgets=["10%", "25%", "50%", "100%"], block=1 << 20),
+}
+DENSITY = 0.2
+PY = sys.executable
+
+
+def measure(cmd: list[str], env=None) -> dict:
+    """Run ``cmd`` as a child; wall time and the child's rusage (disk bytes, peak RSS)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    out = proc.stdout.read()
+    _, status, ru = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{out.decode()[-3000:]}")
+    return {"wall_s": wall, "read_bytes": ru.ru_inblock * 512, "write_bytes": ru.ru_oublock * 512,
+            "peak_rss_bytes": ru.ru_maxrss * 1024, "stdout": out.decode()[-2000:]}
+
+
+def cold(paths) -> None:
+    os.sync()
+    evict([p for p in paths if Path(p).exists()])
+
+
+def ensure_family(work: Path, size: str, dtype: str, k: int) -> dict:
+    fam = work / f"{size}-{dtype}-K{k}"
+    marker = fam / f"expert_{k}" / "config.json"
+    if not marker.exists():
+        shutil.rmtree(fam, ignore_errors=True)
+        print(f"[family] writing {fam} ...", flush=True)
+        make_family(fam, experts=k, size=size, dtype=dtype, shard_bytes=1 << 30, seed=0)
+    return {"root": fam, "base": fam / "base", "experts": [fam / f"expert_{i}" for i in range(1, k + 1)]}
+
+
+def ensure_mergekit(venv: Path) -> Path:
+    exe = venv / "bin" / "mergekit-yaml"
+    if not exe.exists():
+        print(f"[mergekit] installing into its own venv {venv} ...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        pip = str(venv / "bin" / "pip")
+        subprocess.run([pip, "install", "-q", "torch==2.13.0"], check=True)
+        subprocess.run([pip, "install", "-q", "mergekit"], check=True)
+    return exe
+
+
+def mergekit_yaml(op: str, base: Path, experts: list[Path], density: float) -> str:
+    lines = [f"merge_method: {op}"]
+    if op != "linear":
+        lines.append(f"base_model: {base}")
+    lines.append("models:")
+    for e in experts:
+        params = "{weight: 1.0" + (f", density: {density}" if op in ("ties", "dare_ties") else "") + "}"
+        lines += [f"  - model: {e}", f"    parameters: {params}"]
+    lines += ["dtype: float32", "out_dtype: bfloat16"]
+    return "\n".join(lines) + "\n"
+
+
+def compare_outputs(a: Path, b: Path) -> dict:
+    import torch
+    from safetensors.torch import load_file
+    ta, tb = {}, {}
+    for ck, dst in ((open_checkpoint(a), ta), (open_checkpoint(b), tb)):
+        for f in ck.files:
+            dst.update(load_file(str(f)))
+    if set(ta) != set(tb):
+        return {"same_names": False}
+    diff = total = 0
+    maxabs = 0.0
+    for k in ta:
+        d = (ta[k].float() - tb[k].float()).abs()
+        diff += int((d > 0).sum())
+        total += d.numel()
+        maxabs = max(maxabs, float(d.max()) if d.numel() else 0.0)
+        assert ta[k].dtype == tb[k].dtype, k
+    return {"same_names": True, "differing": diff, "total": total, "fraction": diff / total, "max_abs": maxabs}
+
+
+def bench_family(args, prof, k, fam, work, results, mk_exe):
+    db = work / f"{fam['root'].name}-K{k}.sqlite"
+    for s in ("", "-wal", "-shm"):
+        Path(str(db) + s).unlink(missing_ok=True)
+    cat = Catalog(db)
+    register(cat, "base", str(fam["base"]))
+    ids = [f"e{i}" for i in range(1, k + 1)]
+    for eid, path in zip(ids, fam["experts"][:k]):
+        register(cat, eid, str(path), base_id="base")
+    inputs = [fam["base"], *fam["experts"][:k]]
+    family_bytes = sum(open_checkpoint(p).nbytes for p in inputs)
+    rec = {"K": k, "family": fam["root"].name, "family_bytes": family_bytes, "runs": []}
+    # ANALYZE vs a plain cold read of the same files.
+    for rep in range(args.repeats):
+        cold(inputs)
+        r = measure([PY, str(ROOT / "benchmarks" / "coldread.py"), *map(str, inputs)])
+        rec["runs"].append({"contender": "cold-read", "op": "-", "rep": rep, **r})
+        cold(inputs)
+        r = measure([PY, "-m", "mergepipe.cli", "--db", str(db), "analyze", "--force",
+                     "--block-bytes", str(prof["block"]), "--model-id", *ids])
+        rec["runs"].append({"contender": "analyze", "op": "-", "rep": rep, **r})
+    cat = Catalog(db)
+    rec["catalog_bytes"] = db.stat().st_size + sum(Path(str(db) + s).stat().st_size for s in ("-wal",) if Path(str(db) + s).exists())
+    outdir = work / "out"
+    outdir.mkdir(exist_ok=True)
+    for op in prof["ops"]:
+        plans = {}
+        for b in prof["budgets"]:
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                plan = Planner(cat).plan("base", ids, op, budget=b, density=DENSITY if op in ("ties", "dare_ties") else None)
+                times.append(time.perf_counter() - t0)
+            plans[b] = plan
+            rec.setdefault("planning_s", {})[f"{op}@{b}"] = statistics.median(times)
+            pj = work / f"{plan.id}.json"
+            pj.write_text(plan.to_json())
+        for rep in range(args.repeats):
+            for b, plan in plans.items():
+                out = outdir / f"mp-{op}-{b.rstrip('%')}"
+                shutil.rmtree(out, ignore_errors=True)
+                cat.conn.execute("DELETE FROM models WHERE id = ?", [out.name])  # benchmark outputs are transient
+                cold(inputs)
+                r = measure([PY, "-m", "mergepipe.cli", "--db", str(db), "execute", plan.id, "--out", str(out),
+                             "--model-id", f"{out.name}-{rep}-{time.time_ns()}"])
+                rec["runs"].append({"contender": f"mergepipe {b}", "op": op, "rep": rep, "budget": b,
+                                    "planned_expert_bytes": plan["estimate"]["expert_read"],
+                                    "full_expert_bytes": plan["full_expert_bytes"],
+                                    "base_bytes": plan["estimate"]["base_read"], **r})
+                fl = work / "floor.bin"
+                fl.unlink(missing_ok=True)
+                cold(inputs)
+                r = measure([PY, str(ROOT / "benchmarks" / "floor.py"), str(work / f"{plan.id}.json"), str(fl)])
+                rec["runs"].append({"contender": f"floor {b}", "op": op, "rep": rep, "budget": b, **r})
+                fl.unlink(missing_ok=True)
+            out = outdir / f"naive-{op}"
+            shutil.rmtree(out, ignore_errors=True)
+            cold(inputs)
+            r = measure([PY, "-m", "mergepipe.baselines", str(fam["base"]), str(out), "--experts",
+                         *map(str, fam["experts"][:k]), "--op", op, "--density", str(DENSITY if op in ("ties", "dare_ties") else 1.0),
+                         "--block-bytes", str(prof["block"]), "--expert-ids", *ids])
+            rec["runs"].append({"contender": "naive", "op": op, "rep": rep, **r})
+            if mk_exe:
+                cfg = work / f"mk-{op}.yml"
+                cfg.write_text(mergekit_yaml(op, fam["base"], fam["experts"][:k], DENSITY))
+                mko = outdir / f"mergekit-{op}"
+                shutil.rmtree(mko, ignore_errors=True)
+                cold(inputs)
+                r = measure([str(mk_exe), str(cfg), str(mko), "--copy-tokenizer"])
+                rec["runs"].append({"contender": "mergekit", "op": op, "rep": rep, **r})
+        # fidelity: MergePipe at 100% vs the naive baseline (exact) and vs mergekit
+        full = outdir / f"mp-{op}-100"
+        if full.exists():
+            rec.setdefault("checks", {})[f"{op}: mergepipe-100% vs naive"] = compare_outputs(full, outdir / f"naive-{op}")
+            if mk_exe and op != "dare_ties":  # DARE draws different random masks in mergekit
+                rec["checks"][f"{op}: mergepipe-100% vs mergekit"] = compare_outputs(full, outdir / f"mergekit-{op}")
+    results["families"].append(rec)
+    shutil.rmtree(outdir, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", choices=sorted(PROFILES), default="quick")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ks", type=int, nargs="*", help="override the profile's expert counts")
+    ap.add_argument("--ops", nargs="*", help="override the profile's operators")
+    ap.add_argument("--work", default=str(ROOT / "benchmarks" / "work"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    ap.add_argument("--no-mergekit", action="store_true")
+    ap.add_argument("--mergekit-venv", default=None, help="venv holding mergekit (default: WORK/mergekit-venv)")
+    args = ap.parse_args(argv)
+    prof = dict(PROFILES[args.profile])
+    if args.ks:
+        prof["ks"] = args.ks
+    if args.ops:
+        prof["ops"] = args.ops
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    mk_exe = None if args.no_mergekit else ensure_mergekit(Path(args.mergekit_venv or work / "mergekit-venv"))
+    results = {"profile": args.profile, "machine": machine_info(), "density": DENSITY, "block_bytes": prof["block"],
+               "repeats": args.repeats, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "families": []}
+    fam = ensure_family(work, prof["size"], prof["dtype"], max(prof["ks"]))
+    for k in prof["ks"]:
+        print(f"[bench] {args.profile}: K={k}", flush=True)
+        bench_family(args, prof, k, fam, work, results, mk_exe)
+    from report import write_report
+    paths = write_report(results, Path(args.out))
+    print("\n".join(f"wrote {p}" for p in paths))
+    return 0
+
+
+def machine_info() -> dict:
+    import platform
+    import torch
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"cpus": os.cpu_count(), "memory_gib": round(mem / 2**30, 1), "python": platform.python_version(),
+            "torch": torch.__version__, "platform": platform.platform()}
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    raise SystemExit(main())
