@@ -11,7 +11,9 @@ histograms the top 16 bits; pass two histograms the low 16 bits of only the bins
 from __future__ import annotations
 
 import json
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -120,15 +122,21 @@ def analyze_expert(
         order = sorted(exp_ck.tensors.values(), key=lambda t: (t.file, t.offset))
         total = sum(t.nbytes for t in order)
         done = 0
-        for einfo in order:
-            binfo = base_ck.tensors[einfo.name]
-            blocks, stats = _analyze_tensor(rb, re_, binfo, einfo, block_bytes, sketch_size, densities,
-                                            expert["kind"], expert_id)
-            block_rows += blocks
-            stat_rows.append(stats)
-            done += einfo.nbytes
-            if progress:
-                progress(expert_id, done, total)
+
+        def one(einfo):
+            return _analyze_tensor(rb, re_, base_ck.tensors[einfo.name], einfo, block_bytes, sketch_size,
+                                   densities, expert["kind"], expert_id)
+
+        # Tensors are analyzed on a small pool of single-threaded workers (one per core).
+        with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
+                                initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            results = pool.map(one, order)
+            for einfo, (blocks, stats) in zip(order, results):
+                block_rows += blocks
+                stat_rows.append(stats)
+                done += einfo.nbytes
+                if progress:
+                    progress(expert_id, done, total)
         bytes_read = rb.bytes_read + re_.bytes_read
     seconds = time.perf_counter() - t0
     with catalog.transaction():
@@ -191,8 +199,8 @@ def _analyze_tensor(rb: RangeReader, re_: RangeReader, binfo: TensorInfo, einfo:
         })
 
     def sub_histograms(bins: list[int]) -> torch.Tensor:
-        lut = torch.full((HIST_BINS,), -1, dtype=torch.int64)
-        lut[torch.tensor(bins)] = torch.arange(len(bins))
+        lut = torch.full((HIST_BINS,), -1, dtype=torch.int32)
+        lut[torch.tensor(bins)] = torch.arange(len(bins), dtype=torch.int32)
         nbins = len(bins) * 65536
         sub = torch.zeros(nbins, dtype=torch.int64)
         pending: list[torch.Tensor] = []
@@ -200,9 +208,9 @@ def _analyze_tensor(rb: RangeReader, re_: RangeReader, binfo: TensorInfo, einfo:
         sources = cached if keep_in_memory else (delta_of(s).abs() for s in spans)
         for absd in sources:
             bits = absd.view(torch.int32)
-            slot = lut[(bits >> 16).long()]
+            slot = lut[bits >> 16]
             sel = slot >= 0
-            pending.append(slot[sel] * 65536 + (bits[sel] & 0xFFFF).long())
+            pending.append((slot[sel].long() << 16) | (bits[sel] & 0xFFFF).long())
             pending_n += pending[-1].numel()
             if pending_n >= nbins:  # amortise bincount's pass over its output
                 sub += torch.bincount(torch.cat(pending), minlength=nbins)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -242,10 +243,15 @@ class RangeReader:
         self.checkpoint = checkpoint
         self.sequential = sequential
         self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()  # readers may be shared by worker threads
         self.bytes_read = 0
         self.calls = 0
 
     def _fd(self, fname: str) -> int:
+        with self._lock:
+            return self._open(fname)
+
+    def _open(self, fname: str) -> int:
         fd = self._fds.get(fname)
         if fd is None:
             path = self.checkpoint.root / fname if self.checkpoint.root.is_dir() else self.checkpoint.root
@@ -268,8 +274,9 @@ class RangeReader:
             if n <= 0:
                 raise StorageError(f"{fname}: unexpected end of file at byte {offset + done} (truncated?)")
             done += n
-        self.bytes_read += done
-        self.calls += 1
+        with self._lock:
+            self.bytes_read += done
+            self.calls += 1
 
     def read(self, fname: str, offset: int, nbytes: int) -> bytearray:
         buf = bytearray(nbytes)
