@@ -29,17 +29,17 @@ def targets(results: dict) -> list[dict]:
     kmax = max(fams)
     f = fams[kmax]
     m = medians(f["runs"])
-    mk = m.get(("ties", "mergekit"))
-    mp10 = m.get(("ties", "mergepipe 10%"))
-    mp100 = m.get(("ties", "mergepipe 100%"))
-    if mk and mp10:
-        ratio = mk["wall_s"] / mp10["wall_s"]
-        rows.append({"target": f"P1 ties d=0.2 budget 10%, K={kmax}: >= 12x faster than mergekit",
-                     "measured": f"{ratio:.1f}x", "met": ratio >= 12})
-    if mk and mp100:
-        ratio = mk["wall_s"] / mp100["wall_s"]
-        rows.append({"target": f"P2 ties budget 100%, K={kmax}: >= 1.5x faster than mergekit",
-                     "measured": f"{ratio:.2f}x", "met": ratio >= 1.5})
+    mk_k = max((k for k, fk in fams.items() if ("ties", "mergekit") in medians(fk["runs"])), default=None)
+    if mk_k is not None:
+        mm = medians(fams[mk_k]["runs"])
+        mk = mm[("ties", "mergekit")]
+        note = "" if mk_k == kmax else f" (mergekit ran up to K={mk_k}; measured there)"
+        for b, target, label in (("10%", 12, "P1"), ("100%", 1.5, "P2")):
+            mp = mm.get(("ties", f"mergepipe {b}"))
+            if mp:
+                ratio = mk["wall_s"] / mp["wall_s"]
+                rows.append({"target": f"{label} ties d=0.2 budget {b}, K={kmax}: >= {target}x faster than mergekit{note}",
+                             "measured": f"{ratio:.2f}x at K={mk_k}", "met": ratio >= target and mk_k == kmax})
     worst = None
     for (op, c), v in m.items():
         if c.startswith("mergepipe "):
@@ -57,11 +57,13 @@ def targets(results: dict) -> list[dict]:
                  "measured": ", ".join(f"K={k}: {v / 1e9:.2f} GB" for k, v in sorted(rss.items())),
                  "met": max(rss.values()) <= 1.5e9 and (len(rss) < 2 or max(rss.values()) <= 1.25 * min(rss.values()))})
     plan_s = max(f.get("planning_s", {}).values() or [0])
-    cat_frac = f["catalog_bytes"] / f["family_bytes"]
+    an_rec = results["analyze"]
+    cat_frac = an_rec["catalog_bytes"] / an_rec["family_bytes"]
     rows.append({"target": f"P5 planning < 0.5 s at K={kmax}; catalog <= 1% of family bytes",
                  "measured": f"planning {plan_s * 1000:.0f} ms (slowest op/budget); catalog {cat_frac * 100:.2f}%",
                  "met": plan_s < 0.5 and cat_frac <= 0.01})
-    an, cr = m.get(("-", "analyze")), m.get(("-", "cold-read"))
+    am = medians(an_rec["runs"])
+    an, cr = am.get(("-", "analyze")), am.get(("-", "cold-read"))
     if an and cr:
         ratio = cr["wall_s"] / an["wall_s"]
         rows.append({"target": "P6 ANALYZE >= 0.8x the speed of a plain cold read", "measured": f"{ratio:.2f}x",
@@ -95,6 +97,13 @@ def table(results: dict) -> str:
                     lines.append(f"- {name}: tensor names differ")
             lines.append("")
         plan = f.get("planning_s", {})
+        if f is results["families"][0]:
+            am = medians(results["analyze"]["runs"])
+            lines.append(f"ANALYZE of all {results['analyze']['experts']} experts: "
+                         + ", ".join(f"{c} {v['wall_s']:.2f} s ({v['read_bytes'] / 1e6:.0f} MB read)" for (_, c), v in am.items())
+                         + f"; catalog {results['analyze']['catalog_bytes'] / 1e6:.1f} MB "
+                         f"({results['analyze']['catalog_bytes'] / results['analyze']['family_bytes'] * 100:.2f}% of the family)")
+            lines.append("")
         if plan:
             lines.append(f"Planning (median of 5): {', '.join(f'{k} {v * 1000:.0f} ms' for k, v in plan.items())}")
             lines.append("")

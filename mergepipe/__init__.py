@@ -1,6 +1,8 @@
 """MergePipe: budget-aware parameter management for weight-space model merging.
 
 Catalog -> Plan -> Execute -> Manifest. The library never imports Streamlit.
+
+    from mergepipe import Catalog, Planner, Engine
 """
 
 __version__ = "0.1.0"
@@ -8,4 +10,15 @@ __version__ = "0.1.0"
 from .catalog import Catalog  # noqa: E402
 from .errors import MergePipeError  # noqa: E402
 
-__all__ = ["Catalog", "MergePipeError", "__version__"]
+__all__ = ["Catalog", "Planner", "Engine", "MergePipeError", "__version__"]
+
+
+def __getattr__(name):
+    # Planner and Engine pull in torch; import them only when asked for.
+    if name == "Planner":
+        from .planner import Planner
+        return Planner
+    if name == "Engine":
+        from .engine import Engine
+        return Engine
+    raise AttributeError(f"module 'mergepipe' has no attribute {name!r}")

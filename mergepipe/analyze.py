@@ -50,11 +50,58 @@ def load_delta(base: torch.Tensor, expert: torch.Tensor, kind: str) -> torch.Ten
     return expert.float() - base.float()
 
 
-def kth_largest_thresholds(hist: torch.Tensor, numel: int, nnz: int, densities, sub_histograms) -> dict[float, float]:
+class BinSelection:
+    """Low 16 bits of the entries that fall in a few top-16 bins, keyed ``slot << 16 | low``.
+
+    Few entries (small tensors): kept as sorted keys. Many: counted in a dense [slots, 65536]
+    histogram, allocated only once the entries outnumber its cells, so small tensors never pay for it.
+    """
+
+    def __init__(self, n_slots: int):
+        self.cells = n_slots * 65536
+        self.pending: list[torch.Tensor] = []
+        self.pending_n = 0
+        self.dense: torch.Tensor | None = None
+        self.sorted: torch.Tensor | None = None
+        self._desc: dict[int, torch.Tensor] = {}
+
+    def add(self, keys: torch.Tensor) -> None:
+        self.pending.append(keys)
+        self.pending_n += keys.numel()
+        if self.pending_n >= self.cells:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.dense is None:
+            self.dense = torch.zeros(self.cells, dtype=torch.int64)
+        if self.pending:
+            self.dense += torch.bincount(torch.cat(self.pending), minlength=self.cells)
+        self.pending, self.pending_n = [], 0
+
+    def finish(self) -> "BinSelection":
+        if self.dense is not None:
+            self._flush()
+        else:
+            keys = torch.cat(self.pending) if self.pending else torch.zeros(0, dtype=torch.int64)
+            self.sorted = keys.sort().values
+            self.pending = []
+        return self
+
+    def kth_low_bits(self, slot: int, rank: int) -> int:
+        """The low 16 bits of the rank-th largest entry (1-based) within ``slot``."""
+        if self.sorted is not None:
+            end = int(torch.searchsorted(self.sorted, torch.tensor((slot + 1) << 16)))
+            return int(self.sorted[end - rank]) & 0xFFFF
+        if slot not in self._desc:
+            self._desc[slot] = self.dense[slot * 65536:(slot + 1) * 65536].flip(0).cumsum(0)
+        return 65535 - int(torch.searchsorted(self._desc[slot], torch.tensor(rank)))
+
+
+def kth_largest_thresholds(hist: torch.Tensor, numel: int, nnz: int, densities, select) -> dict[float, float]:
     """Exact k-th largest |delta| for k = int(d * numel), d in ``densities``, by radix select.
 
-    ``hist`` counts the top 16 bits of |delta|'s float32 pattern; ``sub_histograms(bins)`` returns, for
-    each requested top-16 bin, the counts of the low 16 bits of its entries ([len(bins), 65536]).
+    ``hist`` counts the top 16 bits of |delta|'s float32 pattern; ``select(bins)`` returns a
+    :class:`BinSelection` of the entries in those top-16 bins (a second pass over the tensor).
     """
     desc = hist.flip(0).cumsum(0)  # desc[j] = entries in the top j+1 bins
     wanted: dict[float, tuple[int, int]] = {}
@@ -65,9 +112,7 @@ def kth_largest_thresholds(hist: torch.Tensor, numel: int, nnz: int, densities, 
             above = int(desc[j - 1]) if j > 0 else 0
             wanted[d] = (HIST_BINS - 1 - j, k - above)
     bins = sorted({b for b, _ in wanted.values()})
-    subs = sub_histograms(bins) if bins else None
-    # one flip+cumsum for all bins (per density it cost ~1 ms of page faults each, x100 densities)
-    sub_descs = subs.flip(1).cumsum(1) if bins else None
+    selection = select(bins) if bins else None
     out = {}
     for d in densities:
         k = int(d * numel)
@@ -77,8 +122,7 @@ def kth_largest_thresholds(hist: torch.Tensor, numel: int, nnz: int, densities, 
             out[d] = 0.0  # fewer non-zeros than k: every non-zero entry is kept
         else:
             b, rank = wanted[d]
-            sub_desc = sub_descs[bins.index(b)]
-            lo = 65535 - int(torch.searchsorted(sub_desc, torch.tensor(rank)))
+            lo = selection.kth_low_bits(bins.index(b), rank)
             bits = torch.tensor([(b << 16) | lo], dtype=torch.int32)
             out[d] = float(bits.view(torch.float32)[0])
     return out
@@ -198,28 +242,19 @@ def _analyze_tensor(rb: RangeReader, re_: RangeReader, binfo: TensorInfo, einfo:
             "delta_l2": l2, "delta_l1": l1, "delta_max_abs": mx, "delta_nnz": nnz, "sketch": sketch,
         })
 
-    def sub_histograms(bins: list[int]) -> torch.Tensor:
+    def select(bins: list[int]) -> BinSelection:
         lut = torch.full((HIST_BINS,), -1, dtype=torch.int32)
         lut[torch.tensor(bins)] = torch.arange(len(bins), dtype=torch.int32)
-        nbins = len(bins) * 65536
-        sub = torch.zeros(nbins, dtype=torch.int64)
-        pending: list[torch.Tensor] = []
-        pending_n = 0
+        selection = BinSelection(len(bins))
         sources = cached if keep_in_memory else (delta_of(s).abs() for s in spans)
         for absd in sources:
             bits = absd.view(torch.int32)
             slot = lut[bits >> 16]
             sel = slot >= 0
-            pending.append((slot[sel].long() << 16) | (bits[sel] & 0xFFFF).long())
-            pending_n += pending[-1].numel()
-            if pending_n >= nbins:  # amortise bincount's pass over its output
-                sub += torch.bincount(torch.cat(pending), minlength=nbins)
-                pending, pending_n = [], 0
-        if pending:
-            sub += torch.bincount(torch.cat(pending), minlength=nbins)
-        return sub.view(len(bins), 65536)
+            selection.add((slot[sel].long() << 16) | (bits[sel] & 0xFFFF).long())
+        return selection.finish()
 
-    thresholds = kth_largest_thresholds(hist, einfo.numel, tot["nnz"], densities, sub_histograms) if tot["nnz"] else {}
+    thresholds = kth_largest_thresholds(hist, einfo.numel, tot["nnz"], densities, select) if tot["nnz"] else {}
     stats = {
         "model_id": expert_id, "tensor": einfo.name, "numel": einfo.numel, "delta_l2": tot["l2sq"] ** 0.5,
         "delta_l1": tot["l1"], "delta_max_abs": tot["max"], "delta_nnz": tot["nnz"],

@@ -19,6 +19,7 @@ from .catalog import Catalog, now
 from .errors import ExecutionError
 
 STAGING_MARK = ".mergepipe-staging-"
+ACTIVE: set[str] = set()  # ids of this process's transactions still in flight
 
 
 def fsync_path(path: Path) -> None:
@@ -75,6 +76,7 @@ class Transaction:
             self.catalog.db["txns"].insert({"id": self.id, "staging": str(self.staging), "out": str(self.out),
                                             "status": "staging", "pid": os.getpid(), "started_at": now()})
         self.staging.mkdir()
+        ACTIVE.add(self.id)
         self.state = "staging"
         return self.staging
 
@@ -93,6 +95,7 @@ class Transaction:
         with self.catalog.transaction():
             register_fn()
             self.catalog.conn.execute("UPDATE txns SET status='committed', finished_at=? WHERE id=?", [now(), self.id])
+        ACTIVE.discard(self.id)
         self.state = "committed"
 
     def abort(self) -> None:
@@ -103,6 +106,7 @@ class Transaction:
         if self.state in ("staging", "renamed"):
             with self.catalog.transaction():
                 self.catalog.conn.execute("UPDATE txns SET status='aborted', finished_at=? WHERE id=?", [now(), self.id])
+        ACTIVE.discard(self.id)
         self.state = "aborted"
 
 
@@ -110,8 +114,8 @@ def recover(catalog: Catalog) -> dict:
     """Roll back every unfinished transaction whose process is gone; fail runs that died."""
     removed, rolled_back = [], []
     for t in catalog.query("SELECT * FROM txns WHERE status IN ('staging', 'renamed')"):
-        if pid_alive(t["pid"]) and t["pid"] != os.getpid():
-            continue
+        if t["id"] in ACTIVE or (t["pid"] != os.getpid() and pid_alive(t["pid"])):
+            continue  # still running (here or in another live process)
         staging, out = Path(t["staging"]), Path(t["out"])
         if staging.exists():
             shutil.rmtree(staging)

@@ -1,0 +1,46 @@
+"""The benchmark runner end to end on its CI profile: real processes, cold cache, bytes from rusage.
+
+Speed is never asserted here (that is what docs/benchmarks/ records); bytes are: a budgeted merge
+reads about its budget of expert bytes, the naive baseline reads every byte of every input.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE_SLACK = 64 << 10  # per file: its safetensors header page, page rounding
+
+
+def test_ci_profile_bytes_are_sane(tmp_path):
+    out = tmp_path / "report"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--profile", "ci", "--repeats", "1", "--no-mergekit",
+         "--work", str(tmp_path / "work"), "--out", str(out)],
+        capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "ci.json").read_text())
+    assert (out / "ci.md").read_text().startswith("# Benchmark: ci profile")
+    assert list(out.glob("ci-*-vs-K.html"))
+    fam = res["families"][0]
+    runs = fam["runs"]
+    family_bytes = fam["family_bytes"]
+    base_dir = tmp_path / "work" / fam["family"] / "base"
+    copied = sum(p.stat().st_size for p in base_dir.iterdir() if p.suffix != ".safetensors")  # config, tokenizer
+    n_files = sum(1 for _ in (tmp_path / "work" / fam["family"]).rglob("*.safetensors"))
+    slack = copied + PAGE_SLACK * n_files
+    for op in ("linear", "ties"):
+        mp10 = next(r for r in runs if r["op"] == op and r["contender"] == "mergepipe 10%")
+        mp100 = next(r for r in runs if r["op"] == op and r["contender"] == "mergepipe 100%")
+        naive = next(r for r in runs if r["op"] == op and r["contender"] == "naive")
+        full, base = mp10["full_expert_bytes"], mp10["base_bytes"]
+        assert mp10["planned_expert_bytes"] <= 0.10 * full
+        assert base <= mp10["read_bytes"] <= 0.10 * full + base + slack, (op, mp10["read_bytes"], slack)
+        assert mp100["read_bytes"] >= full + base
+        assert mp100["read_bytes"] > 3 * (mp10["read_bytes"] - base)
+        assert naive["read_bytes"] >= family_bytes  # every byte of the base and of every expert
+        check = fam["checks"][f"{op}: mergepipe-100% vs naive"]
+        assert check["same_names"] and check["differing"] == 0
+    targets = {t["target"][:2]: t for t in json.loads((out / "ci.json").read_text())["targets"]}
+    assert {"P3", "P4", "P5", "P6"} <= set(targets)
