@@ -24,7 +24,9 @@ def plan_merge(catalog: Catalog, base: str, experts, operator: str = "linear", b
 def merge(catalog: Catalog, base: str, experts, out, operator: str = "linear", model_id: str | None = None,
           out_shard_bytes: int = DEFAULT_SHARD_BYTES, progress=None, **plan_kw):
     """Plan and execute; returns (plan, snapshot_id, manifest)."""
-    plan = plan_merge(catalog, base, experts, operator, **plan_kw)
+    # The engine stores the plan after its own checks (output path, model id): a refused merge
+    # changes nothing in the catalog.
+    plan = plan_merge(catalog, base, experts, operator, save=False, **plan_kw)
     snapshot_id, manifest = Engine(catalog).execute(plan, out=out, model_id=model_id,
                                                     out_shard_bytes=out_shard_bytes, progress=progress)
     return plan, snapshot_id, manifest

@@ -271,7 +271,8 @@ def _execute(args, cat, plan):
     try:
         with prog:
             _, manifest = Engine(cat).execute(plan, out=args.out, model_id=args.model_id,
-                                              out_shard_bytes=args.out_shard_size, progress=progress)
+                                              out_shard_bytes=args.out_shard_size, progress=progress,
+                                              run_id=getattr(args, "run_id", None))
     except KeyboardInterrupt:
         if run:
             run.fail("cancelled", "cancelled by the user")
@@ -298,7 +299,9 @@ def _execute(args, cat, plan):
 @command("merge", "plan and execute a merge, publishing a snapshot")
 def cmd_merge(args):
     cat = open_catalog(args)
-    _execute(args, cat, _make_plan(args, cat))
+    # Not saved here: the engine stores the plan once the output path and model id are known to be
+    # usable, so a refused merge leaves the catalog unchanged.
+    _execute(args, cat, _make_plan(args, cat, save=False))
 
 
 @command("execute", "execute a stored plan")

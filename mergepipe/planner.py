@@ -135,8 +135,8 @@ class Candidates:
     def smallest_budget_for(self, target_abs: float) -> int:
         total = float(self.bound_term.sum())
         need = total - target_abs
-        if need <= 0:
-            return int(min(self.nbytes[self.nbytes > 0], default=1)) if len(self.nbytes) else 0
+        if need <= 0:  # reading nothing already meets the target
+            return 0
         k = int(np.searchsorted(self.cum_bound, need - 1e-12 * max(1.0, total), side="left"))
         k = min(k, len(self.order) - 1)
         return int(self.cum_bytes[k])
