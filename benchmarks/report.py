@@ -120,10 +120,12 @@ def charts(results: dict, out: Path) -> list[Path]:
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
     fams = sorted(results["families"], key=lambda f: f["K"])
-    paths = []
+    paths, figs = [], []
     for op in sorted({r["op"] for f in fams for r in f["runs"] if r["op"] != "-"}):
         fig = make_subplots(rows=1, cols=2, subplot_titles=("expert + base bytes read from disk (GB)", "wall time (s)"))
-        for contender in ("naive", "mergekit", "mergepipe 10%", "mergepipe 25%", "mergepipe 100%"):
+        colors = {"naive": "#7f7f7f", "mergekit": "#d62728", "mergepipe 10%": "#1f77b4", "mergepipe 25%": "#17becf",
+                  "mergepipe 100%": "#2ca02c"}
+        for contender, color in colors.items():
             xs, reads, walls = [], [], []
             for f in fams:
                 v = medians(f["runs"]).get((op, contender))
@@ -132,15 +134,44 @@ def charts(results: dict, out: Path) -> list[Path]:
                     reads.append(v["read_bytes"] / 1e9)
                     walls.append(v["wall_s"])
             if xs:
-                fig.add_trace(go.Scatter(x=xs, y=reads, mode="lines+markers", name=contender, legendgroup=contender), 1, 1)
-                fig.add_trace(go.Scatter(x=xs, y=walls, mode="lines+markers", name=contender, legendgroup=contender,
-                                         showlegend=False), 1, 2)
+                style = dict(mode="lines+markers", name=contender, legendgroup=contender, line=dict(color=color))
+                fig.add_trace(go.Scatter(x=xs, y=reads, **style), 1, 1)
+                fig.add_trace(go.Scatter(x=xs, y=walls, showlegend=False, **style), 1, 2)
         fig.update_xaxes(title_text="experts K")
         fig.update_layout(title=f"{op}: bytes read and wall time vs K ({results['profile']} profile)", height=420)
         p = out / f"{results['profile']}-{op}-vs-K.html"
         fig.write_html(p, include_plotlyjs="cdn")
         paths.append(p)
-    return paths
+        figs.append((fig, p.with_suffix(".png")))
+    return paths + figures_to_png(figs)
+
+
+def figures_to_png(figs) -> list[Path]:
+    """Render each figure to PNG with the local chromium (offline: plotly.js from the installed package)."""
+    chromium = Path("/usr/bin/chromium")
+    if not chromium.exists():
+        return []
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        return []
+    import tempfile
+    pngs = []
+    with tempfile.TemporaryDirectory() as profile, tempfile.TemporaryDirectory() as tmp, sync_playwright() as p:
+        ctx = p.chromium.launch_persistent_context(
+            profile, executable_path=str(chromium), headless=True, viewport={"width": 1100, "height": 460},
+            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        page = ctx.new_page()
+        for i, (fig, png) in enumerate(figs):
+            html = Path(tmp) / f"fig{i}.html"
+            fig.write_html(html, include_plotlyjs="directory")
+            page.goto(html.as_uri())
+            page.wait_for_selector(".main-svg", timeout=20000)
+            page.screenshot(path=str(png), full_page=True)
+            pngs.append(png)
+        ctx.close()
+    return pngs
 
 
 def write_report(results: dict, out: Path) -> list[Path]:

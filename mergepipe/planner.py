@@ -21,6 +21,7 @@ from .budget import mib, parse_budget
 from .catalog import Catalog, now
 from .errors import PlanError
 from .grid import tensor_grid
+from .manifest import canonical
 from .ops import OpSpec, coefficient, get_op, resolve_params, threshold_fractions
 from .registry import check_unchanged
 from .sketch import decode
@@ -60,10 +61,6 @@ class Plan:
 
     def explain(self) -> str:
         return explain_plan(self.data)
-
-
-def canonical(obj) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
 def compact_ranges(indices) -> list[list[int]]:

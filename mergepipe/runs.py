@@ -49,18 +49,21 @@ def launch_run(db_path: str | Path, catalog: Catalog, plan_id: str, out: str, mo
     log_dir.mkdir(parents=True, exist_ok=True)
     run_id = create_run(catalog, plan.id, out, model_id, plan["estimate"]["expert_read"], None)
     log_path = log_dir / f"run-{run_id}.log"
-    with catalog.transaction():
-        catalog.conn.execute("UPDATE runs SET log_path = ? WHERE id = ?", [str(log_path), run_id])
-    cmd = [sys.executable, "-m", "mergepipe.cli", "--db", str(db_path), "execute", plan.id, "--out", str(out),
-           "--model-id", model_id, "--run-id", str(run_id)]
+    cmd = ["execute", plan.id, "--out", str(out), "--model-id", model_id, "--run-id", str(run_id)]
     if out_shard_bytes:
         cmd += ["--out-shard-size", str(out_shard_bytes)]
+    return run_id, _spawn(catalog, db_path, cmd, run_id, log_path)
+
+
+def _spawn(catalog: Catalog, db_path, args: list[str], run_id: int, log_path: Path) -> subprocess.Popen:
+    """Start ``mergepipe ARGS`` detached (own session, no shell, output to the log) and record its pid."""
+    cmd = [sys.executable, "-m", "mergepipe.cli", "--db", str(db_path), *args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     with catalog.transaction():
-        catalog.conn.execute("UPDATE runs SET pid = ? WHERE id = ?", [proc.pid, run_id])
-    return run_id, proc
+        catalog.conn.execute("UPDATE runs SET pid = ?, log_path = ? WHERE id = ?", [proc.pid, str(log_path), run_id])
+    return proc
 
 
 def launch_analyze(db_path: str | Path, catalog: Catalog, model_ids: list[str], log_dir: str | Path,
@@ -79,16 +82,12 @@ def launch_analyze(db_path: str | Path, catalog: Catalog, model_ids: list[str], 
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"analyze-{run_id}.log"
-    cmd = [sys.executable, "-m", "mergepipe.cli", "--db", str(db_path), "analyze", "--run-id", str(run_id)]
+    args = ["analyze", "--run-id", str(run_id)]
     if model_ids:
-        cmd += ["--model-id", *model_ids]
+        args += ["--model-id", *model_ids]
     if block_bytes:
-        cmd += ["--block-bytes", str(block_bytes)]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    with catalog.transaction():
-        catalog.conn.execute("UPDATE runs SET pid = ?, log_path = ? WHERE id = ?", [proc.pid, str(log_path), run_id])
+        args += ["--block-bytes", str(block_bytes)]
+    proc = _spawn(catalog, db_path, args, run_id, log_path)
     return run_id, proc
 
 
