@@ -1,0 +1,38 @@
+"""Home: catalog totals and the last runs."""
+
+import streamlit as st
+
+from mergepipe import views
+from pages import _ui as ui
+
+st.title("MergePipe")
+st.caption("Budget-aware merging: Catalog -> Plan -> Execute -> Manifest.")
+
+with ui.user_errors(), ui.catalog() as cat:
+    t = views.totals(cat)
+    c = st.columns(4)
+    c[0].metric("Models", t["models"])
+    c[1].metric("Experts analyzed", t["experts_analyzed"])
+    c[2].metric("Blocks", f"{t['blocks']:,}")
+    c[3].metric("Model bytes", t["model_size"])
+    c = st.columns(4)
+    c[0].metric("Plans", t["plans"])
+    c[1].metric("Snapshots", t["snapshots"])
+    c[2].metric("Runs", t["runs"])
+    if t["models"] == 0:
+        st.info("The catalog is empty: register a base and its experts on the **Models** page, analyze them, "
+                "then make a plan on the **Plan** page.")
+    st.subheader("Last runs")
+    runs = views.runs_df(cat, limit=10)
+    if runs.empty:
+        st.caption("No runs yet.")
+    else:
+        st.dataframe(runs, hide_index=True, key="home_runs",
+                     column_config={"progress": st.column_config.ProgressColumn("progress", min_value=0, max_value=100,
+                                                                                format="%.0f%%")})
+    st.subheader("Latest snapshots")
+    snaps = views.snapshots_df(cat).head(10)
+    if snaps.empty:
+        st.caption("No snapshots yet.")
+    else:
+        st.dataframe(snaps, hide_index=True, key="home_snaps")

@@ -1,0 +1,103 @@
+"""Plan: base, experts (with weights), operator and parameters; a budget slider that re-plans at once
+(access mask, estimated I/O, error bound, frontier) or a target bound that finds the smallest budget.
+Every setting is bound to the URL, so a plan view can be shared as a link."""
+
+import streamlit as st
+
+from mergepipe import views
+from mergepipe.errors import PlanError
+from mergepipe.planner import save_plan
+from pages import _ui as ui
+
+TRI = {"default": None, "on": True, "off": False}
+
+st.title("Plan")
+
+
+def reset_experts():
+    for k in list(st.session_state):
+        if k == "experts" or k.startswith("w_"):
+            del st.session_state[k]
+
+
+with ui.user_errors(), ui.catalog() as cat:
+    version = views.stats_version(cat)
+    bases = [b for b in views.bases(cat) if views.experts_of(cat, b)]
+    if not bases:
+        st.info("Nothing to plan yet: register a base and its experts on the **Models** page and analyze them.")
+        st.stop()
+    models = {m["id"]: m for m in cat.models()}
+    settings, result = st.columns([1, 2], gap="large")
+    with settings:
+        base = st.selectbox("Base", bases, key="base", bind="query-params", on_change=reset_experts)
+        analyzed = views.analyzed_experts(cat, base)
+        options = [e for e in views.experts_of(cat, base) if not models[e]["snapshot_id"] or e in analyzed]
+        experts = st.multiselect("Experts", options, default=analyzed, key="experts", bind="query-params",
+                                 format_func=lambda e: e if e in analyzed else f"{e} (not analyzed)")
+        op = st.selectbox("Operator", views.operators(), index=views.operators().index("linear"), key="op",
+                          bind="query-params")
+        info = views.op_info(op)
+        density = gamma = epsilon = None
+        if info["uses_density"]:
+            density = round(st.number_input("Density", min_value=0.01, max_value=1.0, value=0.5, step=0.01,
+                                            format="%.2f", key="density", bind="query-params"), 2)
+        if "gamma" in info["extra"]:
+            gamma = st.number_input("gamma (largest magnitudes dropped)", min_value=0.0, max_value=0.5,
+                                    value=float(info["extra"]["gamma"]), step=0.01, format="%.2f", key="gamma",
+                                    bind="query-params")
+        if "epsilon" in info["extra"]:
+            epsilon = st.number_input("epsilon (spread of keep probabilities)", min_value=0.0, max_value=0.5,
+                                      value=float(info["extra"]["epsilon"]), step=0.01, format="%.2f", key="epsilon",
+                                      bind="query-params")
+        with st.expander("Weights and parameters"):
+            weights = tuple(float(st.number_input(f"weight of {e}", value=1.0, step=0.1, key=f"w_{e}",
+                                                  bind="query-params")) for e in experts)
+            lam = st.number_input("lambda", value=1.0, step=0.1, key="lam", bind="query-params")
+            normalize = TRI[st.selectbox("normalize", list(TRI), key="normalize", bind="query-params",
+                                         help=f"default for {op}: {'on' if info['normalize'] else 'off'}")]
+            rescale = TRI[st.selectbox("rescale", list(TRI), key="rescale", bind="query-params",
+                                       help=f"default for {op}: {'on' if info['rescale'] else 'off'}")]
+            seed = int(st.number_input("seed", value=0, step=1, key="seed", bind="query-params"))
+            strategy = st.selectbox("strategy", ["norm", "conflict"], key="strategy", bind="query-params",
+                                    help="norm: greedy by |c|*||delta|| per byte; conflict: also down-weights "
+                                         "blocks whose signs conflict with the other experts")
+        modes = ["budget", "target bound"] if info["additive"] else ["budget"]
+        mode = st.radio("Choose by", modes, key="mode", horizontal=True, bind="query-params")
+        if mode == "budget":
+            budget = st.slider("Expert-read budget (% of the full expert read)", min_value=0, max_value=100, value=25,
+                               step=1, format="%d%%", key="budget", bind="query-params")
+            target = None
+        else:
+            target = st.number_input("Target relative error bound", min_value=0.0, value=1.0, step=0.05,
+                                     format="%.3f", key="target", bind="query-params")
+            budget = None
+
+    with result, ui.user_errors():
+        ctx = ui.plan_context(ui.db(), version, base, tuple(experts), op, weights, density, lam, normalize, rescale,
+                              seed, strategy, gamma, epsilon) if experts else None
+        if ctx is None:
+            raise PlanError("choose at least one expert")
+        plan = views.make_plan(ctx, budget_pct=budget, target_rel=target)
+        s = views.plan_summary(plan)
+        c = st.columns(2)
+        c[0].metric("Estimated expert read", s["expert_read"], help=f"{s['expert_read_pct']} of {s['full_expert']}")
+        c[1].metric("Error bound", "n/a" if s["bound_abs"] is None else f"{s['bound_abs']:.4g}", help=s["bound"])
+        c = st.columns(2)
+        c[0].metric("Base read", s["base_read"])
+        c[1].metric("Write", s["write"])
+        st.caption(f"Budget {s['budget']} · read {s['expert_read']} = {s['expert_read_pct']} of {s['full_expert']} · "
+                   f"mask: {s['blocks']} · bound {s['bound']}")
+        if target is not None:
+            st.success(f"Smallest budget for a relative bound <= {target:g}: {s['budget']}")
+        st.plotly_chart(views.mask_heatmap(views.mask_matrix(ctx, plan)), key="mask_chart")
+        relative = info["additive"]
+        x, y = views.current_point(ctx, plan, relative)
+        st.plotly_chart(views.frontier_figure(views.frontier_df(ctx), x, y, relative, op), key="frontier_chart")
+        st.dataframe(views.plan_experts_df(plan).drop(columns=["read"]), hide_index=True, key="plan_experts")
+        if st.button("Save plan", type="primary", key="save_plan"):
+            save_plan(cat, plan)
+            st.success(f"Saved {plan.id}.")
+            st.page_link("pages/run.py", label=f"Run {plan.id}", query_params={"plan": plan.id},
+                         icon=":material/play_circle:")
+        with st.expander("EXPLAIN"):
+            st.code(plan.explain(), language=None)

@@ -1,0 +1,100 @@
+"""Helpers for the dashboard tests: a tiny analyzed family with one merge, catalog copies, ports."""
+
+from __future__ import annotations
+
+import socket
+import sqlite3
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from mergepipe.analyze import analyze
+from mergepipe.api import merge
+from mergepipe.catalog import Catalog
+from mergepipe.family import make_family
+from mergepipe.registry import register
+
+BLOCK_BYTES = 4096
+EXPERTS = ("expert_1", "expert_2", "expert_3")
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Built:
+    root: Path
+    db: Path
+    family: Path
+    experts: tuple[str, ...]
+    snapshot_id: str
+    plan_id: str
+    merged: Path
+
+
+def build_catalog(root: Path, merged: bool = True) -> Built:
+    """make_family(tiny, fp32, 3 experts), register, analyze on a 4 KiB grid, one linear 30 % merge."""
+    root = Path(root)
+    fam = root / "family"
+    make_family(fam, experts=len(EXPERTS), size="tiny", dtype="fp32")
+    db = root / "catalog.sqlite"
+    cat = Catalog(db)
+    try:
+        register(cat, "base", str(fam / "base"))
+        for e in EXPERTS:
+            register(cat, e, str(fam / e), base_id="base")
+        analyze(cat, list(EXPERTS), block_bytes=BLOCK_BYTES)
+        sid = plan_id = ""
+        out = root / "merged" / "m1"
+        if merged:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            plan, sid, _ = merge(cat, "base", list(EXPERTS), out, operator="linear", model_id="merged-1", budget="30%")
+            plan_id = plan.id
+    finally:
+        cat.close()
+    return Built(root, db, fam, EXPERTS, sid, plan_id, out)
+
+
+def copy_catalog(src: Path, dst: Path) -> Path:
+    """A consistent copy of a catalog (sqlite backup API: includes what is still in the WAL)."""
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    s = sqlite3.connect(str(src))
+    d = sqlite3.connect(str(dst))
+    try:
+        s.backup(d)
+    finally:
+        d.close()
+        s.close()
+    return dst
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_health(url: str, timeout: float = 60.0, proc=None) -> None:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/_stcore/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError as exc:
+            last = exc
+        time.sleep(0.25)
+    raise TimeoutError(f"{url} not healthy after {timeout} s ({last})")
+
+
+def wait_until(pred, timeout: float = 60.0, interval: float = 0.2, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval)
+    raise TimeoutError(f"timed out waiting for {what}")
