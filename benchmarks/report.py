@@ -11,6 +11,8 @@ from pathlib import Path
 def medians(runs: list[dict]) -> dict:
     groups = defaultdict(list)
     for r in runs:
+        if "failed" in r:
+            continue
         groups[(r["op"], r["contender"])].append(r)
     out = {}
     for key, rs in groups.items():
@@ -86,6 +88,9 @@ def table(results: dict) -> str:
                 f"{v.get('planned_expert_bytes', 0) / 1e6:.0f} | {v['write_bytes'] / 1e6:.0f} | "
                 f"{v['peak_rss_bytes'] / 1e6:.0f} | {(mk['wall_s'] / v['wall_s']) if mk else float('nan'):.2f}x | "
                 f"{(v['wall_s'] / fl['wall_s']) if fl else float('nan'):.2f}x |")
+        failed = [r for r in f["runs"] if "failed" in r]
+        for r in failed:
+            lines.append(f"- {r['op']} / {r['contender']} failed: `{r['failed'].splitlines()[0][-160:]}`")
         lines.append("")
         if f.get("checks"):
             lines += ["Output checks:", ""]
@@ -99,7 +104,7 @@ def table(results: dict) -> str:
         plan = f.get("planning_s", {})
         if f is results["families"][0]:
             am = medians(results["analyze"]["runs"])
-            lines.append(f"ANALYZE of all {results['analyze']['experts']} experts: "
+            lines.append(f"ANALYZE of {results['analyze'].get('timed_experts', results['analyze']['experts'])} experts: "
                          + ", ".join(f"{c} {v['wall_s']:.2f} s ({v['read_bytes'] / 1e6:.0f} MB read)" for (_, c), v in am.items())
                          + f"; catalog {results['analyze']['catalog_bytes'] / 1e6:.1f} MB "
                          f"({results['analyze']['catalog_bytes'] / results['analyze']['family_bytes'] * 100:.2f}% of the family)")

@@ -37,9 +37,11 @@ PROFILES = {
     "ci": dict(size="small", dtype="bf16", ks=[4], ops=["linear", "ties"], budgets=["10%", "100%"], block=256 << 10),
     "quick": dict(size="medium", dtype="bf16", ks=[4], ops=["linear", "task_arithmetic", "ties", "dare_ties"],
                   budgets=["10%", "25%", "50%", "100%"], block=1 << 20),
-    # mergekit's peak RSS grows with K (13.5 GB at K=4 for ties on this shape): it would not fit at K=16.
+    # mergekit's peak RSS grows with K (13.5 GB at K=4 for ties on this shape) and the naive whole-tensor
+    # baseline was killed for memory at K=8 (24 GiB machine): both run up to K=4 here.
     "full": dict(size="qwen3-0.6b", dtype="bf16", ks=[2, 4, 8, 16], ops=["ties", "linear"],
-                 budgets=["10%", "25%", "100%"], block=1 << 20, mergekit_max_k=4, analyze_runs=1),
+                 budgets=["10%", "25%", "100%"], block=1 << 20, mergekit_max_k=4, naive_max_k=4,
+                 analyze_runs=1, analyze_k=4),
 }
 DENSITY = 0.2
 PY = sys.executable
@@ -57,6 +59,16 @@ def measure(cmd: list[str], env=None) -> dict:
         raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{out.decode()[-3000:]}")
     return {"wall_s": wall, "read_bytes": ru.ru_inblock * 512, "write_bytes": ru.ru_oublock * 512,
             "peak_rss_bytes": ru.ru_maxrss * 1024, "stdout": out.decode()[-2000:]}
+
+
+def resident_bytes(paths) -> int:
+    """Bytes of these files now in the page cache (util-linux fincore). Right after a run on evicted
+    inputs this is what the run read from them, free of the noise in the process-wide counters
+    (library pages that memory pressure evicted, the catalog, ...)."""
+    files = [str(f) for p in paths for f in (Path(p).rglob("*") if Path(p).is_dir() else [Path(p)]) if Path(f).is_file()]
+    out = subprocess.run(["fincore", "--bytes", "--raw", "--noheadings", "--output", "RES", *files],
+                         capture_output=True, text=True, check=True).stdout
+    return sum(int(x) for x in out.split())
 
 
 def cold(paths) -> None:
@@ -118,29 +130,52 @@ def compare_outputs(a: Path, b: Path) -> dict:
 
 
 def analyze_family(args, prof, fam, work, analyze_runs: int) -> tuple[Path, dict]:
-    """Register the whole family in one catalog; time ANALYZE against a plain cold read of the same files."""
+    """Register the whole family in one catalog and analyze it (reused when already analyzed on this
+    grid); time ANALYZE of the first ``analyze_k`` experts, in a catalog of their own, against a plain
+    cold read of the same files."""
     db = work / f"{fam['root'].name}.sqlite"
-    for s in ("", "-wal", "-shm"):
-        Path(str(db) + s).unlink(missing_ok=True)
-    cat = Catalog(db)
-    register(cat, "base", str(fam["base"]))
     ids = [f"e{i}" for i in range(1, len(fam["experts"]) + 1)]
-    for eid, path in zip(ids, fam["experts"]):
-        register(cat, eid, str(path), base_id="base")
-    inputs = [fam["base"], *fam["experts"]]
-    rec = {"experts": len(ids), "family_bytes": sum(open_checkpoint(p).nbytes for p in inputs), "runs": []}
+    cat = _family_catalog(db, fam, ids)
+    if not all(cat.is_analyzed(e) for e in ids) or cat.grid_block_bytes("base") != prof["block"]:
+        print(f"[bench] analyzing {len(ids)} experts into {db} ...", flush=True)
+        analyze(cat, ids, block_bytes=prof["block"])
+    cat.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    family_bytes = sum(open_checkpoint(p).nbytes for p in [fam["base"], *fam["experts"]])
+    rec = {"experts": len(ids), "family_bytes": family_bytes, "catalog_bytes": db.stat().st_size, "runs": []}
+    cat.close()
+    k = min(len(ids), prof.get("analyze_k", len(ids)))
+    timing_db = work / f"{fam['root'].name}-analyze-timing.sqlite"
+    for s in ("", "-wal", "-shm"):
+        Path(str(timing_db) + s).unlink(missing_ok=True)
+    _family_catalog(timing_db, fam, ids[:k]).close()
+    inputs = [fam["base"], *fam["experts"][:k]]
+    rec["timed_experts"] = k
     for rep in range(analyze_runs):
         cold(inputs)
         r = measure([PY, str(ROOT / "benchmarks" / "coldread.py"), *map(str, inputs)])
         rec["runs"].append({"contender": "cold-read", "op": "-", "rep": rep, **r})
         cold(inputs)
-        r = measure([PY, "-m", "mergepipe.cli", "--db", str(db), "analyze", "--force",
-                     "--block-bytes", str(prof["block"]), "--model-id", *ids])
+        r = measure([PY, "-m", "mergepipe.cli", "--db", str(timing_db), "analyze", "--force",
+                     "--block-bytes", str(prof["block"]), "--model-id", *ids[:k]])
         rec["runs"].append({"contender": "analyze", "op": "-", "rep": rep, **r})
-    cat.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    rec["catalog_bytes"] = db.stat().st_size
-    cat.close()
     return db, rec
+
+
+def _family_catalog(db: Path, fam: dict, ids: list[str]) -> Catalog:
+    cat = Catalog(db)
+    register(cat, "base", str(fam["base"]))
+    for eid, path in zip(ids, fam["experts"]):
+        register(cat, eid, str(path), base_id="base")
+    return cat
+
+
+def attempt(cmd, label: str) -> dict:
+    """measure(), but a contender that fails (e.g. killed for memory) is recorded, not fatal."""
+    try:
+        return measure(cmd)
+    except RuntimeError as exc:
+        print(f"[bench] {label} failed: {str(exc).splitlines()[0][-200:]}", flush=True)
+        return {"failed": str(exc)[-500:]}
 
 
 def bench_family(args, prof, k, fam, work, results, mk_exe, db):
@@ -171,6 +206,7 @@ def bench_family(args, prof, k, fam, work, results, mk_exe, db):
                 cold(inputs)
                 r = measure([PY, "-m", "mergepipe.cli", "--db", str(db), "execute", plan.id, "--out", str(out),
                              "--model-id", f"{out.name}-{rep}-{time.time_ns()}"])
+                r["input_bytes_read"] = resident_bytes(inputs)
                 rec["runs"].append({"contender": f"mergepipe {b}", "op": op, "rep": rep, "budget": b,
                                     "planned_expert_bytes": plan["estimate"]["expert_read"],
                                     "full_expert_bytes": plan["full_expert_bytes"],
@@ -183,24 +219,27 @@ def bench_family(args, prof, k, fam, work, results, mk_exe, db):
                 fl.unlink(missing_ok=True)
             out = outdir / f"naive-{op}"
             shutil.rmtree(out, ignore_errors=True)
-            cold(inputs)
-            r = measure([PY, "-m", "mergepipe.baselines", str(fam["base"]), str(out), "--experts",
-                         *map(str, fam["experts"][:k]), "--op", op, "--density", str(DENSITY if op in ("ties", "dare_ties") else 1.0),
-                         "--block-bytes", str(prof["block"]), "--expert-ids", *ids])
-            rec["runs"].append({"contender": "naive", "op": op, "rep": rep, **r})
+            if k <= prof.get("naive_max_k", 10**6):
+                cold(inputs)
+                r = attempt([PY, "-m", "mergepipe.baselines", str(fam["base"]), str(out), "--experts",
+                             *map(str, fam["experts"][:k]), "--op", op,
+                             "--density", str(DENSITY if op in ("ties", "dare_ties") else 1.0),
+                             "--block-bytes", str(prof["block"]), "--expert-ids", *ids], f"naive {op} K={k}")
+                rec["runs"].append({"contender": "naive", "op": op, "rep": rep, **r})
             if mk_exe and k <= args.mergekit_max_k:
                 cfg = work / f"mk-{op}.yml"
                 cfg.write_text(mergekit_yaml(op, fam["base"], fam["experts"][:k], DENSITY))
                 mko = outdir / f"mergekit-{op}"
                 shutil.rmtree(mko, ignore_errors=True)
                 cold(inputs)
-                r = measure([str(mk_exe), str(cfg), str(mko), "--copy-tokenizer"])
+                r = attempt([str(mk_exe), str(cfg), str(mko), "--copy-tokenizer"], f"mergekit {op} K={k}")
                 rec["runs"].append({"contender": "mergekit", "op": op, "rep": rep, **r})
         # fidelity: MergePipe at 100% vs the naive baseline (exact) and vs mergekit
         full = outdir / f"mp-{op}-100"
-        if full.exists():
+        if full.exists() and (outdir / f"naive-{op}").exists():
             rec.setdefault("checks", {})[f"{op}: mergepipe-100% vs naive"] = compare_outputs(full, outdir / f"naive-{op}")
-            if mk_exe and k <= args.mergekit_max_k and op != "dare_ties":  # DARE draws different random masks in mergekit
+        if full.exists() and (outdir / f"mergekit-{op}").exists():
+            if op != "dare_ties":  # DARE draws different random masks in mergekit
                 rec["checks"][f"{op}: mergepipe-100% vs mergekit"] = compare_outputs(full, outdir / f"mergekit-{op}")
     results["families"].append(rec)
     shutil.rmtree(outdir, ignore_errors=True)
@@ -237,10 +276,11 @@ def main(argv=None) -> int:
     fam = ensure_family(work, prof["size"], prof["dtype"], max(prof["ks"]))
     print(f"[bench] {args.profile}: analyze {len(fam['experts'])} experts", flush=True)
     db, results["analyze"] = analyze_family(args, prof, fam, work, prof.get("analyze_runs", args.repeats))
+    from report import write_report
     for k in prof["ks"]:
         print(f"[bench] {args.profile}: K={k}", flush=True)
         bench_family(args, prof, k, fam, work, results, mk_exe, db)
-    from report import write_report
+        write_report(results, Path(args.out))  # after every K: a later failure loses nothing
     paths = write_report(results, Path(args.out))
     print("\n".join(f"wrote {p}" for p in paths))
     return 0

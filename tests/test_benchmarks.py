@@ -36,9 +36,12 @@ def test_ci_profile_bytes_are_sane(tmp_path):
         naive = next(r for r in runs if r["op"] == op and r["contender"] == "naive")
         full, base = mp10["full_expert_bytes"], mp10["base_bytes"]
         assert mp10["planned_expert_bytes"] <= 0.10 * full
-        assert base <= mp10["read_bytes"] <= 0.10 * full + base + slack, (op, mp10["read_bytes"], slack)
-        assert mp100["read_bytes"] >= full + base
-        assert mp100["read_bytes"] > 3 * (mp10["read_bytes"] - base)
+        # What the budgeted merge read from the family's files (page-cache residency after a cold run)...
+        assert base <= mp10["input_bytes_read"] <= 0.10 * full + base + slack, (op, mp10["input_bytes_read"], slack)
+        # ...and from the disk in all, through the process's own counters (libraries, catalog: small noise).
+        assert base <= mp10["read_bytes"] <= 0.10 * full + base + slack + (4 << 20), (op, mp10["read_bytes"])
+        assert mp100["read_bytes"] >= mp100["input_bytes_read"] >= full + base
+        assert mp100["input_bytes_read"] > 3 * (mp10["input_bytes_read"] - base)
         assert naive["read_bytes"] >= family_bytes  # every byte of the base and of every expert
         check = fam["checks"][f"{op}: mergepipe-100% vs naive"]
         assert check["same_names"] and check["differing"] == 0
