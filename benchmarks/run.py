@@ -48,17 +48,22 @@ PY = sys.executable
 
 
 def measure(cmd: list[str], env=None) -> dict:
-    """Run ``cmd`` as a child; wall time and the child's rusage (disk bytes, peak RSS)."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    out = proc.stdout.read()
-    _, status, ru = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{out.decode()[-3000:]}")
-    return {"wall_s": wall, "read_bytes": ru.ru_inblock * 512, "write_bytes": ru.ru_oublock * 512,
-            "peak_rss_bytes": ru.ru_maxrss * 1024, "stdout": out.decode()[-2000:]}
+    """Run ``cmd`` under benchmarks/child.py: wall time, its own disk bytes and peak RSS (rusage)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "child.py"), *map(str, cmd)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    lines = proc.stderr.decode().strip().splitlines()
+    usage = json.loads(lines[-1])
+    if usage.pop("rc") != 0:
+        raise RuntimeError(f"{' '.join(map(str, cmd))} failed:\n" + "\n".join(lines[-30:-1])
+                           + proc.stdout.decode()[-2000:])
+    return {**usage, "stdout": proc.stdout.decode()[-2000:]}
+
+
+def compare_outputs(a: Path, b: Path) -> dict:
+    """Tensor-by-tensor comparison, in a child process so the runner stays small."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compare.py"), str(a), str(b)],
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def resident_bytes(paths) -> int:
@@ -107,26 +112,6 @@ def mergekit_yaml(op: str, base: Path, experts: list[Path], density: float) -> s
         lines += [f"  - model: {e}", f"    parameters: {params}"]
     lines += ["dtype: float32", "out_dtype: bfloat16"]
     return "\n".join(lines) + "\n"
-
-
-def compare_outputs(a: Path, b: Path) -> dict:
-    import torch
-    from safetensors.torch import load_file
-    ta, tb = {}, {}
-    for ck, dst in ((open_checkpoint(a), ta), (open_checkpoint(b), tb)):
-        for f in ck.files:
-            dst.update(load_file(str(f)))
-    if set(ta) != set(tb):
-        return {"same_names": False}
-    diff = total = 0
-    maxabs = 0.0
-    for k in ta:
-        d = (ta[k].float() - tb[k].float()).abs()
-        diff += int((d > 0).sum())
-        total += d.numel()
-        maxabs = max(maxabs, float(d.max()) if d.numel() else 0.0)
-        assert ta[k].dtype == tb[k].dtype, k
-    return {"same_names": True, "differing": diff, "total": total, "fraction": diff / total, "max_abs": maxabs}
 
 
 def analyze_family(args, prof, fam, work, analyze_runs: int) -> tuple[Path, dict]:
