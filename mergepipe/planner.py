@@ -211,23 +211,25 @@ class PlanContext:
             fracs = threshold_fractions(self.op, e["density"] or 1.0, self.params)
             if not fracs:
                 continue
-            stats = self.catalog.tensor_stats(e["id"])
+            rows = self.catalog.conn.execute(
+                "SELECT tensor, thresholds FROM tensor_stats WHERE model_id = ? AND delta_nnz > 0", [e["id"]])
             per = {}
-            for name, st in stats.items():
-                if not st["delta_nnz"]:
-                    continue
+            for name, text in rows:
+                table = json.loads(text or "{}")
                 vals = []
                 for f in fracs:
                     if f >= 1.0:
                         vals.append(0.0)
                         continue
-                    match = [v for k, v in st["thresholds"].items() if abs(k - f) < 1e-9]
-                    if not match:
-                        have = ", ".join(f"{k:g}" for k in sorted(st["thresholds"]))
+                    value = table.get(str(f))
+                    if value is None:  # keys are str(float); fall back to a tolerant match
+                        value = next((v for k, v in table.items() if abs(float(k) - f) < 1e-9), None)
+                    if value is None:
+                        have = ", ".join(f"{float(k):g}" for k in sorted(table, key=float))
                         raise PlanError(
                             f"no magnitude threshold for top-{f:g} of {e['id']} in the catalog (analyzed: {have}); "
                             f"run `mergepipe analyze --model-id {e['id']} --densities {f:g}`")
-                    vals.append(match[0])
+                    vals.append(value)
                 per[name] = vals
             out[e["id"]] = per
         return out
@@ -242,28 +244,24 @@ class PlanContext:
         return np.ones_like(max_abs, dtype=bool)
 
     def _candidates(self) -> Candidates:
-        cols = {k: [] for k in ("expert", "tensor", "block", "nbytes", "l2")}
-        float_tensor = {t["name"]: t["dtype"] in FLOAT_DTYPES for t in self.tensors}
-        self._block_keys = {}
+        float_tensor = {t["name"] for t in self.tensors if t["dtype"] in FLOAT_DTYPES}
+        parts = []
         for ei, e in enumerate(self.experts):
-            rows = self.catalog.query(
-                "SELECT tensor, block, nbytes, delta_l2, delta_max_abs, delta_nnz FROM blocks WHERE model_id = ?",
-                [e["id"]])
+            rows = self.catalog.conn.execute(
+                "SELECT tensor, block, nbytes, delta_l2, delta_max_abs FROM blocks WHERE model_id = ? AND delta_nnz > 0",
+                [e["id"]]).fetchall()
             by_tensor: dict[str, list] = {}
             for r in rows:
-                if r["delta_nnz"] and float_tensor.get(r["tensor"]):
-                    by_tensor.setdefault(r["tensor"], []).append(r)
+                if r[0] in float_tensor:
+                    by_tensor.setdefault(r[0], []).append(r)
             for name, rs in by_tensor.items():
-                max_abs = np.array([r["delta_max_abs"] for r in rs])
-                useful = self._useful(e["id"], name, max_abs)
-                ti = self.tensor_index[name]
-                for r, ok in zip(rs, useful):
-                    if ok:
-                        cols["expert"].append(ei)
-                        cols["tensor"].append(ti)
-                        cols["block"].append(r["block"])
-                        cols["nbytes"].append(r["nbytes"])
-                        cols["l2"].append(r["delta_l2"])
+                a = np.array([r[1:] for r in rs], dtype=np.float64)  # block, nbytes, l2, max_abs
+                useful = self._useful(e["id"], name, a[:, 3])
+                a = a[useful]
+                parts.append(np.column_stack([np.full(len(a), ei), np.full(len(a), self.tensor_index[name]), a[:, :3]]))
+        table = np.concatenate(parts) if parts else np.zeros((0, 5))
+        cols = {"expert": table[:, 0], "tensor": table[:, 1], "block": table[:, 2], "nbytes": table[:, 3],
+                "l2": table[:, 4]}
         arr = {k: np.array(v, dtype=np.float64 if k == "l2" else np.int64) for k, v in cols.items()}
         coefs = np.array([abs(coefficient(self.op, e["weight"], self.weight_sum, self.params)) for e in self.experts])
         bound_term = coefs[arr["expert"]] * arr["l2"] if len(arr["l2"]) else np.zeros(0)
@@ -274,20 +272,30 @@ class PlanContext:
 
     def _sketch_matrix(self):
         """Per (tensor, block): the experts' sketches rescaled to delta units, as [blocks, K, S]."""
+        if hasattr(self, "_sketches"):
+            return self._sketches
         keys: dict[tuple[str, int], int] = {}
-        entries = []
+        index, expert, scale, blobs = [], [], [], []
         for ei, e in enumerate(self.experts):
-            for r in self.catalog.query(
-                    "SELECT tensor, block, delta_max_abs, delta_l2, sketch FROM blocks WHERE model_id = ? AND delta_nnz > 0",
+            for tensor, block, mx, blob in self.catalog.conn.execute(
+                    "SELECT tensor, block, delta_max_abs, sketch FROM blocks WHERE model_id = ? AND delta_nnz > 0",
                     [e["id"]]):
-                idx = keys.setdefault((r["tensor"], r["block"]), len(keys))
-                entries.append((idx, ei, r["delta_max_abs"], r["sketch"]))
-        size = max((len(s) // 2 for *_, s in entries), default=0)
+                index.append(keys.setdefault((tensor, block), len(keys)))
+                expert.append(ei)
+                scale.append(mx)
+                blobs.append(blob)
+        size = max((len(b) // 2 for b in blobs), default=0)
         mat = np.zeros((len(keys), len(self.experts), size), dtype=np.float32)
-        for idx, ei, mx, blob in entries:
-            v = decode(blob) * mx
-            mat[idx, ei, : len(v)] = v
-        return keys, mat
+        full = [i for i, b in enumerate(blobs) if len(b) == 2 * size]  # most blocks: decode them at once
+        if full:
+            vals = np.frombuffer(b"".join(blobs[i] for i in full), dtype=np.float16).reshape(len(full), size)
+            sel = np.array(full)
+            mat[np.array(index)[sel], np.array(expert)[sel]] = vals.astype(np.float32) * np.array(scale, dtype=np.float32)[sel, None]
+        for i in set(range(len(blobs))) - set(full):  # small blocks sample every element
+            v = decode(blobs[i]) * scale[i]
+            mat[index[i], expert[i], : len(v)] = v
+        self._sketches = (keys, mat)
+        return self._sketches
 
     def _conflict_rates(self, arr) -> np.ndarray:
         """For each candidate: sign-conflict rate of the expert's delta against the others' weighted sum."""
@@ -315,14 +323,14 @@ class PlanContext:
         coefs = np.array([coefficient(self.op, e["weight"], self.weight_sum, self.params) for e in self.experts])
         l2 = np.zeros((len(keys), len(self.experts)))
         for ei, e in enumerate(self.experts):
-            for r in self.catalog.query("SELECT tensor, block, delta_l2 FROM blocks WHERE model_id = ? AND delta_nnz > 0",
-                                        [e["id"]]):
-                l2[keys[(r["tensor"], r["block"])], ei] = r["delta_l2"]
-        norms = np.linalg.norm(mat, axis=2, keepdims=True)
-        unit = np.divide(mat, norms, out=np.zeros_like(mat), where=norms > 0)
-        cos = np.einsum("bks,bjs->bkj", unit, unit)
-        a = l2 * coefs  # [B, K]
-        total = float(np.einsum("bk,bkj,bj->", a, cos, a))
+            for tensor, block, value in self.catalog.conn.execute(
+                    "SELECT tensor, block, delta_l2 FROM blocks WHERE model_id = ? AND delta_nnz > 0", [e["id"]]):
+                l2[keys[(tensor, block)], ei] = value
+        gram = np.matmul(mat, mat.transpose(0, 2, 1))  # [B, K, K] sketch inner products (batched BLAS)
+        norms = np.sqrt(np.maximum(np.einsum("bkk->bk", gram), 0))
+        # cos_ij * ||d_i|| * ||d_j|| with cos estimated from the sketches
+        a = np.divide(l2 * coefs, norms, out=np.zeros_like(l2), where=norms > 0)  # [B, K]
+        total = float(np.einsum("bk,bkj,bj->", a, gram, a, optimize=True))
         self._full_norm = math.sqrt(max(total, 0.0))
         return self._full_norm
 
