@@ -16,7 +16,7 @@ import sqlite_utils
 
 from .errors import CatalogError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)""",
@@ -24,7 +24,7 @@ SCHEMA = [
         id TEXT PRIMARY KEY, uri TEXT NOT NULL, kind TEXT NOT NULL, base_id TEXT,
         fingerprint TEXT NOT NULL, content_hash TEXT, architecture TEXT, dtype TEXT,
         params INTEGER, bytes INTEGER, n_tensors INTEGER, config TEXT, registered_at TEXT,
-        snapshot_id TEXT)""",
+        snapshot_id TEXT, file_stats TEXT)""",
     """CREATE TABLE IF NOT EXISTS tensors (
         model_id TEXT NOT NULL, name TEXT NOT NULL, idx INTEGER, shape TEXT, dtype TEXT, file TEXT,
         offset INTEGER, nbytes INTEGER, PRIMARY KEY (model_id, name))""",
@@ -68,7 +68,9 @@ SCHEMA = [
 ]
 
 # Ordered migrations: version -> statements taking the schema from version-1 to version.
-MIGRATIONS: dict[int, list[str]] = {}
+MIGRATIONS: dict[int, list[str]] = {
+    2: ["ALTER TABLE models ADD COLUMN file_stats TEXT"],  # (name, size, mtime) of the files, for cheap change checks
+}
 
 
 def now() -> str:

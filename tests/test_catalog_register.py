@@ -320,3 +320,19 @@ def test_model_lookup_error_names_known_ids(catalog, fam_fp32):
     with pytest.raises(CatalogError, match=r"registered: base, expert_1, expert_2"):
         catalog.model("x")
     assert catalog.has_model("base") and not catalog.has_model("x")
+
+
+def test_v1_catalog_is_migrated_in_place(tmp_path, fam_fp32):
+    """A catalog written by schema v1 (no models.file_stats) opens, migrates and keeps its rows."""
+    db = tmp_path / "old.sqlite"
+    cat = Catalog(db)
+    register(cat, "base", str(fam_fp32.base))
+    cat.conn.execute("ALTER TABLE models DROP COLUMN file_stats")
+    cat.conn.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
+    cat.close()
+    cat = Catalog(db)
+    assert cat.query("SELECT value FROM meta WHERE key='schema_version'")[0]["value"] == str(SCHEMA_VERSION)
+    row = cat.model("base")
+    assert row["file_stats"] is None and row["fingerprint"].startswith("sha256:")
+    from mergepipe.registry import check_unchanged
+    check_unchanged(row)  # no stored stats: falls back to re-parsing the headers

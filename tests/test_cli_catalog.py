@@ -15,7 +15,7 @@ import pytest
 
 from conftest import ANALYZE_BLOCK_BYTES, dump_catalog_file, load_checkpoint_tensors, register_family
 from mergepipe.analyze import analyze
-from mergepipe.catalog import Catalog
+from mergepipe.catalog import SCHEMA_VERSION, Catalog
 from mergepipe.cli import main
 from mergepipe.family import make_family
 from mergepipe.storage import INDEX_NAME
@@ -61,7 +61,7 @@ def test_catalog_commands_end_to_end(env, capsys, fam_bf16, monkeypatch):
     db = env / "my.sqlite"
     rc, out, err = cli(capsys, "init-db", "--db", db)
     assert (rc, err) == (0, "") and db.exists()
-    assert out.strip() == f"catalog ready: {db} (schema v1)"
+    assert out.strip() == f"catalog ready: {db} (schema v{SCHEMA_VERSION})"
 
     # the original README spelling
     rc, out, err = cli(capsys, "register", "--db", db, "--model-id", "base", "--uri", fam_bf16.base)
