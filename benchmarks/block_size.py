@@ -30,7 +30,6 @@ from run import ensure_family  # noqa: E402
 
 def l2_distance(a, b) -> float:
     """||A - B||_2 over all tensors (float64)."""
-    import torch
     from safetensors.torch import load_file
     from mergepipe.storage import open_checkpoint
     ta, tb = {}, {}

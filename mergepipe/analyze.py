@@ -24,7 +24,7 @@ from .errors import CatalogError
 from .grid import DEFAULT_BLOCK_BYTES, BlockSpan, tensor_grid
 from .registry import check_unchanged
 from .sketch import DEFAULT_SKETCH_SIZE, make_sketch
-from .storage import FLOAT_DTYPES, Checkpoint, RangeReader, TensorInfo, open_checkpoint
+from .storage import FLOAT_DTYPES, RangeReader, TensorInfo, open_checkpoint
 
 # Top-k fractions with stored thresholds: every percent, plus two below 1 %.
 DEFAULT_DENSITIES = (0.001, 0.005) + tuple(round(i / 100, 2) for i in range(1, 100))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from .catalog import Catalog
 from .engine import DEFAULT_SHARD_BYTES, Engine
@@ -109,7 +108,3 @@ def explain(catalog: Catalog, ref: str) -> str:
             f"  manifest   {manifest.manifest_hash}\n"
             f"  realized   base read {r['base_read']} B (est. {e['base_read']}), expert read {r['expert_read']} B "
             f"(est. {e['expert_read']}), write {r['output_write']} B (est. {e['output_write']})\n" + text)
-
-
-def resolve_out(out) -> Path:
-    return Path(out).expanduser().absolute()

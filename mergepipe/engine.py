@@ -10,7 +10,6 @@ without decoding. Memory is bounded by the read-ahead depth times one group's wo
 from __future__ import annotations
 
 import json
-import math
 import os
 import resource
 import shutil
@@ -25,7 +24,7 @@ import torch
 
 from . import __version__
 from .catalog import Catalog, now
-from .errors import ExecutionError, MergePipeError
+from .errors import ExecutionError
 from .grid import BlockSpan, tensor_grid
 from .manifest import Manifest, file_sha256
 from .ops import block_seed, combine, get_op, sparsify
