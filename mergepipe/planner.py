@@ -173,7 +173,7 @@ class PlanContext:
             specs.append(spec)
         ids = [s["model"] for s in specs]
         if len(set(ids)) != len(ids):
-            raise PlanError(f"an expert is listed more than once: {', '.join(sorted({i for i in ids if ids.count(i) > 1}))}")
+            raise PlanError(f"an expert is listed twice: {', '.join(sorted({i for i in ids if ids.count(i) > 1}))}")
         if weights is not None:
             if len(weights) != len(specs):
                 raise PlanError(f"{len(weights)} weights given for {len(specs)} experts")
