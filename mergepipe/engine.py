@@ -109,6 +109,23 @@ class ShardWriter:
         return {"sha256": "sha256:" + self.hash.hexdigest(), "bytes": self.pos}
 
 
+def block_groups(tensors: list[TensorInfo], block_bytes: int, group_bytes: int):
+    """(tensor, [adjacent grid blocks]) work items of about ``group_bytes``, in file order."""
+    work = []
+    for info in tensors:
+        group: list[BlockSpan] = []
+        size = 0
+        for span in tensor_grid(info, block_bytes):
+            group.append(span)
+            size += span.nbytes
+            if size >= group_bytes:
+                work.append((info, group))
+                group, size = [], 0
+        if group:
+            work.append((info, group))
+    return work
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
@@ -190,21 +207,9 @@ class Engine:
         shards = plan_shards(order, out_shard_bytes)
         shard_of = {n: s for s in shards for n in s.offsets}
         selected = {e["id"]: {t: set(expand_ranges(rs)) for t, rs in plan["access"][e["id"]].items()} for e in experts}
-        passthrough_ok = not (op.whole_models and not params["normalize"] and abs(weight_sum - 1.0) > 0)
-        block_bytes = plan["grid"]["block_bytes"]
-        work = []
-        for info in order:
-            spans = tensor_grid(info, block_bytes)
-            group: list[BlockSpan] = []
-            size = 0
-            for span in spans:
-                group.append(span)
-                size += span.nbytes
-                if size >= self.group_bytes:
-                    work.append((info, group))
-                    group, size = [], 0
-            if group:
-                work.append((info, group))
+        # linear without normalize scales the base by sum(w): then no block is a plain copy
+        passthrough_ok = not (op.whole_models and not params["normalize"] and weight_sum != 1.0)
+        work = block_groups(order, plan["grid"]["block_bytes"], self.group_bytes)
         total_blocks = sum(len(g) for _, g in work)
         readers = [RangeReader(ck) for ck in exp_cks]
         base_reader = RangeReader(base_ck, sequential=True)
