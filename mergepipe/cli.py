@@ -220,7 +220,8 @@ def _add_plan_args(p, with_out: bool):
     p.add_argument("--budget", help="expert-read budget: 10%%, 0.1, 512MiB, 8GB (default 100%%)")
     p.add_argument("--io-budget-mb", type=float, help="expert-read budget in MiB")
     p.add_argument("--target-bound", type=float, help="smallest budget whose relative error bound <= this")
-    p.add_argument("--strategy", default="norm", choices=["norm", "conflict"])
+    p.add_argument("--strategy", default="norm",
+                   help="how blocks are ranked: norm (default), conflict, kept, random, uniform")
     p.add_argument("--seed", type=int, default=0)
     if with_out:
         _add_out_args(p)

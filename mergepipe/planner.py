@@ -27,7 +27,14 @@ from .registry import check_unchanged
 from .sketch import decode
 from .storage import FLOAT_DTYPES, TensorInfo
 
-STRATEGIES = ("norm", "conflict")
+# How candidate blocks are ranked (greedy takes the highest priority per byte first):
+#   norm      |c_i| * ||delta||_2 per byte: minimises the additive error bound (the default)
+#   conflict  norm, discounted by the block's sign-conflict rate against the other experts (sketches)
+#   kept      norm of the part of delta the operator keeps (entries above the TIES/breadcrumbs
+#             magnitude threshold, estimated from the sketch); equals norm for other operators
+#   random    a seeded random order (a baseline for studies)
+#   uniform   the same fraction of every (expert, tensor), blocks spread evenly (a baseline)
+STRATEGIES = ("norm", "conflict", "kept", "random", "uniform")
 PLAN_FORMAT = "mergepipe.plan/1"
 
 
@@ -88,10 +95,14 @@ class Candidates:
     nbytes: np.ndarray
     score: np.ndarray
     bound_term: np.ndarray  # |c_i| * ||delta|| (additive error bound contribution)
+    priority: np.ndarray | None = None  # greedy key (higher first); default score per byte
     order: np.ndarray = field(default=None)  # greedy order
 
     def __post_init__(self):
-        ratio = np.where(self.nbytes > 0, self.score / np.maximum(self.nbytes, 1), np.inf)
+        if self.priority is None:
+            ratio = np.where(self.nbytes > 0, self.score / np.maximum(self.nbytes, 1), np.inf)
+        else:
+            ratio = self.priority
         # lexsort: last key is primary -> sort by -ratio, then expert, tensor, block
         self.order = np.lexsort((self.block, self.tensor, self.expert, -ratio))
         self.cum_bytes = np.cumsum(self.nbytes[self.order])
@@ -266,9 +277,16 @@ class PlanContext:
         coefs = np.array([abs(coefficient(self.op, e["weight"], self.weight_sum, self.params)) for e in self.experts])
         bound_term = coefs[arr["expert"]] * arr["l2"] if len(arr["l2"]) else np.zeros(0)
         score = bound_term.copy()
+        priority = None
         if self.strategy == "conflict" and len(score):
             score = score * (1.0 - self._conflict_rates(arr))
-        return Candidates(arr["expert"], arr["tensor"], arr["block"], arr["nbytes"], score, bound_term)
+        elif self.strategy == "kept" and len(score):
+            score = score * np.sqrt(self._kept_energy(arr))
+        elif self.strategy == "random":
+            priority = np.random.default_rng(self.seed).random(len(score))
+        elif self.strategy == "uniform":
+            priority = _uniform_priority(arr["expert"], arr["tensor"], arr["block"])
+        return Candidates(arr["expert"], arr["tensor"], arr["block"], arr["nbytes"], score, bound_term, priority)
 
     def _sketch_matrix(self):
         """Per (tensor, block): the experts' sketches rescaled to delta units, as [blocks, K, S]."""
@@ -314,6 +332,29 @@ class PlanContext:
             if both.any():
                 rates[n] = float((np.sign(mine[both]) != np.sign(others[both])).mean())
         return rates
+
+    def _kept_energy(self, arr) -> np.ndarray:
+        """For each candidate: the share of its block's energy above the operator's magnitude threshold.
+
+        Estimated from the block's sketch (a fixed sample of delta). Operators without a magnitude
+        threshold keep everything (share 1)."""
+        if self.op.sparsify not in ("magnitude", "magnitude_outliers"):
+            return np.ones(len(arr["expert"]))
+        keys, mat = self._sketch_matrix()
+        names = [t["name"] for t in self.tensors]
+        share = np.ones(len(arr["expert"]))
+        for n, (ei, ti, b) in enumerate(zip(arr["expert"], arr["tensor"], arr["block"])):
+            idx = keys.get((names[ti], int(b)))
+            thr = self.thresholds.get(self.experts[ei]["id"], {}).get(names[ti])
+            if idx is None or not thr:
+                continue
+            v = mat[idx, ei]
+            lo, hi = (thr[0], math.inf) if self.op.sparsify == "magnitude" else (thr[1], thr[0])
+            energy = float((v * v).sum())
+            if energy > 0:
+                a = np.abs(v)
+                share[n] = float((v[(a >= lo) & (a <= hi)] ** 2).sum()) / energy
+        return share
 
     def full_norm_estimate(self) -> float:
         """Estimated ||M_full - base||_2 = ||sum_i c_i delta_i||, with cross terms from the sketches."""
@@ -410,6 +451,31 @@ class PlanContext:
             "software": {"mergepipe": __version__},
         })
         return Plan(data)
+
+
+def _uniform_priority(expert: np.ndarray, tensor: np.ndarray, block: np.ndarray) -> np.ndarray:
+    """Priority that takes the same fraction of every (expert, tensor) group, spread over its blocks.
+
+    Within a group of n candidates the j-th (by block index) gets the position of j in a
+    van der Corput sequence, so any prefix of the greedy order covers each group evenly."""
+    priority = np.zeros(len(block))
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, key in enumerate(zip(expert.tolist(), tensor.tolist())):
+        groups.setdefault(key, []).append(i)
+    for members in groups.values():
+        members.sort(key=lambda i: block[i])
+        for j, i in enumerate(members):
+            priority[i] = 1.0 - _van_der_corput(j)
+    return priority
+
+
+def _van_der_corput(n: int) -> float:
+    q, denom = 0.0, 1.0
+    while n:
+        denom *= 2
+        n, bit = divmod(n, 2)
+        q += bit / denom
+    return q
 
 
 def _info(row: dict) -> TensorInfo:

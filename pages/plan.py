@@ -6,7 +6,7 @@ import streamlit as st
 
 from mergepipe import views
 from mergepipe.errors import PlanError
-from mergepipe.planner import save_plan
+from mergepipe.planner import STRATEGIES, save_plan
 from pages import _ui as ui
 
 TRI = {"default": None, "on": True, "off": False}
@@ -58,7 +58,7 @@ with ui.user_errors(), ui.catalog() as cat:
             rescale = TRI[st.selectbox("rescale", list(TRI), key="rescale", bind="query-params",
                                        help=f"default for {op}: {'on' if info['rescale'] else 'off'}")]
             seed = int(st.number_input("seed", value=0, step=1, key="seed", bind="query-params"))
-            strategy = st.selectbox("strategy", ["norm", "conflict"], key="strategy", bind="query-params",
+            strategy = st.selectbox("strategy", list(STRATEGIES), key="strategy", bind="query-params",
                                     help="norm: greedy by |c|*||delta|| per byte; conflict: also down-weights "
                                          "blocks whose signs conflict with the other experts")
         modes = ["budget", "target bound"] if info["additive"] else ["budget"]

@@ -294,7 +294,59 @@ def test_conflict_strategy(cat, fam):
     assert a["strategy"] == "conflict" and a.digest != n.digest
     assert triples(a) != triples(n)  # sign conflicts change which blocks are worth reading
     with pytest.raises(PlanError, match="strategy"):
-        planner.plan("base", ids, "ties", density=0.3, strategy="random", save=False)
+        planner.plan("base", ids, "ties", density=0.3, strategy="best", save=False)
+
+
+@pytest.mark.parametrize("strategy", ["kept", "random", "uniform"])
+def test_baseline_and_kept_strategies_are_budget_sound_and_deterministic(cat, fam, strategy):
+    ids = fam.expert_ids
+    planner = Planner(cat)
+    kw = dict(weights=WEIGHTS, density=0.3, save=False)
+    full = planner.plan("base", ids, "ties", strategy=strategy, **kw)
+    assert full["access"] == planner.plan("base", ids, "ties", **kw)["access"]
+    a = planner.plan("base", ids, "ties", budget="30%", strategy=strategy, **kw)
+    assert a.to_json() == planner.plan("base", ids, "ties", budget="30%", strategy=strategy, **kw).to_json()
+    assert 0 < a["estimate"]["expert_read"] <= a["budget"]["bytes"]
+    assert a["estimate"]["expert_read"] > 0.9 * a["budget"]["bytes"]  # greedy fills the budget
+    n = planner.plan("base", ids, "ties", budget="30%", **kw)
+    if strategy == "kept":  # scores shrink by the kept share of each block's energy
+        norm_ctx = planner.context("base", ids, "ties", weights=WEIGHTS, density=0.3)
+        kept_ctx = planner.context("base", ids, "ties", weights=WEIGHTS, density=0.3, strategy="kept")
+        ratio = kept_ctx.candidates.score / norm_ctx.candidates.score
+        assert ratio.min() > 0 and ratio.max() <= 1.0 + 1e-9 and ratio.std() > 0.01
+    else:
+        assert triples(a) != triples(n)
+
+
+def test_random_strategy_follows_the_seed(cat, fam):
+    kw = dict(weights=WEIGHTS, density=0.3, budget="30%", strategy="random", save=False)
+    planner = Planner(cat)
+    a, b = planner.plan("base", fam.expert_ids, "ties", seed=1, **kw), planner.plan("base", fam.expert_ids, "ties", seed=2, **kw)
+    assert triples(a) != triples(b)
+
+
+def test_uniform_strategy_takes_the_same_share_of_every_tensor(cat, fam):
+    planner = Planner(cat)
+    p = planner.plan("base", fam.expert_ids, "linear", budget="50%", strategy="uniform", save=False)
+    cands = {}
+    for eid in fam.expert_ids:
+        for r in cat.query("SELECT tensor, count(*) AS n FROM blocks WHERE model_id = ? AND delta_nnz > 0 "
+                           "GROUP BY tensor", [eid]):
+            cands[(eid, r["tensor"])] = r["n"]
+    shares = []
+    for (eid, tensor), n in cands.items():
+        if n >= 8:
+            taken = sum(b - a for a, b in p["access"][eid].get(tensor, []))
+            shares.append(taken / n)
+    assert shares and max(shares) - min(shares) <= 0.3
+
+
+def test_kept_strategy_scores_blocks_by_what_ties_keeps():
+    """A block whose energy sits below the TIES threshold is worth less than its norm says."""
+    from mergepipe.planner import _van_der_corput, _uniform_priority
+    assert [_van_der_corput(i) for i in range(4)] == [0.0, 0.5, 0.25, 0.75]
+    pr = _uniform_priority(np.array([0, 0, 0, 0]), np.array([1, 1, 1, 1]), np.array([3, 2, 1, 0]))
+    assert list(np.argsort(-pr, kind="stable")) == [3, 1, 2, 0]  # blocks 0, 2, 1, 3
 
 
 def test_planner_input_errors(fam, tmp_path):
