@@ -24,6 +24,7 @@ from .errors import CatalogError
 from .grid import DEFAULT_BLOCK_BYTES, BlockSpan, tensor_grid
 from .registry import check_unchanged
 from .sketch import DEFAULT_SKETCH_SIZE, make_sketch
+from .sources import open_source
 from .storage import FLOAT_DTYPES, RangeReader, TensorInfo, open_checkpoint
 
 # Top-k fractions with stored thresholds: every percent, plus two below 1 %.
@@ -41,13 +42,6 @@ class AnalyzeResult:
     bytes_read: int = 0
     seconds: float = 0.0
     n_blocks: int = 0
-
-
-def load_delta(base: torch.Tensor, expert: torch.Tensor, kind: str) -> torch.Tensor:
-    """The float32 delta of a block: the expert's bytes themselves for a delta checkpoint."""
-    if kind == "delta":
-        return expert.float()
-    return expert.float() - base.float()
 
 
 class BinSelection:
@@ -159,26 +153,28 @@ def analyze_expert(
         return AnalyzeResult(expert_id, skipped=True)
 
     base_ck = open_checkpoint(base["uri"])
-    exp_ck = open_checkpoint(expert["uri"])
+    source = open_source(expert["kind"], expert["uri"])
     t0 = time.perf_counter()
     block_rows, stat_rows = [], []
-    with RangeReader(base_ck, sequential=True) as rb, RangeReader(exp_ck, sequential=True) as re_:
-        order = sorted(exp_ck.tensors.values(), key=lambda t: (t.file, t.offset))
+    with RangeReader(base_ck, sequential=True) as rb, RangeReader(source.checkpoint, sequential=True) as re_:
+        # in the order of the expert's bytes, so the pass over its files is sequential
+        order = sorted(base_ck.tensors.values(), key=lambda t: _read_position(source, t))
         total = sum(t.nbytes for t in order)
         done = 0
 
-        def one(einfo):
-            return _analyze_tensor(rb, re_, base_ck.tensors[einfo.name], einfo, block_bytes, sketch_size,
-                                   densities, expert["kind"], expert_id)
+        def one(binfo):
+            if not source.has_delta(binfo.name):
+                return _zero_tensor(binfo, block_bytes, expert_id)
+            return _analyze_tensor(rb, re_, source, binfo, block_bytes, sketch_size, densities, expert_id)
 
         # Tensors are analyzed on a small pool of single-threaded workers (one per core).
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
                                 initializer=torch.set_num_threads, initargs=(1,)) as pool:
             results = pool.map(one, order)
-            for einfo, (blocks, stats) in zip(order, results):
+            for binfo, (blocks, stats) in zip(order, results):
                 block_rows += blocks
                 stat_rows.append(stats)
-                done += einfo.nbytes
+                done += binfo.nbytes
                 if progress:
                     progress(expert_id, done, total)
         bytes_read = rb.bytes_read + re_.bytes_read
@@ -200,22 +196,43 @@ def analyze_expert(
     return AnalyzeResult(expert_id, False, bytes_read, seconds, len(block_rows))
 
 
-def _analyze_tensor(rb: RangeReader, re_: RangeReader, binfo: TensorInfo, einfo: TensorInfo,
-                    block_bytes: int, sketch_size: int, densities, kind: str, expert_id: str):
+def _read_position(source, binfo: TensorInfo):
+    """Where a tensor's delta starts in the expert's files (tensors without a delta go last)."""
+    if not source.has_delta(binfo.name):
+        return (1, "", 0)
+    fname, offset, _ = source.block_ranges(binfo.name, tensor_grid(binfo, 1 << 62)[0])[0]
+    return (0, fname, offset)
+
+
+def _zero_tensor(binfo: TensorInfo, block_bytes: int, expert_id: str):
+    """Rows for a tensor the expert does not change (untargeted by a LoRA adapter): nothing to read."""
+    rows = [{"model_id": expert_id, "tensor": binfo.name, "block": s.index, "row_start": s.row_start,
+             "row_end": s.row_end, "offset": None, "nbytes": 0, "delta_l2": 0.0, "delta_l1": 0.0,
+             "delta_max_abs": 0.0, "delta_nnz": 0, "sketch": b""} for s in tensor_grid(binfo, block_bytes)]
+    stats = {"model_id": expert_id, "tensor": binfo.name, "numel": binfo.numel, "delta_l2": 0.0, "delta_l1": 0.0,
+             "delta_max_abs": 0.0, "delta_nnz": 0, "thresholds": "{}", "fixed_bytes": 0}
+    return rows, stats
+
+
+def _analyze_tensor(rb: RangeReader, re_: RangeReader, source, binfo: TensorInfo,
+                    block_bytes: int, sketch_size: int, densities, expert_id: str):
     spans = tensor_grid(binfo, block_bytes)
-    is_float = einfo.dtype in FLOAT_DTYPES
-    keep_in_memory = einfo.numel * 4 <= IN_MEMORY_TENSOR_BYTES
+    is_float = binfo.dtype in FLOAT_DTYPES
+    keep_in_memory = binfo.numel * 4 <= IN_MEMORY_TENSOR_BYTES
     cached: list[torch.Tensor] = []
     hist = torch.zeros(HIST_BINS, dtype=torch.int64)
     rows = []
     tot = {"l2sq": 0.0, "l1": 0.0, "max": 0.0, "nnz": 0}
+    fixed_ranges = source.fixed_ranges(binfo.name)
+    fixed = re_.read_ranges(fixed_ranges) if fixed_ranges and is_float else []
 
     def delta_of(span: BlockSpan) -> torch.Tensor:
-        e = re_.tensor_rows(einfo, span.row_start, span.row_end)
-        b = None if kind == "delta" else rb.tensor_rows(binfo, span.row_start, span.row_end)
-        return load_delta(b, e, kind).reshape(-1)
+        bufs = re_.read_ranges(source.block_ranges(binfo.name, span))
+        base = rb.tensor_rows(binfo, span.row_start, span.row_end).float() if source.needs_base else None
+        return source.delta(binfo.name, span, bufs, fixed, base).reshape(-1)
 
     for span in spans:
+        (rng,) = source.block_ranges(binfo.name, span)
         if is_float:
             d = delta_of(span)
             absd = d.abs()
@@ -237,8 +254,8 @@ def _analyze_tensor(rb: RangeReader, re_: RangeReader, binfo: TensorInfo, einfo:
         tot["max"] = max(tot["max"], mx)
         tot["nnz"] += nnz
         rows.append({
-            "model_id": expert_id, "tensor": einfo.name, "block": span.index, "row_start": span.row_start,
-            "row_end": span.row_end, "offset": einfo.offset + span.rel_offset, "nbytes": span.nbytes,
+            "model_id": expert_id, "tensor": binfo.name, "block": span.index, "row_start": span.row_start,
+            "row_end": span.row_end, "offset": rng[1], "nbytes": rng[2],
             "delta_l2": l2, "delta_l1": l1, "delta_max_abs": mx, "delta_nnz": nnz, "sketch": sketch,
         })
 
@@ -254,11 +271,12 @@ def _analyze_tensor(rb: RangeReader, re_: RangeReader, binfo: TensorInfo, einfo:
             selection.add((slot[sel].long() << 16) | (bits[sel] & 0xFFFF).long())
         return selection.finish()
 
-    thresholds = kth_largest_thresholds(hist, einfo.numel, tot["nnz"], densities, select) if tot["nnz"] else {}
+    thresholds = kth_largest_thresholds(hist, binfo.numel, tot["nnz"], densities, select) if tot["nnz"] else {}
     stats = {
-        "model_id": expert_id, "tensor": einfo.name, "numel": einfo.numel, "delta_l2": tot["l2sq"] ** 0.5,
+        "model_id": expert_id, "tensor": binfo.name, "numel": binfo.numel, "delta_l2": tot["l2sq"] ** 0.5,
         "delta_l1": tot["l1"], "delta_max_abs": tot["max"], "delta_nnz": tot["nnz"],
         "thresholds": json.dumps({str(k): v for k, v in thresholds.items()}),
+        "fixed_bytes": sum(n for _, _, n in fixed_ranges) if tot["nnz"] else 0,
     }
     return rows, stats
 

@@ -16,7 +16,7 @@ import sqlite_utils
 
 from .errors import CatalogError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)""",
@@ -41,7 +41,8 @@ SCHEMA = [
         PRIMARY KEY (model_id, tensor, block))""",
     """CREATE TABLE IF NOT EXISTS tensor_stats (
         model_id TEXT NOT NULL, tensor TEXT NOT NULL, numel INTEGER, delta_l2 REAL, delta_l1 REAL,
-        delta_max_abs REAL, delta_nnz INTEGER, thresholds TEXT, PRIMARY KEY (model_id, tensor))""",
+        delta_max_abs REAL, delta_nnz INTEGER, thresholds TEXT, fixed_bytes INTEGER DEFAULT 0,
+        PRIMARY KEY (model_id, tensor))""",
     """CREATE TABLE IF NOT EXISTS plans (
         id TEXT PRIMARY KEY, created_at TEXT, base_id TEXT, operator TEXT, budget_bytes INTEGER,
         full_expert_bytes INTEGER, expert_read_bytes INTEGER, error_bound REAL, json TEXT)""",
@@ -70,6 +71,8 @@ SCHEMA = [
 # Ordered migrations: version -> statements taking the schema from version-1 to version.
 MIGRATIONS: dict[int, list[str]] = {
     2: ["ALTER TABLE models ADD COLUMN file_stats TEXT"],  # (name, size, mtime) of the files, for cheap change checks
+    # bytes read once per tensor when any of its blocks is read (a LoRA adapter's A matrix)
+    3: ["ALTER TABLE tensor_stats ADD COLUMN fixed_bytes INTEGER DEFAULT 0"],
 }
 
 

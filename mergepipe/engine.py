@@ -30,6 +30,7 @@ from .manifest import Manifest, file_sha256
 from .ops import block_seed, combine, get_op, sparsify
 from .planner import Plan, compact_ranges, expand_ranges, load_plan
 from .registry import check_unchanged, register
+from .sources import open_source
 from .storage import (DTYPES, FLOAT_DTYPES, INDEX_NAME, Checkpoint, RangeReader, TensorInfo,
                       bytes_to_tensor, open_checkpoint, rows_shape)
 from .txn import Transaction, check_output_path
@@ -202,7 +203,7 @@ class Engine:
         experts = plan["experts"]
         weight_sum = sum(e["weight"] for e in experts)
         base_ck = open_checkpoint(plan["base"]["uri"])
-        exp_cks = [open_checkpoint(e["uri"]) for e in experts]
+        sources = [open_source(e["kind"], e["uri"]) for e in experts]
         order = sorted(base_ck.tensors.values(), key=lambda t: (t.file, t.offset))
         shards = plan_shards(order, out_shard_bytes)
         shard_of = {n: s for s in shards for n in s.offsets}
@@ -211,7 +212,8 @@ class Engine:
         passthrough_ok = not (op.whole_models and not params["normalize"] and weight_sum != 1.0)
         work = block_groups(order, plan["grid"]["block_bytes"], self.group_bytes)
         total_blocks = sum(len(g) for _, g in work)
-        readers = [RangeReader(ck) for ck in exp_cks]
+        readers = [RangeReader(src.checkpoint) for src in sources]
+        fixed_cache: list[tuple[str, list] | None] = [None] * len(experts)  # LoRA A of the current tensor
         base_reader = RangeReader(base_ck, sequential=True)
         writers = {s.fname: ShardWriter(staging, s) for s in shards}
         by_tensor: dict[str, int] = {}
@@ -223,17 +225,28 @@ class Engine:
             start, end = group[0], group[-1]
             base_buf = base_reader.read(info.file, info.offset + start.rel_offset,
                                         end.rel_offset + end.nbytes - start.rel_offset)
-            exp_bufs = []
+            exp_bufs, nread = [], 0
             for ei, e in enumerate(experts):
                 sel = selected[e["id"]].get(info.name, ())
                 spans = [s for s in group if s.index in sel]
                 if not spans:
                     exp_bufs.append({})
                     continue
-                einfo = exp_cks[ei].tensors[info.name]
-                views = readers[ei].read_ranges([(einfo.file, einfo.offset + s.rel_offset, s.nbytes) for s in spans])
-                exp_bufs.append({s.index: v for s, v in zip(spans, views)})
-            return base_buf, exp_bufs
+                src = sources[ei]
+                if fixed_cache[ei] is None or fixed_cache[ei][0] != info.name:
+                    ranges = src.fixed_ranges(info.name)
+                    fixed_cache[ei] = (info.name, readers[ei].read_ranges(ranges))
+                    nread += sum(n for _, _, n in ranges)
+                fixed = fixed_cache[ei][1]
+                per_span = [src.block_ranges(info.name, s) for s in spans]
+                views = readers[ei].read_ranges([r for rs in per_span for r in rs])
+                nread += sum(n for rs in per_span for _, _, n in rs)
+                out, pos = {}, 0
+                for s, rs in zip(spans, per_span):
+                    out[s.index] = (views[pos:pos + len(rs)], fixed)
+                    pos += len(rs)
+                exp_bufs.append(out)
+            return base_buf, exp_bufs, nread
 
         done_blocks = 0
         read_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mergepipe-read")
@@ -245,7 +258,7 @@ class Engine:
 
         def merge_one(info, span, raw, contributors):
             t_c = time.perf_counter()
-            data = self._merge_block(op, params, plan["seed"], experts, weight_sum, info, span, raw,
+            data = self._merge_block(op, params, plan["seed"], experts, sources, weight_sum, info, span, raw,
                                      contributors, plan["thresholds"])
             timing["compute_s"] += time.perf_counter() - t_c
             return data
@@ -272,7 +285,7 @@ class Engine:
             while reads:
                 item, fut = reads.popleft()
                 t_wait = time.perf_counter()
-                base_buf, exp_bufs = fut.result()
+                base_buf, exp_bufs, nread = fut.result()
                 timing["read_wait_s"] += time.perf_counter() - t_wait
                 nxt = next(it, None)
                 if nxt is not None:
@@ -291,7 +304,8 @@ class Engine:
                     pending.append((writer, base_off + span.rel_offset, data, len(group) if k == len(group) - 1 else 0))
                     for ei, _ in contributors:
                         touched[experts[ei]["id"]].setdefault(info.name, []).append(span.index)
-                        by_tensor[info.name] = by_tensor.get(info.name, 0) + span.nbytes
+                if nread:
+                    by_tensor[info.name] = by_tensor.get(info.name, 0) + nread
                 drain(4 * self.workers)
             drain(0)
         finally:
@@ -320,14 +334,13 @@ class Engine:
             "output_write": sum(o["bytes"] for o in outputs.values()),
         }
 
-    def _merge_block(self, op, params, seed, experts, weight_sum, info, span, raw, contributors, thresholds):
+    def _merge_block(self, op, params, seed, experts, sources, weight_sum, info, span, raw, contributors, thresholds):
         shape = rows_shape(info, span.row_end - span.row_start)
         base = bytes_to_tensor(raw, info.dtype, shape).float()
         deltas = []
-        for ei, buf in contributors:
+        for ei, (bufs, fixed) in contributors:
             e = experts[ei]
-            x = bytes_to_tensor(buf, info.dtype, shape)
-            delta = x.float() if e["kind"] == "delta" else torch.sub(x, base)  # promotes to float32 in one pass
+            delta = sources[ei].delta(info.name, span, bufs, fixed, base).reshape(shape)
             thr = thresholds.get(e["id"], {}).get(info.name, [])
             d = sparsify(op, delta, e["density"] or 1.0, params, thr, block_seed(seed, e["id"], info.name, span.index))
             deltas.append((e["weight"], d))

@@ -96,35 +96,54 @@ class Candidates:
     score: np.ndarray
     bound_term: np.ndarray  # |c_i| * ||delta|| (additive error bound contribution)
     priority: np.ndarray | None = None  # greedy key (higher first); default score per byte
+    setup: np.ndarray | None = None  # bytes read once per (expert, tensor) if any of its blocks is (LoRA A)
     order: np.ndarray = field(default=None)  # greedy order
 
     def __post_init__(self):
+        if self.setup is None:
+            self.setup = np.zeros(len(self.nbytes), dtype=np.int64)
+        self.group = self.expert * (int(self.tensor.max(initial=0)) + 1) + self.tensor
         if self.priority is None:
-            ratio = np.where(self.nbytes > 0, self.score / np.maximum(self.nbytes, 1), np.inf)
+            # a block's cost carries its share of the tensor's one-off bytes
+            _, inverse, counts = np.unique(self.group, return_inverse=True, return_counts=True)
+            cost = self.nbytes + self.setup / counts[inverse]
+            ratio = np.where(cost > 0, self.score / np.maximum(cost, 1), np.inf)
         else:
             ratio = self.priority
         # lexsort: last key is primary -> sort by -ratio, then expert, tensor, block
         self.order = np.lexsort((self.block, self.tensor, self.expert, -ratio))
-        self.cum_bytes = np.cumsum(self.nbytes[self.order])
+        grp = self.group[self.order]
+        first = np.zeros(len(grp), dtype=bool)
+        first[np.unique(grp, return_index=True)[1]] = True
+        self.cost_in_order = self.nbytes[self.order] + self.setup[self.order] * first
+        self.cum_bytes = np.cumsum(self.cost_in_order)
         self.cum_bound = np.cumsum(self.bound_term[self.order])
 
     @property
     def full_bytes(self) -> int:
-        return int(self.nbytes.sum())
+        return int(self.cost_in_order.sum())
+
+    def bytes_of(self, chosen: np.ndarray) -> np.ndarray:
+        """Bytes each chosen candidate costs: its own, plus its group's one-off bytes for the first."""
+        first = np.zeros(len(chosen), dtype=bool)
+        first[np.unique(self.group[chosen], return_index=True)[1]] = True
+        return self.nbytes[chosen] + self.setup[chosen] * first
 
     def select(self, budget_bytes: int) -> np.ndarray:
         """Greedy: walk the order, take every block that still fits."""
-        nb = self.nbytes[self.order]
         if budget_bytes >= self.full_bytes:
             return self.order
         # Fast path: the longest prefix that fits, then the remaining blocks that still fit.
         k = int(np.searchsorted(self.cum_bytes, budget_bytes, side="right"))
         chosen = list(self.order[:k])
         used = int(self.cum_bytes[k - 1]) if k else 0
-        for pos in range(k, len(self.order)):
-            if used + nb[pos] <= budget_bytes:
-                chosen.append(self.order[pos])
-                used += int(nb[pos])
+        paid = set(self.group[self.order[:k]].tolist())
+        for c in self.order[k:]:
+            extra = int(self.nbytes[c]) + (0 if self.group[c] in paid else int(self.setup[c]))
+            if used + extra <= budget_bytes:
+                chosen.append(c)
+                used += extra
+                paid.add(self.group[c])
         return np.array(chosen, dtype=np.int64)
 
     def frontier(self, points: int = 101) -> list[tuple[int, float]]:
@@ -258,6 +277,8 @@ class PlanContext:
         float_tensor = {t["name"] for t in self.tensors if t["dtype"] in FLOAT_DTYPES}
         parts = []
         for ei, e in enumerate(self.experts):
+            fixed = dict(self.catalog.conn.execute(
+                "SELECT tensor, fixed_bytes FROM tensor_stats WHERE model_id = ? AND fixed_bytes > 0", [e["id"]]))
             rows = self.catalog.conn.execute(
                 "SELECT tensor, block, nbytes, delta_l2, delta_max_abs FROM blocks WHERE model_id = ? AND delta_nnz > 0",
                 [e["id"]]).fetchall()
@@ -269,10 +290,11 @@ class PlanContext:
                 a = np.array([r[1:] for r in rs], dtype=np.float64)  # block, nbytes, l2, max_abs
                 useful = self._useful(e["id"], name, a[:, 3])
                 a = a[useful]
-                parts.append(np.column_stack([np.full(len(a), ei), np.full(len(a), self.tensor_index[name]), a[:, :3]]))
-        table = np.concatenate(parts) if parts else np.zeros((0, 5))
+                parts.append(np.column_stack([np.full(len(a), ei), np.full(len(a), self.tensor_index[name]), a[:, :3],
+                                              np.full(len(a), fixed.get(name, 0))]))
+        table = np.concatenate(parts) if parts else np.zeros((0, 6))
         cols = {"expert": table[:, 0], "tensor": table[:, 1], "block": table[:, 2], "nbytes": table[:, 3],
-                "l2": table[:, 4]}
+                "l2": table[:, 4], "setup": table[:, 5]}
         arr = {k: np.array(v, dtype=np.float64 if k == "l2" else np.int64) for k, v in cols.items()}
         coefs = np.array([abs(coefficient(self.op, e["weight"], self.weight_sum, self.params)) for e in self.experts])
         bound_term = coefs[arr["expert"]] * arr["l2"] if len(arr["l2"]) else np.zeros(0)
@@ -286,7 +308,8 @@ class PlanContext:
             priority = np.random.default_rng(self.seed).random(len(score))
         elif self.strategy == "uniform":
             priority = _uniform_priority(arr["expert"], arr["tensor"], arr["block"])
-        return Candidates(arr["expert"], arr["tensor"], arr["block"], arr["nbytes"], score, bound_term, priority)
+        return Candidates(arr["expert"], arr["tensor"], arr["block"], arr["nbytes"], score, bound_term, priority,
+                          arr["setup"])
 
     def _sketch_matrix(self):
         """Per (tensor, block): the experts' sketches rescaled to delta units, as [blocks, K, S]."""
@@ -404,12 +427,12 @@ class PlanContext:
         access: dict[str, dict[str, list[int]]] = {e["id"]: {} for e in self.experts}
         per_expert_bytes = {e["id"]: 0 for e in self.experts}
         per_tensor_bytes: dict[str, int] = {}
-        for c in chosen:
+        for c, nbytes in zip(chosen, cands.bytes_of(chosen)):
             eid = self.experts[cands.expert[c]]["id"]
             tname = names[cands.tensor[c]]
             access[eid].setdefault(tname, []).append(int(cands.block[c]))
-            per_expert_bytes[eid] += int(cands.nbytes[c])
-            per_tensor_bytes[tname] = per_tensor_bytes.get(tname, 0) + int(cands.nbytes[c])
+            per_expert_bytes[eid] += int(nbytes)
+            per_tensor_bytes[tname] = per_tensor_bytes.get(tname, 0) + int(nbytes)
         access = {e: {t: compact_ranges(b) for t, b in sorted(ts.items())} for e, ts in access.items()}
         expert_read = sum(per_expert_bytes.values())
         selected_mask = np.zeros(len(cands.nbytes), dtype=bool)

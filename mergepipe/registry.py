@@ -9,9 +9,15 @@ from pathlib import Path
 
 from .catalog import Catalog, now
 from .errors import CatalogError
-from .storage import Checkpoint, open_checkpoint
+from .lora import ADAPTER_CONFIG, base_mismatches, open_adapter
+from .storage import FLOAT_DTYPES, Checkpoint, open_checkpoint
 
-KINDS = ("full", "delta")
+KINDS = ("full", "delta", "lora")
+
+
+def open_files(kind: str, uri: str) -> Checkpoint:
+    """The files a model of this kind is read from (a LoRA adapter's weights, else the checkpoint)."""
+    return open_adapter(uri).checkpoint if kind == "lora" else open_checkpoint(uri)
 
 
 def fingerprint(ckpt: Checkpoint) -> str:
@@ -23,12 +29,15 @@ def fingerprint(ckpt: Checkpoint) -> str:
     h = hashlib.sha256(ckpt.headers_digest_source())
     for f in ckpt.files:
         h.update(f"{f.name}:{f.stat().st_mtime_ns}".encode())
+    adapter_config = ckpt.root / ADAPTER_CONFIG
+    if ckpt.root.is_dir() and adapter_config.is_file():  # a LoRA's alpha and r change its delta
+        h.update(adapter_config.read_bytes())
     return "sha256:" + h.hexdigest()
 
 
 def current_fingerprint(row: dict) -> str:
     """Fingerprint of the files a registered model points at, as they are now."""
-    return fingerprint(open_checkpoint(row["uri"]))
+    return fingerprint(open_files(row["kind"], row["uri"]))
 
 
 def file_stats(uri: str) -> str | None:
@@ -36,7 +45,7 @@ def file_stats(uri: str) -> str | None:
     root = Path(uri)
     try:
         files = [root] if root.is_file() else sorted(
-            [*root.glob("*.safetensors"), *root.glob("*.safetensors.index.json")])
+            [*root.glob("*.safetensors"), *root.glob("*.safetensors.index.json"), *root.glob(ADAPTER_CONFIG)])
         return json.dumps([[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files])
     except OSError:
         return None
@@ -66,8 +75,10 @@ def content_hash(ckpt: Checkpoint) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def layout_mismatches(base: Checkpoint, expert: Checkpoint, limit: int = 20) -> list[str]:
-    """Differences in tensor names, shapes and dtypes between an expert and its base."""
+def layout_mismatches(base: Checkpoint, expert: Checkpoint, limit: int = 20, any_float: bool = False) -> list[str]:
+    """Differences in tensor names, shapes and dtypes between an expert and its base.
+
+    ``any_float``: a float tensor may have another float dtype (a delta checkpoint)."""
     problems = []
     for name in sorted(set(base.tensors) - set(expert.tensors)):
         problems.append(f"missing tensor {name}")
@@ -77,11 +88,19 @@ def layout_mismatches(base: Checkpoint, expert: Checkpoint, limit: int = 20) -> 
         b, e = base.tensors[name], expert.tensors[name]
         if b.shape != e.shape:
             problems.append(f"{name}: shape {list(e.shape)} != base {list(b.shape)}")
-        if b.dtype != e.dtype:
+        if b.dtype != e.dtype and not (any_float and {b.dtype, e.dtype} <= FLOAT_DTYPES):
             problems.append(f"{name}: dtype {e.dtype} != base {b.dtype}")
     if len(problems) > limit:
         problems = problems[:limit] + [f"... and {len(problems) - limit} more"]
     return problems
+
+
+def _architecture(kind: str, config: dict) -> str | None:
+    if kind == "lora":
+        targets = config.get("target_modules")
+        targets = ",".join(sorted(targets)) if isinstance(targets, list) else targets
+        return f"LoRA r={config.get('r')} alpha={config.get('lora_alpha')}" + (f" on {targets}" if targets else "")
+    return ",".join(config.get("architectures", [])) or config.get("model_type")
 
 
 def register(
@@ -99,16 +118,23 @@ def register(
         raise CatalogError("model id must not be empty")
     if kind not in KINDS:
         raise CatalogError(f"unsupported kind {kind!r} (supported: {', '.join(KINDS)})")
-    if kind == "delta" and not base_id:
-        raise CatalogError("a delta checkpoint needs --base")
-    ckpt = open_checkpoint(uri)
+    if kind in ("delta", "lora") and not base_id:
+        raise CatalogError(f"a {kind} checkpoint needs --base")
+    if kind == "lora":
+        adapter = open_adapter(uri)
+        ckpt = adapter.checkpoint
+    else:
+        ckpt = open_checkpoint(uri)
     fp = fingerprint(ckpt)
     if base_id is not None:
         if base_id == model_id:
             raise CatalogError("a model cannot be its own base")
         base_row = catalog.model(base_id)
+        if base_row["kind"] != "full":
+            raise CatalogError(f"base {base_id!r} is a {base_row['kind']} checkpoint; a base must be a full checkpoint")
         base_ckpt = open_checkpoint(base_row["uri"])
-        problems = layout_mismatches(base_ckpt, ckpt)
+        problems = (base_mismatches(adapter, base_ckpt) if kind == "lora"
+                    else layout_mismatches(base_ckpt, ckpt, any_float=kind == "delta"))
         if problems:
             raise CatalogError(
                 f"{model_id} does not match base {base_id}: " + "; ".join(problems)
@@ -139,7 +165,7 @@ def register(
         "base_id": base_id,
         "fingerprint": fp,
         "content_hash": content_hash(ckpt) if with_content_hash else None,
-        "architecture": ",".join(ckpt.config.get("architectures", [])) or ckpt.config.get("model_type"),
+        "architecture": _architecture(kind, ckpt.config),
         "dtype": dtypes[0] if len(dtypes) == 1 else "mixed:" + ",".join(dtypes),
         "params": sum(math.prod(t.shape) for t in ckpt.tensors.values()),
         "bytes": ckpt.nbytes,

@@ -304,8 +304,12 @@ def test_register_argument_errors(catalog, fam_fp32):
         register(catalog, "e", str(fam_fp32.experts[0]), base_id="nobase")
     with pytest.raises(CatalogError, match="own base"):
         register(catalog, "base", str(fam_fp32.base), base_id="base")
-    with pytest.raises(CatalogError, match="unsupported kind 'lora'"):
+    with pytest.raises(CatalogError, match="unsupported kind 'qlora'"):
+        register(catalog, "e", str(fam_fp32.experts[0]), base_id="base", kind="qlora")
+    with pytest.raises(CatalogError, match="not a PEFT adapter directory"):
         register(catalog, "e", str(fam_fp32.experts[0]), base_id="base", kind="lora")
+    with pytest.raises(CatalogError, match="needs --base"):
+        register(catalog, "e", str(fam_fp32.experts[0]), kind="lora")
     with pytest.raises(CatalogError, match="needs --base"):
         register(catalog, "e", str(fam_fp32.experts[0]), kind="delta")
     with pytest.raises(CatalogError, match="must not be empty"):
@@ -323,16 +327,19 @@ def test_model_lookup_error_names_known_ids(catalog, fam_fp32):
 
 
 def test_v1_catalog_is_migrated_in_place(tmp_path, fam_fp32):
-    """A catalog written by schema v1 (no models.file_stats) opens, migrates and keeps its rows."""
+    """A catalog written by schema v1 (no models.file_stats, no tensor_stats.fixed_bytes) opens,
+    migrates and keeps its rows."""
     db = tmp_path / "old.sqlite"
     cat = Catalog(db)
     register(cat, "base", str(fam_fp32.base))
     cat.conn.execute("ALTER TABLE models DROP COLUMN file_stats")
+    cat.conn.execute("ALTER TABLE tensor_stats DROP COLUMN fixed_bytes")
     cat.conn.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
     cat.close()
     cat = Catalog(db)
     assert cat.query("SELECT value FROM meta WHERE key='schema_version'")[0]["value"] == str(SCHEMA_VERSION)
     row = cat.model("base")
     assert row["file_stats"] is None and row["fingerprint"].startswith("sha256:")
+    assert "fixed_bytes" in {c[1] for c in cat.conn.execute("PRAGMA table_info(tensor_stats)")}
     from mergepipe.registry import check_unchanged
     check_unchanged(row)  # no stored stats: falls back to re-parsing the headers
