@@ -30,6 +30,7 @@ from .manifest import Manifest, file_sha256
 from .ops import block_seed, combine, get_op, sparsify
 from .planner import Plan, compact_ranges, expand_ranges, load_plan
 from .registry import check_unchanged, register
+from .settings import tensor_density, tensor_weight
 from .sources import open_source
 from .storage import (DTYPES, FLOAT_DTYPES, INDEX_NAME, Checkpoint, RangeReader, TensorInfo,
                       bytes_to_tensor, open_checkpoint, rows_shape)
@@ -201,15 +202,17 @@ class Engine:
         op = get_op(plan["operator"])
         params = plan["params"]
         experts = plan["experts"]
-        weight_sum = sum(e["weight"] for e in experts)
         base_ck = open_checkpoint(plan["base"]["uri"])
         sources = [open_source(e["kind"], e["uri"]) for e in experts]
         order = sorted(base_ck.tensors.values(), key=lambda t: (t.file, t.offset))
         shards = plan_shards(order, out_shard_bytes)
         shard_of = {n: s for s in shards for n in s.offsets}
         selected = {e["id"]: {t: set(expand_ranges(rs)) for t, rs in plan["access"][e["id"]].items()} for e in experts}
-        # linear without normalize scales the base by sum(w): then no block is a plain copy
-        passthrough_ok = not (op.whole_models and not params["normalize"] and weight_sum != 1.0)
+        weight_sums = {t.name: sum(tensor_weight(e, t.name) or 0.0 for e in experts) for t in order}
+
+        def passthrough_ok(name: str) -> bool:
+            # linear without normalize scales the base by sum(w): then no block is a plain copy
+            return not (op.whole_models and not params["normalize"] and weight_sums[name] != 1.0)
         work = block_groups(order, plan["grid"]["block_bytes"], self.group_bytes)
         total_blocks = sum(len(g) for _, g in work)
         readers = [RangeReader(src.checkpoint) for src in sources]
@@ -258,8 +261,8 @@ class Engine:
 
         def merge_one(info, span, raw, contributors):
             t_c = time.perf_counter()
-            data = self._merge_block(op, params, plan["seed"], experts, sources, weight_sum, info, span, raw,
-                                     contributors, plan["thresholds"])
+            data = self._merge_block(op, params, plan["seed"], experts, sources, weight_sums[info.name], info, span,
+                                     raw, contributors, plan["thresholds"])
             timing["compute_s"] += time.perf_counter() - t_c
             return data
 
@@ -297,7 +300,7 @@ class Engine:
                 for k, span in enumerate(group):
                     raw = memoryview(base_buf)[span.rel_offset - g0: span.rel_offset - g0 + span.nbytes]
                     contributors = [(ei, bufs[span.index]) for ei, bufs in enumerate(exp_bufs) if span.index in bufs]
-                    if info.dtype not in FLOAT_DTYPES or (not contributors and passthrough_ok):
+                    if info.dtype not in FLOAT_DTYPES or (not contributors and passthrough_ok(info.name)):
                         data = raw
                     else:
                         data = compute_pool.submit(merge_one, info, span, raw, contributors)
@@ -342,8 +345,9 @@ class Engine:
             e = experts[ei]
             delta = sources[ei].delta(info.name, span, bufs, fixed, base).reshape(shape)
             thr = thresholds.get(e["id"], {}).get(info.name, [])
-            d = sparsify(op, delta, e["density"] or 1.0, params, thr, block_seed(seed, e["id"], info.name, span.index))
-            deltas.append((e["weight"], d))
+            d = sparsify(op, delta, tensor_density(e, info.name) or 1.0, params, thr,
+                         block_seed(seed, e["id"], info.name, span.index))
+            deltas.append((tensor_weight(e, info.name), d))
         merged = combine(op, base, deltas, weight_sum, params)
         return tensor_bytes(merged.to(DTYPES[info.dtype][0]))
 

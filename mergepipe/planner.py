@@ -24,6 +24,7 @@ from .grid import tensor_grid
 from .manifest import canonical
 from .ops import OpSpec, coefficient, get_op, resolve_params, threshold_fractions
 from .registry import check_unchanged
+from .settings import check_setting, is_scalar, layer_t, num_layers, resolve, tensor_density, tensor_weight
 from .sketch import decode
 from .storage import FLOAT_DTYPES, TensorInfo
 
@@ -174,7 +175,7 @@ class PlanContext:
 
     def __init__(self, catalog: Catalog, base_model: str, experts, operator: str = "ties",
                  weights=None, density=None, lam=None, normalize=None, rescale=None, seed: int = 0,
-                 strategy: str = "norm", gamma=None, epsilon=None):
+                 strategy: str = "norm", gamma=None, epsilon=None, weight=None):
         self.catalog = catalog
         self.op: OpSpec = get_op(operator)
         self.params = resolve_params(self.op, normalize=normalize, rescale=rescale, lam=lam,
@@ -184,15 +185,21 @@ class PlanContext:
             raise PlanError(f"unknown strategy {strategy!r} (choose from {', '.join(STRATEGIES)})")
         self.strategy = strategy
         self.base = catalog.model(base_model)
-        self.experts = self._expert_specs(experts, weights, density)
-        self.block_bytes = catalog.grid_block_bytes(self.base["id"])
         self.tensors = [t for t in catalog.tensors(self.base["id"])]
         self.tensor_index = {t["name"]: i for i, t in enumerate(self.tensors)}
-        self.weight_sum = sum(e["weight"] for e in self.experts)
+        self.experts = self._expert_specs(experts, weights, density, weight)
+        self.block_bytes = catalog.grid_block_bytes(self.base["id"])
+        names = [t["name"] for t in self.tensors]
+        # [K, T] weight of each expert on each tensor, and its coefficient in the merged delta
+        self.weight_matrix = np.array([[tensor_weight(e, n) or 0.0 for n in names] for e in self.experts],
+                                      dtype=np.float64).reshape(len(self.experts), len(names))
+        self.weight_sums = self.weight_matrix.sum(axis=0)
+        self.coef_matrix = np.array([[coefficient(self.op, w, ws, self.params) for w, ws in zip(row, self.weight_sums)]
+                                     for row in self.weight_matrix]).reshape(self.weight_matrix.shape)
         self.thresholds = self._thresholds()
         self.candidates = self._candidates()
 
-    def _expert_specs(self, experts, weights, density) -> list[dict]:
+    def _expert_specs(self, experts, weights, density, weight=None) -> list[dict]:
         if not experts:
             raise PlanError("no experts given")
         specs = []
@@ -209,6 +216,8 @@ class PlanContext:
                 raise PlanError(f"{len(weights)} weights given for {len(specs)} experts")
             for s, w in zip(specs, weights):
                 s["weight"] = w
+        global_w = None if weight is None else check_setting(weight, "weight")
+        global_d = None if density is None else check_setting(density, "density")
         check_unchanged(self.base)
         out = []
         for s in specs:
@@ -219,32 +228,57 @@ class PlanContext:
                 raise PlanError(f"expert {row['id']!r} is not analyzed against {self.base['id']!r} "
                                 f"(run `mergepipe analyze --model-id {row['id']}`)")
             check_unchanged(row)
-            w = float(s.get("weight", 1.0))
-            d = s.get("density", density)
-            d = 1.0 if d is None else float(d)
-            if not math.isfinite(w):
-                raise PlanError(f"weight of {row['id']} must be a finite number")
-            if self.op.uses_density and not 0 < d <= 1:
-                raise PlanError(f"density {d} of {row['id']} is outside (0, 1]")
-            if self.op.sparsify == "della":
-                eps = self.params["epsilon"]
-                if d < 1 and not (0 < eps and d - eps > 0 and d + eps <= 1):
-                    raise PlanError(f"della needs 0 < density - epsilon and density + epsilon <= 1 "
-                                    f"(density {d}, epsilon {eps})")
-            out.append({"id": row["id"], "uri": row["uri"], "fingerprint": row["fingerprint"],
-                        "kind": row["kind"], "weight": w, "density": d if self.op.uses_density else None})
+            w = check_setting(s["weight"], f"weight of {row['id']}") if s.get("weight") is not None else None
+            d = check_setting(s["density"], f"density of {row['id']}") if s.get("density") is not None else None
+            spec = {"id": row["id"], "uri": row["uri"], "fingerprint": row["fingerprint"], "kind": row["kind"]}
+            if all(v is None or is_scalar(v) for v in (w, d, global_w, global_d)):
+                spec["weight"] = w if w is not None else (global_w if global_w is not None else 1.0)
+                dd = d if d is not None else (global_d if global_d is not None else 1.0)
+                self._check_density(row["id"], dd)
+                spec["density"] = dd if self.op.uses_density else None
+            else:
+                spec.update(self._per_tensor(row["id"], [w, global_w], [d, global_d]))
+            out.append(spec)
         return out
+
+    def _check_density(self, expert_id: str, d: float, where: str = "") -> None:
+        if self.op.uses_density and not 0 < d <= 1:
+            raise PlanError(f"density {d:g} of {expert_id}{where} is outside (0, 1]")
+        if self.op.sparsify == "della":
+            eps = self.params["epsilon"]
+            if d < 1 and not (0 < eps and d - eps > 0 and d + eps <= 1):
+                raise PlanError(f"della needs 0 < density - epsilon and density + epsilon <= 1 "
+                                f"(density {d:g}{where}, epsilon {eps})")
+
+    def _per_tensor(self, expert_id: str, weight_settings, density_settings) -> dict:
+        """Weight and density of one expert for every float tensor, from filters and gradients."""
+        names = [t["name"] for t in self.tensors if t["dtype"] in FLOAT_DTYPES]
+        layers = num_layers([t["name"] for t in self.tensors], json.loads(self.base["config"] or "{}"))
+        values = {}
+        for name in names:
+            t = layer_t(name, layers)
+            w = resolve(weight_settings, name, t, 1.0)
+            d = resolve(density_settings, name, t, 1.0)
+            self._check_density(expert_id, d, f" on {name}")
+            values[name] = [w, d if self.op.uses_density else None]
+        ws = {v[0] for v in values.values()}
+        ds = {v[1] for v in values.values()}
+        return {"weight": ws.pop() if len(ws) == 1 else None, "density": ds.pop() if len(ds) == 1 else None,
+                "settings": {"weight": weight_settings[0], "density": density_settings[0]},
+                "tensors": values}
 
     def _thresholds(self) -> dict[str, dict[str, list[float]]]:
         out: dict[str, dict[str, list[float]]] = {}
         for e in self.experts:
-            fracs = threshold_fractions(self.op, e["density"] or 1.0, self.params)
-            if not fracs:
+            if self.op.sparsify not in ("magnitude", "magnitude_outliers"):
                 continue
             rows = self.catalog.conn.execute(
                 "SELECT tensor, thresholds FROM tensor_stats WHERE model_id = ? AND delta_nnz > 0", [e["id"]])
             per = {}
             for name, text in rows:
+                fracs = threshold_fractions(self.op, tensor_density(e, name) or 1.0, self.params)
+                if not fracs:
+                    continue
                 table = json.loads(text or "{}")
                 vals = []
                 for f in fracs:
@@ -261,7 +295,8 @@ class PlanContext:
                             f"run `mergepipe analyze --model-id {e['id']} --densities {f:g}`")
                     vals.append(value)
                 per[name] = vals
-            out[e["id"]] = per
+            if per:
+                out[e["id"]] = per
         return out
 
     def _useful(self, expert_id: str, tensor: str, max_abs: np.ndarray) -> np.ndarray:
@@ -296,8 +331,8 @@ class PlanContext:
         cols = {"expert": table[:, 0], "tensor": table[:, 1], "block": table[:, 2], "nbytes": table[:, 3],
                 "l2": table[:, 4], "setup": table[:, 5]}
         arr = {k: np.array(v, dtype=np.float64 if k == "l2" else np.int64) for k, v in cols.items()}
-        coefs = np.array([abs(coefficient(self.op, e["weight"], self.weight_sum, self.params)) for e in self.experts])
-        bound_term = coefs[arr["expert"]] * arr["l2"] if len(arr["l2"]) else np.zeros(0)
+        coefs = np.abs(self.coef_matrix)
+        bound_term = coefs[arr["expert"], arr["tensor"]] * arr["l2"] if len(arr["l2"]) else np.zeros(0)
         score = bound_term.copy()
         priority = None
         if self.strategy == "conflict" and len(score):
@@ -341,16 +376,16 @@ class PlanContext:
     def _conflict_rates(self, arr) -> np.ndarray:
         """For each candidate: sign-conflict rate of the expert's delta against the others' weighted sum."""
         keys, mat = self._sketch_matrix()
-        w = np.array([e["weight"] for e in self.experts], dtype=np.float32)
-        total = np.einsum("bks,k->bs", mat, w)
+        wm = self.weight_matrix.astype(np.float32)
         rates = np.zeros(len(arr["expert"]))
         names = [t["name"] for t in self.tensors]
         for n, (ei, ti, b) in enumerate(zip(arr["expert"], arr["tensor"], arr["block"])):
             idx = keys.get((names[ti], int(b)))
             if idx is None:
                 continue
-            mine = mat[idx, ei] * w[ei]
-            others = total[idx] - mine
+            weighted = mat[idx] * wm[:, ti, None]
+            mine = weighted[ei]
+            others = weighted.sum(axis=0) - mine
             both = (mine != 0) & (others != 0)
             if both.any():
                 rates[n] = float((np.sign(mine[both]) != np.sign(others[both])).mean())
@@ -384,7 +419,10 @@ class PlanContext:
         if hasattr(self, "_full_norm"):
             return self._full_norm
         keys, mat = self._sketch_matrix()
-        coefs = np.array([coefficient(self.op, e["weight"], self.weight_sum, self.params) for e in self.experts])
+        key_tensor = np.zeros(len(keys), dtype=np.int64)
+        for (tensor, _), i in keys.items():
+            key_tensor[i] = self.tensor_index[tensor]
+        coefs = self.coef_matrix[:, key_tensor].T  # [B, K]
         l2 = np.zeros((len(keys), len(self.experts)))
         for ei, e in enumerate(self.experts):
             for tensor, block, value in self.catalog.conn.execute(
