@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 
 from .catalog import Catalog
 from .engine import DEFAULT_SHARD_BYTES, Engine
-from .errors import MergePipeError
+from .errors import ExecutionError, MergePipeError
 from .manifest import load_manifest, verify
+from .mergekit_config import (
+    MergekitConfig,
+    export_mergekit,
+    load_config,
+    parse_config,
+    plan_from_config,
+)
 from .planner import Plan, Planner, load_plan, save_plan
-from .txn import recover
+from .txn import check_output_path, recover
 
 __all__ = ["Catalog", "Planner", "Engine", "Plan", "merge", "plan_merge", "snapshots", "lineage", "verify",
-           "recover", "explain", "load_plan", "load_manifest", "save_plan"]
+           "recover", "explain", "load_plan", "load_manifest", "save_plan", "merge_config", "plan_config",
+           "export_mergekit", "load_config", "parse_config"]
 
 
 def plan_merge(catalog: Catalog, base: str, experts, operator: str = "linear", budget=None, budget_mb=None,
@@ -26,6 +35,41 @@ def merge(catalog: Catalog, base: str, experts, out, operator: str = "linear", m
     # The engine stores the plan after its own checks (output path, model id): a refused merge
     # changes nothing in the catalog.
     plan = plan_merge(catalog, base, experts, operator, save=False, **plan_kw)
+    snapshot_id, manifest = Engine(catalog).execute(plan, out=out, model_id=model_id,
+                                                    out_shard_bytes=out_shard_bytes, progress=progress)
+    return plan, snapshot_id, manifest
+
+
+def _config(config) -> MergekitConfig:
+    return config if isinstance(config, MergekitConfig) else load_config(config)
+
+
+def check_target(catalog: Catalog, out, model_id: str | None = None) -> tuple[Path, str]:
+    """The output directory and merged model id a merge would use, refused now if either is taken
+    (the engine checks again; checking first spares registering and analyzing for nothing)."""
+    out = Path(out).absolute()
+    model_id = model_id or out.name
+    if catalog.has_model(model_id):
+        raise ExecutionError(f"model id {model_id!r} is already registered; choose another --model-id")
+    check_output_path(out)
+    return out, model_id
+
+
+def plan_config(catalog: Catalog, config, save: bool = True, progress=None, **overrides) -> Plan:
+    """Plan a mergekit config (a path or a parsed :class:`MergekitConfig`); ``overrides`` as in
+    ``MergekitConfig.with_overrides``. Paths in it are registered and analyzed on the fly."""
+    cfg = _config(config).with_overrides(**overrides)
+    return plan_from_config(catalog, cfg, save=save, progress=progress)[0]
+
+
+def merge_config(catalog: Catalog, config, out, model_id: str | None = None,
+                 out_shard_bytes: int = DEFAULT_SHARD_BYTES, progress=None, analyze_progress=None, **overrides):
+    """Plan and execute a mergekit config; returns (plan, snapshot_id, manifest).
+
+    A config that cannot be merged (bad key, missing path, taken output) changes nothing in the catalog."""
+    cfg = _config(config).with_overrides(**overrides)
+    out, model_id = check_target(catalog, out, model_id)
+    plan, _ = plan_from_config(catalog, cfg, save=False, reserved_ids={model_id}, progress=analyze_progress)
     snapshot_id, manifest = Engine(catalog).execute(plan, out=out, model_id=model_id,
                                                     out_shard_bytes=out_shard_bytes, progress=progress)
     return plan, snapshot_id, manifest

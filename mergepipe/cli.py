@@ -203,11 +203,14 @@ def cmd_demo(args):
 
 # --- plan / merge / execute ---------------------------------------------------------------------
 def _add_plan_args(p, with_out: bool):
-    p.add_argument("--base", required=True, help="base model id")
-    p.add_argument("--experts", nargs="+", required=True, help="expert model ids")
-    p.add_argument("--op", "--operator", dest="op", default="linear",
+    p.add_argument("--config", help="a mergekit YAML config (models, base_model, merge_method, parameters); "
+                                    "paths in it are registered and analyzed on the fly; flags given here "
+                                    "override its values")
+    p.add_argument("--base", help="base model id (required without --config)")
+    p.add_argument("--experts", nargs="+", help="expert model ids (required without --config)")
+    p.add_argument("--op", "--operator", dest="op", default=None,
                    help="linear (AVG), task_arithmetic, ties, dare_linear, dare_ties (DARE), breadcrumbs, "
-                        "breadcrumbs_ties, della, della_linear (default linear)")
+                        "breadcrumbs_ties, della, della_linear (default linear, or the config's merge_method)")
     p.add_argument("--weights", nargs="+", type=float)
     p.add_argument("--density", type=float)
     p.add_argument("--lambda", dest="lam", type=float)
@@ -220,9 +223,9 @@ def _add_plan_args(p, with_out: bool):
     p.add_argument("--budget", help="expert-read budget: 10%%, 0.1, 512MiB, 8GB (default 100%%)")
     p.add_argument("--io-budget-mb", type=float, help="expert-read budget in MiB")
     p.add_argument("--target-bound", type=float, help="smallest budget whose relative error bound <= this")
-    p.add_argument("--strategy", default="norm",
+    p.add_argument("--strategy", default=None,
                    help="how blocks are ranked: norm (default), conflict, kept, random, uniform")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="seed of the random operators and strategy (default 0)")
     if with_out:
         _add_out_args(p)
 
@@ -233,15 +236,45 @@ def _add_out_args(p):
     p.add_argument("--out-shard-size", type=int, default=2 << 30, help="bytes per output shard (default 2 GiB)")
 
 
-def _make_plan(args, cat, save=True):
+def _make_plan(args, cat, save=True, reserved_ids=()):
     from .planner import Planner
     if args.budget is not None and args.io_budget_mb is not None:
         raise MergePipeError("give either --budget or --io-budget-mb, not both")
+    if args.config is not None:
+        return _config_plan(args, cat, save, reserved_ids)
+    if not args.base or not args.experts:
+        raise MergePipeError("--base and --experts are required (or give a mergekit YAML with --config)")
     return Planner(cat).plan(
-        args.base, args.experts, args.op, budget=args.budget, budget_mb=args.io_budget_mb,
+        args.base, args.experts, args.op or "linear", budget=args.budget, budget_mb=args.io_budget_mb,
         target_bound=args.target_bound, save=save, weights=args.weights, density=args.density, lam=args.lam,
-        normalize=args.normalize, rescale=args.rescale, seed=args.seed, strategy=args.strategy,
-        gamma=args.gamma, epsilon=args.epsilon)
+        normalize=args.normalize, rescale=args.rescale, seed=0 if args.seed is None else args.seed,
+        strategy=args.strategy or "norm", gamma=args.gamma, epsilon=args.epsilon)
+
+
+def _load_config(args):
+    """The --config file, parsed and validated, with the command line's flags applied over it."""
+    from .budget import mib
+    from .mergekit_config import load_config
+    if args.base or args.experts:
+        raise MergePipeError("--base/--experts cannot be combined with --config (the config names the models)")
+    budget = mib(args.io_budget_mb) if args.io_budget_mb is not None else args.budget
+    return load_config(args.config).with_overrides(
+        operator=args.op, weights=args.weights, density=args.density, lam=args.lam, normalize=args.normalize,
+        rescale=args.rescale, gamma=args.gamma, epsilon=args.epsilon, budget=budget,
+        target_bound=args.target_bound, strategy=args.strategy, seed=args.seed)
+
+
+def _config_plan(args, cat, save, reserved_ids):
+    from .mergekit_config import plan_from_config
+    prog, cb = progress_bar("analyze")
+    with prog:
+        plan, resolved = plan_from_config(cat, args.config_parsed, save=save, reserved_ids=reserved_ids,
+                                          progress=cb)
+    for kw in resolved.to_register:
+        print(f"registered {kw['model_id']} ({kw['kind']}) from {kw['uri']}", file=sys.stderr)
+    for mid in resolved.to_analyze:
+        print(f"analyzed {mid}", file=sys.stderr)
+    return plan
 
 
 def _plan_summary(plan) -> dict:
@@ -251,9 +284,18 @@ def _plan_summary(plan) -> dict:
             "expert_read_by_expert": plan["expert_read_by_expert"], "error_bound": plan["error_bound"]}
 
 
+def _open_for_plan(args):
+    """The catalog for plan/merge; with --config the YAML is read first (a bad file creates nothing)
+    and a missing catalog is created, since the config's paths get registered into it."""
+    if args.config is not None:
+        args.config_parsed = _load_config(args)
+        return open_catalog(args, create=True)
+    return open_catalog(args)
+
+
 @command("plan", "make and store a plan (reads no expert bytes)")
 def cmd_plan(args):
-    cat = open_catalog(args)
+    cat = _open_for_plan(args)
     plan = _make_plan(args, cat)
     emit(args, _plan_summary(plan), lambda _: print(plan.explain()))
 
@@ -299,10 +341,15 @@ def _execute(args, cat, plan):
 
 @command("merge", "plan and execute a merge, publishing a snapshot")
 def cmd_merge(args):
-    cat = open_catalog(args)
+    cat = _open_for_plan(args)
     # Not saved here: the engine stores the plan once the output path and model id are known to be
     # usable, so a refused merge leaves the catalog unchanged.
-    _execute(args, cat, _make_plan(args, cat, save=False))
+    reserved = ()
+    if args.config is not None:  # refuse a taken output before registering or analyzing anything
+        from .api import check_target
+        _, model_id = check_target(cat, args.out, args.model_id)
+        reserved = (model_id,)
+    _execute(args, cat, _make_plan(args, cat, save=False, reserved_ids=reserved))
 
 
 @command("execute", "execute a stored plan")
@@ -322,6 +369,10 @@ def cmd_execute(args):
 @command("explain", "print a plan or a snapshot, per expert and per tensor")
 def cmd_explain(args):
     from .api import explain, load_manifest, load_plan
+    if args.as_mergekit:
+        return _explain_mergekit(args)
+    if args.out is not None:
+        raise MergePipeError("--out goes with --as-mergekit")
     cat = open_catalog(args)
     if args.json:
         if cat.query("SELECT 1 FROM plans WHERE id = ? OR id = ?", [args.ref, "plan-" + args.ref]):
@@ -330,6 +381,22 @@ def cmd_explain(args):
             print(load_manifest(cat, args.ref).to_json())
         return
     print(explain(cat, args.ref))
+
+
+def _explain_mergekit(args):
+    from .mergekit_config import export_mergekit
+    cat = open_catalog(args) if (Path(args.db).exists() or not Path(args.ref).is_dir()) else None
+    text = export_mergekit(cat, args.ref)
+    if args.out is None:
+        sys.stdout.write(text)
+        return
+    out = Path(args.out)
+    if out.is_dir():
+        raise MergePipeError(f"{out} is a directory; give a file name for the YAML")
+    if not out.parent.is_dir():
+        raise MergePipeError(f"{out.parent}: directory does not exist")
+    out.write_text(text)
+    print(f"wrote {out}", file=sys.stderr)
 
 
 @command("verify", "re-hash a snapshot against its manifest (exit 1 on mismatch)")
@@ -414,6 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
     parsers["execute"].add_argument("--run-id", type=int, help=argparse.SUPPRESS)
     for name in ("explain", "verify"):
         parsers[name].add_argument("ref", help="plan id, snapshot id, merged model id or snapshot directory")
+    parsers["explain"].add_argument("--as-mergekit", action="store_true",
+                                    help="print the equivalent mergekit YAML config instead")
+    parsers["explain"].add_argument("--out", help="with --as-mergekit: write the YAML to this file")
     parsers["lineage"].add_argument("model_id", nargs="?")
     parsers["lineage"].add_argument("--dot", action="store_true", help="print Graphviz DOT")
     parsers["dashboard"].add_argument("--port", type=int, default=8501)
@@ -436,7 +506,7 @@ def _first_positional(argv: list[str]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if _first_positional(argv) not in SUBCOMMANDS and "--base" in argv:
+    if _first_positional(argv) not in SUBCOMMANDS and ("--base" in argv or "--config" in argv):
         argv = ["merge", *argv]  # the original MergePipe quick start: `mergepipe --db P --base B ...`
     args = parser.parse_args(argv)
     args.db = getattr(args, "db", None) or default_db()

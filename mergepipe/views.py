@@ -210,6 +210,23 @@ def model_details(cat: Catalog, model_id: str) -> dict:
     }
 
 
+REGISTER_KINDS = ("full", "delta", "lora")
+KIND_HELP = {"full": "a whole checkpoint (a base, or an expert fine-tuned from the base)",
+             "delta": "a checkpoint holding expert - base directly (needs its base)",
+             "lora": "a PEFT LoRA adapter directory: adapter_config.json + adapter_model.safetensors (needs its base)"}
+
+
+def registration_base(kind: str, base: str | None) -> str | None:
+    """The base a registration form's choice amounts to; delta checkpoints and LoRA adapters need one."""
+    if kind not in REGISTER_KINDS:
+        raise MergePipeError(f"unknown kind {kind!r} (choose from {', '.join(REGISTER_KINDS)})")
+    if kind == "delta" and not base:
+        raise MergePipeError("a delta checkpoint needs a base: choose the model its deltas are taken against")
+    if kind == "lora" and not base:
+        raise MergePipeError("a LoRA adapter needs a base: choose the model it was trained on")
+    return base or None
+
+
 def bases(cat: Catalog) -> list[str]:
     """Models that are bases (registered without a base)."""
     return [m["id"] for m in cat.models() if not m["base_id"]]
@@ -619,6 +636,81 @@ def make_plan(ctx: PlanContext, budget_pct: float | None = None, target_rel: flo
     if not budget_pct > 0:
         raise PlanError("the budget must be positive: move the slider above 0%")
     return ctx.plan(budget=f"{float(budget_pct):g}%")
+
+
+PLAN_PAGE_TRI = {None: "default", True: "on", False: "off"}
+
+
+def read_config_source(upload: bytes | None, path: str | None, roots: list[Path]) -> tuple[bytes, str]:
+    """The bytes of a mergekit YAML from an upload, else from a typed path under an allowed folder."""
+    from .mergekit_config import MAX_CONFIG_BYTES
+    if upload is not None:
+        return upload, "uploaded config"
+    p = check_path(path or "", roots)
+    if not p.is_file():
+        raise MergePipeError(f"{p} is not a file")
+    if p.stat().st_size > MAX_CONFIG_BYTES:
+        raise MergePipeError(f"{p}: {p.stat().st_size} bytes is too large for a merge config")
+    return p.read_bytes(), p.name
+
+
+def mergekit_plan_settings(cat: Catalog, text: str | bytes, source: str, roots: list[Path]) -> dict:
+    """Plan-page settings (widget key -> value) equivalent to a mergekit YAML config.
+
+    Only looks at the catalog: the config's models must be registered already (a path is matched by
+    uri and fingerprint; paths must lie under an allowed folder). Refuses what the page cannot show
+    (per-model densities that differ, a budget that is not a whole percentage)."""
+    from .mergekit_config import parse_config, prepare
+    cfg = parse_config(text, source)
+    r = prepare(cat, cfg, register_paths=False, check_path=lambda t: check_path(t, roots))
+    spec = get_op(cfg.method)
+    experts = [e["model"] for e in r.experts]
+    for e in experts:
+        if cat.model(e)["base_id"] != r.base:
+            raise PlanError(f"expert {e!r} is registered with base {cat.model(e)['base_id']!r}, not {r.base!r}")
+    settings: dict = {"base": r.base, "experts": experts, "op": spec.name, "lam": 1.0 if cfg.lam is None else cfg.lam,
+                      "normalize": PLAN_PAGE_TRI[cfg.normalize], "rescale": PLAN_PAGE_TRI[cfg.rescale],
+                      "seed": 0 if cfg.seed is None else cfg.seed, "strategy": cfg.strategy or "norm"}
+    for e in r.experts:
+        for key in ("weight", "density"):
+            if isinstance(e.get(key), list):
+                raise PlanError(f"{source}: the {key} of {e['model']} varies per tensor (a filter or gradient), "
+                                f"which the Plan page cannot show; use `mergepipe merge --config`")
+        settings[f"w_{e['model']}"] = float(e.get("weight", 1.0))
+    if spec.uses_density:
+        densities = sorted({float(e.get("density", 1.0)) for e in r.experts})
+        if len(densities) > 1:
+            raise PlanError(f"{source}: the models' densities differ ({', '.join(f'{d:g}' for d in densities)}); "
+                            f"the Plan page uses one density for all (use `mergepipe merge --config`)")
+        d = densities[0]
+        if not (0.01 <= d <= 1.0 and abs(round(d, 2) - d) < 1e-9):
+            raise PlanError(f"{source}: density {d:g} is not one the Plan page offers (0.01 to 1 in steps of 0.01)")
+        settings["density"] = round(d, 2)
+    for name, value in (("gamma", cfg.gamma), ("epsilon", cfg.epsilon)):
+        if name in spec.params:
+            value = spec.params[name] if value is None else value
+            if not 0 <= value <= 0.5:
+                raise PlanError(f"{source}: {name} {value:g} is outside the Plan page's range (0 to 0.5)")
+            settings[name] = float(value)
+    if cfg.target_bound is not None:
+        if not spec.additive:
+            raise PlanError(f"{source}: a target bound needs an additive operator (linear, task_arithmetic)")
+        settings.update({"mode": "target bound", "target": float(cfg.target_bound)})
+    elif cfg.budget is not None:
+        settings.update({"mode": "budget", "budget": _whole_percent(cfg.budget, source)})
+    return settings
+
+
+def _whole_percent(spec: str, source: str) -> int:
+    text = spec.strip()
+    try:
+        pct = float(text[:-1]) if text.endswith("%") else float(text) * 100
+    except ValueError:
+        pct = None
+    if pct is None or not 0 <= pct <= 100 or abs(pct - round(pct)) > 1e-9:
+        raise PlanError(f"{source}: budget {spec} is not a whole percentage, which the Plan page's slider needs "
+                        f"(use `mergepipe merge --config` for other budgets)")
+    return round(pct)
 
 
 def plan_summary(plan: Plan | dict) -> dict:

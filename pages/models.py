@@ -20,8 +20,9 @@ def do_register():
         path = views.check_path(s.get("reg_path", ""), ui.roots())
         model_id = (s.get("reg_id") or "").strip() or path.name
         base = s.get("reg_base")
-        base = None if base in (None, NO_BASE) else base
-        res = ui.with_catalog(register, model_id, str(path), base_id=base, kind=s.get("reg_kind", "full"))
+        kind = s.get("reg_kind", "full")
+        base = views.registration_base(kind, None if base in (None, NO_BASE) else base)
+        res = ui.with_catalog(register, model_id, str(path), base_id=base, kind=kind)
         return res
 
     res = ui.action(fn)
@@ -69,10 +70,13 @@ with ui.user_errors(), ui.catalog() as cat:
         st.subheader("Register a checkpoint")
         with st.form("register_form"):
             st.text_input("Checkpoint path (directory or .safetensors file)", key="reg_path",
-                          help="Refused unless under an allowed folder: " + ", ".join(map(str, ui.roots())))
+                          help="For a LoRA adapter, its directory. Refused unless under an allowed folder: "
+                               + ", ".join(map(str, ui.roots())))
             st.text_input("Model id (default: the folder's name)", key="reg_id")
-            st.selectbox("Base", [NO_BASE, *views.bases(cat)], key="reg_base")
-            st.selectbox("Kind", ["full", "delta"], key="reg_kind")
+            st.selectbox("Base", [NO_BASE, *views.bases(cat)], key="reg_base",
+                         help="Required for experts, delta checkpoints and LoRA adapters.")
+            st.selectbox("Kind", list(views.REGISTER_KINDS), key="reg_kind",
+                         help="; ".join(f"{k}: {v}" for k, v in views.KIND_HELP.items()))
             st.form_submit_button("Register", on_click=do_register, type="primary")
     with right:
         st.subheader("Analyze")

@@ -20,6 +20,25 @@ def reset_experts():
             del st.session_state[k]
 
 
+def load_mergekit():
+    """Fill the settings from a mergekit YAML (an upload, else the typed path)."""
+    s = st.session_state
+
+    def fn(cat):
+        upload = s.get("mk_upload")
+        data, source = views.read_config_source(upload.getvalue() if upload is not None else None,
+                                                s.get("mk_path"), ui.roots())
+        return source, views.mergekit_plan_settings(cat, data, source, ui.roots())
+
+    res = ui.action(ui.with_catalog, fn)
+    if res:
+        source, settings = res
+        s.update(settings)
+        ui.flash("success", f"Loaded {source}: {settings['op']} of {', '.join(settings['experts'])} "
+                            f"on {settings['base']}.")
+
+
+ui.show_flash()
 with ui.user_errors(), ui.catalog() as cat:
     version = views.stats_version(cat)
     bases = [b for b in views.bases(cat) if views.experts_of(cat, b)]
@@ -29,6 +48,13 @@ with ui.user_errors(), ui.catalog() as cat:
     models = {m["id"]: m for m in cat.models()}
     settings, result = st.columns([1, 2], gap="large")
     with settings:
+        with st.expander("Load a mergekit YAML"):
+            st.file_uploader("mergekit config", type=["yml", "yaml"], key="mk_upload",
+                             help="The models must be registered already (the CLI's `merge --config` registers "
+                                  "and analyzes paths for you).")
+            st.text_input("... or its path", key="mk_path",
+                          help="Under an allowed folder: " + ", ".join(map(str, ui.roots())))
+            st.button("Load settings", key="mk_load", on_click=load_mergekit)
         base = st.selectbox("Base", bases, key="base", bind="query-params", on_change=reset_experts)
         analyzed = views.analyzed_experts(cat, base)
         options = [e for e in views.experts_of(cat, base) if not models[e]["snapshot_id"] or e in analyzed]

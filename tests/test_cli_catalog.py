@@ -196,8 +196,9 @@ ERROR_CASES = {
                                                 "--base", "nobase"], "unknown model id 'nobase'"),
     "register-changed-content": (lambda env, fam: ["register", "--model-id", "expert_1", "--uri", fam.experts[1],
                                                    "--base", "base"], "--replace"),
-    "register-lora": (lambda env, fam: ["register", "--model-id", "x", "--uri", fam.experts[0], "--base", "base",
-                                        "--kind", "lora"], "unsupported kind 'lora'"),
+    "register-lora-not-an-adapter": (lambda env, fam: ["register", "--model-id", "x", "--uri", fam.experts[0],
+                                                       "--base", "base", "--kind", "lora"],
+                                     "not a PEFT adapter directory (no adapter_config.json)"),
 }
 
 

@@ -421,3 +421,94 @@ def test_catalog_deep_links(env):
     at = open_page("catalog", {"view": "Conflicts", "clayer": "head", "metric": "cosine", "experts": ["expert_1", "expert_3"]})
     assert at.selectbox(key="clayer").value == "head" and at.radio(key="metric").value == "cosine"
     assert table(at, "conflict_table").index.tolist() == ["expert_1", "expert_3"]
+
+
+# --- registration kinds, mergekit YAML --------------------------------------------------------------------
+def _register(at, path, model_id, kind, base=None):
+    at.text_input(key="reg_path").input(str(path))
+    at.text_input(key="reg_id").input(model_id)
+    at.selectbox(key="reg_kind").select(kind)
+    at.selectbox(key="reg_base").select(base or "(none: this is a base model)")
+    at.button[0].click().run()
+    assert not at.exception, [e.value for e in at.exception]
+
+
+def test_models_register_delta_and_lora(env, built):
+    from safetensors.torch import save_file
+
+    from merge_helpers import load_dir
+    from test_mergekit_config import make_peft_adapter
+    tmp = env["tmp"]
+    base, expert = load_dir(built.family / "base"), load_dir(built.family / "expert_1")
+    (tmp / "delta_1").mkdir()
+    save_file({k: (expert[k] - base[k]).contiguous() for k in base}, str(tmp / "delta_1" / "model.safetensors"))
+    adapter = make_peft_adapter(built.family / "base", tmp / "adapter_1")
+
+    at = open_page("models")
+    assert at.selectbox(key="reg_kind").options == ["full", "delta", "lora"]
+    _register(at, tmp / "delta_1", "d1", "delta")
+    assert any("delta checkpoint needs a base" in e for e in errors(at)), errors(at)
+    _register(at, adapter, "l1", "lora")
+    assert any("LoRA adapter needs a base" in e for e in errors(at)), errors(at)
+    _register(at, tmp / "delta_1", "d1", "delta", base="base")
+    assert any(s.value.startswith("registered: d1") for s in at.success), [s.value for s in at.success]
+    _register(at, adapter, "l1", "lora", base="base")
+    assert any(s.value.startswith("registered: l1") for s in at.success), (errors(at), [s.value for s in at.success])
+    df = table(at, "models_table").set_index("id")
+    assert df.at["d1", "kind"] == "delta" and df.at["l1", "kind"] == "lora"
+    assert df.at["d1", "base"] == "base" == df.at["l1", "base"]
+    c = cat_of(env)
+    assert c.model("l1")["uri"] == str(adapter.resolve())
+    c.close()
+
+
+def _load_yaml(at, path):
+    at.text_input(key="mk_path").input(str(path))
+    at.button(key="mk_load").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+
+
+def test_plan_loads_a_mergekit_yaml(env, built):
+    cfg = env["tmp"] / "merge.yml"
+    cfg.write_text(f"merge_method: ties\nbase_model: {built.family / 'base'}\nmodels:\n"
+                   f"  - model: {built.family / 'expert_1'}\n    parameters: {{weight: 2.0, density: 0.3}}\n"
+                   f"  - model: expert_3\n    parameters: {{weight: 1.0, density: 0.3}}\n"
+                   f"parameters: {{lambda: 0.5}}\nmergepipe: {{budget: 40%, seed: 2}}\n")
+    at = open_page("plan")
+    _load_yaml(at, cfg)
+    assert [s.value for s in at.success] == ["Loaded merge.yml: ties of expert_1, expert_3 on base."]
+    assert not at.warning and not errors(at), ([w.value for w in at.warning], errors(at))
+    assert at.selectbox(key="op").value == "ties" and at.number_input(key="density").value == 0.3
+    assert at.multiselect(key="experts").value == ["expert_1", "expert_3"]
+    assert at.number_input(key="w_expert_1").value == 2.0 and at.number_input(key="w_expert_3").value == 1.0
+    assert at.number_input(key="lam").value == 0.5 and at.number_input(key="seed").value == 2
+    assert at.slider(key="budget").value == 40
+    c = cat_of(env)
+    ctx = views.plan_context(c, "base", ["expert_1", "expert_3"], "ties", weights=[2.0, 1.0], density=0.3, lam=0.5,
+                             seed=2)
+    want = views.plan_summary(views.make_plan(ctx, 40))
+    assert metrics(at)["Estimated expert read"] == want["expert_read"]
+    assert _mask_selected(at) == want["blocks_selected"]
+    at.button(key="save_plan").click().run()
+    assert f"Saved {want['plan_id']}." in [s.value for s in at.success]
+    c.close()
+
+
+def test_plan_bad_mergekit_yaml_is_an_error(env, built):
+    tmp = env["tmp"]
+    at = open_page("plan")
+    before = metrics(at)
+    (tmp / "slices.yml").write_text("merge_method: linear\nbase_model: base\nslices: []\n")
+    _load_yaml(at, tmp / "slices.yml")
+    assert any("slices.yml" in e and "slices" in e for e in errors(at)), errors(at)
+    (tmp / "syntax.yml").write_text("models: [\n")
+    _load_yaml(at, tmp / "syntax.yml")
+    assert any("not valid YAML" in e for e in errors(at)), errors(at)
+    (tmp / "new.yml").write_text(f"merge_method: linear\nbase_model: base\nmodels: [{built.root}]\n")
+    _load_yaml(at, tmp / "new.yml")
+    assert any("not registered in the catalog" in e for e in errors(at)), errors(at)
+    _load_yaml(at, tmp / "missing.yml")
+    assert any("does not exist" in e for e in errors(at)), errors(at)
+    _load_yaml(at, "/etc/hostname")
+    assert any("outside the allowed folders" in e for e in errors(at)), errors(at)
+    assert at.selectbox(key="op").value == "linear" and metrics(at) == before  # settings untouched

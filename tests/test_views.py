@@ -565,3 +565,75 @@ def test_streamlit_config():
     assert cfg["browser"] == {"gatherUsageStats": False}
     assert cfg["client"] == {"toolbarMode": "viewer", "showErrorDetails": "type"}
     assert json.dumps(cfg)  # plain data
+
+
+# --- registration kinds and mergekit YAML on the Plan page -------------------------------------------------
+def test_registration_base():
+    assert views.REGISTER_KINDS == ("full", "delta", "lora")
+    assert views.registration_base("full", None) is None and views.registration_base("full", "b") == "b"
+    assert views.registration_base("lora", "base") == "base" and views.registration_base("delta", "base") == "base"
+    with pytest.raises(MergePipeError, match="LoRA adapter needs a base"):
+        views.registration_base("lora", None)
+    with pytest.raises(MergePipeError, match="delta checkpoint needs a base"):
+        views.registration_base("delta", "")
+    with pytest.raises(MergePipeError, match="unknown kind"):
+        views.registration_base("qlora", "base")
+
+
+def _yaml(built, body: str) -> str:
+    return f"base_model: {built.family / 'base'}\n" + body
+
+
+def test_mergekit_plan_settings(cat, built, tmp_path):
+    roots = [built.root.resolve()]
+    text = _yaml(built, "merge_method: ties\nmodels:\n"
+                        f"  - model: {built.family / 'expert_1'}\n    parameters: {{weight: 2, density: 0.3}}\n"
+                        "  - model: expert_2\n    parameters: {weight: 1, density: 0.3}\n"
+                        "parameters: {normalize: false, lambda: 0.5}\nmergepipe: {budget: 40%, seed: 4}\n")
+    s = views.mergekit_plan_settings(cat, text, "m.yml", roots)
+    assert s == {"base": "base", "experts": ["expert_1", "expert_2"], "op": "ties", "lam": 0.5, "normalize": "off",
+                 "rescale": "default", "seed": 4, "strategy": "norm", "w_expert_1": 2.0, "w_expert_2": 1.0,
+                 "density": 0.3, "mode": "budget", "budget": 40}
+    # Defaults of the operator's extra parameter; a target bound; a fraction budget.
+    s = views.mergekit_plan_settings(cat, _yaml(built, "merge_method: breadcrumbs\nmodels: [expert_3]\n"
+                                                       "mergepipe: {budget: 0.25}\n"), "b.yml", roots)
+    assert s["gamma"] == 0.01 and s["density"] == 1.0 and s["budget"] == 25 and s["experts"] == ["expert_3"]
+    s = views.mergekit_plan_settings(cat, _yaml(built, "merge_method: linear\nmodels: [expert_1]\n"
+                                                       "mergepipe: {target_bound: 0.3}\n"), "t.yml", roots)
+    assert s["mode"] == "target bound" and s["target"] == 0.3 and "budget" not in s
+
+
+@pytest.mark.parametrize("body, words", [
+    (("merge_method: ties\nmodels:\n  - model: expert_1\n    parameters: {density: 0.3}\n"
+      "  - model: expert_2\n    parameters: {density: 0.5}\n"), "densities differ"),
+    ("merge_method: ties\nmodels: [expert_1]\nparameters: {density: 0.375}\n", "steps of 0.01"),
+    ("merge_method: linear\nmodels: [expert_1]\nmergepipe: {budget: 512MiB}\n", "not a whole percentage"),
+    ("merge_method: ties\nmodels: [expert_1]\nmergepipe: {target_bound: 0.1}\n", "additive"),
+    ("merge_method: linear\nmodels: [expert_1]\nslices: []\n", "slices"),
+    ("merge_method: slerp\nmodels: [expert_1]\n", "slerp"),
+    ("merge_method: ties\nmodels: [expert_1]\nparameters: {density: [0.3, 0.5]}\n", "varies per tensor"),
+    ("merge_method: linear\nmodels: [/etc]\n", "outside the allowed folders"),
+    ("merge_method: linear\nmodels: [FAMILY/..]\n", "not registered in the catalog"),
+])
+def test_mergekit_plan_settings_refusals(cat, built, body, words):
+    before = cat.totals()
+    with pytest.raises(MergePipeError, match=words):
+        views.mergekit_plan_settings(cat, _yaml(built, body.replace("FAMILY", str(built.family))), "m.yml",
+                                     [built.root.resolve()])
+    assert cat.totals() == before
+
+
+def test_read_config_source(tmp_path):
+    roots = [tmp_path.resolve()]
+    assert views.read_config_source(b"x: 1", None, roots) == (b"x: 1", "uploaded config")
+    (tmp_path / "m.yml").write_text("merge_method: linear\n")
+    assert views.read_config_source(None, str(tmp_path / "m.yml"), roots) == (b"merge_method: linear\n", "m.yml")
+    with pytest.raises(MergePipeError, match="enter a path"):
+        views.read_config_source(None, "", roots)
+    with pytest.raises(MergePipeError, match="not a file"):
+        views.read_config_source(None, str(tmp_path), roots)
+    with pytest.raises(MergePipeError, match="outside the allowed folders"):
+        views.read_config_source(None, "/etc/hostname", roots)
+    (tmp_path / "big.yml").write_bytes(b"#" * (2 << 20))
+    with pytest.raises(MergePipeError, match="too large"):
+        views.read_config_source(None, str(tmp_path / "big.yml"), roots)
