@@ -459,6 +459,18 @@ class PlanContext:
         chosen = cands.select(budget_bytes) if full else np.zeros(0, dtype=np.int64)
         return self._build(chosen, budget_spec, budget_bytes, target_bound)
 
+    def _blockwise_bound(self, omitted: np.ndarray) -> float:
+        """A tighter bound: blocks at different (tensor, block) positions are disjoint coordinates, so
+        ||sum of omitted updates||^2 = sum over positions of ||sum_i c_i delta_i||^2, and each position's
+        norm is at most the sum of its omitted |c_i| * ||delta_i||. Never above the additive bound."""
+        cands = self.candidates
+        if not omitted.any():
+            return 0.0
+        pos = cands.tensor[omitted] * (int(cands.block.max()) + 1) + cands.block[omitted]
+        _, group = np.unique(pos, return_inverse=True)
+        per_position = np.bincount(group, weights=cands.bound_term[omitted])
+        return float(np.sqrt(np.square(per_position).sum()))
+
     def _build(self, chosen: np.ndarray, budget_spec: str, budget_bytes: int, target_bound) -> Plan:
         cands = self.candidates
         names = [t["name"] for t in self.tensors]
@@ -478,9 +490,11 @@ class PlanContext:
         bound = None
         if self.op.additive:
             omitted = float(cands.bound_term[~selected_mask].sum())
+            blockwise = self._blockwise_bound(~selected_mask)
             norm = self.full_norm_estimate()
             bound = {"absolute": omitted, "full_delta_norm": norm,
-                     "relative": omitted / norm if norm > 0 else 0.0}
+                     "relative": omitted / norm if norm > 0 else 0.0,
+                     "blockwise": blockwise, "blockwise_relative": blockwise / norm if norm > 0 else 0.0}
         base_bytes = self.base_bytes()
         core = {
             "format": PLAN_FORMAT,
@@ -594,6 +608,9 @@ def explain_plan(p: dict) -> str:
         b = p["error_bound"]
         lines.append(f"  bound      ||M_full - M_A|| <= {b['absolute']:.6g}  (relative {b['relative']:.3e} "
                      f"of ||M_full - base|| ~ {b['full_delta_norm']:.6g})")
+        if "blockwise" in b:  # plans stored before the blockwise bound existed lack it
+            lines.append(f"  tighter    ||M_full - M_A|| <= {b['blockwise']:.6g}  (relative "
+                         f"{b['blockwise_relative']:.3e}; blocks at different positions are disjoint)")
     lines.append("  experts")
     for e in p["experts"]:
         eid = e["id"]

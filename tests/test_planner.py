@@ -134,6 +134,13 @@ def test_greedy_selection_budget_sound_and_bound_exact(cat, fam, op, budget):
     assert plan["error_bound"]["absolute"] == pytest.approx(bound, rel=1e-9, abs=1e-15)
     norm = plan["error_bound"]["full_delta_norm"]
     assert plan["error_bound"]["relative"] == pytest.approx(bound / norm, rel=1e-9, abs=1e-15)
+    # The blockwise bound: per (tensor, block) position, the omitted experts' terms add, then an l2 over positions.
+    per_position: dict = {}
+    for c in omitted:
+        per_position[c[1:]] = per_position.get(c[1:], 0.0) + cand[c][1]
+    blockwise = math.sqrt(sum(v * v for v in per_position.values()))
+    assert plan["error_bound"]["blockwise"] == pytest.approx(blockwise, rel=1e-9, abs=1e-15)
+    assert plan["error_bound"]["blockwise"] <= plan["error_bound"]["absolute"] * (1 + 1e-12)
 
 
 def test_budget_monotone_bound_and_selection(cat, fam):
