@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .errors import MergePipeError
 from .storage import FLOAT_DTYPES, open_checkpoint
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
@@ -70,10 +71,16 @@ def deviation(model_dir, reference_dir, base_dir=None) -> dict:
 
     Accumulated in float64, tensor by tensor; the two checkpoints must have the same tensor names."""
     m, r = load_tensors(model_dir), load_tensors(reference_dir)
-    if set(m) != set(r):
-        raise ValueError(f"{model_dir} and {reference_dir} have different tensors: "
-                         f"{sorted(set(m) ^ set(r))[:5]}")
     b = load_tensors(base_dir) if base_dir is not None else None
+    for other, label in ((r, reference_dir), (b, base_dir)):
+        if other is None:
+            continue
+        if set(m) != set(other):
+            raise MergePipeError(f"{model_dir} and {label} have different tensors: {sorted(set(m) ^ set(other))[:5]}")
+        bad = [n for n in m if m[n].shape != other[n].shape]
+        if bad:
+            raise MergePipeError(f"{model_dir} and {label} differ in shape: {bad[0]} {list(m[bad[0]].shape)} "
+                                 f"vs {list(other[bad[0]].shape)}")
     diff2 = ref2 = upd2 = 0.0
     per_tensor = {}
     for name in sorted(r):
@@ -162,7 +169,10 @@ class _HFTokenizer:
 
     def __init__(self, model_dir):
         from transformers import AutoTokenizer
-        self.tok = AutoTokenizer.from_pretrained(str(model_dir))
+        try:
+            self.tok = AutoTokenizer.from_pretrained(str(model_dir))
+        except (OSError, ValueError, KeyError, ImportError) as exc:
+            raise MergePipeError(f"{model_dir}: no usable tokenizer ({str(exc).strip().splitlines()[0]})") from None
         self.bos_id, self.eos_id = self.tok.bos_token_id, self.tok.eos_token_id
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
@@ -186,7 +196,10 @@ def load_model(model_dir):
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    except (OSError, ValueError, KeyError) as exc:
+        raise MergePipeError(f"{model_dir}: cannot load as a causal LM ({str(exc).splitlines()[0]})") from None
     model.eval()
     return model
 
@@ -246,10 +259,19 @@ def accuracy(model_or_dir, suite: dict[str, list[tuple[str, str]]], tokenizer=No
 
 def read_suite(path) -> dict[str, list[tuple[str, str]]]:
     suite: dict[str, list[tuple[str, str]]] = {}
-    for line in Path(path).read_text().splitlines():
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MergePipeError(f"{path}: cannot read the task suite ({exc.strerror if isinstance(exc, OSError) else exc})") from None
+    for i, line in enumerate(lines, 1):
         if line.strip():
-            row = json.loads(line)
-            suite.setdefault(row["task"], []).append((row["prompt"], row["answer"]))
+            try:
+                row = json.loads(line)
+                suite.setdefault(str(row["task"]), []).append((str(row["prompt"]), str(row["answer"])))
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise MergePipeError(f"{path}:{i}: expected a JSON object with task, prompt and answer ({exc})") from None
+    if not suite:
+        raise MergePipeError(f"{path}: the task suite is empty")
     return suite
 
 
@@ -273,6 +295,14 @@ def main(argv=None) -> int:
     d.add_argument("--base", help="the base model (adds the deviation relative to the merged update)")
     d.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    try:
+        return _run(args)
+    except MergePipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
     if args.cmd == "accuracy":
         res = accuracy(args.model_dir, read_suite(args.tasks))
         if args.json:
