@@ -19,7 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from benchmarks.fidelity.study import disjoint_block_bound
+from benchmarks.fidelity.study import (
+    disjoint_block_bound,
+    retention,
+    size_groups,
+    size_targets,
+)
 from benchmarks.fidelity.tasks import LETTERS, TASKS, generic_text, suite, tokenizer
 from benchmarks.fidelity.train import MINI, build_family
 from mergepipe.analyze import analyze
@@ -234,3 +239,44 @@ def test_bound_check_is_none_for_ties(family):
     dev = deviation(part, full, family["paths"]["base"])
     assert plan["error_bound"] is None and bound_check(plan.data, dev) is None
     assert dev["relative"] > 0
+
+
+# --- merge size: groups and retention (pure functions of the study) ------------------------------------
+def test_size_groups_are_fixed_and_disjoint():
+    tasks = ["reverse", "sort", "modadd", "length", "count", "max", "caesar", "dedup"]
+    g = size_groups(tasks)
+    assert g[2] == [("reverse", "count"), ("sort", "max"), ("modadd", "caesar"), ("length", "dedup")]
+    assert g[4] == [("reverse", "count", "sort", "max"), ("modadd", "caesar", "length", "dedup")]
+    for groups in g.values():
+        flat = [t for grp in groups for t in grp]
+        assert sorted(flat) == sorted(tasks)  # disjoint and covering
+    assert size_groups(["a", "b", "c"]) == {2: [("a", "b")]}  # odd: no K = 4 group, the last task unused
+
+
+def test_retention_hand_made():
+    base = {"a": 0.1, "b": 0.5, "c": 0.9, "d": 0.2}
+    expert = {"a": 0.9, "b": 1.0, "c": 0.95, "d": 0.2}
+    merged = {"a": 0.5, "b": 0.4, "c": 0.0, "d": 1.0}
+    r = retention(merged, base, expert, ["a", "b", "c", "d"])
+    assert r["per_task"]["a"] == pytest.approx(0.5)      # (0.5 - 0.1) / (0.9 - 0.1)
+    assert r["per_task"]["b"] == pytest.approx(-0.2)     # (0.4 - 0.5) / (1.0 - 0.5): below the base
+    assert r["per_task"]["c"] is None and r["per_task"]["d"] is None  # gains 5 and 0 points < 10: not scored
+    assert r["tasks_used"] == ["a", "b"] and r["mean"] == pytest.approx(0.15)
+    assert retention(expert, base, expert, ["a", "b"])["mean"] == pytest.approx(1.0)
+    assert retention(base, base, expert, ["a", "b"])["mean"] == pytest.approx(0.0)
+    assert retention(merged, base, expert, ["c", "d"])["mean"] is None
+    assert retention(merged, base, expert, ["c"], min_gain=0.01)["mean"] == pytest.approx(-0.9 / 0.05)
+
+
+def test_size_targets_hand_made():
+    def rec(k, g, op, b, own, strategy="norm"):
+        return {"k": k, "group": g, "operator": op, "budget_pct": b, "strategy": "all" if b == 100 else strategy,
+                "own_mean": own, "retention": {"mean": None}, "accuracy": {"mean": 0.3}}
+    merges = []
+    for op in ("ties", "task_arithmetic"):
+        merges += [rec(2, 0, op, 100, 0.50), rec(2, 1, op, 100, 0.30), rec(2, 0, op, 25, 0.52), rec(2, 1, op, 25, 0.29)]
+    merges[-1]["own_mean"] = 0.20  # task_arithmetic group 1 at 25 %: 10 points lower
+    rows = size_targets({"merge_size": {"groups": {"2": [["a", "b"], ["c", "d"]]}, "merges": merges}})
+    assert [r["met"] for r in rows] == [True, False]  # ties: +0.5 point on the mean; task_arithmetic: -4.0
+    assert "+0.5 points" in rows[0]["measured"] and "-4.0 points" in rows[1]["measured"]
+    assert size_targets({}) == []

@@ -8,7 +8,12 @@ budgeted merges at 5, 10, 25, 50 % of the full expert read under every planner s
 conflict, kept, random, uniform; the 100 % point is shared). Per merge it records per-task exact-match
 accuracy and mean, the relative l2 deviation from that operator's full-budget merge (see
 mergepipe.evaluate), bytes read (planned and realized), the plan's bound (additive operators) and
-seconds. Base and experts are evaluated on the same held-out suite. Writes ``docs/fidelity/``:
+seconds. Base and experts are evaluated on the same held-out suite.
+
+"Merge size" (skip with --no-merge-size, ~2.5 min on 2 cores): merges of K = 2 (4 disjoint pairs) and
+K = 4 (2 disjoint groups) experts, every operator, norm at 10/25/50/100 % and random at 25 %, with the
+accuracy on the merged experts' own tasks, their retention ((merge - base) / (expert - base), see
+:func:`retention`) and F1 per K. Writes ``docs/fidelity/``:
 results.json, README.md (tables and targets F1-F3, norm vs random) and Plotly charts (HTML, PNG when the
 local chromium can render them).
 """
@@ -16,6 +21,7 @@ local chromium can render them).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -48,6 +54,11 @@ BLOCK_BYTES = 16 << 10
 DENSITY = 0.5
 LAMBDAS = (0.125, 0.25, 0.5, 1.0)
 EVAL_SEED, VALID_SEED = 10_000, 20_000
+# "merge size": merges of K = 2 and 4 experts (how merges are usually made), fewer budgets, norm + random 25 %
+SIZE_BUDGETS = (10, 25, 50)
+SIZE_RANDOM_BUDGET = 25
+SIZE_LAMBDAS = (0.125, 0.25, 0.5, 0.75, 1.0)
+MIN_GAIN = 0.10  # retention is only defined on tasks where the expert beats the base by >= 10 points
 
 
 def op_params(op: str, lam: float | None) -> dict:
@@ -61,6 +72,35 @@ def op_params(op: str, lam: float | None) -> dict:
     if op == "dare_ties":
         return {"density": DENSITY, "normalize": True}
     raise ValueError(op)
+
+
+def size_groups(tasks) -> dict[int, list[tuple[str, ...]]]:
+    """The merge-size study's fixed expert groups: K = 2 pairs task i with task i + n/2 (in suite order),
+    K = 4 joins consecutive pairs. For the 8 tasks: 4 disjoint pairs, 2 disjoint groups of 4."""
+    tasks = list(tasks)
+    half = len(tasks) // 2
+    pairs = [(tasks[i], tasks[i + half]) for i in range(half)]
+    out = {2: pairs}
+    quads = [pairs[2 * j] + pairs[2 * j + 1] for j in range(len(pairs) // 2)]
+    if quads:
+        out[4] = quads
+    return out
+
+
+def retention(merged: dict, base: dict, experts: dict, tasks, min_gain: float = MIN_GAIN) -> dict:
+    """Share of each expert's gain over the base that a merge keeps, on the merged experts' own tasks.
+
+    ``merged`` and ``base`` are per-task accuracies, ``experts[t]`` the accuracy of task t's expert on t.
+    Per task r_t = (merged_t - base_t) / (expert_t - base_t): 1 = the expert's skill kept in full, 0 = the
+    base's level, < 0 = worse than the base. Tasks where the expert gains less than ``min_gain`` over
+    the base are left out (the ratio is undefined or noise there); ``mean`` averages the rest (None if none)."""
+    per_task = {}
+    for t in tasks:
+        gain = experts[t] - base[t]
+        per_task[t] = (merged[t] - base[t]) / gain if gain >= min_gain else None
+    used = [v for v in per_task.values() if v is not None]
+    return {"per_task": per_task, "mean": sum(used) / len(used) if used else None,
+            "tasks_used": [t for t, v in per_task.items() if v is not None]}
 
 
 def disjoint_block_bound(cat: Catalog, plan: dict) -> float:
@@ -111,15 +151,17 @@ class Study:
         return accuracy(model_dir, self.suite if which is None else which)
 
     def merge(self, op: str, budget: int, strategy: str, seed: int = 0, params=None, evaluate=True,
-              reference: str | None = None, which=None) -> dict:
+              reference: str | None = None, which=None, experts=None, tag: str = "") -> dict:
         self.n += 1
-        mid = f"m{self.n:03d}-{op}-{budget}-{strategy}-s{seed}"
+        mid = f"m{self.n:03d}{tag}-{op}-{budget}-{strategy}-s{seed}"
         out = self.out / "merges" / mid
         t0 = time.perf_counter()
-        plan, _snap, manifest = merge(self.cat, "base", self.experts, str(out), operator=op, budget=f"{budget}%",
+        plan, _snap, manifest = merge(self.cat, "base", list(experts or self.experts), str(out), operator=op,
+                                     budget=f"{budget}%",
                                      strategy=strategy, seed=seed, model_id=mid, **(params or {}))
         secs = time.perf_counter() - t0
         rec = {"operator": op, "budget_pct": budget, "strategy": strategy, "seed": seed, "model_id": mid,
+               "experts": list(experts or self.experts),
                "dir": str(out), "plan_id": plan.id, "seconds": secs,
                "bytes_planned": plan["estimate"]["expert_read"],
                "bytes_realized": manifest.core["realized"]["expert_read"],
@@ -151,6 +193,54 @@ class Study:
             shutil.rmtree(rec["dir"])
         best = max(LAMBDAS, key=lambda lam: (scores[lam], -abs(lam - 0.25)))
         return {"candidates": {str(k): v for k, v in scores.items()}, "chosen": best}
+
+    def pick_lambda_groups(self, k: int, groups) -> dict:
+        """task_arithmetic's lambda for K-expert merges: the best full-budget accuracy on the merged experts'
+        own tasks (validation suite), averaged over the K groups; ties go to the smaller lambda."""
+        scores = {}
+        for lam in SIZE_LAMBDAS:
+            accs = []
+            for i, g in enumerate(groups):
+                rec = self.merge("task_arithmetic", 100, "norm", params={"lam": lam}, experts=g, tag=f"-k{k}g{i}",
+                                 which={t: self.valid[t] for t in g})
+                accs.append(rec["accuracy"]["mean"])
+                shutil.rmtree(rec["dir"])
+            scores[lam] = sum(accs) / len(accs)
+        best = max(SIZE_LAMBDAS, key=lambda lam: (scores[lam], -lam))
+        return {"candidates": {str(k): v for k, v in scores.items()}, "chosen": best}
+
+    def merge_size(self, base: dict, experts: dict) -> dict:
+        """Merges of K = 2 and 4 experts (:func:`size_groups`) under norm budgets and random at 25 %."""
+        t0 = time.perf_counter()
+        groups = size_groups(self.experts)
+        own = {t: experts[t]["per_task"][t] for t in self.experts}
+        out = {"groups": {str(k): [list(g) for g in gs] for k, gs in groups.items()}, "min_gain": MIN_GAIN,
+               "budgets_pct": [*SIZE_BUDGETS, 100], "random_budget_pct": SIZE_RANDOM_BUDGET,
+               "lambda_selection": {}, "merges": []}
+        for k, gs in groups.items():
+            lam = self.pick_lambda_groups(k, gs)
+            out["lambda_selection"][str(k)] = lam
+            for i, g in enumerate(gs):
+                for op in OPERATORS:
+                    params = op_params(op, lam["chosen"])
+                    runs = [(100, "norm"), *[(b, "norm") for b in SIZE_BUDGETS], (SIZE_RANDOM_BUDGET, "random")]
+                    ref = None
+                    for b, strategy in runs:
+                        rec = self.merge(op, b, strategy, params=params, experts=g, tag=f"-k{k}g{i}", reference=ref)
+                        if b == 100:
+                            rec["strategy"] = "all"
+                            ref = rec["dir"]
+                        rec.update(k=k, group=i, params=params,
+                                   own_mean=sum(rec["accuracy"]["per_task"][t] for t in g) / len(g),
+                                   retention=retention(rec["accuracy"]["per_task"], base["per_task"], own, g))
+                        if b != 100:  # only the reference is kept until its group is done (disk)
+                            shutil.rmtree(rec["dir"])
+                        out["merges"].append(rec)
+                    shutil.rmtree(ref)
+        for m in out["merges"]:
+            m.pop("dir", None)
+        out["seconds"] = time.perf_counter() - t0
+        return out
 
 
 def run(args) -> dict:
@@ -213,6 +303,9 @@ def run(args) -> dict:
                                               evaluate=(seed == seeds[0])))
     results["params"] = {op: op_params(op, lam["chosen"]) for op in OPERATORS}
     results["merges"] = merges
+    if not args.no_merge_size:
+        results["merge_size"] = study.merge_size(results["base"], results["experts"])
+        study.log(f"merge size: {results['merge_size']['seconds']:.0f}s")
     results["seconds_total"] = time.perf_counter() - t_start
     return results
 
@@ -259,6 +352,45 @@ def targets(results: dict) -> list[dict]:
         rows.append({"target": f"norm beats random on deviation at every budget < 100 % ({op})",
                      "measured": "all budgets, every random seed" if not losses else "not at " + ", ".join(losses),
                      "met": not losses})
+    rows[2:2] = size_targets(results)  # after the 8-expert F1 rows
+    return rows
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def size_cell(ms: dict, k: int, op: str, budget: int, strategy: str = "norm") -> dict | None:
+    """Means over the K-expert groups of one operator/budget/strategy: own-task accuracy, retention (each
+    merge's mean over its scored tasks, then over groups), accuracy over all tasks, rel. deviation."""
+    sel = [m for m in ms["merges"] if m["k"] == k and m["operator"] == op and m["budget_pct"] == budget
+           and (m["strategy"] == strategy or (budget == 100 and m["strategy"] == "all"))]
+    if not sel:
+        return None
+    return {"own": _mean([m["own_mean"] for m in sel]), "retention": _mean([m["retention"]["mean"] for m in sel]),
+            "all": _mean([m["accuracy"]["mean"] for m in sel]),
+            "deviation": _mean([m["deviation"]["relative"] for m in sel if "deviation" in m]),
+            "own_per_group": [m["own_mean"] for m in sorted(sel, key=lambda m: m["group"])], "n": len(sel)}
+
+
+def size_targets(results: dict) -> list[dict]:
+    """F1 per merge size: at 25 % (norm) the own-task mean accuracy, averaged over the K groups, within
+    1 point of the full-budget merge (ties and task_arithmetic)."""
+    ms = results.get("merge_size")
+    if not ms:
+        return []
+    rows = []
+    for k in sorted(int(x) for x in ms["groups"]):
+        for op in ("ties", "task_arithmetic"):
+            full, a25 = size_cell(ms, k, op, 100), size_cell(ms, k, op, 25)
+            diffs = [a - f for a, f in zip(a25["own_per_group"], full["own_per_group"])]
+            rows.append({"target": f"F1 K={k} {op}: own-task mean accuracy at 25 % within 1 point of full budget "
+                                   f"(norm, mean of {full['n']} groups)",
+                         "measured": f"{100 * a25['own']:.1f} vs {100 * full['own']:.1f} (diff "
+                                     f"{100 * (a25['own'] - full['own']):+.1f} points; per group "
+                                     + ", ".join(f"{100 * d:+.1f}" for d in diffs) + ")",
+                         "met": abs(a25["own"] - full["own"]) <= 0.01 + 1e-12})
     return rows
 
 
@@ -390,6 +522,7 @@ def markdown(results: dict, rows: list[dict], charts: list[Path]) -> str:
                          + " | ".join(cells) + " |")
         lines.append("")
     lines += findings(results)
+    lines += merge_size_markdown(results)
     lines += ["## Which strategy wins", "", "| operator, budget | lowest deviation | best mean accuracy |", "|---|---|---|"]
     for k, v in best_strategies(results).items():
         lines.append(f"| {k} | {v['lowest_deviation']} | {v['best_accuracy']} |")
@@ -412,6 +545,155 @@ def markdown(results: dict, rows: list[dict], charts: list[Path]) -> str:
         else:
             lines.append(f"- [{c.stem} (interactive)]({c.name})")
     return "\n".join(lines) + "\n"
+
+
+def _r(x):
+    return "n/a" if x is None else f"{round(x, 2) + 0.0:.2f}"  # + 0.0: no "-0.00"
+
+
+def merge_size_markdown(results: dict) -> list[str]:
+    ms = results.get("merge_size")
+    if not ms:
+        return []
+    base = results["base"]["per_task"]
+    own = {t: a["per_task"][t] for t, a in results["experts"].items()}
+    scored = [t for t in own if own[t] - base[t] >= ms["min_gain"]]
+    ks = sorted(int(x) for x in ms["groups"])
+    budgets = ms["budgets_pct"]
+    rb = ms["random_budget_pct"]
+    lines = ["## Merge size: 2 and 4 experts", "",
+             "Users usually merge a few experts, not eight. Same family and evaluation suite; fixed, disjoint groups "
+             f"(task i paired with task i + {len(base) // 2} in suite order; K = 4 joins consecutive pairs): "
+             + "; ".join(f"K = {k}: " + ", ".join("(" + " + ".join(g) + ")" for g in ms["groups"][str(k)]) for k in ks)
+             + f". Budgets {', '.join(str(b) for b in budgets)} % with the norm strategy, and random at {rb} % as a "
+             "baseline; operators as above (ties / dare_ties density "
+             f"{DENSITY}), task_arithmetic λ chosen per K by full-budget own-task accuracy on the validation suite ("
+             + "; ".join(f"K = {k}: λ = {ms['lambda_selection'][str(k)]['chosen']:g} from "
+                         + ", ".join(f"{lam}: {_pct(v)}" for lam, v in ms['lambda_selection'][str(k)]['candidates'].items())
+                         for k in ks)
+             + f"). Evaluation: all {len(base)} tasks, {results['settings']['n_eval_per_task']} examples each, as above.",
+             "",
+             "**Retention** of a merge = mean over the merged experts' own tasks of (merge − base) / (expert − base) "
+             "on that task: 1 keeps the expert's skill, 0 is the base's level, < 0 is worse than the base. Tasks where "
+             f"the expert gains less than {100 * ms['min_gain']:.0f} points over the base are left out of it (there "
+             f"the ratio is undefined or noise): retention is scored on {', '.join(scored)}"
+             + ("; every group has at least one of them" if all(set(g) & set(scored) for k in ks
+                                                                for g in ms["groups"][str(k)]) else "")
+             + ". Cells are means over the K groups: own-task mean accuracy (%) / retention / mean accuracy "
+             "over all tasks (%).", ""]
+    head = [*[f"{b} %" for b in budgets], f"random {rb} %"]
+    for k in ks:
+        n = len(ms["groups"][str(k)])
+        lines += [f"**K = {k}** ({n} group{'s' if n > 1 else ''}; the experts alone score "
+                  + ", ".join(f"{_pct(_mean([own[t] for t in g]))}" for g in ms["groups"][str(k)])
+                  + " % on their own tasks, the base "
+                  + ", ".join(f"{_pct(_mean([base[t] for t in g]))}" for g in ms["groups"][str(k)]) + " %)", "",
+                  "| operator | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
+        for op in OPERATORS:
+            cells = []
+            for b, st in [*[(b, "norm") for b in budgets], (rb, "random")]:
+                c = size_cell(ms, k, op, b, st)
+                cells.append(f"{_pct(c['own'])} / {_r(c['retention'])} / {_pct(c['all'])}")
+            lines.append(f"| {op} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["Per group, retention at 100 % and 25 % (norm):", "",
+              "| group | " + " | ".join(f"{op} 100 % / 25 %" for op in OPERATORS) + " |",
+              "|---|" + "---|" * len(OPERATORS)]
+    for k in ks:
+        for i, g in enumerate(ms["groups"][str(k)]):
+            cells = []
+            for op in OPERATORS:
+                v = [next(m["retention"]["mean"] for m in ms["merges"] if m["k"] == k and m["group"] == i
+                          and m["operator"] == op and m["budget_pct"] == b and m["strategy"] in (st, "all"))
+                     for b, st in ((100, "all"), (25, "norm"))]
+                cells.append(f"{_r(v[0])} / {_r(v[1])}")
+            lines.append(f"| K={k}: {' + '.join(g)} | " + " | ".join(cells) + " |")
+    lines += [""] + size_findings(results) + [""]
+    return lines
+
+
+def all_experts_retention(results: dict, op: str, budget: int):
+    """Retention of the main study's merge of every expert (norm strategy), over all tasks."""
+    m = _get(results["merges"], op, "norm" if budget < 100 else "all", budget)
+    own = {t: a["per_task"][t] for t, a in results["experts"].items()}
+    return retention(m["accuracy"]["per_task"], results["base"]["per_task"], own, list(own))["mean"]
+
+
+def size_findings(results: dict) -> list[str]:
+    """Computed observations on the merge-size section (numbers and directions from this run)."""
+    ms = results["merge_size"]
+    ks = sorted(int(x) for x in ms["groups"])
+    out = []
+    full = {(k, op): size_cell(ms, k, op, 100) for k in ks for op in OPERATORS}
+    b25 = {(k, op): size_cell(ms, k, op, 25) for k in ks for op in OPERATORS}
+    r25 = {(k, op): size_cell(ms, k, op, ms["random_budget_pct"], "random") for k in ks for op in OPERATORS}
+    eight = {op: _get(results["merges"], op, "all", 100)["accuracy"]["mean"] for op in OPERATORS}
+    best = max(full, key=lambda x: full[x]["retention"])
+    out.append("- **Retention by merge size (full budget).** "
+               + "; ".join(f"K = {k}: " + ", ".join(f"{op} {_r(full[(k, op)]['retention'])}" for op in OPERATORS)
+                           for k in ks)
+               + f"; all {len(results['experts'])} (the study above, on the same tasks): "
+               + ", ".join(f"{op} {_r(all_experts_retention(results, op, 100))}" for op in OPERATORS)
+               + " (25 %: " + ", ".join(f"{op} {_r(all_experts_retention(results, op, 25))}" for op in OPERATORS) + ")"
+               + f". Best: {best[1]} with K = {best[0]} ({_r(full[best]['retention'])}, own-task accuracy "
+               f"{_pct(full[best]['own'])} %).")
+    out.append(f"- **Accuracy over all tasks** at full budget (the {len(results['experts'])}-expert merges: "
+               + ", ".join(f"{op} {_pct(eight[op])}" for op in OPERATORS) + f" %; base {_pct(results['base']['mean'])} %): "
+               + "; ".join(f"K = {k}: " + ", ".join(f"{op} {_pct(full[(k, op)]['all'])}" for op in OPERATORS)
+                           for k in ks) + " %.")
+    moves = []
+    for k in ks:
+        for op in OPERATORS:
+            d = b25[(k, op)]["retention"] - full[(k, op)]["retention"]
+            moves.append(f"{op} K={k} {d:+.2f}")
+    out.append("- **Budget 25 % vs full (retention, norm):** " + ", ".join(moves)
+               + ". **Norm vs random at 25 % (retention):** "
+               + ", ".join(f"{op} K={k} {_r(b25[(k, op)]['retention'])} vs {_r(r25[(k, op)]['retention'])}"
+                           for k in ks for op in OPERATORS) + ".")
+    # where the skills survive: per task, the best full-budget retention over operators (smallest K)
+    k0 = ks[0]
+    per_task = {}
+    for m in ms["merges"]:
+        if m["k"] == k0 and m["budget_pct"] == 100:
+            for t, v in m["retention"]["per_task"].items():
+                if v is not None:
+                    per_task.setdefault(t, []).append((v, m["operator"]))
+    kept = sorted(((max(v), t) for t, v in per_task.items()), reverse=True)
+    out.append(f"- **Which skills survive a {k0}-expert merge** (best full-budget retention over the operators, per "
+               "task): " + ", ".join(f"{t} {_r(v)} ({op})" for (v, op), t in kept) + ".")
+    # interpretation: does a budget cost skill where the full merge has some to lose?
+    gain = {(k, op): full[(k, op)]["retention"] for k in ks for op in OPERATORS}
+    some = [x for x in gain if gain[x] is not None and gain[x] >= 0.2]
+    little = [x for x in gain if gain[x] is not None and gain[x] < 0.1]
+    kept25 = [b25[x]["retention"] / gain[x] for x in some]
+    mean_k = {k: _mean([gain[(k, op)] for op in OPERATORS]) for k in ks}
+    fewer = all(mean_k[a] > mean_k[b] for a, b in itertools.pairwise(ks))
+    base, own = results["base"]["per_task"], {t: a["per_task"][t] for t, a in results["experts"].items()}
+    unscored = [t for t in own if own[t] - base[t] < ms["min_gain"]]
+    text = ("- **Interpretation.** " + ("Merging fewer experts keeps more of their skills" if fewer else
+                                          "Merging fewer experts does not consistently keep more of their skills")
+            + (f", but on this family only a {ks[0]}-expert merge keeps a measurable share, and only of some tasks"
+               if some and all(k == ks[0] for k, _ in some) else ""))
+    if some:
+        text += (": the merges that keep at least 0.2 of the experts' gain at full budget ("
+                 + ", ".join(f"{op} K={k}" for k, op in some)
+                 + f") keep {100 * min(kept25):.0f}-{100 * max(kept25):.0f} % of that retention at a 25 % budget, so the "
+                 "budget removes most of what the merge had kept")
+    if little:
+        text += ("; where a full merge keeps almost nothing (retention < 0.1: "
+                 + ", ".join(f"{op} K={k}" for k, op in little)
+                 + ", and the 8-expert merges above), a budgeted merge is closer to the base and its accuracy moves "
+                 "with the base's own skills (" + ", ".join(unscored) + "), which is why budgeted merges can score higher there")
+    lin = max(gain[(k, "linear")] for k in ks)
+    lam = {k: ms["lambda_selection"][str(k)]["chosen"] for k in ks}
+    text += (f". Plain averaging (linear) keeps at most {_r(lin)} at any K; what is kept comes from operators that do "
+             "not divide each update by K (task_arithmetic with the tuned λ: "
+             + ", ".join(f"{lam[k]:g} at K={k}" for k in ks) + "; ties / dare_ties, which average only agreeing signs)")
+    out.append(text + ". Budgets do hurt, as soon as there is skill to lose; the 8-expert study's 'budget helps' "
+               f"was a merge with little to lose. Retention is scored on the {len(own) - len(unscored)} tasks where the "
+               f"experts gain at least {100 * ms['min_gain']:.0f} points, {results['settings']['n_eval_per_task']} examples each "
+               "(a per-task accuracy's standard error is up to 3.5 points).")
+    return out
 
 
 def findings(results: dict) -> list[str]:
@@ -487,6 +769,12 @@ def charts(results: dict, out: Path) -> list[Path]:
         fig.write_html(p, include_plotlyjs="cdn")
         paths.append(p)
         figs.append((fig, p.with_suffix(".png")))
+    if results.get("merge_size"):
+        fig = size_chart(results)
+        p = out / "merge_size.html"
+        fig.write_html(p, include_plotlyjs="cdn")
+        paths.append(p)
+        figs.append((fig, p.with_suffix(".png")))
     pngs = []
     try:
         from benchmarks.report import figures_to_png
@@ -494,6 +782,37 @@ def charts(results: dict, out: Path) -> list[Path]:
     except Exception as exc:  # rendering is optional (needs the local chromium + playwright)
         print(f"PNG rendering skipped: {exc}")
     return paths + pngs
+
+
+def size_chart(results: dict):
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+    ms = results["merge_size"]
+    colors = {"linear": "#1f77b4", "task_arithmetic": "#ff7f0e", "ties": "#2ca02c", "dare_ties": "#d62728"}
+    dashes = {2: "solid", 4: "dash"}
+    xs = ms["budgets_pct"]
+    rb = ms["random_budget_pct"]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("retention on own tasks ((merge − base)/(expert − base))",
+                                                        "own-task mean exact-match accuracy"))
+    for k in sorted(int(x) for x in ms["groups"]):
+        for op, color in colors.items():
+            cells = [size_cell(ms, k, op, b) for b in xs]
+            rnd = size_cell(ms, k, op, rb, "random")
+            name = f"K={k} {op}"
+            style = {"mode": "lines+markers", "name": name, "legendgroup": name,
+                     "line": {"color": color, "dash": dashes.get(k, "dot")}}
+            fig.add_trace(go.Scatter(x=xs, y=[c["retention"] for c in cells], **style), 1, 1)
+            fig.add_trace(go.Scatter(x=xs, y=[c["own"] for c in cells], showlegend=False, **style), 1, 2)
+            mk = {"mode": "markers", "legendgroup": name, "showlegend": False, "name": f"{name} random {rb} %",
+                  "marker": {"color": color, "symbol": "x", "size": 9}}
+            fig.add_trace(go.Scatter(x=[rb], y=[rnd["retention"]], **mk), 1, 1)
+            fig.add_trace(go.Scatter(x=[rb], y=[rnd["own"]], **mk), 1, 2)
+    fig.add_hline(y=0, line_dash="dot", line_color="gray", annotation_text="base", row=1, col=1)
+    fig.add_hline(y=1, line_dash="dot", line_color="gray", annotation_text="experts", row=1, col=1)
+    fig.update_xaxes(title_text="budget (% of full expert read)", type="log", tickvals=xs)
+    fig.update_layout(title="Merge size: K experts merged (solid K=2, dashed K=4; x = random selection at "
+                            f"{rb} %), means over the K groups", height=460)
+    return fig
 
 
 def sweep_dir(lr: float, kind: str) -> Path:
@@ -548,6 +867,7 @@ def main(argv=None) -> int:
     ap.add_argument("--expert-lr", type=float, default=None,
                     help="sensitivity run: experts fine-tuned from the same base with this lr "
                          "(family and report under benchmarks/work/fidelity/*-lr<LR>; the main report lists them)")
+    ap.add_argument("--no-merge-size", action="store_true", help="skip the merge-size section (K = 2, 4 experts)")
     ap.add_argument("--quick", action="store_true", help="60 examples per task, one random seed")
     ap.add_argument("--report-only", action="store_true", help="rewrite docs/fidelity from results.json")
     args = ap.parse_args(argv)
