@@ -10,14 +10,13 @@ need rows [r0, r1) of B and all of A, which is what lets a budgeted merge read a
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CatalogError
-from .storage import FLOAT_DTYPES, Checkpoint, TensorInfo, open_checkpoint
+from .storage import FLOAT_DTYPES, Checkpoint, TensorInfo, open_checkpoint, read_json_object
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -59,12 +58,7 @@ def _config(root: Path) -> dict:
     path = root / ADAPTER_CONFIG
     if not path.is_file():
         raise CatalogError(f"{root}: not a PEFT adapter directory (no {ADAPTER_CONFIG})")
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CatalogError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise CatalogError(f"{path}: expected a JSON object")
+    config = read_json_object(path)
     peft_type = str(config.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
         raise CatalogError(f"{path}: peft_type {peft_type} is not supported (only LORA)")

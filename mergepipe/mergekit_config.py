@@ -39,7 +39,7 @@ from .errors import MergePipeError
 from .ops import OPERATORS, get_op, resolve_params, threshold_fractions
 from .planner import STRATEGIES, Plan, Planner
 from .registry import check_unchanged, register
-from .settings import evaluate, layer_t, num_layers
+from .settings import check_setting, evaluate, layer_t, num_layers
 from .storage import FLOAT_DTYPES, open_checkpoint
 
 MAX_CONFIG_BYTES = 1 << 20  # a merge config is a few hundred bytes; refuse to parse anything huge
@@ -352,30 +352,7 @@ def _param(value, where: str, name: str):
 
 def _setting(value, where: str):
     """A weight/density setting in the planner's JSON form (floats, lists, {filter, value} dicts)."""
-    if isinstance(value, dict):
-        value = [value]  # one condition
-    if not isinstance(value, list):
-        return _number(value, where)
-    if not value:
-        raise ConfigError(f"{where} is an empty list")
-    if all(not isinstance(v, (dict, list)) for v in value):
-        return [_number(v, f"{where}[{i}]") for i, v in enumerate(value)]  # a gradient
-    conds = []
-    for i, cond in enumerate(value):
-        w = f"{where}[{i}]"
-        if not isinstance(cond, dict):
-            raise ConfigError(f"{w} must be a {{filter, value}} condition (a list mixes numbers and conditions)")
-        unknown = set(cond) - {"filter", "value"}
-        if unknown or "value" not in cond:
-            raise ConfigError(f"{w}: a condition has the keys filter and value (got {', '.join(map(str, cond))})")
-        f = cond.get("filter")
-        if f is not None and not isinstance(f, str):
-            raise ConfigError(f"{w}.filter must be a substring of tensor names, not {f!r}")
-        v = cond["value"]
-        if isinstance(v, (dict, list)) and (isinstance(v, dict) or any(isinstance(x, (dict, list)) for x in v)):
-            raise ConfigError(f"{w}.value: conditions cannot be nested")
-        conds.append({"filter": f, "value": _setting(v, f"{w}.value")})
-    return conds
+    return check_setting(value, where, ConfigError)
 
 
 def _with_fallback(own, merge_wide):

@@ -24,29 +24,42 @@ def is_scalar(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def check_setting(value, what: str):
-    """Validate a setting's shape and numbers; returns it in plain JSON form (dicts, lists, floats)."""
-    if is_scalar(value):
-        if not math.isfinite(value):
-            raise PlanError(f"{what} must be a finite number")
-        return float(value)
-    if isinstance(value, (list, tuple)) and value and all(is_scalar(v) for v in value):
-        return [check_setting(v, what) for v in value]
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, dict) for v in value):
-        out = []
-        for cond in value:
-            unknown = set(cond) - {"filter", "value"}
-            if unknown or "value" not in cond:
-                raise PlanError(f"{what}: a condition has keys filter and value (got {sorted(cond)})")
-            f = cond.get("filter")
-            if f is not None and not isinstance(f, str):
-                raise PlanError(f"{what}: filter must be a string (got {f!r})")
-            if isinstance(cond["value"], (list, tuple)) and cond["value"] and isinstance(cond["value"][0], dict):
-                raise PlanError(f"{what}: conditions cannot be nested")
-            out.append({"filter": f, "value": check_setting(cond["value"], what)})
-        return out
-    raise PlanError(f"{what} must be a number, a list of numbers (gradient) or a list of "
-                    f"{{filter, value}} conditions (got {value!r})")
+def check_setting(value, where: str, error: type[Exception] = PlanError):
+    """Validate a setting (``where`` names it in messages); returns its plain JSON form: floats, lists
+    of floats, ``{"filter", "value"}`` dicts. A single dict is one condition."""
+    if isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        return _number(value, where, error)
+    if not value:
+        raise error(f"{where} is an empty list: it must be a number, a list of numbers (gradient) or a list "
+                    f"of {{filter, value}} conditions")
+    if all(not isinstance(v, (dict, list, tuple)) for v in value):
+        return [_number(v, f"{where}[{i}]", error) for i, v in enumerate(value)]  # a gradient
+    conds = []
+    for i, cond in enumerate(value):
+        w = f"{where}[{i}]"
+        if not isinstance(cond, dict):
+            raise error(f"{w} must be a {{filter, value}} condition (a list mixes numbers and conditions)")
+        if set(cond) - {"filter", "value"} or "value" not in cond:
+            raise error(f"{w}: a condition has the keys filter and value (got {', '.join(map(str, cond))})")
+        f = cond.get("filter")
+        if f is not None and not isinstance(f, str):
+            raise error(f"{w}.filter must be a substring of tensor names, not {f!r}")
+        v = cond["value"]
+        if isinstance(v, dict) or (isinstance(v, (list, tuple)) and any(isinstance(x, (dict, list, tuple)) for x in v)):
+            raise error(f"{w}.value: conditions cannot be nested")
+        conds.append({"filter": f, "value": check_setting(v, f"{w}.value", error)})
+    return conds
+
+
+def _number(value, where: str, error: type[Exception]) -> float:
+    if not is_scalar(value):
+        raise error(f"{where} must be a number, a list of numbers (gradient) or a list of {{filter, value}} "
+                    f"conditions, not {value!r}")
+    if not math.isfinite(value):
+        raise error(f"{where} must be a finite number, not {value!r}")
+    return float(value)
 
 
 def layer_t(tensor: str, num_layers: int) -> float:

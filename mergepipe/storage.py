@@ -187,7 +187,7 @@ def open_checkpoint(uri: str | os.PathLike) -> Checkpoint:
                     raise StorageError(f"{root}: tensor {name!r} appears in more than one shard")
                 tensors[name] = info
         _check_index(root, tensors)
-        config = _read_json(root / "config.json") if (root / "config.json").exists() else {}
+        config = read_json_object(root / "config.json") if (root / "config.json").exists() else {}
     if not tensors:
         raise StorageError(f"{root}: checkpoint holds no tensors")
     sizes = {(f.name if root.is_dir() else f.name): f.stat().st_size for f in files}
@@ -197,7 +197,7 @@ def open_checkpoint(uri: str | os.PathLike) -> Checkpoint:
 def _shard_files(root: Path) -> list[Path]:
     index = root / INDEX_NAME
     if index.exists():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise StorageError(f"{index}: no weight_map")
         names = sorted(set(weight_map.values()))
@@ -215,7 +215,7 @@ def _check_index(root: Path, tensors: dict[str, TensorInfo]) -> None:
     index = root / INDEX_NAME
     if not index.exists():
         return
-    weight_map = _read_json(index)["weight_map"]
+    weight_map = read_json_object(index)["weight_map"]
     for name, fname in weight_map.items():
         if name not in tensors:
             raise StorageError(f"{index}: tensor {name!r} is listed but not present in {fname}")
@@ -223,7 +223,8 @@ def _check_index(root: Path, tensors: dict[str, TensorInfo]) -> None:
             raise StorageError(f"{index}: tensor {name!r} is listed in {fname} but found in {tensors[name].file}")
 
 
-def _read_json(path: Path) -> dict:
+def read_json_object(path: Path) -> dict:
+    """A JSON file that must hold an object; one clear error otherwise."""
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -42,12 +42,14 @@ def test_layer_position():
 
 
 @pytest.mark.parametrize("value,message", [
-    ("abc", "must be a number, a list of numbers"),
-    ([{"filter": "mlp", "value": [{"value": 1}]}], "cannot be nested"),
-    ([{"filter": 3, "value": 1}], "filter must be a string"),
+    ("abc", r"weight of e1 must be a number, a list of numbers"),
+    ([{"filter": "mlp", "value": [{"value": 1}]}], r"weight of e1\[0\].value: conditions cannot be nested"),
+    ([{"filter": 3, "value": 1}], r"weight of e1\[0\].filter must be a substring of tensor names, not 3"),
     ([{"filter": "mlp", "val": 1}], "keys filter and value"),
     (float("nan"), "finite"),
-    ([], "must be a number"),
+    ([], "is an empty list"),
+    ([0.5, {"value": 1}], r"weight of e1\[0\] must be a \{filter, value\} condition"),
+    ({"filter": "mlp", "value": [0.1, "x"]}, r"weight of e1\[0\].value\[1\] must be a number"),
 ])
 def test_bad_settings_are_refused(value, message):
     with pytest.raises(PlanError, match=message):

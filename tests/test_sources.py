@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from mergepipe.analyze import analyze
 from mergepipe.api import merge
 from mergepipe.catalog import Catalog
-from mergepipe.errors import CatalogError
+from mergepipe.errors import CatalogError, MergePipeError
 from mergepipe.family import make_family
 from mergepipe.lora import open_adapter
 from mergepipe.planner import Planner, expand_ranges
@@ -297,6 +297,7 @@ def _bad_shape(t):
 
 BROKEN = [
     ("no config", None, None, "not a PEFT adapter directory"),
+    ("bad config json", None, None, "adapter_config.json: not valid JSON"),
     ("dora", lambda c: c.update(use_dora=True), None, "DoRA adapters are not supported"),
     ("bad r", lambda c: c.update(r=0), None, "r must be a positive number"),
     ("prefix tuning", lambda c: c.update(peft_type="PREFIX_TUNING"), None, "peft_type PREFIX_TUNING is not supported"),
@@ -313,8 +314,10 @@ def test_malformed_adapters_are_refused_and_change_nothing(fam, cat, tmp_path, l
     d = _broken_adapter(fam, tmp_path, edit_config, edit_tensors)
     if label == "no config":
         (d / "adapter_config.json").unlink()
+    if label == "bad config json":
+        (d / "adapter_config.json").write_text("{r: 8")
     before = dump_db(cat.path)
-    with pytest.raises(CatalogError, match=message):
+    with pytest.raises(MergePipeError, match=message):
         register(cat, "bad", str(d), base_id="base", kind="lora")
     res = run_cli(["register", "--db", str(cat.path), "--model-id", "bad", "--uri", str(d), "--base", "base",
                    "--kind", "lora"])
