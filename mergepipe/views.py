@@ -641,11 +641,12 @@ def make_plan(ctx: PlanContext, budget_pct: float | None = None, target_rel: flo
 PLAN_PAGE_TRI = {None: "default", True: "on", False: "off"}
 
 
-def read_config_source(upload: bytes | None, path: str | None, roots: list[Path]) -> tuple[bytes, str]:
+def read_config_source(upload: bytes | None, path: str | None, roots: list[Path],
+                       upload_name: str | None = None) -> tuple[bytes, str]:
     """The bytes of a mergekit YAML from an upload, else from a typed path under an allowed folder."""
     from .mergekit_config import MAX_CONFIG_BYTES
     if upload is not None:
-        return upload, "uploaded config"
+        return upload, upload_name or "uploaded config"
     p = check_path(path or "", roots)
     if not p.is_file():
         raise MergePipeError(f"{p} is not a file")

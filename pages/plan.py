@@ -27,7 +27,8 @@ def load_mergekit():
     def fn(cat):
         upload = s.get("mk_upload")
         data, source = views.read_config_source(upload.getvalue() if upload is not None else None,
-                                                s.get("mk_path"), ui.roots())
+                                                s.get("mk_path"), ui.roots(),
+                                                upload.name if upload is not None else None)
         return source, views.mergekit_plan_settings(cat, data, source, ui.roots())
 
     res = ui.action(ui.with_catalog, fn)

@@ -1,8 +1,10 @@
 """End-to-end: the dashboard in a real browser (Debian chromium driven by Playwright).
 
 Starts the app through mergepipe.dashboard.run_dashboard on 127.0.0.1 with a free port and a fresh
-catalog, then: registers and analyzes a generated family on the Models page, moves the budget slider
-on the Plan page and sees the estimated expert I/O and the access mask change, saves the plan, launches
+catalog, then: registers and analyzes a generated family on the Models page (and registers a PEFT LoRA
+adapter, refused without a base), moves the budget slider
+on the Plan page and sees the estimated expert I/O and the access mask change, loads a mergekit YAML
+that sets the operator, experts, weights and density, saves the plan, launches
 the merge on the Run page and watches it complete, finds the snapshot in Snapshots and in Lineage and
 opens its manifest. A screenshot of each page goes to test-artifacts/ (and to assets/, shown by the docs, when
 MERGEPIPE_UPDATE_SCREENSHOTS=1).
@@ -141,14 +143,34 @@ def mask_selected(page) -> int:
     return want
 
 
-def register(page, path: Path, model_id: str, base: str | None):
+def register(page, path: Path, model_id: str, base: str | None, kind: str | None = None):
     page.get_by_role("textbox", name="Checkpoint path (directory or .safetensors file)").fill(str(path))
     page.get_by_role("textbox", name="Model id (default: the folder's name)").fill(model_id)
     if base:
         choose(page, "Base", base)
+    if kind:
+        choose(page, "Kind", kind)
     page.get_by_role("button", name="Register").click()
     expect(page.get_by_text(f"registered: {model_id}")).to_be_visible()
     idle(page)
+
+
+def write_lora_adapter(base_dir: Path, out: Path, r: int = 4) -> None:
+    """A PEFT-format LoRA adapter on q_proj/v_proj of a generated family's base."""
+    import torch
+    from safetensors.torch import save_file
+    from mergepipe.storage import open_checkpoint
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for name, info in open_checkpoint(base_dir).tensors.items():
+        if name.endswith(("q_proj.weight", "v_proj.weight")):
+            module = name.removesuffix(".weight")
+            tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(r, info.shape[1], generator=gen)
+            tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(info.shape[0], r, generator=gen) * 0.01
+    out.mkdir()
+    save_file(tensors, out / "adapter_model.safetensors")
+    (out / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": 8,
+                                                         "target_modules": ["q_proj", "v_proj"]}))
 
 
 def test_dashboard_end_to_end(server, page):
@@ -180,6 +202,19 @@ def test_dashboard_end_to_end(server, page):
     cat = Catalog(server["db"])
     assert all(cat.is_analyzed(e) for e in EXPERTS) and cat.grid_block_bytes("base") == 4096
     shot(page, "models")
+    # a PEFT LoRA adapter: refused without a base, registered with one
+    write_lora_adapter(fam / "base", server["tmp"] / "adapter")
+    register_form = page.get_by_role("textbox", name="Checkpoint path (directory or .safetensors file)")
+    register_form.fill(str(server["tmp"] / "adapter"))
+    page.get_by_role("textbox", name="Model id (default: the folder's name)").fill("chat-lora")
+    choose(page, "Base", "(none: this is a base model)")
+    choose(page, "Kind", "lora")
+    page.get_by_role("button", name="Register").click()
+    expect(page.get_by_text("needs a base")).to_be_visible()
+    register(page, server["tmp"] / "adapter", "chat-lora", "base", "lora")
+    assert cat.model("chat-lora")["kind"] == "lora"
+    expect(page.get_by_text("Not analyzed yet: chat-lora")).to_be_visible()
+    no_exception(page)
 
     # --- Catalog: the heatmap, and a click on a layer cell drills down to its blocks ---------------------
     nav(page, "Catalog")
@@ -220,10 +255,28 @@ def test_dashboard_end_to_end(server, page):
     assert "budget=34" in page.url  # the settings are in the URL
     no_exception(page)
     shot(page, "plan")
+    # load a mergekit YAML: the settings follow it
+    page.get_by_text("Load a mergekit YAML").click()
+    yml = server["tmp"] / "merge.yml"
+    yml.write_text("merge_method: ties\nbase_model: base\nmodels:\n  - model: expert_1\n"
+                   "    parameters: {weight: 0.5}\n  - model: expert_2\n    parameters: {weight: 1.5}\n"
+                   "parameters: {density: 0.4}\n")
+    page.locator("[data-testid='stFileUploaderDropzoneInput']").set_input_files(str(yml))
+    idle(page)
+    page.get_by_role("button", name="Load settings").click()
+    expect(page.get_by_text("Loaded merge.yml: ties of expert_1, expert_2 on base.")).to_be_visible()
+    idle(page)
+    expect(page.get_by_role("combobox", name="Operator")).to_have_value("ties")
+    expect(page.get_by_role("spinbutton", name="Density")).to_have_value("0.40")
+    mask_selected(page)
+    no_exception(page)
     page.get_by_role("button", name="Save plan").click()
     expect(page.get_by_text(re.compile(r"Saved plan-[0-9a-f]{16}\."))).to_be_visible()
     plan_id = re.search(r"plan-[0-9a-f]{16}", page.get_by_text(re.compile(r"Saved plan-")).inner_text()).group(0)
     assert cat.query("SELECT budget_bytes FROM plans WHERE id = ?", [plan_id])
+    saved = json.loads(cat.query("SELECT json FROM plans WHERE id = ?", [plan_id])[0]["json"])
+    assert saved["operator"] == "ties" and [(e["id"], e["weight"], e["density"]) for e in saved["experts"]] == [
+        ("expert_1", 0.5, 0.4), ("expert_2", 1.5, 0.4)]
 
     # --- Run: launch the saved plan as a separate process and watch it complete --------------------------
     nav(page, "Run")

@@ -626,6 +626,7 @@ def test_mergekit_plan_settings_refusals(cat, built, body, words):
 def test_read_config_source(tmp_path):
     roots = [tmp_path.resolve()]
     assert views.read_config_source(b"x: 1", None, roots) == (b"x: 1", "uploaded config")
+    assert views.read_config_source(b"x: 1", None, roots, "m.yml") == (b"x: 1", "m.yml")
     (tmp_path / "m.yml").write_text("merge_method: linear\n")
     assert views.read_config_source(None, str(tmp_path / "m.yml"), roots) == (b"merge_method: linear\n", "m.yml")
     with pytest.raises(MergePipeError, match="enter a path"):
