@@ -39,7 +39,7 @@ from .errors import MergePipeError
 from .ops import OPERATORS, get_op, resolve_params, threshold_fractions
 from .planner import STRATEGIES, Plan, Planner
 from .registry import check_unchanged, register
-from .settings import check_setting, evaluate, layer_t, num_layers
+from .settings import check_setting, evaluate, is_scalar, layer_t, num_layers
 from .storage import FLOAT_DTYPES, open_checkpoint
 
 MAX_CONFIG_BYTES = 1 << 20  # a merge config is a few hundred bytes; refuse to parse anything huge
@@ -370,10 +370,6 @@ def _with_fallback(own, merge_wide):
     return own + [{"filter": None, "value": merge_wide}]
 
 
-def is_scalar_setting(value) -> bool:
-    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
-
-
 def _number(value, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{where} must be a number, not {value!r}")
@@ -593,7 +589,7 @@ def prepare(cat: Catalog, cfg: MergekitConfig, register_paths: bool = True, chec
     _check_out_dtype(cat, cfg, base_id, base_path)
     for m in cfg.models:
         # Thresholds to store for the densities this model uses (out of range: the planner's to refuse).
-        densities = [1.0 if m.density is None else m.density] if is_scalar_setting(m.density) \
+        densities = [1.0 if m.density is None else m.density] if m.density is None or is_scalar(m.density) \
             else r.per_tensor_values(m.density) if op.uses_density else []
         needed = tuple(sorted({f for d in densities if 0 < d <= 1
                                for f in threshold_fractions(op, d, params) if 0 < f < 1}))
