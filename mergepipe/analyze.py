@@ -1,36 +1,46 @@
-"""ANALYZE: one sequential pass over base and expert computing per-block statistics of the delta.
+"""ANALYZE: one pass over base and experts computing per-block statistics of each expert's delta.
 
 Per block of delta = expert - base: L2 and L1 norms, max |delta|, non-zero count and a sketch
 (see sketch.py). Per (expert, tensor): the same totals and exact top-k magnitude thresholds for a
 grid of densities (what TIES/breadcrumbs need), so a budgeted merge never reads a whole tensor to
 learn them. Thresholds are found by a radix select on the float32 bit pattern of |delta|: pass one
-histograms the top 16 bits; pass two histograms the low 16 bits of only the bins that hold a k-th largest
+histograms the top 16 bits; pass two counts the low 16 bits of only the bins that hold a k-th largest
 (from memory for small tensors, otherwise re-read from the page cache the first pass just filled).
+
+Both passes are compiled loops over the checkpoints' raw bytes (analyze_kernels.py); (expert, tensor)
+tasks run on a pool of threads, one per core plus one so that a read never leaves a core idle, in
+tensor-major order so that the experts of one base share its pages in the page cache. The engine
+runs the same :class:`ExpertAnalysis` during a first merge (analysis on the way).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
+import numpy as np
 
+from . import analyze_kernels as kernels
 from .catalog import Catalog, now
 from .errors import CatalogError
 from .grid import DEFAULT_BLOCK_BYTES, BlockSpan, tensor_grid
 from .registry import check_unchanged
-from .sketch import DEFAULT_SKETCH_SIZE, make_sketch
+from .sketch import DEFAULT_SKETCH_SIZE, sample_positions, sketch_bytes
 from .sources import open_source
-from .storage import FLOAT_DTYPES, RangeReader, TensorInfo, open_checkpoint
+from .storage import FLOAT_DTYPES, Checkpoint, RangeReader, TensorInfo, open_checkpoint
 
 # Top-k fractions with stored thresholds: every percent, plus two below 1 %.
 DEFAULT_DENSITIES = (0.001, 0.005) + tuple(round(i / 100, 2) for i in range(1, 100))
 IN_MEMORY_TENSOR_BYTES = 64 << 20
-HIST_BINS = 1 << 15
+HIST_BINS = 1 << 15  # top 16 bits of a non-negative float32: sign 0, so 2**15 bins
+# numpy views of raw bytes the kernels accept (bf16 and fp16 need distinct 16-bit types)
+RAW_VIEW = {"BF16": np.uint16, "F16": np.int16, "F32": np.float32, "F64": np.float64}
 
 Progress = Callable[[str, int, int], None]
 
@@ -44,65 +54,166 @@ class AnalyzeResult:
     n_blocks: int = 0
 
 
-class BinSelection:
-    """Low 16 bits of the entries that fall in a few top-16 bins, keyed ``slot << 16 | low``.
+def analysis_workers() -> int:
+    return max(1, min(4, (os.cpu_count() or 1) + 1))
 
-    Few entries (small tensors): kept as sorted keys. Many: counted in a dense [slots, 65536]
-    histogram, allocated only once the entries outnumber its cells, so small tensors never pay for it.
-    """
 
-    def __init__(self, n_slots: int):
-        self.cells = n_slots * 65536
-        self.pending: list[torch.Tensor] = []
-        self.pending_n = 0
-        self.dense: torch.Tensor | None = None
-        self.sorted: torch.Tensor | None = None
-        self._desc: dict[int, torch.Tensor] = {}
+class ExpertAnalysis:
+    """ANALYZE of one expert against its base: its own readers (so bytes are counted per expert),
+    its settings, and the rows of every tensor analyzed so far. Tensors may be analyzed concurrently."""
 
-    def add(self, keys: torch.Tensor) -> None:
-        self.pending.append(keys)
-        self.pending_n += keys.numel()
-        if self.pending_n >= self.cells:
-            self._flush()
+    def __init__(self, expert: dict, base: dict, base_ck: Checkpoint, block_bytes: int,
+                 sketch_size: int = DEFAULT_SKETCH_SIZE, densities=DEFAULT_DENSITIES):
+        self.expert, self.base = expert, base
+        self.base_ck = base_ck
+        self.source = open_source(expert["kind"], expert["uri"])
+        self.block_bytes = block_bytes
+        self.sketch_size = sketch_size
+        self.densities = tuple(sorted(set(float(d) for d in densities)))
+        self.rb = RangeReader(base_ck, sequential=True)
+        self.re = RangeReader(self.source.checkpoint, sequential=True)
+        self.results: dict[str, tuple[list[dict], dict]] = {}
+        self.seconds = 0.0
+        self._lock = threading.Lock()
 
-    def _flush(self) -> None:
-        if self.dense is None:
-            self.dense = torch.zeros(self.cells, dtype=torch.int64)
-        if self.pending:
-            self.dense += torch.bincount(torch.cat(self.pending), minlength=self.cells)
-        self.pending, self.pending_n = [], 0
+    @property
+    def expert_id(self) -> str:
+        return self.expert["id"]
 
-    def finish(self) -> "BinSelection":
-        if self.dense is not None:
-            self._flush()
+    @property
+    def bytes_read(self) -> int:
+        return self.rb.bytes_read + self.re.bytes_read
+
+    def tensor_order(self) -> list[TensorInfo]:
+        """Base tensors in the order of the expert's bytes, so the pass over its files is sequential."""
+        return sorted(self.base_ck.tensors.values(), key=self._read_position)
+
+    def _read_position(self, binfo: TensorInfo):
+        if not self.source.has_delta(binfo.name):  # tensors without a delta go last
+            return (1, "", 0)
+        fname, offset, _ = self.source.block_ranges(binfo.name, tensor_grid(binfo, 1 << 62)[0])[0]
+        return (0, fname, offset)
+
+    def analyze(self, binfo: TensorInfo) -> tuple[list[dict], dict]:
+        """Rows for one tensor's blocks and its totals and thresholds (also kept in ``results``)."""
+        t0 = time.perf_counter()
+        if not self.source.has_delta(binfo.name):
+            out = _zero_tensor(binfo, self.block_bytes, self.expert_id)
         else:
-            keys = torch.cat(self.pending) if self.pending else torch.zeros(0, dtype=torch.int64)
-            self.sorted = keys.sort().values
-            self.pending = []
-        return self
+            out = _TensorPass(self, binfo).run()
+        with self._lock:
+            self.results[binfo.name] = out
+            self.seconds += time.perf_counter() - t0
+        return out
+
+    def record(self, seconds: float | None = None) -> dict:
+        """The ``analyses`` row of this expert (all of its tensors must be analyzed)."""
+        return {"model_id": self.expert_id, "base_id": self.base["id"], "fingerprint": self.expert["fingerprint"],
+                "base_fingerprint": self.base["fingerprint"], "block_bytes": self.block_bytes,
+                "sketch_size": self.sketch_size, "densities": json.dumps(list(self.densities)),
+                "n_blocks": self.n_blocks, "bytes_read": self.bytes_read,
+                "seconds": round(self.seconds if seconds is None else seconds, 4), "analyzed_at": now()}
+
+    @property
+    def n_blocks(self) -> int:
+        return sum(len(rows) for rows, _ in self.results.values())
+
+    def close(self) -> None:
+        self.rb.close()
+        self.re.close()
+
+
+class _TensorPass:
+    """Both radix-select passes and the block statistics of one (expert, tensor)."""
+
+    def __init__(self, job: ExpertAnalysis, binfo: TensorInfo):
+        self.job, self.binfo = job, binfo
+        self.source = job.source
+        self.spans = tensor_grid(binfo, job.block_bytes)
+        fixed = self.source.fixed_ranges(binfo.name)
+        self.fixed_bytes = sum(n for _, _, n in fixed)
+        self.fixed = job.re.read_ranges(fixed) if fixed and binfo.dtype in FLOAT_DTYPES else []
+        self.keep = binfo.numel * 4 <= IN_MEMORY_TENSOR_BYTES
+        self.cached: list[tuple] = []
+
+    def inputs(self, span: BlockSpan):
+        """(expert-side array, base array or None) whose difference is the block's delta."""
+        name, job = self.binfo.name, self.job
+        bufs = job.re.read_ranges(self.source.block_ranges(name, span))
+        if self.source.kind == "lora":
+            return self.source.delta(name, span, bufs, self.fixed, None).reshape(-1).numpy(), None
+        info = self.source.checkpoint.tensors[name]
+        e = np.frombuffer(bufs[0], dtype=RAW_VIEW[info.dtype])
+        if not self.source.needs_base:
+            return e, None
+        rows = job.rb.read(self.binfo.file, self.binfo.offset + span.rel_offset, span.nbytes)
+        return e, np.frombuffer(rows, dtype=RAW_VIEW[self.binfo.dtype])
+
+    def run(self) -> tuple[list[dict], dict]:
+        binfo, job = self.binfo, self.job
+        is_float = binfo.dtype in FLOAT_DTYPES
+        hist = np.zeros((4, 1 << 16), dtype=np.int32 if binfo.numel < 2**31 else np.int64)
+        rows = []
+        l2sq = l1 = mx = 0.0
+        nnz = 0
+        for span in self.spans:
+            (rng,) = self.source.block_ranges(binfo.name, span)
+            row = {"model_id": job.expert_id, "tensor": binfo.name, "block": span.index,
+                   "row_start": span.row_start, "row_end": span.row_end, "offset": rng[1], "nbytes": rng[2],
+                   "delta_l2": 0.0, "delta_l1": 0.0, "delta_max_abs": 0.0, "delta_nnz": 0, "sketch": b""}
+            if is_float:
+                e, b = self.inputs(span)
+                s2, s1, m, n = kernels.block_stats(e, b, hist)
+                m = float(m)
+                positions = sample_positions(e.size, job.sketch_size).numpy()
+                row.update(delta_l2=math.sqrt(s2), delta_l1=s1, delta_max_abs=m, delta_nnz=n,
+                           sketch=sketch_bytes(kernels.gather_delta(e, b, positions), m))
+                l2sq, l1, mx, nnz = l2sq + s2, l1 + s1, max(mx, m), nnz + n
+                if self.keep:
+                    self.cached.append((e, b))
+            rows.append(row)
+        hist = hist.sum(axis=0, dtype=np.int64)
+        thresholds = (kth_largest_thresholds(hist[:HIST_BINS], binfo.numel, nnz, job.densities, self.select)
+                      if nnz else {})
+        stats = {"model_id": job.expert_id, "tensor": binfo.name, "numel": binfo.numel, "delta_l2": l2sq ** 0.5,
+                 "delta_l1": l1, "delta_max_abs": mx, "delta_nnz": nnz,
+                 "thresholds": json.dumps({str(k): v for k, v in thresholds.items()}),
+                 "fixed_bytes": self.fixed_bytes if nnz else 0}
+        return rows, stats
+
+    def select(self, bins: list[int]) -> "BinSelection":
+        """Second pass: the low 16 bits of the entries in ``bins`` (from memory or re-read)."""
+        slot_of = np.full(1 << 16, len(bins), dtype=np.int32)  # unselected bins: the sink row
+        slot_of[np.array(bins)] = np.arange(len(bins), dtype=np.int32)
+        dense = np.zeros((len(bins) + 1, 1 << 16), dtype=np.int64 if self.binfo.numel >= 2**31 else np.int32)
+        for e, b in (self.cached if self.keep else (self.inputs(s) for s in self.spans)):
+            kernels.count_low_bits(e, b, slot_of, dense)
+        return BinSelection(dense[:-1])
+
+
+class BinSelection:
+    """Counts of the low 16 bits of the entries in a few top-16 bins: [slots, 65536]."""
+
+    def __init__(self, dense: np.ndarray):
+        self.dense = dense
 
     def kth_low_bits(self, slot: int, rank: int) -> int:
         """The low 16 bits of the rank-th largest entry (1-based) within ``slot``."""
-        if self.sorted is not None:
-            end = int(torch.searchsorted(self.sorted, torch.tensor((slot + 1) << 16)))
-            return int(self.sorted[end - rank]) & 0xFFFF
-        if slot not in self._desc:
-            self._desc[slot] = self.dense[slot * 65536:(slot + 1) * 65536].flip(0).cumsum(0)
-        return 65535 - int(torch.searchsorted(self._desc[slot], torch.tensor(rank)))
+        return int(kernels.kth_from_top(self.dense[slot], rank))
 
 
-def kth_largest_thresholds(hist: torch.Tensor, numel: int, nnz: int, densities, select) -> dict[float, float]:
+def kth_largest_thresholds(hist: np.ndarray, numel: int, nnz: int, densities, select) -> dict[float, float]:
     """Exact k-th largest |delta| for k = int(d * numel), d in ``densities``, by radix select.
 
-    ``hist`` counts the top 16 bits of |delta|'s float32 pattern; ``select(bins)`` returns a
-    :class:`BinSelection` of the entries in those top-16 bins (a second pass over the tensor).
-    """
-    desc = hist.flip(0).cumsum(0)  # desc[j] = entries in the top j+1 bins
+    ``hist`` counts the top 16 bits of |delta|'s float32 pattern (bin 0 holds the zeros and is
+    never selected: k <= nnz); ``select(bins)`` returns a :class:`BinSelection` of the
+    entries in those bins (a second pass over the tensor)."""
+    desc = np.cumsum(hist[::-1])  # desc[j] = entries in the top j+1 bins
     wanted: dict[float, tuple[int, int]] = {}
     for d in densities:
         k = int(d * numel)
         if 0 < k <= nnz:
-            j = int(torch.searchsorted(desc, torch.tensor(k)))
+            j = int(np.searchsorted(desc, k))
             above = int(desc[j - 1]) if j > 0 else 0
             wanted[d] = (HIST_BINS - 1 - j, k - above)
     bins = sorted({b for b, _ in wanted.values()})
@@ -117,91 +228,8 @@ def kth_largest_thresholds(hist: torch.Tensor, numel: int, nnz: int, densities, 
         else:
             b, rank = wanted[d]
             lo = selection.kth_low_bits(bins.index(b), rank)
-            bits = torch.tensor([(b << 16) | lo], dtype=torch.int32)
-            out[d] = float(bits.view(torch.float32)[0])
+            out[d] = float(np.array([(b << 16) | lo], dtype=np.uint32).view(np.float32)[0])
     return out
-
-
-def analyze_expert(
-    catalog: Catalog,
-    expert_id: str,
-    block_bytes: int | None = None,
-    sketch_size: int = DEFAULT_SKETCH_SIZE,
-    densities=DEFAULT_DENSITIES,
-    force: bool = False,
-    progress: Progress | None = None,
-) -> AnalyzeResult:
-    """Analyze one expert against its base; skipped when nothing it depends on changed."""
-    expert = catalog.model(expert_id)
-    if not expert["base_id"]:
-        raise CatalogError(f"{expert_id} has no base; register it with --base to analyze it")
-    base = catalog.model(expert["base_id"])
-    grid_bytes = catalog.grid_block_bytes(base["id"])
-    if block_bytes is None:
-        block_bytes = grid_bytes or DEFAULT_BLOCK_BYTES
-    if block_bytes <= 0:
-        raise CatalogError("--block-bytes must be positive")
-    densities = tuple(sorted(set(float(d) for d in densities)))
-    # Headers only: a model whose files changed since registration must never be skipped as unchanged.
-    check_unchanged(base)
-    check_unchanged(expert)
-    prev = catalog.analysis(expert_id)
-    if (
-        not force and prev and grid_bytes == block_bytes and catalog.is_analyzed(expert_id)
-        and prev["sketch_size"] == sketch_size and set(json.loads(prev["densities"])) >= set(densities)
-    ):
-        return AnalyzeResult(expert_id, skipped=True)
-
-    base_ck = open_checkpoint(base["uri"])
-    source = open_source(expert["kind"], expert["uri"])
-    t0 = time.perf_counter()
-    block_rows, stat_rows = [], []
-    with RangeReader(base_ck, sequential=True) as rb, RangeReader(source.checkpoint, sequential=True) as re_:
-        # in the order of the expert's bytes, so the pass over its files is sequential
-        order = sorted(base_ck.tensors.values(), key=lambda t: _read_position(source, t))
-        total = sum(t.nbytes for t in order)
-        done = 0
-
-        def one(binfo):
-            if not source.has_delta(binfo.name):
-                return _zero_tensor(binfo, block_bytes, expert_id)
-            return _analyze_tensor(rb, re_, source, binfo, block_bytes, sketch_size, densities, expert_id)
-
-        # Tensors are analyzed on a small pool of single-threaded workers (one per core).
-        with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
-                                initializer=torch.set_num_threads, initargs=(1,)) as pool:
-            results = pool.map(one, order)
-            for binfo, (blocks, stats) in zip(order, results):
-                block_rows += blocks
-                stat_rows.append(stats)
-                done += binfo.nbytes
-                if progress:
-                    progress(expert_id, done, total)
-        bytes_read = rb.bytes_read + re_.bytes_read
-    seconds = time.perf_counter() - t0
-    with catalog.transaction():
-        if grid_bytes != block_bytes:
-            catalog.db["grids"].upsert(
-                {"base_id": base["id"], "block_bytes": block_bytes, "n_blocks": len(block_rows),
-                 "created_at": now()}, pk="base_id")
-        for table in ("blocks", "tensor_stats"):
-            catalog.conn.execute(f"DELETE FROM {table} WHERE model_id = ?", [expert_id])
-        catalog.db["blocks"].insert_all(block_rows, batch_size=2000)
-        catalog.db["tensor_stats"].insert_all(stat_rows, batch_size=2000)
-        catalog.db["analyses"].upsert(
-            {"model_id": expert_id, "base_id": base["id"], "fingerprint": expert["fingerprint"],
-             "base_fingerprint": base["fingerprint"], "block_bytes": block_bytes, "sketch_size": sketch_size,
-             "densities": json.dumps(list(densities)), "n_blocks": len(block_rows), "bytes_read": bytes_read,
-             "seconds": round(seconds, 4), "analyzed_at": now()}, pk="model_id")
-    return AnalyzeResult(expert_id, False, bytes_read, seconds, len(block_rows))
-
-
-def _read_position(source, binfo: TensorInfo):
-    """Where a tensor's delta starts in the expert's files (tensors without a delta go last)."""
-    if not source.has_delta(binfo.name):
-        return (1, "", 0)
-    fname, offset, _ = source.block_ranges(binfo.name, tensor_grid(binfo, 1 << 62)[0])[0]
-    return (0, fname, offset)
 
 
 def _zero_tensor(binfo: TensorInfo, block_bytes: int, expert_id: str):
@@ -214,82 +242,105 @@ def _zero_tensor(binfo: TensorInfo, block_bytes: int, expert_id: str):
     return rows, stats
 
 
-def _analyze_tensor(rb: RangeReader, re_: RangeReader, source, binfo: TensorInfo,
-                    block_bytes: int, sketch_size: int, densities, expert_id: str):
-    spans = tensor_grid(binfo, block_bytes)
-    is_float = binfo.dtype in FLOAT_DTYPES
-    keep_in_memory = binfo.numel * 4 <= IN_MEMORY_TENSOR_BYTES
-    cached: list[torch.Tensor] = []
-    hist = torch.zeros(HIST_BINS, dtype=torch.int64)
-    rows = []
-    tot = {"l2sq": 0.0, "l1": 0.0, "max": 0.0, "nnz": 0}
-    fixed_ranges = source.fixed_ranges(binfo.name)
-    fixed = re_.read_ranges(fixed_ranges) if fixed_ranges and is_float else []
-
-    def delta_of(span: BlockSpan) -> torch.Tensor:
-        bufs = re_.read_ranges(source.block_ranges(binfo.name, span))
-        base = rb.tensor_rows(binfo, span.row_start, span.row_end).float() if source.needs_base else None
-        return source.delta(binfo.name, span, bufs, fixed, base).reshape(-1)
-
-    for span in spans:
-        (rng,) = source.block_ranges(binfo.name, span)
-        if is_float:
-            d = delta_of(span)
-            absd = d.abs()
-            l2 = float(torch.linalg.vector_norm(d)) if d.numel() else 0.0
-            l1 = float(absd.sum(dtype=torch.float64)) if d.numel() else 0.0
-            mx = float(absd.max()) if d.numel() else 0.0
-            nnz = int(torch.count_nonzero(d))
-            if nnz:
-                hist += torch.bincount((absd.view(torch.int32) >> 16).long(), minlength=HIST_BINS)
-            sketch = make_sketch(d, mx, sketch_size)
-            if keep_in_memory:
-                cached.append(absd)
-        else:
-            l2 = l1 = mx = 0.0
-            nnz = 0
-            sketch = b""
-        tot["l2sq"] += l2 * l2
-        tot["l1"] += l1
-        tot["max"] = max(tot["max"], mx)
-        tot["nnz"] += nnz
-        rows.append({
-            "model_id": expert_id, "tensor": binfo.name, "block": span.index, "row_start": span.row_start,
-            "row_end": span.row_end, "offset": rng[1], "nbytes": rng[2],
-            "delta_l2": l2, "delta_l1": l1, "delta_max_abs": mx, "delta_nnz": nnz, "sketch": sketch,
-        })
-
-    def select(bins: list[int]) -> BinSelection:
-        lut = torch.full((HIST_BINS,), -1, dtype=torch.int32)
-        lut[torch.tensor(bins)] = torch.arange(len(bins), dtype=torch.int32)
-        selection = BinSelection(len(bins))
-        sources = cached if keep_in_memory else (delta_of(s).abs() for s in spans)
-        for absd in sources:
-            bits = absd.view(torch.int32)
-            slot = lut[bits >> 16]
-            sel = slot >= 0
-            selection.add((slot[sel].long() << 16) | (bits[sel] & 0xFFFF).long())
-        return selection.finish()
-
-    thresholds = kth_largest_thresholds(hist, binfo.numel, tot["nnz"], densities, select) if tot["nnz"] else {}
-    stats = {
-        "model_id": expert_id, "tensor": binfo.name, "numel": binfo.numel, "delta_l2": tot["l2sq"] ** 0.5,
-        "delta_l1": tot["l1"], "delta_max_abs": tot["max"], "delta_nnz": tot["nnz"],
-        "thresholds": json.dumps({str(k): v for k, v in thresholds.items()}),
-        "fixed_bytes": sum(n for _, _, n in fixed_ranges) if tot["nnz"] else 0,
-    }
-    return rows, stats
+def store_analyses(catalog: Catalog, jobs: list[ExpertAnalysis], seconds: dict | None = None) -> None:
+    """Replace the statistics of these experts (and their base's grid) in one transaction."""
+    with catalog.transaction():
+        for job in jobs:
+            if catalog.grid_block_bytes(job.base["id"]) != job.block_bytes:
+                catalog.db["grids"].upsert(
+                    {"base_id": job.base["id"], "block_bytes": job.block_bytes, "n_blocks": job.n_blocks,
+                     "created_at": now()}, pk="base_id")
+            for table in ("blocks", "tensor_stats"):
+                catalog.conn.execute(f"DELETE FROM {table} WHERE model_id = ?", [job.expert_id])
+            catalog.db["blocks"].insert_all((r for rows, _ in job.results.values() for r in rows), batch_size=2000)
+            catalog.db["tensor_stats"].insert_all((s for _, s in job.results.values()), batch_size=2000)
+            catalog.db["analyses"].upsert(job.record((seconds or {}).get(job.expert_id)), pk="model_id")
 
 
-def analyze(catalog: Catalog, model_ids=None, progress: Progress | None = None, **kw) -> list[AnalyzeResult]:
-    """Analyze the given experts (default: every registered model that has a base)."""
+def _prepare(catalog: Catalog, expert_id: str, block_bytes, sketch_size, densities, force) -> ExpertAnalysis | None:
+    """The analysis job for one expert, or None when its stored statistics are current."""
+    expert = catalog.model(expert_id)
+    if not expert["base_id"]:
+        raise CatalogError(f"{expert_id} has no base; register it with --base to analyze it")
+    base = catalog.model(expert["base_id"])
+    grid_bytes = catalog.grid_block_bytes(base["id"])
+    if block_bytes is None:
+        block_bytes = grid_bytes or DEFAULT_BLOCK_BYTES
+    if block_bytes <= 0:
+        raise CatalogError("--block-bytes must be positive")
+    if sketch_size <= 0:
+        raise CatalogError("--sketch-size must be positive")
+    if not all(0 < float(d) <= 1 for d in densities):
+        raise CatalogError("--densities must lie in (0, 1]")
+    densities = tuple(sorted(set(float(d) for d in densities)))
+    # Headers only: a model whose files changed since registration must never be skipped as unchanged.
+    check_unchanged(base)
+    check_unchanged(expert)
+    prev = catalog.analysis(expert_id)
+    if (
+        not force and prev and grid_bytes == block_bytes and catalog.is_analyzed(expert_id)
+        and prev["sketch_size"] == sketch_size and set(json.loads(prev["densities"])) >= set(densities)
+    ):
+        return None
+    return ExpertAnalysis(expert, base, open_checkpoint(base["uri"]), block_bytes, sketch_size, densities)
+
+
+def run_analyses(jobs: list[ExpertAnalysis], progress: Progress | None = None) -> None:
+    """Analyze every tensor of every job on a thread pool, tensor-major across the jobs."""
+    import torch  # LoRA deltas are torch matmuls: keep them single-threaded beside the pool
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _run_tasks(jobs, progress)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _run_tasks(jobs: list[ExpertAnalysis], progress: Progress | None) -> None:
+    tasks = [(job, binfo) for i, job in enumerate(jobs) for binfo in job.tensor_order()]
+    order = {id(job): i for i, job in enumerate(jobs)}
+    tasks.sort(key=lambda t: (t[0].base["id"], t[0]._read_position(t[1]), order[id(t[0])]))
+    done = {job.expert_id: 0 for job in jobs}
+    totals = {job.expert_id: sum(t.nbytes for t in job.base_ck.tensors.values()) for job in jobs}
+    with ThreadPoolExecutor(max_workers=analysis_workers(), thread_name_prefix="mergepipe-analyze") as pool:
+        for (job, binfo), _ in zip(tasks, pool.map(lambda t: t[0].analyze(t[1]), tasks)):
+            done[job.expert_id] += binfo.nbytes
+            if progress:
+                progress(job.expert_id, done[job.expert_id], totals[job.expert_id])
+
+
+def analyze(catalog: Catalog, model_ids=None, progress: Progress | None = None, block_bytes: int | None = None,
+            sketch_size: int = DEFAULT_SKETCH_SIZE, densities=DEFAULT_DENSITIES,
+            force: bool = False) -> list[AnalyzeResult]:
+    """Analyze the given experts (default: every registered model that has a base) in one pass;
+    experts whose statistics are current are skipped. All statistics are stored in one transaction."""
     if not model_ids:
         model_ids = [m["id"] for m in catalog.models() if m["base_id"]]
     for mid in model_ids:
         catalog.model(mid)  # fail before any work on an unknown id
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)  # block-sized kernels: intra-op threads only add spin-wait overhead
+    jobs = {mid: _prepare(catalog, mid, block_bytes, sketch_size, densities, force) for mid in model_ids}
+    todo = [j for j in jobs.values() if j is not None]
+    grids = {}
+    for job in todo:  # one grid per base
+        if grids.setdefault(job.base["id"], job.block_bytes) != job.block_bytes:
+            raise CatalogError(f"experts of {job.base['id']} analyzed with different block sizes in one run")
+    t0 = time.perf_counter()
     try:
-        return [analyze_expert(catalog, mid, progress=progress, **kw) for mid in model_ids]
+        run_analyses(todo, progress)
+        wall = time.perf_counter() - t0
+        if todo:
+            store_analyses(catalog, todo, {j.expert_id: wall / len(todo) for j in todo})
     finally:
-        torch.set_num_threads(saved)
+        for job in todo:
+            job.close()
+    return [AnalyzeResult(mid, True) if job is None else
+            AnalyzeResult(mid, False, job.bytes_read, wall / max(1, len(todo)), job.n_blocks)
+            for mid, job in jobs.items()]
+
+
+def analyze_expert(catalog: Catalog, expert_id: str, block_bytes: int | None = None,
+                   sketch_size: int = DEFAULT_SKETCH_SIZE, densities=DEFAULT_DENSITIES, force: bool = False,
+                   progress: Progress | None = None) -> AnalyzeResult:
+    """Analyze one expert against its base; skipped when nothing it depends on changed."""
+    return analyze(catalog, [expert_id], progress, block_bytes, sketch_size, densities, force)[0]

@@ -31,9 +31,14 @@ def sample_positions(numel: int, size: int) -> torch.Tensor:
 
 def make_sketch(delta_flat: torch.Tensor, max_abs: float, size: int) -> bytes:
     vals = delta_flat[sample_positions(delta_flat.numel(), size)].float()
+    return sketch_bytes(vals.numpy(), max_abs)
+
+
+def sketch_bytes(values: np.ndarray, max_abs: float) -> bytes:
+    """A sketch from the delta at the sample positions (float32): divided by max |delta|, as float16."""
     if max_abs > 0:
-        vals = vals / max_abs
-    return vals.to(torch.float16).numpy().tobytes()
+        values = values / np.float32(max_abs)
+    return values.astype(np.float16).tobytes()
 
 
 def decode(blob: bytes | None) -> np.ndarray:
