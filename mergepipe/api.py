@@ -55,21 +55,21 @@ def check_target(catalog: Catalog, out, model_id: str | None = None) -> tuple[Pa
     return out, model_id
 
 
-def plan_config(catalog: Catalog, config, save: bool = True, progress=None, **overrides) -> Plan:
+def plan_config(catalog: Catalog, config, save: bool = True, **overrides) -> Plan:
     """Plan a mergekit config (a path or a parsed :class:`MergekitConfig`); ``overrides`` as in
-    ``MergekitConfig.with_overrides``. Paths in it are registered and analyzed on the fly."""
+    ``MergekitConfig.with_overrides``. Paths in it are registered on the fly (and analyzed by the merge)."""
     cfg = _config(config).with_overrides(**overrides)
-    return plan_from_config(catalog, cfg, save=save, progress=progress)[0]
+    return plan_from_config(catalog, cfg, save=save)[0]
 
 
 def merge_config(catalog: Catalog, config, out, model_id: str | None = None,
-                 out_shard_bytes: int = DEFAULT_SHARD_BYTES, progress=None, analyze_progress=None, **overrides):
+                 out_shard_bytes: int = DEFAULT_SHARD_BYTES, progress=None, **overrides):
     """Plan and execute a mergekit config; returns (plan, snapshot_id, manifest).
 
     A config that cannot be merged (bad key, missing path, taken output) changes nothing in the catalog."""
     cfg = _config(config).with_overrides(**overrides)
     out, model_id = check_target(catalog, out, model_id)
-    plan, _ = plan_from_config(catalog, cfg, save=False, reserved_ids={model_id}, progress=analyze_progress)
+    plan, _ = plan_from_config(catalog, cfg, save=False, reserved_ids={model_id})
     snapshot_id, manifest = Engine(catalog).execute(plan, out=out, model_id=model_id,
                                                     out_shard_bytes=out_shard_bytes, progress=progress)
     return plan, snapshot_id, manifest

@@ -266,14 +266,9 @@ def _load_config(args):
 
 def _config_plan(args, cat, save, reserved_ids):
     from .mergekit_config import plan_from_config
-    prog, cb = progress_bar("analyze")
-    with prog:
-        plan, resolved = plan_from_config(cat, args.config_parsed, save=save, reserved_ids=reserved_ids,
-                                          progress=cb)
+    plan, resolved = plan_from_config(cat, args.config_parsed, save=save, reserved_ids=reserved_ids)
     for kw in resolved.to_register:
         print(f"registered {kw['model_id']} ({kw['kind']}) from {kw['uri']}", file=sys.stderr)
-    for mid in resolved.to_analyze:
-        print(f"analyzed {mid}", file=sys.stderr)
     return plan
 
 

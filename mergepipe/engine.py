@@ -25,7 +25,8 @@ import torch
 from . import __version__
 from .catalog import Catalog, now
 from .errors import ExecutionError
-from .grid import BlockSpan, tensor_grid
+from .grid import DEFAULT_BLOCK_BYTES, BlockSpan, tensor_grid
+from .inflight import InflightAnalysis
 from .manifest import Manifest, file_sha256
 from .ops import block_seed, combine, get_op, sparsify
 from .planner import Plan, compact_ranges, expand_ranges, load_plan
@@ -154,7 +155,7 @@ class Engine:
             if row["fingerprint"] != inp["fingerprint"]:
                 raise ExecutionError(f"{inp['id']} was re-registered since plan {plan.id} was made; plan again")
             check_unchanged(row)
-        if self.catalog.grid_block_bytes(plan["base"]["id"]) != plan["grid"]["block_bytes"]:
+        if (self.catalog.grid_block_bytes(plan["base"]["id"]) or DEFAULT_BLOCK_BYTES) != plan["grid"]["block_bytes"]:
             raise ExecutionError(f"the block grid of {plan['base']['id']} changed since plan {plan.id}; plan again")
 
     def execute(self, plan: Plan | str, out: str | Path | None = None, model_id: str | None = None,
@@ -187,7 +188,7 @@ class Engine:
             manifest = self._manifest(plan, result, model_id, out, time.perf_counter() - t0)
             manifest.write(staging)
             txn.publish()
-            txn.commit(lambda: self._register(plan, manifest, model_id, out, run_id))
+            txn.commit(lambda: self._register(plan, manifest, model_id, out, run_id, result["inflight"]))
         except BaseException:
             txn.abort()
             raise
@@ -208,6 +209,12 @@ class Engine:
         shards = plan_shards(order, out_shard_bytes)
         shard_of = {n: s for s in shards for n in s.offsets}
         selected = {e["id"]: {t: set(expand_ranges(rs)) for t, rs in plan["access"][e["id"]].items()} for e in experts}
+        inflight = InflightAnalysis(plan, base_ck, order) if any(e.get("analyze") for e in experts) else None
+        thresholds = {**plan["thresholds"], **(inflight.thresholds if inflight else {})}
+
+        def takes_part(ei: int, name: str, block: int) -> bool:
+            eid = experts[ei]["id"]
+            return not (inflight and eid in inflight.jobs) or inflight.keeps(eid, name, block)
         weight_sums = {t.name: sum(tensor_weight(e, t.name) or 0.0 for e in experts) for t in order}
 
         def passthrough_ok(name: str) -> bool:
@@ -262,7 +269,7 @@ class Engine:
         def merge_one(info, span, raw, contributors):
             t_c = time.perf_counter()
             data = self._merge_block(op, params, plan["seed"], experts, sources, weight_sums[info.name], info, span,
-                                     raw, contributors, plan["thresholds"])
+                                     raw, contributors, thresholds)
             timing["compute_s"] += time.perf_counter() - t_c
             return data
 
@@ -294,12 +301,15 @@ class Engine:
                 if nxt is not None:
                     reads.append((nxt, read_pool.submit(fetch, nxt)))
                 info, group = item
+                if inflight and group[0].index == 0:
+                    inflight.ready(info)
                 writer = writers[shard_of[info.name].fname]
                 base_off = shard_of[info.name].offsets[info.name]
                 g0 = group[0].rel_offset
                 for k, span in enumerate(group):
                     raw = memoryview(base_buf)[span.rel_offset - g0: span.rel_offset - g0 + span.nbytes]
-                    contributors = [(ei, bufs[span.index]) for ei, bufs in enumerate(exp_bufs) if span.index in bufs]
+                    contributors = [(ei, bufs[span.index]) for ei, bufs in enumerate(exp_bufs)
+                                    if span.index in bufs and takes_part(ei, info.name, span.index)]
                     if info.dtype not in FLOAT_DTYPES or (not contributors and passthrough_ok(info.name)):
                         data = raw
                     else:
@@ -317,6 +327,8 @@ class Engine:
             for r in readers:
                 r.close()
             base_reader.close()
+            if inflight:
+                inflight.close()
         outputs = {name: w.close() for name, w in writers.items()}
         self._finish_files(base_ck, staging, shards)
         for extra in sorted(staging.iterdir()):
@@ -333,7 +345,8 @@ class Engine:
         return {
             "outputs": outputs, "realized_by_expert": realized_by_expert, "realized_by_tensor": by_tensor,
             "touched": {e: {t: compact_ranges(b) for t, b in sorted(ts.items())} for e, ts in touched.items()},
-            "base_read": base_reader.bytes_read, "timing": timing,
+            "base_read": base_reader.bytes_read, "timing": timing, "inflight": inflight,
+            "analysis_read": inflight.bytes_read() if inflight else {},
             "output_write": sum(o["bytes"] for o in outputs.values()),
         }
 
@@ -385,13 +398,17 @@ class Engine:
             "parents": [{"id": plan["base"]["id"], "role": "base", "weight": None}]
             + [{"id": e["id"], "role": "expert", "weight": e["weight"]} for e in plan["experts"]],
         }
+        if result["analysis_read"]:
+            core["analyzed_on_the_way"] = {e: {"bytes_read": n} for e, n in sorted(result["analysis_read"].items())}
         snapshot_id = "snap-" + os.urandom(6).hex()
         run = {"snapshot_id": snapshot_id, "model_id": model_id, "out": str(out), "created_at": now(),
                "seconds": round(seconds, 4), "timing": {k: round(v, 4) for k, v in result["timing"].items()},
                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         return Manifest(core, run)
 
-    def _register(self, plan: Plan, manifest: Manifest, model_id: str, out: Path, run_id) -> None:
+    def _register(self, plan: Plan, manifest: Manifest, model_id: str, out: Path, run_id, inflight=None) -> None:
+        if inflight:
+            inflight.store(self.catalog)
         register(self.catalog, model_id, str(out), base_id=plan["base"]["id"], snapshot_id=manifest.snapshot_id)
         self.catalog.db["snapshots"].insert({
             "id": manifest.snapshot_id, "model_id": model_id, "plan_id": plan.id, "out": str(out),

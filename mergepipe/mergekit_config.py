@@ -12,8 +12,8 @@ lets them keep doing so:
   the base's); nothing is silently approximated. The compute ``dtype`` may be any float type: MergePipe
   computes in float32 whatever it says, which is at least as precise.
 * :func:`prepare` maps each model reference to a catalog model: a registered id is used as is; a path
-  is matched to a registered model by uri and fingerprint, or else registered (and analyzed) under an
-  id derived from its folder name; ``BASE+ADAPTER`` registers a PEFT LoRA adapter against the base.
+  is matched to a registered model by uri and fingerprint, or else registered under an id derived
+  from its folder name (the merge analyzes it on the way); ``BASE+ADAPTER`` registers a PEFT LoRA adapter against the base.
   It only looks; :func:`plan_from_config` then applies the registrations and plans inside one catalog
   transaction, so a config that fails anywhere before the merge starts leaves the catalog unchanged.
 * :func:`export_mergekit` writes a stored plan or snapshot as the equivalent YAML; merging from that
@@ -25,7 +25,6 @@ Budgets are not a mergekit concept: they come from ``--budget`` or the ``mergepi
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,14 +32,13 @@ from pathlib import Path
 
 import yaml
 
-from .analyze import DEFAULT_DENSITIES, analyze
 from .catalog import Catalog
 from .errors import MergePipeError
-from .ops import OPERATORS, get_op, resolve_params, threshold_fractions
+from .ops import OPERATORS, get_op, resolve_params
 from .planner import STRATEGIES, Plan, Planner
 from .registry import check_unchanged, register
-from .settings import check_setting, evaluate, is_scalar, layer_t, num_layers
-from .storage import FLOAT_DTYPES, open_checkpoint
+from .settings import check_setting
+from .storage import open_checkpoint
 
 MAX_CONFIG_BYTES = 1 << 20  # a merge config is a few hundred bytes; refuse to parse anything huge
 
@@ -410,12 +408,11 @@ class Resolved:
     base: str
     experts: list[dict]  # {"model": id, "weight"?: w, "density"?: d}
     to_register: list[dict] = field(default_factory=list)  # register() keyword arguments, in order
-    to_analyze: dict[str, tuple[float, ...]] = field(default_factory=dict)  # id -> densities
     reused: dict[str, str] = field(default_factory=dict)  # reference as written -> registered id it matched
 
     @property
     def pending(self) -> bool:
-        return bool(self.to_register or self.to_analyze)
+        return bool(self.to_register)
 
     def plan_kwargs(self) -> dict:
         """Keyword arguments for ``Planner.plan`` (and ``api.plan_merge``) without ``save``."""
@@ -441,7 +438,6 @@ class _Resolver:
         self.taken = {r["id"] for r in cat.query("SELECT id FROM models")} | set(reserved_ids or ())
         self.out = Resolved(cfg, "", [])
         self.base_path: Path | None = None
-        self._layout = None  # (float tensor names, layer count) of the base, when a setting needs them
 
     def fail(self, where: str, message: str):
         raise ConfigError(f"{self.cfg.source}: {where}: {message}")
@@ -493,22 +489,6 @@ class _Resolver:
         self.out.to_register.append({"model_id": mid, "uri": str(path), "base_id": None, "kind": "full"})
         return mid, path
 
-    def per_tensor_values(self, setting) -> list[float]:
-        """The distinct values a weight/density setting takes over the base's float tensors."""
-        if self._layout is None:
-            if self.cat.has_model(self.out.base):
-                row = self.cat.model(self.out.base)
-                tensors = [(t["name"], t["dtype"]) for t in self.cat.tensors(row["id"])]
-                config = json.loads(row["config"] or "{}")
-            else:
-                ck = open_checkpoint(self.base_path)
-                tensors, config = [(t.name, t.dtype) for t in ck.tensors.values()], ck.config
-            names = [n for n, _ in tensors]
-            self._layout = ([n for n, dt in tensors if dt in FLOAT_DTYPES], num_layers(names, config))
-        names, layers = self._layout
-        values = {evaluate(setting, n, layer_t(n, layers)) for n in names}
-        return sorted(1.0 if v is None else float(v) for v in values)
-
     def split_lora(self, text: str) -> tuple[str, str] | None:
         """``BASE+ADAPTER`` -> (base reference, adapter path) when both sides exist."""
         if self.cat.has_model(text) or _exists(text):
@@ -520,7 +500,7 @@ class _Resolver:
                     return left, right
         return None
 
-    def expert(self, m: ConfigModel, base_id: str, base_path: Path | None, needed: tuple[float, ...]) -> str | None:
+    def expert(self, m: ConfigModel, base_id: str, base_path: Path | None) -> str | None:
         """The catalog id of one model (None: it is the base itself, which mergekit skips)."""
         text, where = m.ref, m.where + ".model"
         if self.cat.has_model(text):
@@ -558,19 +538,7 @@ class _Resolver:
                 open_checkpoint(path)  # a clear error now if it is not a checkpoint
             mid = self._derive_id(path)
             self.out.to_register.append({"model_id": mid, "uri": str(path), "base_id": base_id, "kind": kind})
-        if self.register_paths:
-            self._need_analysis(mid, needed, new=not rows)
         return mid
-
-    def _need_analysis(self, mid: str, needed: tuple[float, ...], new: bool) -> None:
-        if new:
-            self.out.to_analyze[mid] = tuple(sorted(set(DEFAULT_DENSITIES) | set(needed)))
-            return
-        prev = self.cat.analysis(mid)
-        have = set(json.loads(prev["densities"])) if prev and prev["densities"] else set()
-        missing = [f for f in needed if not any(abs(f - h) < 1e-9 for h in have)]
-        if not self.cat.is_analyzed(mid) or missing:
-            self.out.to_analyze[mid] = tuple(sorted(have | set(DEFAULT_DENSITIES) | set(needed)))
 
 
 def prepare(cat: Catalog, cfg: MergekitConfig, register_paths: bool = True, check_path: PathCheck | None = None,
@@ -581,19 +549,14 @@ def prepare(cat: Catalog, cfg: MergekitConfig, register_paths: bool = True, chec
     ``check_path`` vets a path before it is read (the dashboard's allowed folders); ``reserved_ids``
     are ids a derived id must avoid (the merged model's)."""
     op = get_op(cfg.method)
-    params = resolve_params(op, normalize=cfg.normalize, rescale=cfg.rescale, lam=cfg.lam,
+    resolve_params(op, normalize=cfg.normalize, rescale=cfg.rescale, lam=cfg.lam,
                             **{k: v for k, v in (("gamma", cfg.gamma), ("epsilon", cfg.epsilon)) if v is not None})
     r = _Resolver(cat, cfg, register_paths, check_path, reserved_ids)
     base_id, base_path = r.base()
     r.out.base, r.base_path = base_id, base_path
     _check_out_dtype(cat, cfg, base_id, base_path)
     for m in cfg.models:
-        # Thresholds to store for the densities this model uses (out of range: the planner's to refuse).
-        densities = [1.0 if m.density is None else m.density] if m.density is None or is_scalar(m.density) \
-            else r.per_tensor_values(m.density) if op.uses_density else []
-        needed = tuple(sorted({f for d in densities if 0 < d <= 1
-                               for f in threshold_fractions(op, d, params) if 0 < f < 1}))
-        mid = r.expert(m, base_id, base_path, needed)
+        mid = r.expert(m, base_id, base_path)
         if mid is None:
             if op.whole_models:
                 raise ConfigError(f"{cfg.source}: {m.where}: the base model is listed among the models; MergePipe's "
@@ -629,29 +592,25 @@ def _check_out_dtype(cat: Catalog, cfg: MergekitConfig, base_id: str, base_path:
                           f"writes the base's dtype ({MERGEKIT_DTYPE.get(have, have)}); {fix}")
 
 
-def apply(cat: Catalog, resolved: Resolved, progress=None) -> None:
-    """Register and analyze what :func:`prepare` found missing (call inside a catalog transaction)."""
+def apply(cat: Catalog, resolved: Resolved) -> None:
+    """Register what :func:`prepare` found missing (call inside a catalog transaction). Experts
+    without statistics are analyzed by the merge itself, on the way (see inflight.py)."""
     for kw in resolved.to_register:
         register(cat, kw["model_id"], kw["uri"], base_id=kw["base_id"], kind=kw["kind"])
-    for mid, densities in resolved.to_analyze.items():
-        prev = cat.analysis(mid)
-        extra = {"sketch_size": prev["sketch_size"]} if prev and prev["sketch_size"] else {}
-        analyze(cat, [mid], progress=progress, densities=densities, force=bool(prev), **extra)
 
 
-def plan_from_config(cat: Catalog, cfg: MergekitConfig, save: bool = True, reserved_ids=(), progress=None,
+def plan_from_config(cat: Catalog, cfg: MergekitConfig, save: bool = True, reserved_ids=(),
                      register_paths: bool = True, check_path: PathCheck | None = None) -> tuple[Plan, Resolved]:
-    """Resolve ``cfg`` (registering and analyzing paths as needed) and plan it.
+    """Resolve ``cfg`` (registering paths as needed) and plan it.
 
-    Registration, analysis and planning share one catalog transaction: when any of them fails, no
-    registration or statistic is kept. (While new checkpoints are analyzed, the catalog is locked for
-    other writers; readers such as the dashboard are not blocked.)"""
+    Registration and planning share one catalog transaction: when either fails, no registration is
+    kept. Experts without statistics are read in full and analyzed by the merge (the plan says so)."""
     resolved = prepare(cat, cfg, register_paths=register_paths, check_path=check_path, reserved_ids=reserved_ids)
     planner = Planner(cat)
     if not resolved.pending:
         return planner.plan(save=save, **resolved.plan_kwargs()), resolved
     with cat.transaction():
-        apply(cat, resolved, progress=progress)
+        apply(cat, resolved)
         plan = planner.plan(save=save, **resolved.plan_kwargs())
     return plan, resolved
 

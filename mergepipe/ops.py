@@ -107,6 +107,35 @@ def threshold_fractions(spec: OpSpec, density: float, params: dict) -> list[floa
     return []
 
 
+def lookup_thresholds(table: dict, fractions: list[float]) -> list[float] | None:
+    """Stored thresholds (``{str(density): value}``) for ``fractions``; None if one is missing.
+    Keeping every entry (fraction 1) needs no threshold."""
+    out = []
+    for f in fractions:
+        if f >= 1.0:
+            out.append(0.0)
+            continue
+        value = table.get(str(f))
+        if value is None:  # keys are str(float); fall back to a tolerant match
+            value = next((v for k, v in table.items() if abs(float(k) - f) < 1e-9), None)
+        if value is None:
+            return None
+        out.append(value)
+    return out
+
+
+def useful_blocks(spec: OpSpec, thresholds: list[float] | None, max_abs):
+    """Which blocks (by their max |delta|) can contribute after sparsification: under a magnitude
+    threshold a block whose largest entry is below it contributes nothing (numpy arrays)."""
+    import numpy as np
+
+    if spec.sparsify == "magnitude":
+        return max_abs >= thresholds[0] if thresholds else np.zeros_like(max_abs, dtype=bool)
+    if spec.sparsify == "magnitude_outliers":
+        return max_abs >= thresholds[1] if thresholds else np.zeros_like(max_abs, dtype=bool)
+    return np.ones_like(max_abs, dtype=bool)
+
+
 def block_seed(seed: int, expert: int, tensor: str, block: int) -> int:
     """Seed of the random stream for one (expert, tensor, block): independent of traversal order."""
     h = hashlib.blake2b(f"{seed}|{expert}|{tensor}|{block}".encode(), digest_size=8).digest()

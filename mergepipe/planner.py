@@ -20,12 +20,14 @@ from . import __version__
 from .budget import mib, parse_budget
 from .catalog import Catalog, now
 from .errors import PlanError
-from .grid import tensor_grid
+from .grid import DEFAULT_BLOCK_BYTES, tensor_grid
 from .manifest import canonical
-from .ops import OpSpec, coefficient, get_op, resolve_params, threshold_fractions
+from .ops import (OpSpec, coefficient, get_op, lookup_thresholds, resolve_params, threshold_fractions,
+                  useful_blocks)
 from .registry import check_unchanged
 from .settings import check_setting, is_scalar, layer_t, num_layers, resolve, tensor_density, tensor_weight
 from .sketch import decode
+from .sources import fixed_bytes, open_source
 from .storage import FLOAT_DTYPES, TensorInfo
 
 # How candidate blocks are ranked (greedy takes the highest priority per byte first):
@@ -188,7 +190,7 @@ class PlanContext:
         self.tensors = [t for t in catalog.tensors(self.base["id"])]
         self.tensor_index = {t["name"]: i for i, t in enumerate(self.tensors)}
         self.experts = self._expert_specs(experts, weights, density, weight)
-        self.block_bytes = catalog.grid_block_bytes(self.base["id"])
+        self.block_bytes = catalog.grid_block_bytes(self.base["id"]) or DEFAULT_BLOCK_BYTES
         names = [t["name"] for t in self.tensors]
         # [K, T] weight of each expert on each tensor, and its coefficient in the merged delta
         self.weight_matrix = np.array([[tensor_weight(e, n) or 0.0 for n in names] for e in self.experts],
@@ -224,13 +226,12 @@ class PlanContext:
             row = self.catalog.model(s["model"])
             if row["base_id"] != self.base["id"]:
                 raise PlanError(f"expert {row['id']!r} is registered with base {row['base_id']!r}, not {self.base['id']!r}")
-            if not self.catalog.is_analyzed(row["id"]):
-                raise PlanError(f"expert {row['id']!r} is not analyzed against {self.base['id']!r} "
-                                f"(run `mergepipe analyze --model-id {row['id']}`)")
             check_unchanged(row)
             w = check_setting(s["weight"], f"weight of {row['id']}") if s.get("weight") is not None else None
             d = check_setting(s["density"], f"density of {row['id']}") if s.get("density") is not None else None
             spec = {"id": row["id"], "uri": row["uri"], "fingerprint": row["fingerprint"], "kind": row["kind"]}
+            if not self.catalog.is_analyzed(row["id"]):
+                spec["analyze"] = "not analyzed"
             if all(v is None or is_scalar(v) for v in (w, d, global_w, global_d)):
                 spec["weight"] = w if w is not None else (global_w if global_w is not None else 1.0)
                 dd = d if d is not None else (global_d if global_d is not None else 1.0)
@@ -268,47 +269,58 @@ class PlanContext:
                 "tensors": values}
 
     def _thresholds(self) -> dict[str, dict[str, list[float]]]:
+        """Magnitude thresholds per (expert, tensor) from the catalog. An expert lacking one for a
+        density this merge needs is marked to be analyzed on the way (the merge reads it in full)."""
         out: dict[str, dict[str, list[float]]] = {}
+        if self.op.sparsify not in ("magnitude", "magnitude_outliers"):
+            return out
         for e in self.experts:
-            if self.op.sparsify not in ("magnitude", "magnitude_outliers"):
+            if e.get("analyze"):
                 continue
             rows = self.catalog.conn.execute(
                 "SELECT tensor, thresholds FROM tensor_stats WHERE model_id = ? AND delta_nnz > 0", [e["id"]])
             per = {}
             for name, text in rows:
                 fracs = threshold_fractions(self.op, tensor_density(e, name) or 1.0, self.params)
-                if not fracs:
-                    continue
-                table = json.loads(text or "{}")
-                vals = []
-                for f in fracs:
-                    if f >= 1.0:
-                        vals.append(0.0)
-                        continue
-                    value = table.get(str(f))
-                    if value is None:  # keys are str(float); fall back to a tolerant match
-                        value = next((v for k, v in table.items() if abs(float(k) - f) < 1e-9), None)
-                    if value is None:
-                        have = ", ".join(f"{float(k):g}" for k in sorted(table, key=float))
-                        raise PlanError(
-                            f"no magnitude threshold for top-{f:g} of {e['id']} in the catalog (analyzed: {have}); "
-                            f"run `mergepipe analyze --model-id {e['id']} --densities {f:g}`")
-                    vals.append(value)
-                per[name] = vals
-            if per:
+                vals = lookup_thresholds(json.loads(text or "{}"), fracs)
+                if vals is None:
+                    missing = ", ".join(f"{f:g}" for f in fracs if lookup_thresholds(json.loads(text or "{}"), [f]) is None)
+                    e["analyze"] = f"no magnitude threshold for top-{missing}"
+                    break
+                if fracs:
+                    per[name] = vals
+            if per and not e.get("analyze"):
                 out[e["id"]] = per
         return out
 
-    def _useful(self, expert_id: str, tensor: str, max_abs: np.ndarray) -> np.ndarray:
-        if self.op.sparsify == "magnitude":
-            t = self.thresholds[expert_id].get(tensor)
-            return max_abs >= t[0] if t else np.zeros_like(max_abs, dtype=bool)
-        if self.op.sparsify == "magnitude_outliers":
-            t = self.thresholds[expert_id].get(tensor)
-            return max_abs >= t[1] if t else np.zeros_like(max_abs, dtype=bool)
-        return np.ones_like(max_abs, dtype=bool)
+    @property
+    def to_analyze(self) -> list[dict]:
+        """Experts this merge analyzes on the way (not analyzed, changed, or missing a threshold)."""
+        return [e for e in self.experts if e.get("analyze")]
 
     def _candidates(self) -> Candidates:
+        if self.to_analyze:
+            return self._first_merge_candidates()
+        return self._catalog_candidates()
+
+    def _first_merge_candidates(self) -> Candidates:
+        """Every block of every expert: experts analyzed on the way have no statistics to choose
+        from, so this merge reads all experts in full (and is exact); budgets apply from the next one."""
+        rows = []
+        for ei, e in enumerate(self.experts):
+            source = open_source(e["kind"], e["uri"])
+            for ti, t in enumerate(self.tensors):
+                if t["dtype"] not in FLOAT_DTYPES or not source.has_delta(t["name"]):
+                    continue
+                setup = fixed_bytes(source, t["name"])
+                for span in tensor_grid(_info(t), self.block_bytes):
+                    nbytes = sum(n for _, _, n in source.block_ranges(t["name"], span))
+                    rows.append((ei, ti, span.index, nbytes, setup))
+        a = np.array(rows, dtype=np.int64).reshape(-1, 5)
+        zeros = np.zeros(len(a))
+        return Candidates(a[:, 0], a[:, 1], a[:, 2], a[:, 3], zeros, zeros, zeros, a[:, 4])
+
+    def _catalog_candidates(self) -> Candidates:
         float_tensor = {t["name"] for t in self.tensors if t["dtype"] in FLOAT_DTYPES}
         parts = []
         for ei, e in enumerate(self.experts):
@@ -323,7 +335,7 @@ class PlanContext:
                     by_tensor.setdefault(r[0], []).append(r)
             for name, rs in by_tensor.items():
                 a = np.array([r[1:] for r in rs], dtype=np.float64)  # block, nbytes, l2, max_abs
-                useful = self._useful(e["id"], name, a[:, 3])
+                useful = useful_blocks(self.op, self.thresholds.get(e["id"], {}).get(name), a[:, 3])
                 a = a[useful]
                 parts.append(np.column_stack([np.full(len(a), ei), np.full(len(a), self.tensor_index[name]), a[:, :3],
                                               np.full(len(a), fixed.get(name, 0))]))
@@ -443,18 +455,22 @@ class PlanContext:
     def plan(self, budget=None, budget_mb=None, target_bound: float | None = None) -> Plan:
         cands = self.candidates
         full = cands.full_bytes
+        if budget_mb is not None:
+            budget = mib(budget_mb)
+        budget_spec = f"target-bound {target_bound:g}" if target_bound is not None else (
+            "100%" if budget is None else str(budget))
+        if target_bound is not None and not target_bound >= 0:
+            raise PlanError("--target-bound must be a non-negative number")
+        if target_bound is not None and not self.op.additive:
+            raise PlanError(f"--target-bound needs an additive operator (linear, task_arithmetic), not {self.op.name}")
+        if target_bound is None and full:
+            parse_budget(budget_spec, full)  # a bad budget is refused, first merge or not
+        if self.to_analyze:  # a first merge: the budget applies from the next merge on
+            return self._build(cands.order, budget_spec, full, target_bound, first_merge=True)
         if target_bound is not None:
-            if not target_bound >= 0:
-                raise PlanError("--target-bound must be a non-negative number")
-            if not self.op.additive:
-                raise PlanError(f"--target-bound needs an additive operator (linear, task_arithmetic), not {self.op.name}")
             norm = self.full_norm_estimate()
             budget_bytes = cands.smallest_budget_for(target_bound * norm) if full else 0
-            budget_spec = f"target-bound {target_bound:g}"
         else:
-            if budget_mb is not None:
-                budget = mib(budget_mb)
-            budget_spec = "100%" if budget is None else str(budget)
             budget_bytes = parse_budget(budget_spec, full) if full else 0
         chosen = cands.select(budget_bytes) if full else np.zeros(0, dtype=np.int64)
         return self._build(chosen, budget_spec, budget_bytes, target_bound)
@@ -471,7 +487,8 @@ class PlanContext:
         per_position = np.bincount(group, weights=cands.bound_term[omitted])
         return float(np.sqrt(np.square(per_position).sum()))
 
-    def _build(self, chosen: np.ndarray, budget_spec: str, budget_bytes: int, target_bound) -> Plan:
+    def _build(self, chosen: np.ndarray, budget_spec: str, budget_bytes: int, target_bound,
+               first_merge: bool = False) -> Plan:
         cands = self.candidates
         names = [t["name"] for t in self.tensors]
         access: dict[str, dict[str, list[int]]] = {e["id"]: {} for e in self.experts}
@@ -488,7 +505,10 @@ class PlanContext:
         selected_mask = np.zeros(len(cands.nbytes), dtype=bool)
         selected_mask[chosen] = True
         bound = None
-        if self.op.additive:
+        if self.op.additive and self.to_analyze:  # every block is read: nothing omitted
+            bound = {"absolute": 0.0, "full_delta_norm": None, "relative": 0.0, "blockwise": 0.0,
+                     "blockwise_relative": 0.0}
+        elif self.op.additive:
             omitted = float(cands.bound_term[~selected_mask].sum())
             blockwise = self._blockwise_bound(~selected_mask)
             norm = self.full_norm_estimate()
@@ -505,7 +525,7 @@ class PlanContext:
             "seed": self.seed,
             "strategy": self.strategy,
             "grid": {"block_bytes": self.block_bytes},
-            "budget": {"spec": budget_spec, "bytes": budget_bytes},
+            "budget": {"spec": budget_spec, "bytes": budget_bytes, **({"first_merge": True} if first_merge else {})},
             "access": access,
             "thresholds": self.thresholds,
         }
@@ -601,13 +621,16 @@ def explain_plan(p: dict) -> str:
              f"  base       {p['base']['id']}  {p['base']['fingerprint'][:19]}",
              f"  grid       {human_bytes(p['grid']['block_bytes'])} blocks, {p['blocks_total']} per model",
              f"  budget     {p['budget']['spec']} = {human_bytes(p['budget']['bytes'])} of "
-             f"{human_bytes(p['full_expert_bytes'])} full expert read",
+             f"{human_bytes(p['full_expert_bytes'])} full expert read"
+             + ("  (first merge: every expert is read in full; the budget applies from the next merge)"
+                if p["budget"].get("first_merge") else ""),
              f"  estimate   base read {human_bytes(p['estimate']['base_read'])}, expert read "
              f"{human_bytes(p['estimate']['expert_read'])}, write {human_bytes(p['estimate']['output_write'])}"]
     if p["error_bound"]:
         b = p["error_bound"]
+        norm = "n/a" if b["full_delta_norm"] is None else f"{b['full_delta_norm']:.6g}"
         lines.append(f"  bound      ||M_full - M_A|| <= {b['absolute']:.6g}  (relative {b['relative']:.3e} "
-                     f"of ||M_full - base|| ~ {b['full_delta_norm']:.6g})")
+                     f"of ||M_full - base|| ~ {norm})")
         if "blockwise" in b:  # plans stored before the blockwise bound existed lack it
             lines.append(f"  tighter    ||M_full - M_A|| <= {b['blockwise']:.6g}  (relative "
                          f"{b['blockwise_relative']:.3e}; blocks at different positions are disjoint)")
@@ -615,8 +638,11 @@ def explain_plan(p: dict) -> str:
     for e in p["experts"]:
         eid = e["id"]
         extra = f" density {e['density']:g}" if e.get("density") is not None else ""
-        lines.append(f"    {eid:<20} weight {e['weight']:g}{extra}  blocks {p['blocks_selected'][eid]}/"
+        weight = "per tensor" if e.get("weight") is None else f"{e['weight']:g}"
+        lines.append(f"    {eid:<20} weight {weight}{extra}  blocks {p['blocks_selected'][eid]}/"
                      f"{p['blocks_candidate'][eid]}  read {human_bytes(p['expert_read_by_expert'][eid])}")
+        if e.get("analyze"):
+            lines.append(f"    {'':<20} {e['analyze']}: read in full and analyzed on the way")
     lines.append("  tensors (blocks read per expert)")
     tensors = sorted({t for ts in p["access"].values() for t in ts})
     for t in tensors:

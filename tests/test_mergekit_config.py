@@ -159,18 +159,23 @@ def test_paths_registered_analyzed_then_reused(fam, tmp_path):
     assert m["expert_1"]["uri"] == str(fam.experts[0].resolve()) and m["expert_1"]["kind"] == "full"
     densities = json.loads(rows(db, "SELECT densities FROM analyses WHERE model_id='expert_1'")[0]["densities"])
     assert 0.37 in densities and 0.5 in densities  # the config's density and the defaults
+    # The first merge read the new experts in full and analyzed them on the way.
+    assert first["budget_bytes"] == first["full_expert_bytes"] == first["realized"]["expert_read"]
     stats = {t: dump_db(db)[t] for t in ("models", "analyses", "blocks", "tensor_stats", "grids")}
-    # Second run: everything is reused (same rows, no re-analysis), only the new snapshot is added.
+    # Second run: everything is reused (same rows, no re-analysis), the budget applies, only the new
+    # snapshot is added; a third run repeats the second exactly.
     second = merge_json(db, "--config", cfg, "--out", tmp_path / "m2")
-    assert second["plan_id"] == first["plan_id"] and second["manifest_hash"] == first["manifest_hash"]
+    assert second["budget_bytes"] < second["full_expert_bytes"]
+    third = merge_json(db, "--config", cfg, "--out", tmp_path / "m3")
+    assert third["plan_id"] == second["plan_id"] and third["manifest_hash"] == second["manifest_hash"]
     after = dump_db(db)
     for t in ("analyses", "blocks", "tensor_stats", "grids"):
         assert after[t] == stats[t], t
-    assert model_ids(db) == ["base", "expert_1", "expert_2", "m1", "m2"]
+    assert model_ids(db) == ["base", "expert_1", "expert_2", "m1", "m2", "m3"]
     # The same merge through ids gives the same plan.
     res = run_cli(["--db", db, "--json", "plan", "--base", "base", "--experts", "expert_1", "expert_2", "--op",
                    "ties", "--weights", "1", "0.5", "--density", "0.37", "--budget", "60%"])
-    assert json.loads(res.stdout)["plan_id"] == first["plan_id"]
+    assert json.loads(res.stdout)["plan_id"] == second["plan_id"]
 
 
 def test_new_path_gets_a_free_id_and_reused_models_keep_theirs(fam, db, tmp_path):
@@ -219,7 +224,6 @@ def test_lora_reference_registers_an_adapter_against_the_base(fam, db, tmp_path)
         assert r.to_register == [{"model_id": "my_adapter", "uri": str(adapter.resolve()), "base_id": "base",
                                   "kind": "lora"}]
         assert r.experts == [{"model": "my_adapter", "weight": 0.5}, {"model": "e1", "weight": 1.0}]
-        assert set(r.to_analyze) == {"my_adapter"}
         # An adapter on another model than the merge base is refused.
         other = parse_config(f"merge_method: task_arithmetic\nbase_model: base\n"
                              f"models:\n  - model: {fam.experts[0]}+{adapter}\n")
@@ -265,7 +269,14 @@ def test_lora_adapter_merges_from_yaml(fam, db, tmp_path):
     again = write(tmp_path, exported, "again.yml")
     before = model_ids(db)
     s2 = merge_json(db, "--config", again, "--out", tmp_path / "out2")
-    assert s2["plan_id"] == s["plan_id"] and model_ids(db) == sorted(before + ["out2"])
+    assert model_ids(db) == sorted(before + ["out2"])
+    # The first merge analyzed its experts on the way (a full read); from the export, the same full-budget
+    # merge is planned from the statistics: other plan, same bytes out. Exported again, the plan repeats.
+    assert s["budget_bytes"] == s["full_expert_bytes"] and s2["plan_id"] != s["plan_id"]
+    assert [f.read_bytes() for f in sorted((tmp_path / "out").glob("*.safetensors"))] == \
+        [f.read_bytes() for f in sorted((tmp_path / "out2").glob("*.safetensors"))]
+    third = write(tmp_path, run_cli(["--db", db, "explain", s2["snapshot_id"], "--as-mergekit"]).stdout, "third.yml")
+    assert merge_json(db, "--config", third, "--out", tmp_path / "out3")["plan_id"] == s2["plan_id"]
 
 
 # --- refusals: one line, exit 2, catalog unchanged ------------------------------------------------------
@@ -435,19 +446,24 @@ def test_model_filters_fall_back_to_the_global_value(fam, db, tmp_path):
     assert dir_hashes(tmp_path / "yaml", "*.safetensors") == dir_hashes(tmp_path / "api", "*.safetensors")
 
 
-def test_gradient_densities_are_analyzed_on_the_fly(fam, db, tmp_path):
-    """A gradient can ask for densities the catalog has no thresholds for: a path is re-analyzed for them."""
+def test_gradient_densities_are_analyzed_on_the_way(fam, db, tmp_path):
+    """A gradient can ask for densities the catalog has no thresholds for: the plan reads those experts
+    in full and the merge stores thresholds for them, so the next plan is budgeted."""
     cfg = write(tmp_path, cfg_text(fam, "ties", [(0, {"weight": 1.0}), (1, {"weight": 1.0})],
                                    {"density": [0.305, 0.5]}))
     assert 0.305 not in json.loads(rows(db, "SELECT densities FROM analyses WHERE model_id='e1'")[0]["densities"])
-    res = run_cli(["--db", db, "plan", "--config", cfg])
+    res = run_cli(["--db", db, "--json", "plan", "--config", cfg])
+    assert res.returncode == 0, res.stderr
+    plan = json.loads(run_cli(["--db", db, "explain", "--json", json.loads(res.stdout)["plan_id"]]).stdout)
+    assert [e["analyze"] for e in plan["experts"]] == ["no magnitude threshold for top-0.305"] * 2
+    res = run_cli(["--db", db, "merge", "--config", cfg, "--out", tmp_path / "m"])
     assert res.returncode == 0, res.stderr
     for e in ("e1", "e2"):
         assert 0.305 in json.loads(rows(db, "SELECT densities FROM analyses WHERE model_id=?", [e])[0]["densities"])
-    # By id, a model is used as is: the planner names the missing threshold.
-    ids = write(tmp_path, "merge_method: ties\nbase_model: base\nmodels: [e3]\nparameters: {density: [0.315, 0.5]}\n",
-                "ids.yml")
-    assert_one_line_error(run_cli(["--db", db, "plan", "--config", ids]), "no magnitude threshold for top-0.315")
+    res = run_cli(["--db", db, "--json", "plan", "--config", cfg, "--budget", "10%"])
+    assert res.returncode == 0, res.stderr
+    again = json.loads(res.stdout)
+    assert again["budget_bytes"] < again["full_expert_bytes"]
 
 
 def test_bad_config_file_and_flags(fam, db, tmp_path):

@@ -379,12 +379,15 @@ def test_planner_input_errors(fam, tmp_path):
             planner.plan("base", ids, "ties", density=d)
     with pytest.raises(PlanError, match="della"):
         planner.plan("base", ids, "della", density=0.05)  # density - epsilon must stay positive
-    with pytest.raises(PlanError, match="analyze"):
-        planner.plan("base", ids, "ties", density=0.37)  # no stored top-37% threshold
-    # An expert registered but not analyzed, and a model with no base.
+    # No stored top-37% threshold, and an expert registered but not analyzed: not refused any more,
+    # the plan reads those experts in full and analyzes them on the way (tests/test_first_merge.py).
+    no_thr = planner.plan("base", ids, "ties", density=0.37, save=False)
+    assert [e["analyze"] for e in no_thr["experts"]] == ["no magnitude threshold for top-0.37"] * len(ids)
     register(cat, "e4", str(fam.experts[3]), base_id="base")
-    with pytest.raises(PlanError, match="not analyzed"):
-        planner.plan("base", ["e1", "e4"], "linear")
+    fresh = planner.plan("base", ["e1", "e4"], "linear", budget="10%", save=False)
+    assert [e.get("analyze") for e in fresh["experts"]] == [None, "not analyzed"]
+    assert fresh["budget"]["bytes"] == fresh["full_expert_bytes"] == fresh["estimate"]["expert_read"]
+    # A model with no base.
     register(cat, "loose", str(fam.experts[3]))
     with pytest.raises(PlanError, match="registered with base"):
         planner.plan("base", ["e1", "loose"], "linear")
