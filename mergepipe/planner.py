@@ -298,32 +298,27 @@ class PlanContext:
         """Experts this merge analyzes on the way (not analyzed, changed, or missing a threshold)."""
         return [e for e in self.experts if e.get("analyze")]
 
-    def _candidates(self) -> Candidates:
-        if self.to_analyze:
-            return self._first_merge_candidates()
-        return self._catalog_candidates()
-
-    def _first_merge_candidates(self) -> Candidates:
-        """Every block of every expert: experts analyzed on the way have no statistics to choose
-        from, so this merge reads all experts in full (and is exact); budgets apply from the next one."""
+    def _all_blocks(self, ei: int, expert: dict) -> np.ndarray:
+        """Every block of an expert analyzed on the way (it has no statistics to choose from): the
+        columns of the candidate table, with no score."""
+        source = open_source(expert["kind"], expert["uri"])
         rows = []
-        for ei, e in enumerate(self.experts):
-            source = open_source(e["kind"], e["uri"])
-            for ti, t in enumerate(self.tensors):
-                if t["dtype"] not in FLOAT_DTYPES or not source.has_delta(t["name"]):
-                    continue
-                setup = fixed_bytes(source, t["name"])
-                for span in tensor_grid(_info(t), self.block_bytes):
-                    nbytes = sum(n for _, _, n in source.block_ranges(t["name"], span))
-                    rows.append((ei, ti, span.index, nbytes, setup))
-        a = np.array(rows, dtype=np.int64).reshape(-1, 5)
-        zeros = np.zeros(len(a))
-        return Candidates(a[:, 0], a[:, 1], a[:, 2], a[:, 3], zeros, zeros, zeros, a[:, 4])
+        for ti, t in enumerate(self.tensors):
+            if t["dtype"] not in FLOAT_DTYPES or not source.has_delta(t["name"]):
+                continue
+            setup = fixed_bytes(source, t["name"])
+            for span in tensor_grid(_info(t), self.block_bytes):
+                nbytes = sum(n for _, _, n in source.block_ranges(t["name"], span))
+                rows.append((ei, ti, span.index, nbytes, 0.0, setup))
+        return np.array(rows, dtype=np.float64).reshape(-1, 6)
 
-    def _catalog_candidates(self) -> Candidates:
+    def _candidates(self) -> Candidates:
         float_tensor = {t["name"] for t in self.tensors if t["dtype"] in FLOAT_DTYPES}
         parts = []
         for ei, e in enumerate(self.experts):
+            if e.get("analyze"):
+                parts.append(self._all_blocks(ei, e))
+                continue
             fixed = dict(self.catalog.conn.execute(
                 "SELECT tensor, fixed_bytes FROM tensor_stats WHERE model_id = ? AND fixed_bytes > 0", [e["id"]]))
             rows = self.catalog.conn.execute(
