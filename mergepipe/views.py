@@ -734,7 +734,18 @@ def plan_summary(plan: Plan | dict) -> dict:
         "bound_rel": p["error_bound"]["relative"] if p["error_bound"] else None,
         "blocks": f"{selected} of {candidates} candidate blocks ({p['blocks_total']} per model)",
         "blocks_selected": selected, "blocks_candidate": candidates, "blocks_total": p["blocks_total"],
+        "first_merge": first_merge_note(p),
     }
+
+
+def first_merge_note(p: dict) -> str | None:
+    """What a first merge does, when some experts have no current statistics (None otherwise)."""
+    pending = [f"{e['id']} ({e['analyze']})" for e in p["experts"] if e.get("analyze")]
+    if not pending:
+        return None
+    return (f"First merge: {', '.join(pending)}. This merge reads every expert in full and analyzes "
+            f"{'it' if len(pending) == 1 else 'them'} on the way (no separate analyze needed); the "
+            f"{p['budget']['spec']} budget applies from the next merge.")
 
 
 def plan_experts_df(plan: Plan | dict) -> pd.DataFrame:

@@ -52,7 +52,7 @@ with ui.user_errors(), ui.catalog() as cat:
         with st.expander("Load a mergekit YAML"):
             st.file_uploader("mergekit config", type=["yml", "yaml"], key="mk_upload",
                              help="The models must be registered already (the CLI's `merge --config` registers "
-                                  "and analyzes paths for you).")
+                                  "paths for you; the first merge analyzes them on the way).")
             st.text_input("... or its path", key="mk_path",
                           help="Under an allowed folder: " + ", ".join(map(str, ui.roots())))
             st.button("Load settings", key="mk_load", on_click=load_mergekit)
@@ -106,6 +106,8 @@ with ui.user_errors(), ui.catalog() as cat:
             raise PlanError("choose at least one expert")
         plan = views.make_plan(ctx, budget_pct=budget, target_rel=target)
         s = views.plan_summary(plan)
+        if s["first_merge"]:
+            st.info(s["first_merge"])
         c = st.columns(2)
         c[0].metric("Estimated expert read", s["expert_read"], help=f"{s['expert_read_pct']} of {s['full_expert']}")
         c[1].metric("Error bound", "n/a" if s["bound_abs"] is None else f"{s['bound_abs']:.4g}", help=s["bound"])

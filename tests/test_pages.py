@@ -278,14 +278,21 @@ def test_plan_operator_params_and_target(env):
     c.close()
 
 
-def test_plan_non_analyzed_expert_is_a_message(env, built):
+def test_plan_non_analyzed_expert_is_a_first_merge(env, built):
     c = cat_of(env)
     register(c, "raw", str(built.family / "expert_1"), base_id="base")
     c.close()
     at = open_page("plan")
     assert at.multiselect(key="experts").value == E
     at.multiselect(key="experts").select("raw").run()
-    assert any("'raw' is not analyzed" in e for e in errors(at)) and not at.exception
+    assert not errors(at) and not at.exception
+    infos = [i.value for i in at.info]
+    assert any(i.startswith("First merge: raw (not analyzed)") and "analyzes it on the way" in i for i in infos), infos
+    c = cat_of(env)
+    summary = views.plan_summary(views.make_plan(views.plan_context(c, "base", E + ["raw"], "linear"), budget_pct=25))
+    c.close()
+    assert summary["expert_read_bytes"] == summary["budget_bytes"]  # every expert read in full
+    assert metrics(at)["Estimated expert read"] == summary["expert_read"]
     at.multiselect(key="experts").set_value([]).run()
     assert "choose at least one expert" in errors(at)
 

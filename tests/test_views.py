@@ -394,8 +394,12 @@ def test_plan_context_errors(cat_copy, built):
     with pytest.raises(PlanError, match="choose at least one expert"):
         views.plan_context(cat_copy, "base", [], "linear")
     register(cat_copy, "raw", str(built.family / "expert_3"), base_id="base")
-    with pytest.raises(PlanError, match="not analyzed"):
-        views.plan_context(cat_copy, "base", ["expert_1", "raw"], "linear")
+    # not an error any more: a first merge, which analyzes "raw" on the way
+    plan = views.make_plan(views.plan_context(cat_copy, "base", ["expert_1", "raw"], "linear"), budget_pct=25)
+    note = views.plan_summary(plan)["first_merge"]
+    assert note.startswith("First merge: raw (not analyzed).") and "the 25% budget applies from the next merge" in note
+    assert views.plan_summary(views.make_plan(views.plan_context(cat_copy, "base", ["expert_1"], "linear"),
+                                              budget_pct=25))["first_merge"] is None
 
 
 def test_plan_summary(ctx):
