@@ -45,6 +45,13 @@ RAW_VIEW = {"BF16": np.uint16, "F16": np.int16, "F32": np.float32, "F64": np.flo
 Progress = Callable[[str, int, int], None]
 
 
+def _read(reader: RangeReader, rng: tuple[str, int, int], dtype: str) -> np.ndarray:
+    """One byte range as the kernels' array type, read into uninitialised memory (no zero fill)."""
+    buf = np.empty(rng[2], dtype=np.uint8)
+    reader.read_into(rng[0], rng[1], buf)
+    return buf.view(RAW_VIEW[dtype])
+
+
 @dataclass
 class AnalyzeResult:
     model_id: str
@@ -139,15 +146,14 @@ class _TensorPass:
     def inputs(self, span: BlockSpan):
         """(expert-side array, base array or None) whose difference is the block's delta."""
         name, job = self.binfo.name, self.job
-        bufs = job.re.read_ranges(self.source.block_ranges(name, span))
         if self.source.kind == "lora":
+            bufs = job.re.read_ranges(self.source.block_ranges(name, span))
             return self.source.delta(name, span, bufs, self.fixed, None).reshape(-1).numpy(), None
-        info = self.source.checkpoint.tensors[name]
-        e = np.frombuffer(bufs[0], dtype=RAW_VIEW[info.dtype])
+        (rng,) = self.source.block_ranges(name, span)
+        e = _read(job.re, rng, self.source.checkpoint.tensors[name].dtype)
         if not self.source.needs_base:
             return e, None
-        rows = job.rb.read(self.binfo.file, self.binfo.offset + span.rel_offset, span.nbytes)
-        return e, np.frombuffer(rows, dtype=RAW_VIEW[self.binfo.dtype])
+        return e, _read(job.rb, (self.binfo.file, self.binfo.offset + span.rel_offset, span.nbytes), self.binfo.dtype)
 
     def run(self) -> tuple[list[dict], dict]:
         binfo, job = self.binfo, self.job
@@ -156,6 +162,7 @@ class _TensorPass:
         rows = []
         l2sq = l1 = mx = 0.0
         nnz = 0
+        self.nonzero_low = 0
         for span in self.spans:
             (rng,) = self.source.block_ranges(binfo.name, span)
             row = {"model_id": job.expert_id, "tensor": binfo.name, "block": span.index,
@@ -163,7 +170,8 @@ class _TensorPass:
                    "delta_l2": 0.0, "delta_l1": 0.0, "delta_max_abs": 0.0, "delta_nnz": 0, "sketch": b""}
             if is_float:
                 e, b = self.inputs(span)
-                s2, s1, m, n = kernels.block_stats(e, b, hist)
+                s2, s1, m, n, low = kernels.block_stats(e, b, hist)
+                self.nonzero_low += low
                 m = float(m)
                 positions = sample_positions(e.size, job.sketch_size).numpy()
                 row.update(delta_l2=math.sqrt(s2), delta_l1=s1, delta_max_abs=m, delta_nnz=n,
@@ -181,33 +189,62 @@ class _TensorPass:
                  "fixed_bytes": self.fixed_bytes if nnz else 0}
         return rows, stats
 
-    def select(self, bins: list[int]) -> "BinSelection":
-        """Second pass: the low 16 bits of the entries in ``bins`` (from memory or re-read)."""
-        slot_of = np.full(1 << 16, len(bins), dtype=np.int32)  # unselected bins: the sink row
+    def select(self, bins: list[int]):
+        """Second pass: the low 16 bits of the entries in ``bins`` (from memory or re-read).
+
+        Entries whose low 16 bits are all zero need no second look: the first pass counted them (their
+        bin's count minus the others). bf16 deltas almost only have such entries, so when few entries
+        have low bits set, only those are collected; otherwise every entry of the bins is counted."""
+        slot_of = np.full(1 << 16, len(bins), dtype=np.int32)  # unselected bins map past the last slot
         slot_of[np.array(bins)] = np.arange(len(bins), dtype=np.int32)
+        blocks = self.cached if self.keep else (self.inputs(s) for s in self.spans)
+        if self.nonzero_low * 8 < self.binfo.numel:
+            keys = np.empty(self.nonzero_low, dtype=np.int64)
+            pos = 0
+            if self.nonzero_low:
+                for e, b in blocks:
+                    pos = kernels.collect_nonzero_low_keys(e, b, slot_of, len(bins), keys, pos)
+            return KeySelection(np.sort(keys[:pos]))
         dense = np.zeros((len(bins) + 1, 1 << 16), dtype=np.int64 if self.binfo.numel >= 2**31 else np.int32)
-        for e, b in (self.cached if self.keep else (self.inputs(s) for s in self.spans)):
+        for e, b in blocks:
             kernels.count_low_bits(e, b, slot_of, dense)
-        return BinSelection(dense[:-1])
+        return DenseSelection(dense[:-1])
 
 
-class BinSelection:
+class DenseSelection:
     """Counts of the low 16 bits of the entries in a few top-16 bins: [slots, 65536]."""
 
     def __init__(self, dense: np.ndarray):
         self.dense = dense
 
-    def kth_low_bits(self, slot: int, rank: int) -> int:
-        """The low 16 bits of the rank-th largest entry (1-based) within ``slot``."""
-        return int(kernels.kth_from_top(self.dense[slot], rank))
+    def kth_low_bits(self, slots: list[int], ranks: list[int]) -> list[int]:
+        """The low 16 bits of the rank-th largest entry (1-based) within each slot."""
+        return kernels.kth_from_top(self.dense, np.array(slots, dtype=np.int64),
+                                    np.array(ranks, dtype=np.int64)).tolist()
+
+
+class KeySelection:
+    """The entries of a few top-16 bins whose low 16 bits are not zero, as sorted ``slot << 16 | low``
+    keys; every other entry of those bins has low bits 0 and ranks below them."""
+
+    def __init__(self, sorted_keys: np.ndarray):
+        self.keys = sorted_keys
+
+    def kth_low_bits(self, slots: list[int], ranks: list[int]) -> list[int]:
+        out = []
+        for slot, rank in zip(slots, ranks):
+            end = int(np.searchsorted(self.keys, (slot + 1) << 16))
+            start = int(np.searchsorted(self.keys, (slot << 16) + 1))
+            out.append(int(self.keys[end - rank]) & 0xFFFF if rank <= end - start else 0)
+        return out
 
 
 def kth_largest_thresholds(hist: np.ndarray, numel: int, nnz: int, densities, select) -> dict[float, float]:
     """Exact k-th largest |delta| for k = int(d * numel), d in ``densities``, by radix select.
 
     ``hist`` counts the top 16 bits of |delta|'s float32 pattern (bin 0 holds the zeros and is
-    never selected: k <= nnz); ``select(bins)`` returns a :class:`BinSelection` of the
-    entries in those bins (a second pass over the tensor)."""
+    never selected: k <= nnz); ``select(bins)`` returns a selection of the entries in those bins
+    (a second pass over the tensor) that answers ``kth_low_bits(slots, ranks)``."""
     desc = np.cumsum(hist[::-1])  # desc[j] = entries in the top j+1 bins
     wanted: dict[float, tuple[int, int]] = {}
     for d in densities:
@@ -217,7 +254,11 @@ def kth_largest_thresholds(hist: np.ndarray, numel: int, nnz: int, densities, se
             above = int(desc[j - 1]) if j > 0 else 0
             wanted[d] = (HIST_BINS - 1 - j, k - above)
     bins = sorted({b for b, _ in wanted.values()})
-    selection = select(bins) if bins else None
+    if bins:
+        slot = {b: i for i, b in enumerate(bins)}
+        low = select(bins).kth_low_bits([slot[b] for b, _ in wanted.values()], [r for _, r in wanted.values()])
+        bits = np.array([(b << 16) | lo for (b, _), lo in zip(wanted.values(), low)], dtype=np.uint32)
+        values = dict(zip(wanted, bits.view(np.float32).tolist()))
     out = {}
     for d in densities:
         k = int(d * numel)
@@ -226,9 +267,7 @@ def kth_largest_thresholds(hist: np.ndarray, numel: int, nnz: int, densities, se
         elif d not in wanted:
             out[d] = 0.0  # fewer non-zeros than k: every non-zero entry is kept
         else:
-            b, rank = wanted[d]
-            lo = selection.kth_low_bits(bins.index(b), rank)
-            out[d] = float(np.array([(b << 16) | lo], dtype=np.uint32).view(np.float32)[0])
+            out[d] = values[d]
     return out
 
 

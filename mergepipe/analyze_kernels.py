@@ -61,8 +61,9 @@ def _delta(e, b, i):
 
 @njit(**_C)
 def block_stats(e, b, hist):
-    """(sum d^2, sum |d|, max |d|, non-zeros) of one block's delta; counts the top 16 bits of each
-    |d| (its float32 pattern) in ``hist`` [4, 65536] (lane i % 4; zeros land in bin 0).
+    """(sum d^2, sum |d|, max |d|, non-zeros, entries whose low 16 bits are not all zero) of one
+    block's delta; counts the top 16 bits of each |d| (its float32 pattern) in ``hist`` [4, 65536]
+    (lane i % 4; zeros land in bin 0).
 
     Unrolled by four with independent float64 sums and four histogram lanes: the latency of a
     running sum and of back-to-back increments of one hot bin (quantised bf16 deltas fill few
@@ -71,6 +72,7 @@ def block_stats(e, b, hist):
     a0 = a1 = a2 = a3 = 0.0
     mx = np.float32(0.0)
     nnz = 0
+    low = 0
     n = e.size
     for i in range(0, n - n % 4, 4):
         d0 = _delta(e, b, i)
@@ -88,6 +90,7 @@ def block_stats(e, b, hist):
         a3 += x3
         mx = max(mx, max(max(x0, x1), max(x2, x3)))
         nnz += _count(x0, hist, 0) + _count(x1, hist, 1) + _count(x2, hist, 2) + _count(x3, hist, 3)
+        low += _low(x0) + _low(x1) + _low(x2) + _low(x3)
     for i in range(n - n % 4, n):
         d0 = _delta(e, b, i)
         x0 = abs(d0)
@@ -95,7 +98,8 @@ def block_stats(e, b, hist):
         a0 += x0
         mx = max(mx, x0)
         nnz += _count(x0, hist, 0)
-    return (s0 + s1) + (s2 + s3), (a0 + a1) + (a2 + a3), mx, nnz
+        low += _low(x0)
+    return (s0 + s1) + (s2 + s3), (a0 + a1) + (a2 + a3), mx, nnz, low
 
 
 @njit(inline="always", **_C)
@@ -103,6 +107,27 @@ def _count(x, hist, lane):
     bits = np.float32(x).view(np.uint32)
     hist[lane, bits >> np.uint32(16)] += 1
     return bits != 0
+
+
+@njit(inline="always", **_C)
+def _low(x):
+    return (np.float32(x).view(np.uint32) & np.uint32(0xFFFF)) != 0
+
+
+@njit(**_C)
+def collect_nonzero_low_keys(e, b, slot_of, n_slots, out, pos):
+    """Append ``slot << 16 | low`` for the entries in a selected bin whose low 16 bits are not all
+    zero (the caller counts the others from the first pass's histogram). The differences of two bf16
+    numbers rarely have any: then this is a well-predicted branch per entry and almost no stores."""
+    for i in range(e.size):
+        bits = np.float32(abs(_delta(e, b, i))).view(np.uint32)
+        lo = bits & np.uint32(0xFFFF)
+        if lo != 0:
+            slot = slot_of[bits >> np.uint32(16)]
+            if slot < n_slots:
+                out[pos] = (np.int64(slot) << 16) | np.int64(lo)
+                pos += 1
+    return pos
 
 
 @njit(**_C)
@@ -125,11 +150,13 @@ def gather_delta(e, b, positions):
 
 
 @njit(**_C)
-def kth_from_top(counts, rank):
-    """Index of the rank-th largest entry (1-based) in a histogram, counting from its top bin."""
-    seen = 0
-    for j in range(counts.size - 1, -1, -1):
-        seen += counts[j]
-        if seen >= rank:
-            return j
-    return 0
+def kth_from_top(dense, slots, ranks):
+    """For each query q: the index of the ranks[q]-th largest entry (1-based) counted in row
+    dense[slots[q]], i.e. scanning that histogram from its top bin. One scan per row."""
+    out = np.zeros(slots.size, np.int64)
+    for row in np.unique(slots):
+        desc = np.cumsum(dense[row][::-1])
+        for q in range(slots.size):
+            if slots[q] == row:
+                out[q] = dense.shape[1] - 1 - np.searchsorted(desc, ranks[q])
+    return out
