@@ -280,3 +280,36 @@ def test_progress_callback_reaches_total(tmp_path, fam_bf16):
     assert calls and calls[-1] == ("expert_2", total, total)
     assert [c[1] for c in calls] == sorted(c[1] for c in calls)
     cat.close()
+
+
+@pytest.mark.parametrize("tiny_fraction", [0.0, 0.01, 0.5])
+def test_thresholds_exact_whatever_share_of_deltas_has_low_bits(tmp_path, tiny_fraction):
+    """bf16 deltas are differences of two bf16 numbers: their float32 low 16 bits are zero unless the
+    base entry is much smaller than the delta. The second pass is skipped (no such entry), keyed (few)
+    or dense (many): thresholds are exact in all three cases."""
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(512, 384, generator=g)
+    base = torch.sign(base) * (0.01 + base.abs() * 0.02)  # away from 0: bf16 deltas with no low bits
+    tiny = torch.rand(base.shape, generator=g) < tiny_fraction
+    base = torch.where(tiny, base * 1e-4, base).to(torch.bfloat16)
+    expert = (base.float() + torch.randn(base.shape, generator=g) * 3e-4).to(torch.bfloat16)
+    for name, t in (("base", base), ("expert", expert)):
+        (tmp_path / name).mkdir()
+        save_file({"w": t, "b": t[0].clone()}, str(tmp_path / name / "model.safetensors"))
+    delta = (expert.float() - base.float()).numpy().reshape(-1)
+    low_bits = int((np.abs(delta).view(np.uint32) & 0xFFFF).astype(bool).sum())
+    assert (low_bits == 0) == (tiny_fraction == 0.0)
+    assert (low_bits * 8 < delta.size) == (tiny_fraction < 0.5)  # keyed selection below 1/8, dense above
+    cat = Catalog(tmp_path / "c.sqlite")
+    register(cat, "base", str(tmp_path / "base"))
+    register(cat, "expert", str(tmp_path / "expert"), base_id="base")
+    analyze(cat, ["expert"], block_bytes=64 << 10)
+    absd = np.abs(delta)
+    thresholds = cat.tensor_stats("expert")["w"]["thresholds"]
+    assert len(thresholds) == 101
+    for d, t in thresholds.items():
+        k = int(d * absd.size)
+        assert t == (float("inf") if k == 0 else _kth_largest(absd, k)), d
+    cat.close()
