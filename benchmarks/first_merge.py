@@ -14,7 +14,8 @@ time is the sum of their walls. Then, on the same catalog (now analyzed), the se
 A family with at least max(--ks) experts already under --work is reused (the first K experts of it),
 never rewritten. Each K starts with one unmeasured read of its files (the virtual disk's host cache
 favours files read before: every contender then meets the same host cache), and each contender then
-starts with every input file evicted from the page cache. Bytes and peak RSS come from the rusage of
+starts with every input file evicted from the page cache; the steps of one first merge follow each other
+with no eviction between them, as for a user (today's analyze step leaves the files cached for the merge). Bytes and peak RSS come from the rusage of
 each child (benchmarks/child.py through run.measure). Writes first-merge.{md,json} to --out.
 """
 
@@ -352,7 +353,8 @@ def write_report(results: dict, out: Path) -> list[Path]:
     md.write_text("\n".join([
         "# First merge: from no catalog to a merged model, side by side with mergekit", "",
         f"Run {results['started']} on {mach['cpus']} CPUs, {mach['memory_gib']} GiB RAM, torch {mach['torch']}, "
-        f"Python {mach['python']}. Cold cache before every contender (every input file evicted), each MergePipe "
+        f"Python {mach['python']}. Cold cache before every contender (every input file evicted; no eviction between "
+        "the steps of one first merge, as for a user), each MergePipe "
         f"step its own process; medians of {results['runs']} run(s); density {results['density']} for ties. "
         "The first merge is the sum of its steps' walls; disk read is the children's rusage; vs mergekit is "
         "mergekit's wall / this wall (> 1: faster than mergekit).", "",
