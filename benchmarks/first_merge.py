@@ -15,8 +15,9 @@ A family with at least max(--ks) experts already under --work is reused (the fir
 never rewritten. Each K starts with one unmeasured read of its files (the virtual disk's host cache
 favours files read before: every contender then meets the same host cache), and each contender then
 starts with every input file evicted from the page cache; the steps of one first merge follow each other
-with no eviction between them, as for a user (today's analyze step leaves the files cached for the merge). Bytes and peak RSS come from the rusage of
-each child (benchmarks/child.py through run.measure). Writes first-merge.{md,json} to --out.
+with no eviction between them, as for a user (today's analyze step leaves the files cached for the merge).
+Bytes and peak RSS come from the rusage of each child (benchmarks/child.py through run.measure).
+Writes first-merge.{md,json} to --out (first-merge-ci.* for the ci profile).
 """
 
 from __future__ import annotations
