@@ -47,3 +47,35 @@ def test_ci_profile_bytes_are_sane(tmp_path):
         assert check["same_names"] and check["differing"] == 0
     targets = {t["target"][:2]: t for t in json.loads((out / "ci.json").read_text())["targets"]}
     assert {"P3", "P4", "P5", "P6"} <= set(targets)
+
+
+def test_first_merge_ci_profile(tmp_path):
+    """benchmarks/first_merge.py on its CI profile: the new first merge (batch register, merge over
+    unanalyzed experts) ran, read bytes, equals the second merge at 100 %, and every target has a row."""
+    out = tmp_path / "report"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "first_merge.py"), "--profile", "ci",
+         "--work", str(tmp_path / "work"), "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "first-merge-ci.json").read_text())
+    assert (out / "first-merge-ci.md").read_text().startswith("# First merge")
+    fam = res["families"][0]
+    for op in ("linear", "ties"):
+        runs = {r["contender"]: r for r in fam["runs"] if r["op"] == op}
+        first = runs["mergepipe first merge"]
+        assert "failed" not in first, first["failed"]
+        assert first["register_path"] == "batch"
+        assert [s["step"] for s in first["steps"]] == ["init-db", "register base", "register 2 experts", "merge"]
+        assert first["read_bytes"] >= fam["family_bytes"] > 0  # cold: every byte of base and experts
+        for b in ("10%", "100%"):
+            assert runs[f"mergepipe second merge {b}"]["read_bytes"] > 0
+        check = fam["checks"][f"{op}: mergepipe first merge vs mergepipe second merge 100%"]
+        assert check["same_dtypes"] and check["total"] > 0 and check["differing"] == 0
+    assert all(r["read_bytes"] > 0 and r["wall_s"] > 0 for r in fam["analyze"])
+    assert len(fam["register_s"]) == 2 and all(t > 0 for t in fam["register_s"])
+    assert len(res["cli_startup"]) == 3 and all(t > 0 for t in res["cli_startup"].values())
+    rows = [t["target"] for t in res["targets"]]
+    for prefix in ("linear first merge", "ties first merge", "ANALYZE", "register", "CLI start-up"):
+        assert any(t.startswith(prefix) for t in rows), (prefix, rows)
+    assert all(t["met"] in (True, False, None) and t["measured"] for t in res["targets"])
