@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,8 +173,9 @@ def named_by_path(uris) -> list[tuple[str, str]]:
     Two checkpoints that would get the same name are refused."""
     items, seen = [], {}
     for uri in map(str, uris):
-        path = Path(uri).expanduser()
-        model_id = (path.stem if path.is_file() else path.resolve().name) or uri
+        # "x/", "x/." and "y/../x" are all named x; a symbolic link keeps its own name
+        path = Path(os.path.abspath(Path(uri).expanduser()))
+        model_id = path.stem if path.is_file() else path.name
         if model_id in seen:
             raise CatalogError(f"{seen[model_id]} and {uri} would both be named {model_id!r}; "
                                f"register them one at a time with --model-id ID --uri PATH")
