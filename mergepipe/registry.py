@@ -1,4 +1,7 @@
-"""Registering checkpoints: read headers and config only, fingerprint, check an expert against its base."""
+"""Registering checkpoints: read headers and config only, fingerprint, check an expert against its base.
+
+Nothing here imports torch: a registration costs the headers' bytes and a few milliseconds of JSON.
+``register_many`` registers a batch of experts in one transaction, parsing their base once."""
 
 from __future__ import annotations
 
