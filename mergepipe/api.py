@@ -1,46 +1,74 @@
-"""The Python API: what the CLI and the dashboard call. Thin over catalog, planner, engine, manifest."""
+"""The Python API: what the CLI and the dashboard call. Thin over catalog, planner, engine, manifest.
+
+Importing it imports no torch: the catalog-only calls (register, snapshots, lineage, verify, recover)
+start fast; planning and merging import the planner and the engine when first called.
+"""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .catalog import Catalog
-from .engine import DEFAULT_SHARD_BYTES, Engine
 from .errors import ExecutionError, MergePipeError
 from .manifest import load_manifest, verify
-from .mergekit_config import (
-    MergekitConfig,
-    export_mergekit,
-    load_config,
-    parse_config,
-    plan_from_config,
-)
-from .planner import Plan, Planner, load_plan, save_plan
+from .registry import register, register_many
 from .txn import check_output_path, recover
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .mergekit_config import MergekitConfig
+    from .planner import Plan, Planner
 
 __all__ = ["Catalog", "Planner", "Engine", "Plan", "merge", "plan_merge", "snapshots", "lineage", "verify",
            "recover", "explain", "load_plan", "load_manifest", "save_plan", "merge_config", "plan_config",
-           "export_mergekit", "load_config", "parse_config"]
+           "export_mergekit", "load_config", "parse_config", "register", "register_many"]
+
+# Names this module re-exports from modules that import torch, resolved on first use (PEP 562).
+_LAZY = {
+    "Engine": "engine", "DEFAULT_SHARD_BYTES": "engine",
+    "Plan": "planner", "Planner": "planner", "load_plan": "planner", "save_plan": "planner",
+    "MergekitConfig": "mergekit_config", "export_mergekit": "mergekit_config", "load_config": "mergekit_config",
+    "parse_config": "mergekit_config", "plan_from_config": "mergekit_config",
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __package__), name)
+    globals()[name] = value
+    return value
+
+
+def _execute(catalog: Catalog, plan: Plan, out, model_id, out_shard_bytes: int | None, progress):
+    from .engine import DEFAULT_SHARD_BYTES, Engine
+    if out_shard_bytes is None:
+        out_shard_bytes = DEFAULT_SHARD_BYTES
+    return Engine(catalog).execute(plan, out=out, model_id=model_id, out_shard_bytes=out_shard_bytes,
+                                   progress=progress)
 
 
 def plan_merge(catalog: Catalog, base: str, experts, operator: str = "linear", budget=None, budget_mb=None,
                target_bound=None, save: bool = True, **kw) -> Plan:
+    from .planner import Planner
     return Planner(catalog).plan(base, experts, operator, budget=budget, budget_mb=budget_mb,
                                  target_bound=target_bound, save=save, **kw)
 
 
 def merge(catalog: Catalog, base: str, experts, out, operator: str = "linear", model_id: str | None = None,
-          out_shard_bytes: int = DEFAULT_SHARD_BYTES, progress=None, **plan_kw):
+          out_shard_bytes: int | None = None, progress=None, **plan_kw):
     """Plan and execute; returns (plan, snapshot_id, manifest)."""
     # The engine stores the plan after its own checks (output path, model id): a refused merge
     # changes nothing in the catalog.
     plan = plan_merge(catalog, base, experts, operator, save=False, **plan_kw)
-    snapshot_id, manifest = Engine(catalog).execute(plan, out=out, model_id=model_id,
-                                                    out_shard_bytes=out_shard_bytes, progress=progress)
+    snapshot_id, manifest = _execute(catalog, plan, out, model_id, out_shard_bytes, progress)
     return plan, snapshot_id, manifest
 
 
 def _config(config) -> MergekitConfig:
+    from .mergekit_config import MergekitConfig, load_config
     return config if isinstance(config, MergekitConfig) else load_config(config)
 
 
@@ -58,20 +86,21 @@ def check_target(catalog: Catalog, out, model_id: str | None = None) -> tuple[Pa
 def plan_config(catalog: Catalog, config, save: bool = True, **overrides) -> Plan:
     """Plan a mergekit config (a path or a parsed :class:`MergekitConfig`); ``overrides`` as in
     ``MergekitConfig.with_overrides``. Paths in it are registered on the fly (and analyzed by the merge)."""
+    from .mergekit_config import plan_from_config
     cfg = _config(config).with_overrides(**overrides)
     return plan_from_config(catalog, cfg, save=save)[0]
 
 
 def merge_config(catalog: Catalog, config, out, model_id: str | None = None,
-                 out_shard_bytes: int = DEFAULT_SHARD_BYTES, progress=None, **overrides):
+                 out_shard_bytes: int | None = None, progress=None, **overrides):
     """Plan and execute a mergekit config; returns (plan, snapshot_id, manifest).
 
     A config that cannot be merged (bad key, missing path, taken output) changes nothing in the catalog."""
+    from .mergekit_config import plan_from_config
     cfg = _config(config).with_overrides(**overrides)
     out, model_id = check_target(catalog, out, model_id)
     plan, _ = plan_from_config(catalog, cfg, save=False, reserved_ids={model_id})
-    snapshot_id, manifest = Engine(catalog).execute(plan, out=out, model_id=model_id,
-                                                    out_shard_bytes=out_shard_bytes, progress=progress)
+    snapshot_id, manifest = _execute(catalog, plan, out, model_id, out_shard_bytes, progress)
     return plan, snapshot_id, manifest
 
 
@@ -137,6 +166,7 @@ def _dot(s: str) -> str:
 
 def explain(catalog: Catalog, ref: str) -> str:
     """EXPLAIN a plan (by plan id) or a snapshot (by snapshot/model id or directory: its plan + realized)."""
+    from .planner import load_plan
     rows = catalog.query("SELECT id FROM plans WHERE id = ? OR id = ?", [ref, "plan-" + ref])
     if rows:
         return load_plan(catalog, rows[0]["id"]).explain()

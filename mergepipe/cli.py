@@ -91,25 +91,48 @@ def cmd_init_db(args):
 
 
 def _add_register(p):
-    p.add_argument("--model-id", required=True)
-    p.add_argument("--uri", required=True, help="checkpoint directory or .safetensors file")
+    p.add_argument("paths", nargs="*", metavar="PATH",
+                   help="checkpoint directories or .safetensors files, each named after its directory "
+                        "(or file); all are registered in one transaction, or none")
+    p.add_argument("--model-id", help="id of the one checkpoint given by --uri (or by one PATH)")
+    p.add_argument("--uri", help="checkpoint directory or .safetensors file")
     p.add_argument("--base", dest="base_id", help="id of the base model (for experts)")
     p.add_argument("--kind", default="full", choices=["full", "delta", "lora"])
     p.add_argument("--content-hash", action="store_true", help="also hash every byte (slow)")
     p.add_argument("--replace", action="store_true", help="replace an id registered with other content")
 
 
-@command("register", "register a checkpoint (reads headers only)")
+def _register_items(args) -> list[tuple[str, str]]:
+    """(model id, path) pairs from `--model-id ID --uri PATH` or from positional paths."""
+    from .registry import named_by_path
+    paths = ([args.uri] if args.uri is not None else []) + list(args.paths)
+    if not paths:
+        raise MergePipeError("give the checkpoints to register: PATH [PATH ...] or --model-id ID --uri PATH")
+    if args.uri is not None and args.paths:
+        raise MergePipeError("give either --uri PATH or positional paths, not both")
+    if args.model_id is None:
+        return named_by_path(paths)
+    if len(paths) > 1:
+        raise MergePipeError("--model-id names one checkpoint; with several paths each is named after "
+                             "its directory")
+    return [(args.model_id, paths[0])]
+
+
+@command("register", "register checkpoints (reads headers only)")
 def cmd_register(args):
-    from .registry import register
+    from .registry import register_many
+    items = _register_items(args)
     cat = open_catalog(args, create=True)
-    res = register(cat, args.model_id, args.uri, base_id=args.base_id, kind=args.kind,
-                   with_content_hash=args.content_hash, replace=args.replace)
-    emit(args, res, lambda r: print(f"{r['status']}: {r['model_id']} ({r['fingerprint'][:19]}...)"))
+    results = register_many(cat, items, base_id=args.base_id, kind=args.kind,
+                            with_content_hash=args.content_hash, replace=args.replace)
+    out = results[0] if args.uri is not None else results  # the single --uri form prints one object
+    emit(args, out, lambda _: [print(f"{r['status']}: {r['model_id']} ({r['fingerprint'][:19]}...)")
+                               for r in results])
 
 
 def _add_analyze(p):
-    p.add_argument("--model-id", nargs="*", dest="model_ids", help="experts to analyze (default: all)")
+    p.add_argument("ids", nargs="*", metavar="ID", help="experts to analyze (default: all)")
+    p.add_argument("--model-id", nargs="*", dest="model_ids", help="experts to analyze, as the IDs")
     p.add_argument("--block-bytes", type=int, default=None, help="block size target (default 1 MiB)")
     p.add_argument("--sketch-size", type=int, default=None, help="sketch samples per block (default 2048)")
     p.add_argument("--densities", type=float, nargs="*", help="extra top-k densities to store thresholds for")
@@ -122,6 +145,8 @@ def cmd_analyze(args):
     from .analyze import DEFAULT_DENSITIES, analyze
     from .sketch import DEFAULT_SKETCH_SIZE
     cat = open_catalog(args)
+    if args.ids:
+        args.model_ids = [*(args.model_ids or []), *args.ids]
     kw = {"force": args.force, "sketch_size": args.sketch_size or DEFAULT_SKETCH_SIZE,
           "densities": tuple(DEFAULT_DENSITIES) + tuple(args.densities or ())}
     if args.block_bytes is not None:

@@ -10,7 +10,7 @@ from .analyze import analyze
 from .api import merge, merge_summary
 from .catalog import Catalog
 from .family import make_family
-from .registry import register
+from .registry import register, register_many
 
 DEMO_EXPERTS = 4
 
@@ -28,8 +28,7 @@ def build_demo(root: Path, log=print) -> dict:
     cat = Catalog(db)
     register(cat, "base", str(fam / "base"))
     experts = [f"expert_{i}" for i in range(1, DEMO_EXPERTS + 1)]
-    for e in experts:
-        register(cat, e, str(fam / e), base_id="base")
+    register_many(cat, [(e, str(fam / e)) for e in experts], base_id="base")
     for r in analyze(cat, experts, block_bytes=256 << 10):
         log(f"analyze {r.model_id}: " + ("unchanged" if r.skipped else f"{r.n_blocks} blocks, {r.bytes_read / 1e6:.1f} MB "
                                           f"in {r.seconds:.2f} s"))

@@ -1,10 +1,15 @@
-"""Registering checkpoints: read headers and config only, fingerprint, check an expert against its base."""
+"""Registering checkpoints: read headers and config only, fingerprint, check an expert against its base.
+
+Nothing here imports torch: a registration costs the headers' bytes and a few milliseconds of JSON.
+``register_many`` registers a batch of experts in one transaction, parsing their base once."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import math
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from .catalog import Catalog, now
@@ -103,6 +108,26 @@ def _architecture(kind: str, config: dict) -> str | None:
     return ",".join(config.get("architectures", [])) or config.get("model_type")
 
 
+@dataclass
+class Checked:
+    """One checkpoint, parsed and checked, ready to be written (or already registered as it is)."""
+
+    model_id: str
+    uri: str
+    kind: str
+    base_id: str | None
+    ckpt: Checkpoint
+    fingerprint: str
+    existing: bool  # another registration of this id is replaced
+    unchanged: bool = False
+
+    def result(self) -> dict:
+        if self.unchanged:
+            return {"model_id": self.model_id, "status": "unchanged", "fingerprint": self.fingerprint}
+        return {"model_id": self.model_id, "status": "replaced" if self.existing else "registered",
+                "fingerprint": self.fingerprint, "bytes": self.ckpt.nbytes, "n_tensors": len(self.ckpt.tensors)}
+
+
 def register(
     catalog: Catalog,
     model_id: str,
@@ -114,58 +139,131 @@ def register(
     snapshot_id: str | None = None,
 ) -> dict:
     """Register a checkpoint; returns {'model_id', 'status': 'registered'|'unchanged'|'replaced', ...}."""
-    if not model_id or not model_id.strip():
-        raise CatalogError("model id must not be empty")
+    return register_many(catalog, [(model_id, uri)], base_id=base_id, kind=kind,
+                         with_content_hash=with_content_hash, replace=replace, snapshot_id=snapshot_id)[0]
+
+
+def register_many(
+    catalog: Catalog,
+    items,
+    base_id: str | None = None,
+    kind: str = "full",
+    with_content_hash: bool = False,
+    replace: bool = False,
+    snapshot_id: str | None = None,
+) -> list[dict]:
+    """Register checkpoints, given as (model_id, uri) pairs, in one catalog transaction.
+
+    All or nothing: every checkpoint is parsed and checked (against ``base_id``, whose headers are
+    parsed once for the whole batch) before anything is written, so any error leaves the catalog
+    as it was. Returns one result per item, as :func:`register` does."""
+    items = [(model_id, str(uri)) for model_id, uri in items]
+    _check_request(items, base_id, kind)
+    base_ckpt = _open_base(catalog, base_id)
+    checked = [_check_one(catalog, model_id, uri, kind, base_id, base_ckpt, replace) for model_id, uri in items]
+    to_write = [c for c in checked if not c.unchanged]
+    if to_write:
+        rows = [(c, _model_row(c, with_content_hash, snapshot_id)) for c in to_write]
+        with catalog.transaction():
+            for c, row in rows:
+                _write(catalog, c, row)
+    return [c.result() for c in checked]
+
+
+def named_by_path(uris) -> list[tuple[str, str]]:
+    """(model_id, uri) pairs naming each checkpoint after its directory (or its file, less the suffix).
+
+    Two checkpoints that would get the same name are refused."""
+    items, seen = [], {}
+    for uri in map(str, uris):
+        # "x/", "x/." and "y/../x" are all named x; a symbolic link keeps its own name
+        path = Path(os.path.abspath(Path(uri).expanduser()))
+        model_id = path.stem if path.is_file() else path.name
+        if model_id in seen:
+            raise CatalogError(f"{seen[model_id]} and {uri} would both be named {model_id!r}; "
+                               f"register them one at a time with --model-id ID --uri PATH")
+        seen[model_id] = uri
+        items.append((model_id, uri))
+    return items
+
+
+def _check_request(items: list[tuple[str, str]], base_id: str | None, kind: str) -> None:
     if kind not in KINDS:
         raise CatalogError(f"unsupported kind {kind!r} (supported: {', '.join(KINDS)})")
     if kind in ("delta", "lora") and not base_id:
         raise CatalogError(f"a {kind} checkpoint needs --base")
-    if kind == "lora":
-        adapter = open_adapter(uri)
-        ckpt = adapter.checkpoint
-    else:
-        ckpt = open_checkpoint(uri)
-    fp = fingerprint(ckpt)
-    if base_id is not None:
-        if base_id == model_id:
-            raise CatalogError("a model cannot be its own base")
-        base_row = catalog.model(base_id)
-        if base_row["kind"] != "full":
-            raise CatalogError(f"base {base_id!r} is a {base_row['kind']} checkpoint; a base must be a full checkpoint")
-        base_ckpt = open_checkpoint(base_row["uri"])
-        problems = (base_mismatches(adapter, base_ckpt) if kind == "lora"
+    if not items:
+        raise CatalogError("nothing to register (give at least one checkpoint)")
+    seen = set()
+    for model_id, _ in items:
+        if not model_id or not model_id.strip():
+            raise CatalogError("model id must not be empty")
+        if model_id == base_id:
+            raise CatalogError(f"{model_id!r}: a model cannot be its own base")
+        if model_id in seen:
+            raise CatalogError(f"model id {model_id!r} is given twice")
+        seen.add(model_id)
+
+
+def _open_base(catalog: Catalog, base_id: str | None) -> Checkpoint | None:
+    if base_id is None:
+        return None
+    base_row = catalog.model(base_id)
+    if base_row["kind"] != "full":
+        raise CatalogError(f"base {base_id!r} is a {base_row['kind']} checkpoint; a base must be a full checkpoint")
+    return open_checkpoint(base_row["uri"])
+
+
+def _check_one(catalog: Catalog, model_id: str, uri: str, kind: str, base_id: str | None,
+               base_ckpt: Checkpoint | None, replace: bool) -> Checked:
+    """Parse one checkpoint and check it against its base and any registration of its id."""
+    adapter = open_adapter(uri) if kind == "lora" else None
+    ckpt = adapter.checkpoint if adapter else open_checkpoint(uri)
+    if base_ckpt is not None:
+        problems = (base_mismatches(adapter, base_ckpt) if adapter
                     else layout_mismatches(base_ckpt, ckpt, any_float=kind == "delta"))
         if problems:
-            raise CatalogError(
-                f"{model_id} does not match base {base_id}: " + "; ".join(problems)
-            )
+            raise CatalogError(f"{model_id} does not match base {base_id}: " + "; ".join(problems))
+    checked = Checked(model_id, uri, kind, base_id, ckpt, fingerprint(ckpt), existing=False)
     existing = catalog.query("SELECT * FROM models WHERE id = ?", [model_id])
     if existing:
-        old = existing[0]
-        same = (
-            old["fingerprint"] == fp
-            and old["base_id"] == base_id
-            and old["kind"] == kind
-            and str(Path(old["uri"]).resolve()) == str(Path(uri).resolve())
+        checked.existing = True
+        checked.unchanged = _same_registration(existing[0], checked)
+        if not checked.unchanged:
+            _check_replaceable(existing[0], replace)
+    return checked
+
+
+def _same_registration(old: dict, new: Checked) -> bool:
+    return (
+        old["fingerprint"] == new.fingerprint
+        and old["base_id"] == new.base_id
+        and old["kind"] == new.kind
+        and str(Path(old["uri"]).resolve()) == str(Path(new.uri).resolve())
+    )
+
+
+def _check_replaceable(old: dict, replace: bool) -> None:
+    if not replace:
+        raise CatalogError(
+            f"model {old['id']!r} is already registered with different content or settings "
+            f"(uri {old['uri']}); pass --replace to replace it"
         )
-        if same:
-            return {"model_id": model_id, "status": "unchanged", "fingerprint": fp}
-        if not replace:
-            raise CatalogError(
-                f"model {model_id!r} is already registered with different content or settings "
-                f"(uri {old['uri']}); pass --replace to replace it"
-            )
-        if old["snapshot_id"]:
-            raise CatalogError(f"model {model_id!r} is a published snapshot and cannot be replaced")
+    if old["snapshot_id"]:
+        raise CatalogError(f"model {old['id']!r} is a published snapshot and cannot be replaced")
+
+
+def _model_row(c: Checked, with_content_hash: bool, snapshot_id: str | None) -> dict:
+    ckpt = c.ckpt
     dtypes = sorted({t.dtype for t in ckpt.tensors.values()})
-    row = {
-        "id": model_id,
-        "uri": str(Path(uri).resolve()),
-        "kind": kind,
-        "base_id": base_id,
-        "fingerprint": fp,
+    return {
+        "id": c.model_id,
+        "uri": str(Path(c.uri).resolve()),
+        "kind": c.kind,
+        "base_id": c.base_id,
+        "fingerprint": c.fingerprint,
         "content_hash": content_hash(ckpt) if with_content_hash else None,
-        "architecture": _architecture(kind, ckpt.config),
+        "architecture": _architecture(c.kind, ckpt.config),
         "dtype": dtypes[0] if len(dtypes) == 1 else "mixed:" + ",".join(dtypes),
         "params": sum(math.prod(t.shape) for t in ckpt.tensors.values()),
         "bytes": ckpt.nbytes,
@@ -173,23 +271,26 @@ def register(
         "config": json.dumps(ckpt.config, sort_keys=True),
         "registered_at": now(),
         "snapshot_id": snapshot_id,
-        "file_stats": file_stats(uri),
+        "file_stats": file_stats(c.uri),
     }
-    ordered = sorted(ckpt.tensors.values(), key=lambda t: (t.file, t.offset))
-    tensor_rows = [
+
+
+def _tensor_rows(c: Checked) -> list[dict]:
+    ordered = sorted(c.ckpt.tensors.values(), key=lambda t: (t.file, t.offset))
+    return [
         {
-            "model_id": model_id, "name": t.name, "idx": i, "shape": json.dumps(list(t.shape)),
+            "model_id": c.model_id, "name": t.name, "idx": i, "shape": json.dumps(list(t.shape)),
             "dtype": t.dtype, "file": t.file, "offset": t.offset, "nbytes": t.nbytes,
         }
         for i, t in enumerate(ordered)
     ]
-    with catalog.transaction():
-        if existing:
-            for table in ("tensors", "blocks", "tensor_stats", "analyses"):
-                catalog.conn.execute(f"DELETE FROM {table} WHERE model_id = ?", [model_id])
-            catalog.conn.execute("DELETE FROM models WHERE id = ?", [model_id])
-        catalog.db["models"].insert(row)
-        catalog.db["tensors"].insert_all(tensor_rows, batch_size=1000)
-    status = "replaced" if existing else "registered"
-    return {"model_id": model_id, "status": status, "fingerprint": fp, "bytes": ckpt.nbytes,
-            "n_tensors": len(ckpt.tensors)}
+
+
+def _write(catalog: Catalog, c: Checked, row: dict) -> None:
+    """Insert one model and its tensors (inside the caller's transaction), replacing its old rows."""
+    if c.existing:
+        for table in ("tensors", "blocks", "tensor_stats", "analyses"):
+            catalog.conn.execute(f"DELETE FROM {table} WHERE model_id = ?", [c.model_id])
+        catalog.conn.execute("DELETE FROM models WHERE id = ?", [c.model_id])
+    catalog.db["models"].insert(row)
+    catalog.db["tensors"].insert_all(_tensor_rows(c), batch_size=1000)

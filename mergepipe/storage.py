@@ -4,6 +4,9 @@ Headers are parsed by hand (8-byte little-endian length + JSON) so that register
 no tensor bytes. Tensor data is read with ``os.preadv`` of exactly the requested range on file
 descriptors advised ``POSIX_FADV_RANDOM``: safetensors' own mmap path lets kernel read-ahead pull in
 many times the bytes asked for (see shared/notes/io-and-compute.md).
+
+Parsing headers and configs uses the standard library only; torch is imported on first use of a
+tensor (``bytes_to_tensor``, ``RangeReader.tensor_rows``, ``TensorInfo.torch_dtype``, ``DTYPES``).
 """
 
 from __future__ import annotations
@@ -14,31 +17,54 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import StorageError
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 INDEX_NAME = "model.safetensors.index.json"
 
-# safetensors dtype code -> (torch dtype, item size in bytes)
-DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "F64": (torch.float64, 8),
-    "F32": (torch.float32, 4),
-    "F16": (torch.float16, 2),
-    "BF16": (torch.bfloat16, 2),
-    "I64": (torch.int64, 8),
-    "I32": (torch.int32, 4),
-    "I16": (torch.int16, 2),
-    "I8": (torch.int8, 1),
-    "U8": (torch.uint8, 1),
-    "BOOL": (torch.bool, 1),
-    "F8_E4M3": (torch.float8_e4m3fn, 1),
-    "F8_E5M2": (torch.float8_e5m2, 1),
+# safetensors dtype code -> item size in bytes. Header parsing needs nothing else, so registering a
+# checkpoint never imports torch (an import of ~1-3 s; see the module's __getattr__ for DTYPES).
+ITEMSIZE: dict[str, int] = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+    "F8_E4M3": 1, "F8_E5M2": 1,
 }
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
-TORCH_TO_CODE = {v[0]: k for k, v in DTYPES.items()}
+# safetensors dtype code -> name of the torch dtype
+_TORCH_NAMES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}
+
+
+def _torch_tables() -> dict:
+    """DTYPES (code -> (torch dtype, item size)) and TORCH_TO_CODE, built on first use."""
+    import torch
+
+    dtypes = {code: (getattr(torch, name), ITEMSIZE[code]) for code, name in _TORCH_NAMES.items()}
+    return {"DTYPES": dtypes, "TORCH_TO_CODE": {v[0]: k for k, v in dtypes.items()}}
+
+
+def __getattr__(name: str):
+    # PEP 562: ``DTYPES`` and ``TORCH_TO_CODE`` hold torch dtypes, so they are made (and torch
+    # imported) only when some module asks for them; they are then cached as ordinary globals.
+    if name in ("DTYPES", "TORCH_TO_CODE"):
+        tables = _torch_tables()
+        globals().update(tables)
+        return tables[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def torch_dtype_of(code: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype code (imports torch on first use)."""
+    dtypes = globals().get("DTYPES") or __getattr__("DTYPES")
+    return dtypes[code][0]
 
 
 @dataclass(frozen=True)
@@ -54,11 +80,11 @@ class TensorInfo:
 
     @property
     def itemsize(self) -> int:
-        return DTYPES[self.dtype][1]
+        return ITEMSIZE[self.dtype]
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype][0]
+        return torch_dtype_of(self.dtype)
 
     @property
     def numel(self) -> int:
@@ -142,7 +168,7 @@ def _validate_entry(path, name, entry, data_start, data_len, label) -> TensorInf
     if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
         raise StorageError(f"{path}: tensor {name!r} has a malformed header entry")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if dtype not in DTYPES:
+    if dtype not in ITEMSIZE:
         raise StorageError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
     if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
         raise StorageError(f"{path}: tensor {name!r} has an invalid shape {shape!r}")
@@ -154,7 +180,7 @@ def _validate_entry(path, name, entry, data_start, data_len, label) -> TensorInf
             f"{path}: tensor {name!r} data_offsets [{begin}, {end}] lie outside the file's "
             f"{data_len} data bytes (truncated file?)"
         )
-    expected = math.prod(shape) * DTYPES[dtype][1]
+    expected = math.prod(shape) * ITEMSIZE[dtype]
     if end - begin != expected:
         raise StorageError(
             f"{path}: tensor {name!r} has {end - begin} bytes but shape {shape} x {dtype} needs {expected}"
@@ -346,7 +372,9 @@ def rows_shape(info: TensorInfo, rows: int) -> tuple[int, ...]:
 
 
 def bytes_to_tensor(buf, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    tdtype = DTYPES[dtype][0]
+    import torch
+
+    tdtype = torch_dtype_of(dtype)
     if len(buf) == 0:
         return torch.empty(shape, dtype=tdtype)
     return torch.frombuffer(buf, dtype=tdtype).reshape(shape)
