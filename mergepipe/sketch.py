@@ -14,7 +14,6 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
-import torch
 
 DEFAULT_SKETCH_SIZE = 2048
 _SEED = 0x5EED
@@ -23,6 +22,8 @@ _SEED = 0x5EED
 @lru_cache(maxsize=64)
 def sample_positions(numel: int, size: int) -> torch.Tensor:
     """Sorted sample positions for a block of ``numel`` elements (all of them if it is small)."""
+    import torch  # only ANALYZE samples; planning and EXPLAIN decode sketches with numpy alone
+
     if numel <= size:
         return torch.arange(numel)
     g = torch.Generator().manual_seed(_SEED ^ numel)

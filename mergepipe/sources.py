@@ -12,8 +12,6 @@ once per tensor (LoRA's A), and how to turn those bytes into the float32 delta o
 
 from __future__ import annotations
 
-import torch
-
 from .grid import BlockSpan
 from .lora import LoraAdapter, open_adapter
 from .storage import Checkpoint, TensorInfo, bytes_to_tensor, open_checkpoint, row_nbytes, rows_shape
@@ -49,7 +47,7 @@ class CheckpointSource:
         x = bytes_to_tensor(bufs[0], info.dtype, rows_shape(info, span.row_end - span.row_start))
         if self.kind == "delta":
             return x.float()
-        return torch.sub(x, base)  # promotes to float32 in one pass
+        return x.sub(base)  # promotes to float32 in one pass
 
 
 class LoraSource:
