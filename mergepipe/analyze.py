@@ -38,6 +38,7 @@ from .storage import FLOAT_DTYPES, Checkpoint, RangeReader, TensorInfo, open_che
 # Top-k fractions with stored thresholds: every percent, plus two below 1 %.
 DEFAULT_DENSITIES = (0.001, 0.005) + tuple(round(i / 100, 2) for i in range(1, 100))
 IN_MEMORY_TENSOR_BYTES = 64 << 20
+KEEP_TASK_BYTES = 512 << 20  # base and expert bytes of one tensor kept for the second pass, all experts
 HIST_BINS = 1 << 15  # top 16 bits of a non-negative float32: sign 0, so 2**15 bins
 # numpy views of raw bytes the kernels accept (bf16 and fp16 need distinct 16-bit types)
 RAW_VIEW = {"BF16": np.uint16, "F16": np.int16, "F32": np.float32, "F64": np.float64}
@@ -45,9 +46,22 @@ RAW_VIEW = {"BF16": np.uint16, "F16": np.int16, "F32": np.float32, "F64": np.flo
 Progress = Callable[[str, int, int], None]
 
 
-def _read(reader: RangeReader, rng: tuple[str, int, int], dtype: str) -> np.ndarray:
-    """One byte range as the kernels' array type, read into uninitialised memory (no zero fill)."""
-    buf = np.empty(rng[2], dtype=np.uint8)
+_ARENA = threading.local()
+
+
+def _arena(nbytes: int) -> np.ndarray:
+    """This thread's reusable read buffer of at least ``nbytes``. Reusing it spares the page faults
+    (kernel time) of a fresh mapping for every block, which cost as much as the reads themselves."""
+    buf = getattr(_ARENA, "buf", None)
+    if buf is None or buf.size < nbytes:
+        buf = _ARENA.buf = np.empty(max(nbytes, 8 << 20), dtype=np.uint8)
+    return buf
+
+
+def _read(reader: RangeReader, rng: tuple[str, int, int], dtype: str, into: np.ndarray) -> np.ndarray:
+    """One byte range as the kernels' array type, read into ``into`` (a slice of the arena)."""
+    buf = into[:rng[2]]
+    assert buf.size == rng[2]
     reader.read_into(rng[0], rng[1], buf)
     return buf.view(RAW_VIEW[dtype])
 
@@ -81,6 +95,7 @@ class ExpertAnalysis:
         self.re = RangeReader(self.source.checkpoint, sequential=True)
         self.results: dict[str, tuple[list[dict], dict]] = {}
         self.seconds = 0.0
+        self.base_read = 0  # base bytes this expert's statistics used (a shared read counts for each)
         self._lock = threading.Lock()
 
     @property
@@ -89,7 +104,7 @@ class ExpertAnalysis:
 
     @property
     def bytes_read(self) -> int:
-        return self.rb.bytes_read + self.re.bytes_read
+        return self.base_read + self.rb.bytes_read + self.re.bytes_read
 
     def tensor_order(self) -> list[TensorInfo]:
         """Base tensors in the order of the expert's bytes, so the pass over its files is sequential."""
@@ -101,17 +116,10 @@ class ExpertAnalysis:
         fname, offset, _ = self.source.block_ranges(binfo.name, tensor_grid(binfo, 1 << 62)[0])[0]
         return (0, fname, offset)
 
-    def analyze(self, binfo: TensorInfo) -> tuple[list[dict], dict]:
-        """Rows for one tensor's blocks and its totals and thresholds (also kept in ``results``)."""
-        t0 = time.perf_counter()
-        if not self.source.has_delta(binfo.name):
-            out = _zero_tensor(binfo, self.block_bytes, self.expert_id)
-        else:
-            out = _TensorPass(self, binfo).run()
+    def store(self, name: str, result: tuple[list[dict], dict], seconds: float) -> None:
         with self._lock:
-            self.results[binfo.name] = out
-            self.seconds += time.perf_counter() - t0
-        return out
+            self.results[name] = result
+            self.seconds += seconds
 
     def record(self, seconds: float | None = None) -> dict:
         """The ``analyses`` row of this expert (all of its tensors must be analyzed)."""
@@ -130,8 +138,53 @@ class ExpertAnalysis:
         self.re.close()
 
 
+class _Arena:
+    """Bump allocation in this thread's reusable buffer, each piece 8-byte aligned."""
+
+    def __init__(self, nbytes: int):
+        self.buf = _arena(nbytes)
+        self.pos = 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        piece = self.buf[self.pos:self.pos + nbytes]
+        self.pos += -(-nbytes // 8) * 8
+        return piece
+
+
+def analyze_tensor(jobs: list[ExpertAnalysis], binfo: TensorInfo) -> None:
+    """One base tensor for several experts of that base: each base block is read once for all of them
+    (the base's bytes are still counted for every expert that uses them)."""
+    t0 = time.perf_counter()
+    passes = [_TensorPass(job, binfo) for job in jobs if job.source.has_delta(binfo.name)]
+    if passes and is_float(binfo):
+        _first_pass(passes, binfo)
+    for job in jobs:
+        p = next((p for p in passes if p.job is job), None)
+        job.store(binfo.name, p.finish() if p else _zero_tensor(binfo, job.block_bytes, job.expert_id),
+                  (time.perf_counter() - t0) / len(jobs))
+
+
+def _first_pass(passes: list["_TensorPass"], binfo: TensorInfo) -> None:
+    spans = passes[0].spans
+    needs_base = any(p.source.needs_base for p in passes)
+    per_span = [(span.nbytes + 8 if needs_base else 0) + sum(p.expert_bytes(span) + 8 for p in passes)
+                for span in spans]
+    keep = binfo.numel * 4 <= IN_MEMORY_TENSOR_BYTES and sum(per_span) <= KEEP_TASK_BYTES
+    arena = _Arena(sum(per_span) if keep else max(per_span))
+    with RangeReader(passes[0].job.base_ck, sequential=True) as base_reader:
+        for span in spans:
+            if not keep:
+                arena.pos = 0
+            base = None
+            if needs_base:
+                rng = (binfo.file, binfo.offset + span.rel_offset, span.nbytes)
+                base = _read(base_reader, rng, binfo.dtype, arena.take(span.nbytes))
+            for p in passes:
+                p.add_block(span, base, arena, keep)
+
+
 class _TensorPass:
-    """Both radix-select passes and the block statistics of one (expert, tensor)."""
+    """The block statistics and both radix-select passes of one (expert, tensor)."""
 
     def __init__(self, job: ExpertAnalysis, binfo: TensorInfo):
         self.job, self.binfo = job, binfo
@@ -139,55 +192,66 @@ class _TensorPass:
         self.spans = tensor_grid(binfo, job.block_bytes)
         fixed = self.source.fixed_ranges(binfo.name)
         self.fixed_bytes = sum(n for _, _, n in fixed)
-        self.fixed = job.re.read_ranges(fixed) if fixed and binfo.dtype in FLOAT_DTYPES else []
-        self.keep = binfo.numel * 4 <= IN_MEMORY_TENSOR_BYTES
-        self.cached: list[tuple] = []
+        self.fixed = job.re.read_ranges(fixed) if fixed and is_float(binfo) else []
+        self.hist = np.zeros((4, 1 << 16), dtype=np.int32 if binfo.numel < 2**31 else np.int64)
+        self.rows: list[dict] = []
+        self.cached: list[tuple] = []  # (expert, base) arrays of every block, when the tensor is kept
+        self.l2sq = self.l1 = self.mx = 0.0
+        self.nnz = self.nonzero_low = 0
 
-    def inputs(self, span: BlockSpan):
-        """(expert-side array, base array or None) whose difference is the block's delta."""
+    def expert_bytes(self, span: BlockSpan) -> int:
+        return 0 if self.source.kind == "lora" else self.source.block_ranges(self.binfo.name, span)[0][2]
+
+    def expert_block(self, span: BlockSpan, into: np.ndarray | None = None) -> np.ndarray:
+        """The expert-side array of a block: raw bytes (full, delta) or the float32 delta (LoRA)."""
         name, job = self.binfo.name, self.job
         if self.source.kind == "lora":
             bufs = job.re.read_ranges(self.source.block_ranges(name, span))
-            return self.source.delta(name, span, bufs, self.fixed, None).reshape(-1).numpy(), None
+            return self.source.delta(name, span, bufs, self.fixed, None).reshape(-1).numpy()
         (rng,) = self.source.block_ranges(name, span)
-        e = _read(job.re, rng, self.source.checkpoint.tensors[name].dtype)
+        return _read(job.re, rng, self.source.checkpoint.tensors[name].dtype,
+                     np.empty(rng[2], dtype=np.uint8) if into is None else into)
+
+    def reread(self, span: BlockSpan):
+        """A block's (expert, base) arrays read again, for the second pass over a large tensor."""
+        e = self.expert_block(span)
         if not self.source.needs_base:
             return e, None
-        return e, _read(job.rb, (self.binfo.file, self.binfo.offset + span.rel_offset, span.nbytes), self.binfo.dtype)
+        rng = (self.binfo.file, self.binfo.offset + span.rel_offset, span.nbytes)
+        return e, _read(self.job.rb, rng, self.binfo.dtype, np.empty(span.nbytes, dtype=np.uint8))
 
-    def run(self) -> tuple[list[dict], dict]:
+    def add_block(self, span: BlockSpan, base: np.ndarray | None, arena: _Arena, keep: bool) -> None:
+        e = self.expert_block(span, arena.take(self.expert_bytes(span)))
+        b = base if self.source.needs_base else None
+        if b is not None:
+            self.job.base_read += b.nbytes
+        s2, s1, m, n, low = kernels.block_stats(e, b, self.hist)
+        m = float(m)
+        positions = sample_positions(e.size, self.job.sketch_size).numpy()
+        (rng,) = self.source.block_ranges(self.binfo.name, span)
+        self.rows.append(_row(self.job.expert_id, self.binfo.name, span, rng, delta_l2=math.sqrt(s2), delta_l1=s1,
+                              delta_max_abs=m, delta_nnz=n,
+                              sketch=sketch_bytes(kernels.gather_delta(e, b, positions), m)))
+        self.l2sq, self.l1, self.mx = self.l2sq + s2, self.l1 + s1, max(self.mx, m)
+        self.nnz, self.nonzero_low = self.nnz + n, self.nonzero_low + low
+        if keep:
+            self.cached.append((e, b))
+        self.keep = keep
+
+    def finish(self) -> tuple[list[dict], dict]:
         binfo, job = self.binfo, self.job
-        is_float = binfo.dtype in FLOAT_DTYPES
-        hist = np.zeros((4, 1 << 16), dtype=np.int32 if binfo.numel < 2**31 else np.int64)
-        rows = []
-        l2sq = l1 = mx = 0.0
-        nnz = 0
-        self.nonzero_low = 0
-        for span in self.spans:
-            (rng,) = self.source.block_ranges(binfo.name, span)
-            row = {"model_id": job.expert_id, "tensor": binfo.name, "block": span.index,
-                   "row_start": span.row_start, "row_end": span.row_end, "offset": rng[1], "nbytes": rng[2],
-                   "delta_l2": 0.0, "delta_l1": 0.0, "delta_max_abs": 0.0, "delta_nnz": 0, "sketch": b""}
-            if is_float:
-                e, b = self.inputs(span)
-                s2, s1, m, n, low = kernels.block_stats(e, b, hist)
-                self.nonzero_low += low
-                m = float(m)
-                positions = sample_positions(e.size, job.sketch_size).numpy()
-                row.update(delta_l2=math.sqrt(s2), delta_l1=s1, delta_max_abs=m, delta_nnz=n,
-                           sketch=sketch_bytes(kernels.gather_delta(e, b, positions), m))
-                l2sq, l1, mx, nnz = l2sq + s2, l1 + s1, max(mx, m), nnz + n
-                if self.keep:
-                    self.cached.append((e, b))
-            rows.append(row)
-        hist = hist.sum(axis=0, dtype=np.int64)
-        thresholds = (kth_largest_thresholds(hist[:HIST_BINS], binfo.numel, nnz, job.densities, self.select)
-                      if nnz else {})
-        stats = {"model_id": job.expert_id, "tensor": binfo.name, "numel": binfo.numel, "delta_l2": l2sq ** 0.5,
-                 "delta_l1": l1, "delta_max_abs": mx, "delta_nnz": nnz,
+        if not is_float(binfo):  # not read: block rows with zero statistics
+            self.rows = [_row(job.expert_id, binfo.name, span, self.source.block_ranges(binfo.name, span)[0])
+                         for span in self.spans]
+        hist = self.hist.sum(axis=0, dtype=np.int64)
+        thresholds = (kth_largest_thresholds(hist[:HIST_BINS], binfo.numel, self.nnz, job.densities, self.select)
+                      if self.nnz else {})
+        stats = {"model_id": job.expert_id, "tensor": binfo.name, "numel": binfo.numel, "delta_l2": self.l2sq ** 0.5,
+                 "delta_l1": self.l1, "delta_max_abs": self.mx, "delta_nnz": self.nnz,
                  "thresholds": json.dumps({str(k): v for k, v in thresholds.items()}),
-                 "fixed_bytes": self.fixed_bytes if nnz else 0}
-        return rows, stats
+                 "fixed_bytes": self.fixed_bytes if self.nnz else 0}
+        self.cached = []
+        return self.rows, stats
 
     def select(self, bins: list[int]):
         """Second pass: the low 16 bits of the entries in ``bins`` (from memory or re-read).
@@ -197,7 +261,7 @@ class _TensorPass:
         have low bits set, only those are collected; otherwise every entry of the bins is counted."""
         slot_of = np.full(1 << 16, len(bins), dtype=np.int32)  # unselected bins map past the last slot
         slot_of[np.array(bins)] = np.arange(len(bins), dtype=np.int32)
-        blocks = self.cached if self.keep else (self.inputs(s) for s in self.spans)
+        blocks = self.cached if self.keep else (self.reread(s) for s in self.spans)
         if self.nonzero_low * 8 < self.binfo.numel:
             keys = np.empty(self.nonzero_low, dtype=np.int64)
             pos = 0
@@ -271,6 +335,18 @@ def kth_largest_thresholds(hist: np.ndarray, numel: int, nnz: int, densities, se
     return out
 
 
+def _row(expert_id: str, tensor: str, span: BlockSpan, rng, **stats) -> dict:
+    row = {"model_id": expert_id, "tensor": tensor, "block": span.index, "row_start": span.row_start,
+           "row_end": span.row_end, "offset": rng[1], "nbytes": rng[2], "delta_l2": 0.0, "delta_l1": 0.0,
+           "delta_max_abs": 0.0, "delta_nnz": 0, "sketch": b""}
+    row.update(stats)
+    return row
+
+
+def is_float(binfo: TensorInfo) -> bool:
+    return binfo.dtype in FLOAT_DTYPES
+
+
 def _zero_tensor(binfo: TensorInfo, block_bytes: int, expert_id: str):
     """Rows for a tensor the expert does not change (untargeted by a LoRA adapter): nothing to read."""
     rows = [{"model_id": expert_id, "tensor": binfo.name, "block": s.index, "row_start": s.row_start,
@@ -337,16 +413,19 @@ def run_analyses(jobs: list[ExpertAnalysis], progress: Progress | None = None) -
 
 
 def _run_tasks(jobs: list[ExpertAnalysis], progress: Progress | None) -> None:
-    tasks = [(job, binfo) for i, job in enumerate(jobs) for binfo in job.tensor_order()]
-    order = {id(job): i for i, job in enumerate(jobs)}
-    tasks.sort(key=lambda t: (t[0].base["id"], t[0]._read_position(t[1]), order[id(t[0])]))
+    """One task per (base, tensor) covering every expert of that base, in the order of the files."""
+    by_base: dict[str, list[ExpertAnalysis]] = {}
+    for job in jobs:
+        by_base.setdefault(job.base["id"], []).append(job)
+    tasks = [(group, binfo) for group in by_base.values() for binfo in group[0].tensor_order()]
     done = {job.expert_id: 0 for job in jobs}
     totals = {job.expert_id: sum(t.nbytes for t in job.base_ck.tensors.values()) for job in jobs}
     with ThreadPoolExecutor(max_workers=analysis_workers(), thread_name_prefix="mergepipe-analyze") as pool:
-        for (job, binfo), _ in zip(tasks, pool.map(lambda t: t[0].analyze(t[1]), tasks)):
-            done[job.expert_id] += binfo.nbytes
-            if progress:
-                progress(job.expert_id, done[job.expert_id], totals[job.expert_id])
+        for (group, binfo), _ in zip(tasks, pool.map(lambda t: analyze_tensor(*t), tasks)):
+            for job in group:
+                done[job.expert_id] += binfo.nbytes
+                if progress:
+                    progress(job.expert_id, done[job.expert_id], totals[job.expert_id])
 
 
 def analyze(catalog: Catalog, model_ids=None, progress: Progress | None = None, block_bytes: int | None = None,

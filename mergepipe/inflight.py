@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .analyze import DEFAULT_DENSITIES, ExpertAnalysis, analysis_workers, store_analyses
+from .analyze import DEFAULT_DENSITIES, ExpertAnalysis, analysis_workers, analyze_tensor, store_analyses
 from .catalog import Catalog
 from .ops import get_op, lookup_thresholds, threshold_fractions, useful_blocks
 from .settings import tensor_density
@@ -29,7 +29,8 @@ LOOKAHEAD_BYTES = 256 << 20  # base-tensor bytes the analysis may run ahead of t
 
 
 class InflightAnalysis:
-    """ANALYZE of a plan's marked experts, tensor by tensor, just ahead of the merge."""
+    """ANALYZE of a plan's marked experts, tensor by tensor (one task for all of them, so each base
+    block is read once), just ahead of the merge."""
 
     def __init__(self, plan, base_ck: Checkpoint, order: list[TensorInfo], lookahead: int = LOOKAHEAD_BYTES):
         self.op = get_op(plan["operator"])
@@ -60,15 +61,15 @@ class InflightAnalysis:
         limit = self.starts[position] + self.lookahead
         while self.submitted < len(self.order) and (self.submitted <= position or self.starts[self.submitted] <= limit):
             t = self.order[self.submitted]
-            self.futures[t.name] = [self.pool.submit(job.analyze, t) for job in self.jobs.values()]
+            self.futures[t.name] = self.pool.submit(analyze_tensor, list(self.jobs.values()), t)
             self.submitted += 1
 
     def ready(self, info: TensorInfo) -> None:
         """Wait for this tensor's statistics; record its thresholds and useful blocks."""
         self._submit_until(self.index[info.name])
-        for e, fut in zip(self.experts, self.futures.pop(info.name)):
-            rows, stats = fut.result()
-            self._use(e, info.name, rows, stats)
+        self.futures.pop(info.name).result()
+        for e in self.experts:
+            self._use(e, info.name, *self.jobs[e["id"]].results[info.name])
 
     def _use(self, expert: dict, name: str, rows: list[dict], stats: dict) -> None:
         import json
