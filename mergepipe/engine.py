@@ -10,6 +10,7 @@ without decoding. Memory is bounded by the read-ahead depth times one group's wo
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import shutil
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
+from . import __version__, kernels
 from .catalog import Catalog, now
 from .errors import ExecutionError
 from .grid import DEFAULT_BLOCK_BYTES, BlockSpan, tensor_grid
@@ -138,8 +139,10 @@ class Engine:
 
     def __init__(self, catalog: Catalog, storage=None, transaction_manager=None,
                  readahead: int = READAHEAD, group_bytes: int = GROUP_BYTES, threads: int = 1,
-                 workers: int | None = None):
+                 workers: int | None = None, fused: bool = True):
         self.catalog = catalog
+        # Merge blocks with the fused numba kernels where they apply (bit-identical to the torch path).
+        self.fused = fused
         # Blocks are merged on a pool of single-threaded workers (one per core by default).
         self.workers = workers or max(1, min(4, os.cpu_count() or 1))
         # Block-sized kernels gain nothing from intra-op threads, and OpenMP spin-waits collapse when
@@ -352,6 +355,11 @@ class Engine:
 
     def _merge_block(self, op, params, seed, experts, sources, weight_sum, info, span, raw, contributors, thresholds):
         shape = rows_shape(info, span.row_end - span.row_start)
+        if self.fused:
+            data = self._fused_block(op, params, seed, experts, sources, weight_sum, info, span, shape, raw,
+                                     contributors, thresholds)
+            if data is not None:
+                return data
         base = bytes_to_tensor(raw, info.dtype, shape).float()
         deltas = []
         for ei, (bufs, fixed) in contributors:
@@ -363,6 +371,26 @@ class Engine:
             deltas.append((tensor_weight(e, info.name), d))
         merged = combine(op, base, deltas, weight_sum, params)
         return tensor_bytes(merged.to(DTYPES[info.dtype][0]))
+
+    @staticmethod
+    def _fused_block(op, params, seed, experts, sources, weight_sum, info, span, shape, raw, contributors, thresholds):
+        """The fused kernel (kernels.fused_merge) for full or delta checkpoints with linear, task
+        arithmetic, TIES or DARE; None where it does not apply (LoRA, other operators, fp16/fp64)."""
+        if op.sparsify not in kernels.FUSED_SPARSIFY or info.dtype not in kernels.CODES:
+            return None
+        contributions = []
+        for ei, (bufs, _fixed) in contributors:
+            src = sources[ei]
+            if getattr(src, "kind", None) not in ("full", "delta") or len(bufs) != 1:
+                return None
+            e = experts[ei]
+            density = tensor_density(e, info.name) or 1.0
+            bseed = block_seed(seed, e["id"], info.name, span.index) if op.random and density < 1.0 else 0
+            contributions.append((bufs[0], src.checkpoint.tensors[info.name].dtype, src.kind == "delta",
+                                  tensor_weight(e, info.name), density, thresholds.get(e["id"], {}).get(info.name, []),
+                                  bseed))
+        out = kernels.fused_merge(op, params, raw, info.dtype, math.prod(shape), contributions, weight_sum)
+        return None if out is None else memoryview(out)
 
     def _finish_files(self, base_ck: Checkpoint, staging: Path, shards: list[OutShard]) -> None:
         if len(shards) > 1:
