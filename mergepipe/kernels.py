@@ -27,7 +27,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from llvmlite import ir
 
-CHUNK = 2048  # elements per chunk (and float64 lanes of abs_sum64); divides 2**32
+CHUNK = 2048  # elements per chunk; divides 2**32
+LANES = 256  # float64 partial sums of abs_sum64: element i goes to lane i % LANES; divides CHUNK
 
 # element codes of the raw buffers the kernel reads and writes
 BF16, F32 = 0, 1
@@ -135,24 +136,24 @@ def uniform_array(seed: int, n: int) -> np.ndarray:
 @njit(inline="always")
 def _reduce_lanes(lanes):
     s = 0.0
-    for j in range(CHUNK):
+    for j in range(LANES):
         s += lanes[j]
     return s
 
 
 @njit(inline="always")
 def _add_abs(lanes, a, m):
-    """lanes[j] += |a[j]| for j < m: element i of a block goes to lane i % CHUNK (an elementwise
+    """lanes[i % LANES] += |a[i]| for i < m, a chunk that starts at a multiple of LANES (an elementwise
     float64 accumulation vectorizes; a reduction in a fixed order would not)."""
-    ll = lanes[:m]
-    aa = a[:m]
-    for j in range(m):
-        ll[j] = ll[j] + np.float64(abs(aa[j]))
+    for j0 in range(0, m, LANES):
+        aa = a[j0:min(m, j0 + LANES)]
+        for j in range(aa.size):
+            lanes[j] = lanes[j] + np.float64(abs(aa[j]))
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
 def _abs_sum64(a):
-    lanes = np.zeros(CHUNK, np.float64)
+    lanes = np.zeros(LANES, np.float64)
     n = a.size
     for start in range(0, n, CHUNK):
         m = min(CHUNK, n - start)
@@ -161,7 +162,7 @@ def _abs_sum64(a):
 
 
 def abs_sum64(a: np.ndarray) -> float:
-    """sum(|a|) of a float32 array in float64: element i into lane i % CHUNK, then the lanes in order.
+    """sum(|a|) of a float32 array in float64: element i into lane i % LANES, then the lanes in order.
     The order is fixed, so the fused kernel (which sums chunk by chunk) gets the same bits."""
     return float(_abs_sum64(np.ascontiguousarray(a, dtype=np.float32).reshape(-1)))
 
@@ -239,33 +240,45 @@ def _weighted_delta(addr, code, n, start, m, sub, kind, w, thr, dens, ratio, use
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def random_l1(base_addr, base_code, exp_addr, exp_code, is_delta, n, dens, k1, k2):
-    """(sum |delta|, sum |kept delta|) of one expert's block under DARE's random mask, in float64 with
-    the lane order of abs_sum64 over the block's elements: ops.l1_ratio's two sums, bit for bit."""
-    org = np.zeros(CHUNK, np.float64)
-    new = np.zeros(CHUNK, np.float64)
-    b = np.zeros(CHUNK, np.float32)
+def random_l1(base_addr, base_code, n, addrs, codes, is_delta, kinds, denss, k1s, k2s):
+    """Per expert with kinds[k] == RANDOM: (sum |delta|, sum |kept delta|) of the block under DARE's
+    random mask, in float64 in the lane order of abs_sum64 (ops.l1_ratio's two sums, bit for bit).
+    One pass over the block: the base chunk is loaded once for all experts."""
+    K = addrs.size
+    org = np.zeros((K, LANES), np.float64)
+    new = np.zeros((K, LANES), np.float64)
+    b = np.empty(CHUNK, np.float32)
+    zeros = np.zeros(CHUNK, np.float32)
     d = np.empty(CHUNK, np.float32)
     kept = np.empty(CHUNK, np.float32)
     one = np.float32(1.0)
     zero = np.float32(0.0)
     for start in range(0, n, CHUNK):
         m = min(CHUNK, n - start)
-        if not is_delta:
-            _load(base_addr, base_code, n, start, m, b)
-        _load(exp_addr, exp_code, n, start, m, d)
-        hi = _stream_hi(start, k2)
-        lo0 = np.uint32(np.uint64(start) & np.uint64(0xFFFFFFFF))
-        dd = d[:m]
-        bb = b[:m]
-        kk = kept[:m]
-        for j in range(m):
-            dd[j] = dd[j] - bb[j]
-        for j in range(m):
-            kk[j] = dd[j] * (one if _u01(_add32(lo0, np.uint32(j)), k1, hi) < dens else zero)
-        _add_abs(org, d, m)
-        _add_abs(new, kept, m)
-    return _reduce_lanes(org), _reduce_lanes(new)
+        _load(base_addr, base_code, n, start, m, b)
+        hi0 = np.uint32(np.uint64(start) & np.uint64(0xFFFFFFFF))
+        for k in range(K):
+            if kinds[k] != RANDOM:
+                continue
+            _load(addrs[k], codes[k], n, start, m, d)
+            hi = _stream_hi(start, k2s[k])
+            k1 = k1s[k]
+            dens = denss[k]
+            sub = zeros[:m] if is_delta[k] else b[:m]
+            dd = d[:m]
+            kk = kept[:m]
+            for j in range(m):
+                x = dd[j] - sub[j]
+                dd[j] = x
+                kk[j] = x * (one if _u01(_add32(hi0, np.uint32(j)), k1, hi) < dens else zero)
+            _add_abs(org[k], d, m)
+            _add_abs(new[k], kept, m)
+    orgs = np.empty(K, np.float64)
+    news = np.empty(K, np.float64)
+    for k in range(K):
+        orgs[k] = _reduce_lanes(org[k])
+        news[k] = _reduce_lanes(new[k])
+    return orgs, news
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
@@ -403,11 +416,13 @@ def fused_merge(spec, params: dict, base_raw, base_dtype: str, n: int, contribut
             kinds[k] = RANDOM
             denss[k] = np.float32(density)
             k1s[k], k2s[k] = seed_keys(seed)
-            if params["rescale"]:
-                org, new = random_l1(base_addr, base_code, addrs[k], code, is_delta[k], n, denss[k], k1s[k], k2s[k])
-                if org >= 1e-8 and new >= 1e-8:  # as ops.l1_ratio
-                    ratios[k] = np.float32(org / new)
-                    use_ratio[k] = True
+    if spec.sparsify == "random" and params["rescale"] and (kinds == RANDOM).any():
+        orgs, news = random_l1(base_addr, base_code, n, addrs, codes, is_delta, kinds, denss, k1s, k2s)
+        for k in range(K):
+            org, new = float(orgs[k]), float(news[k])
+            if kinds[k] == RANDOM and org >= 1e-8 and new >= 1e-8:  # as ops.l1_ratio
+                ratios[k] = np.float32(org / new)
+                use_ratio[k] = True
     lam = float(params["lambda"])
     normalize = bool(params["normalize"])
     divisor = weight_sum if abs(weight_sum) >= 1e-8 else 1.0
