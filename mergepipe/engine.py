@@ -4,7 +4,11 @@ For each tensor of the base (in file order) and each group of adjacent grid bloc
 range and only the expert blocks the plan selected (exact positioned reads, adjacent ranges coalesced,
 a small read-ahead queue on a background thread), merge each block with the operator, and write it
 at its final offset of a pre-sized output shard. Blocks no expert touches are copied from the base
-without decoding. Memory is bounded by the read-ahead depth times one group's working set.
+without decoding. Blocks of full/delta checkpoints with linear, task arithmetic, TIES or DARE are merged
+by the fused kernels of mergepipe.kernels (no per-expert float32 temporaries); the rest by the torch path
+of mergepipe.ops. Memory is bounded by a byte budget on the input in flight (groups read ahead plus
+blocks waiting to be merged and written, ``inflight_bytes``), so it does not grow with K; groups are cut
+so that each reads at most ``group_read_bytes`` (at least one block).
 """
 
 from __future__ import annotations
@@ -41,6 +45,11 @@ from .txn import Transaction, check_output_path
 DEFAULT_SHARD_BYTES = 2 << 30
 GROUP_BYTES = 4 << 20
 READAHEAD = 3
+# Bytes of input (base + expert buffers) read or being read and not yet merged and written: read-ahead
+# and pending blocks stop there, so memory does not grow with K (a group's cost is its base bytes plus
+# the expert bytes the plan selects in it; a group is also cut at GROUP_READ_BYTES of such cost).
+INFLIGHT_BYTES = 64 << 20
+GROUP_READ_BYTES = 16 << 20
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                 "chat_template.jinja")
@@ -113,18 +122,23 @@ class ShardWriter:
         return {"sha256": "sha256:" + self.hash.hexdigest(), "bytes": self.pos}
 
 
-def block_groups(tensors: list[TensorInfo], block_bytes: int, group_bytes: int):
-    """(tensor, [adjacent grid blocks]) work items of about ``group_bytes``, in file order."""
+def block_groups(tensors: list[TensorInfo], block_bytes: int, group_bytes: int, span_cost=None,
+                 max_cost: int | None = None):
+    """(tensor, [adjacent grid blocks]) work items of about ``group_bytes`` of the tensor, in file order;
+    with ``span_cost(info, span)`` and ``max_cost``, a group also ends once its summed cost (the bytes a
+    group reads: base plus selected experts) reaches ``max_cost``."""
     work = []
     for info in tensors:
         group: list[BlockSpan] = []
-        size = 0
+        size = cost = 0
         for span in tensor_grid(info, block_bytes):
             group.append(span)
             size += span.nbytes
-            if size >= group_bytes:
+            if span_cost is not None:
+                cost += span_cost(info, span)
+            if size >= group_bytes or (max_cost is not None and cost >= max_cost):
                 work.append((info, group))
-                group, size = [], 0
+                group, size, cost = [], 0, 0
         if group:
             work.append((info, group))
     return work
@@ -139,8 +153,13 @@ class Engine:
 
     def __init__(self, catalog: Catalog, storage=None, transaction_manager=None,
                  readahead: int = READAHEAD, group_bytes: int = GROUP_BYTES, threads: int = 1,
-                 workers: int | None = None, fused: bool = True):
+                 workers: int | None = None, fused: bool = True, inflight_bytes: int = INFLIGHT_BYTES,
+                 group_read_bytes: int = GROUP_READ_BYTES):
         self.catalog = catalog
+        # Memory bound: input bytes in flight (read ahead or waiting to be merged and written), and the
+        # most a group of blocks reads; ``readahead`` caps the number of groups being read ahead.
+        self.inflight_bytes = inflight_bytes
+        self.group_read_bytes = group_read_bytes
         # Merge blocks with the fused numba kernels where they apply (bit-identical to the torch path).
         self.fused = fused
         # Blocks are merged on a pool of single-threaded workers (one per core by default).
@@ -223,7 +242,13 @@ class Engine:
         def passthrough_ok(name: str) -> bool:
             # linear without normalize scales the base by sum(w): then no block is a plain copy
             return not (op.whole_models and not params["normalize"] and weight_sums[name] != 1.0)
-        work = block_groups(order, plan["grid"]["block_bytes"], self.group_bytes)
+        def span_cost(info, span) -> int:  # bytes one block makes the engine hold: base + selected experts
+            cost = span.nbytes
+            for ei, e in enumerate(experts):
+                if span.index in selected[e["id"]].get(info.name, ()):
+                    cost += sum(n for _, _, n in sources[ei].block_ranges(info.name, span))
+            return cost
+        work = block_groups(order, plan["grid"]["block_bytes"], self.group_bytes, span_cost, self.group_read_bytes)
         total_blocks = sum(len(g) for _, g in work)
         readers = [RangeReader(src.checkpoint) for src in sources]
         fixed_cache: list[tuple[str, list] | None] = [None] * len(experts)  # LoRA A of the current tensor
@@ -265,9 +290,20 @@ class Engine:
         read_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mergepipe-read")
         compute_pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="mergepipe-compute",
                                           initializer=torch.set_num_threads, initargs=(self.threads,))
-        reads: deque = deque()
-        pending: deque = deque()  # (writer, offset, future-or-bytes, span count) in output order
-        it = iter(work)
+        reads: deque = deque()  # (item, cost, future)
+        pending: deque = deque()  # (writer, offset, future-or-bytes, span count, bytes released) in output order
+        queued = deque((item, sum(span_cost(item[0], s) for s in item[1])) for item in work)
+        inflight = 0  # cost of the groups submitted for reading whose blocks are not all written yet
+
+        def submit_reads() -> None:
+            nonlocal inflight
+            while queued and len(reads) < self.readahead:
+                item, cost = queued[0]
+                if inflight and inflight + cost > self.inflight_bytes:
+                    break
+                queued.popleft()
+                inflight += cost
+                reads.append((item, cost, read_pool.submit(fetch, item)))
 
         def merge_one(info, span, raw, contributors):
             t_c = time.perf_counter()
@@ -277,32 +313,28 @@ class Engine:
             return data
 
         def drain(limit: int) -> None:
-            nonlocal done_blocks
+            nonlocal done_blocks, inflight
             while len(pending) > limit:
-                writer, offset, data, n = pending.popleft()
+                writer, offset, data, n, release = pending.popleft()
                 if not isinstance(data, memoryview):
                     data = data.result()
                 t_w = time.perf_counter()
                 writer.write(offset, data)
                 timing["write_s"] += time.perf_counter() - t_w
+                inflight -= release
                 if n:
                     done_blocks += n
                     if progress:
                         progress(done_blocks, total_blocks, sum(r.bytes_read for r in readers))
 
         try:
-            for item in it:
-                reads.append((item, read_pool.submit(fetch, item)))
-                if len(reads) >= self.readahead:
-                    break
+            submit_reads()
             while reads:
-                item, fut = reads.popleft()
+                item, cost, fut = reads.popleft()
                 t_wait = time.perf_counter()
                 base_buf, exp_bufs, nread = fut.result()
                 timing["read_wait_s"] += time.perf_counter() - t_wait
-                nxt = next(it, None)
-                if nxt is not None:
-                    reads.append((nxt, read_pool.submit(fetch, nxt)))
+                submit_reads()
                 info, group = item
                 if inflight and group[0].index == 0:
                     inflight.ready(info)
@@ -317,12 +349,19 @@ class Engine:
                         data = raw
                     else:
                         data = compute_pool.submit(merge_one, info, span, raw, contributors)
-                    pending.append((writer, base_off + span.rel_offset, data, len(group) if k == len(group) - 1 else 0))
+                    last = k == len(group) - 1
+                    pending.append((writer, base_off + span.rel_offset, data, len(group) if last else 0,
+                                    cost if last else 0))
                     for ei, _ in contributors:
                         touched[experts[ei]["id"]].setdefault(info.name, []).append(span.index)
                 if nread:
                     by_tensor[info.name] = by_tensor.get(info.name, 0) + nread
+                del base_buf, exp_bufs  # the pending blocks hold what they need
                 drain(4 * self.workers)
+                submit_reads()
+                while not reads and queued and pending:  # the byte budget is full: write out, then read on
+                    drain(len(pending) - 1)
+                    submit_reads()
             drain(0)
         finally:
             read_pool.shutdown(wait=True, cancel_futures=True)
