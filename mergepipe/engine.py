@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, kernels
+from . import __version__
 from .catalog import Catalog, now
 from .errors import ExecutionError
 from .grid import DEFAULT_BLOCK_BYTES, BlockSpan, tensor_grid
@@ -290,6 +290,8 @@ class Engine:
         read_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mergepipe-read")
         compute_pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="mergepipe-compute",
                                           initializer=torch.set_num_threads, initargs=(self.threads,))
+        if self.fused:  # import numba and load the cached kernels while the first groups are read
+            compute_pool.submit(_warm_kernels)
         reads: deque = deque()  # (item, cost, future)
         pending: deque = deque()  # (writer, offset, future-or-bytes, span count, bytes released) in output order
         queued = deque((item, sum(span_cost(item[0], s) for s in item[1])) for item in work)
@@ -415,6 +417,7 @@ class Engine:
     def _fused_block(op, params, seed, experts, sources, weight_sum, info, span, shape, raw, contributors, thresholds):
         """The fused kernel (kernels.fused_merge) for full or delta checkpoints with linear, task
         arithmetic, TIES or DARE; None where it does not apply (LoRA, other operators, fp16/fp64)."""
+        from . import kernels
         if op.sparsify not in kernels.FUSED_SPARSIFY or info.dtype not in kernels.CODES:
             return None
         contributions = []
@@ -489,6 +492,11 @@ class Engine:
             self.catalog.conn.execute(
                 "UPDATE runs SET status='succeeded', snapshot_id=?, finished_at=?, updated_at=? WHERE id=?",
                 [manifest.snapshot_id, now(), now(), run_id])
+
+
+def _warm_kernels() -> None:
+    from . import kernels
+    kernels.warm_up()
 
 
 def _raise_interrupt(signum, frame):

@@ -433,3 +433,13 @@ def fused_merge(spec, params: dict, base_raw, base_dtype: str, n: int, contribut
                 np.float32(divisor), scale_base, np.float32(weight_sum))
     del keep
     return out
+
+
+def warm_up() -> None:
+    """Load (or compile, on a cold cache) the kernels the engine calls, on a tiny block."""
+    from types import SimpleNamespace
+    raw = bytes(2 * LANES)
+    for sparsify, consensus in ((None, False), ("magnitude", True), ("random", True)):
+        spec = SimpleNamespace(sparsify=sparsify, consensus=consensus, whole_models=False)
+        params = {"normalize": True, "rescale": True, "lambda": 1.0}
+        fused_merge(spec, params, raw, "BF16", LANES, [(raw, "BF16", False, 1.0, 0.5, [0.0], 1)], 1.0)

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import kernels
 from .errors import PlanError
 
 
@@ -147,6 +146,7 @@ def uniform(seed: int, shape) -> torch.Tensor:
     """The random stream of one block: float32 in [0, 1), element i (C order) a hash of (seed, i)
     (counter-based, see kernels._u01), so any part of it can be drawn without the rest: the fused
     kernel draws it element by element, the torch path and the reference as whole blocks."""
+    from . import kernels  # numba: imported on first use, not by every importer of ops (planner, CLI)
     shape = tuple(shape)
     n = 1
     for s in shape:
@@ -155,6 +155,7 @@ def uniform(seed: int, shape) -> torch.Tensor:
 
 
 def _abs_sum64(t: torch.Tensor) -> float:
+    from . import kernels
     return kernels.abs_sum64(t.detach().contiguous().reshape(-1).float().numpy())
 
 
