@@ -242,6 +242,7 @@ class Engine:
         def passthrough_ok(name: str) -> bool:
             # linear without normalize scales the base by sum(w): then no block is a plain copy
             return not (op.whole_models and not params["normalize"] and weight_sums[name] != 1.0)
+
         def span_cost(info, span) -> int:  # bytes one block makes the engine hold: base + selected experts
             cost = span.nbytes
             for ei, e in enumerate(experts):
@@ -295,16 +296,16 @@ class Engine:
         reads: deque = deque()  # (item, cost, future)
         pending: deque = deque()  # (writer, offset, future-or-bytes, span count, bytes released) in output order
         queued = deque((item, sum(span_cost(item[0], s) for s in item[1])) for item in work)
-        inflight = 0  # cost of the groups submitted for reading whose blocks are not all written yet
+        held_bytes = 0  # cost of the groups submitted for reading whose blocks are not all written yet
 
         def submit_reads() -> None:
-            nonlocal inflight
+            nonlocal held_bytes
             while queued and len(reads) < self.readahead:
                 item, cost = queued[0]
-                if inflight and inflight + cost > self.inflight_bytes:
+                if held_bytes and held_bytes + cost > self.inflight_bytes:
                     break
                 queued.popleft()
-                inflight += cost
+                held_bytes += cost
                 reads.append((item, cost, read_pool.submit(fetch, item)))
 
         def merge_one(info, span, raw, contributors):
@@ -315,7 +316,7 @@ class Engine:
             return data
 
         def drain(limit: int) -> None:
-            nonlocal done_blocks, inflight
+            nonlocal done_blocks, held_bytes
             while len(pending) > limit:
                 writer, offset, data, n, release = pending.popleft()
                 if not isinstance(data, memoryview):
@@ -323,7 +324,7 @@ class Engine:
                 t_w = time.perf_counter()
                 writer.write(offset, data)
                 timing["write_s"] += time.perf_counter() - t_w
-                inflight -= release
+                held_bytes -= release
                 if n:
                     done_blocks += n
                     if progress:

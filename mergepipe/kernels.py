@@ -443,3 +443,5 @@ def warm_up() -> None:
         spec = SimpleNamespace(sparsify=sparsify, consensus=consensus, whole_models=False)
         params = {"normalize": True, "rescale": True, "lambda": 1.0}
         fused_merge(spec, params, raw, "BF16", LANES, [(raw, "BF16", False, 1.0, 0.5, [0.0], 1)], 1.0)
+    uniform_array(1, LANES)
+    abs_sum64(np.zeros(LANES, np.float32))
