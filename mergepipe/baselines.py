@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .grid import tensor_grid
-from .ops import OpSpec, block_seed, get_op, uniform
+from .ops import OpSpec, block_seed, get_op, l1_ratio, uniform
 from .storage import FLOAT_DTYPES, open_checkpoint
 
 
@@ -83,9 +83,9 @@ def _rescale_blocks(info, delta, kept, block_bytes):
     out = kept.clone()
     for span in tensor_grid(info, block_bytes):
         d, k = delta[span.row_start:span.row_end], kept[span.row_start:span.row_end]
-        org, new = float(d.abs().sum(dtype=torch.float64)), float(k.abs().sum(dtype=torch.float64))
-        if org >= 1e-8 and new >= 1e-8:
-            out[span.row_start:span.row_end] = k * (org / new)
+        ratio = l1_ratio(d, k)  # the engine's per-block L1 norms (float64, fixed summation order)
+        if ratio is not None:
+            out[span.row_start:span.row_end] = k * ratio
     return out
 
 

@@ -4,12 +4,17 @@ For each tensor of the base (in file order) and each group of adjacent grid bloc
 range and only the expert blocks the plan selected (exact positioned reads, adjacent ranges coalesced,
 a small read-ahead queue on a background thread), merge each block with the operator, and write it
 at its final offset of a pre-sized output shard. Blocks no expert touches are copied from the base
-without decoding. Memory is bounded by the read-ahead depth times one group's working set.
+without decoding. Blocks of full/delta checkpoints with linear, task arithmetic, TIES or DARE are merged
+by the fused kernels of mergepipe.kernels (no per-expert float32 temporaries); the rest by the torch path
+of mergepipe.ops. Memory is bounded by a byte budget on the input in flight (groups read ahead plus
+blocks waiting to be merged and written, ``inflight_bytes``), so it does not grow with K; groups are cut
+so that each reads at most ``group_read_bytes`` (at least one block).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import shutil
@@ -40,6 +45,11 @@ from .txn import Transaction, check_output_path
 DEFAULT_SHARD_BYTES = 2 << 30
 GROUP_BYTES = 4 << 20
 READAHEAD = 3
+# Bytes of input (base + expert buffers) read or being read and not yet merged and written: read-ahead
+# and pending blocks stop there, so memory does not grow with K (a group's cost is its base bytes plus
+# the expert bytes the plan selects in it; a group is also cut at GROUP_READ_BYTES of such cost).
+INFLIGHT_BYTES = 64 << 20
+GROUP_READ_BYTES = 16 << 20
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                 "chat_template.jinja")
@@ -112,18 +122,23 @@ class ShardWriter:
         return {"sha256": "sha256:" + self.hash.hexdigest(), "bytes": self.pos}
 
 
-def block_groups(tensors: list[TensorInfo], block_bytes: int, group_bytes: int):
-    """(tensor, [adjacent grid blocks]) work items of about ``group_bytes``, in file order."""
+def block_groups(tensors: list[TensorInfo], block_bytes: int, group_bytes: int, span_cost=None,
+                 max_cost: int | None = None):
+    """(tensor, [adjacent grid blocks]) work items of about ``group_bytes`` of the tensor, in file order;
+    with ``span_cost(info, span)`` and ``max_cost``, a group also ends once its summed cost (the bytes a
+    group reads: base plus selected experts) reaches ``max_cost``."""
     work = []
     for info in tensors:
         group: list[BlockSpan] = []
-        size = 0
+        size = cost = 0
         for span in tensor_grid(info, block_bytes):
             group.append(span)
             size += span.nbytes
-            if size >= group_bytes:
+            if span_cost is not None:
+                cost += span_cost(info, span)
+            if size >= group_bytes or (max_cost is not None and cost >= max_cost):
                 work.append((info, group))
-                group, size = [], 0
+                group, size, cost = [], 0, 0
         if group:
             work.append((info, group))
     return work
@@ -138,8 +153,15 @@ class Engine:
 
     def __init__(self, catalog: Catalog, storage=None, transaction_manager=None,
                  readahead: int = READAHEAD, group_bytes: int = GROUP_BYTES, threads: int = 1,
-                 workers: int | None = None):
+                 workers: int | None = None, fused: bool = True, inflight_bytes: int = INFLIGHT_BYTES,
+                 group_read_bytes: int = GROUP_READ_BYTES):
         self.catalog = catalog
+        # Memory bound: input bytes in flight (read ahead or waiting to be merged and written), and the
+        # most a group of blocks reads; ``readahead`` caps the number of groups being read ahead.
+        self.inflight_bytes = inflight_bytes
+        self.group_read_bytes = group_read_bytes
+        # Merge blocks with the fused numba kernels where they apply (bit-identical to the torch path).
+        self.fused = fused
         # Blocks are merged on a pool of single-threaded workers (one per core by default).
         self.workers = workers or max(1, min(4, os.cpu_count() or 1))
         # Block-sized kernels gain nothing from intra-op threads, and OpenMP spin-waits collapse when
@@ -220,7 +242,14 @@ class Engine:
         def passthrough_ok(name: str) -> bool:
             # linear without normalize scales the base by sum(w): then no block is a plain copy
             return not (op.whole_models and not params["normalize"] and weight_sums[name] != 1.0)
-        work = block_groups(order, plan["grid"]["block_bytes"], self.group_bytes)
+
+        def span_cost(info, span) -> int:  # bytes one block makes the engine hold: base + selected experts
+            cost = span.nbytes
+            for ei, e in enumerate(experts):
+                if span.index in selected[e["id"]].get(info.name, ()):
+                    cost += sum(n for _, _, n in sources[ei].block_ranges(info.name, span))
+            return cost
+        work = block_groups(order, plan["grid"]["block_bytes"], self.group_bytes, span_cost, self.group_read_bytes)
         total_blocks = sum(len(g) for _, g in work)
         readers = [RangeReader(src.checkpoint) for src in sources]
         fixed_cache: list[tuple[str, list] | None] = [None] * len(experts)  # LoRA A of the current tensor
@@ -262,9 +291,22 @@ class Engine:
         read_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mergepipe-read")
         compute_pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="mergepipe-compute",
                                           initializer=torch.set_num_threads, initargs=(self.threads,))
-        reads: deque = deque()
-        pending: deque = deque()  # (writer, offset, future-or-bytes, span count) in output order
-        it = iter(work)
+        if self.fused:  # import numba and load the cached kernels while the first groups are read
+            compute_pool.submit(_warm_kernels)
+        reads: deque = deque()  # (item, cost, future)
+        pending: deque = deque()  # (writer, offset, future-or-bytes, span count, bytes released) in output order
+        queued = deque((item, sum(span_cost(item[0], s) for s in item[1])) for item in work)
+        held_bytes = 0  # cost of the groups submitted for reading whose blocks are not all written yet
+
+        def submit_reads() -> None:
+            nonlocal held_bytes
+            while queued and len(reads) < self.readahead:
+                item, cost = queued[0]
+                if held_bytes and held_bytes + cost > self.inflight_bytes:
+                    break
+                queued.popleft()
+                held_bytes += cost
+                reads.append((item, cost, read_pool.submit(fetch, item)))
 
         def merge_one(info, span, raw, contributors):
             t_c = time.perf_counter()
@@ -274,32 +316,28 @@ class Engine:
             return data
 
         def drain(limit: int) -> None:
-            nonlocal done_blocks
+            nonlocal done_blocks, held_bytes
             while len(pending) > limit:
-                writer, offset, data, n = pending.popleft()
+                writer, offset, data, n, release = pending.popleft()
                 if not isinstance(data, memoryview):
                     data = data.result()
                 t_w = time.perf_counter()
                 writer.write(offset, data)
                 timing["write_s"] += time.perf_counter() - t_w
+                held_bytes -= release
                 if n:
                     done_blocks += n
                     if progress:
                         progress(done_blocks, total_blocks, sum(r.bytes_read for r in readers))
 
         try:
-            for item in it:
-                reads.append((item, read_pool.submit(fetch, item)))
-                if len(reads) >= self.readahead:
-                    break
+            submit_reads()
             while reads:
-                item, fut = reads.popleft()
+                item, cost, fut = reads.popleft()
                 t_wait = time.perf_counter()
                 base_buf, exp_bufs, nread = fut.result()
                 timing["read_wait_s"] += time.perf_counter() - t_wait
-                nxt = next(it, None)
-                if nxt is not None:
-                    reads.append((nxt, read_pool.submit(fetch, nxt)))
+                submit_reads()
                 info, group = item
                 if inflight and group[0].index == 0:
                     inflight.ready(info)
@@ -314,12 +352,19 @@ class Engine:
                         data = raw
                     else:
                         data = compute_pool.submit(merge_one, info, span, raw, contributors)
-                    pending.append((writer, base_off + span.rel_offset, data, len(group) if k == len(group) - 1 else 0))
+                    last = k == len(group) - 1
+                    pending.append((writer, base_off + span.rel_offset, data, len(group) if last else 0,
+                                    cost if last else 0))
                     for ei, _ in contributors:
                         touched[experts[ei]["id"]].setdefault(info.name, []).append(span.index)
                 if nread:
                     by_tensor[info.name] = by_tensor.get(info.name, 0) + nread
+                del base_buf, exp_bufs  # the pending blocks hold what they need
                 drain(4 * self.workers)
+                submit_reads()
+                while not reads and queued and pending:  # the byte budget is full: write out, then read on
+                    drain(len(pending) - 1)
+                    submit_reads()
             drain(0)
         finally:
             read_pool.shutdown(wait=True, cancel_futures=True)
@@ -352,6 +397,11 @@ class Engine:
 
     def _merge_block(self, op, params, seed, experts, sources, weight_sum, info, span, raw, contributors, thresholds):
         shape = rows_shape(info, span.row_end - span.row_start)
+        if self.fused:
+            data = self._fused_block(op, params, seed, experts, sources, weight_sum, info, span, shape, raw,
+                                     contributors, thresholds)
+            if data is not None:
+                return data
         base = bytes_to_tensor(raw, info.dtype, shape).float()
         deltas = []
         for ei, (bufs, fixed) in contributors:
@@ -363,6 +413,27 @@ class Engine:
             deltas.append((tensor_weight(e, info.name), d))
         merged = combine(op, base, deltas, weight_sum, params)
         return tensor_bytes(merged.to(DTYPES[info.dtype][0]))
+
+    @staticmethod
+    def _fused_block(op, params, seed, experts, sources, weight_sum, info, span, shape, raw, contributors, thresholds):
+        """The fused kernel (kernels.fused_merge) for full or delta checkpoints with linear, task
+        arithmetic, TIES or DARE; None where it does not apply (LoRA, other operators, fp16/fp64)."""
+        from . import kernels
+        if op.sparsify not in kernels.FUSED_SPARSIFY or info.dtype not in kernels.CODES:
+            return None
+        contributions = []
+        for ei, (bufs, _fixed) in contributors:
+            src = sources[ei]
+            if getattr(src, "kind", None) not in ("full", "delta") or len(bufs) != 1:
+                return None
+            e = experts[ei]
+            density = tensor_density(e, info.name) or 1.0
+            bseed = block_seed(seed, e["id"], info.name, span.index) if op.random and density < 1.0 else 0
+            contributions.append((bufs[0], src.checkpoint.tensors[info.name].dtype, src.kind == "delta",
+                                  tensor_weight(e, info.name), density, thresholds.get(e["id"], {}).get(info.name, []),
+                                  bseed))
+        out = kernels.fused_merge(op, params, raw, info.dtype, math.prod(shape), contributions, weight_sum)
+        return None if out is None else memoryview(out)
 
     def _finish_files(self, base_ck: Checkpoint, staging: Path, shards: list[OutShard]) -> None:
         if len(shards) > 1:
@@ -422,6 +493,11 @@ class Engine:
             self.catalog.conn.execute(
                 "UPDATE runs SET status='succeeded', snapshot_id=?, finished_at=?, updated_at=? WHERE id=?",
                 [manifest.snapshot_id, now(), now(), run_id])
+
+
+def _warm_kernels() -> None:
+    from . import kernels
+    kernels.warm_up()
 
 
 def _raise_interrupt(signum, frame):

@@ -143,12 +143,26 @@ def block_seed(seed: int, expert: int, tensor: str, block: int) -> int:
 
 
 def uniform(seed: int, shape) -> torch.Tensor:
-    return torch.rand(shape, generator=torch.Generator().manual_seed(seed))
+    """The random stream of one block: float32 in [0, 1), element i (C order) a hash of (seed, i)
+    (counter-based, see kernels._u01), so any part of it can be drawn without the rest: the fused
+    kernel draws it element by element, the torch path and the reference as whole blocks."""
+    from . import kernels  # numba: imported on first use, not by every importer of ops (planner, CLI)
+    shape = tuple(shape)
+    n = 1
+    for s in shape:
+        n *= s
+    return torch.from_numpy(kernels.uniform_array(seed, n)).reshape(shape)
+
+
+def _abs_sum64(t: torch.Tensor) -> float:
+    from . import kernels
+    return kernels.abs_sum64(t.detach().contiguous().reshape(-1).float().numpy())
 
 
 def l1_ratio(original: torch.Tensor, kept: torch.Tensor) -> float | None:
-    """||original||_1 / ||kept||_1, summed in float64 so the result does not depend on summation order."""
-    org, new = float(original.abs().sum(dtype=torch.float64)), float(kept.abs().sum(dtype=torch.float64))
+    """||original||_1 / ||kept||_1, summed in float64 in a fixed order (kernels.abs_sum64), so the
+    torch path, the fused kernel and the reference get the same bits."""
+    org, new = _abs_sum64(original), _abs_sum64(kept)
     return org / new if org >= 1e-8 and new >= 1e-8 else None
 
 

@@ -21,6 +21,14 @@ from mergepipe.registry import register
 from mergepipe.storage import INDEX_NAME, proc_io
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compiled_kernels():
+    """Compile (or load from numba's on-disk cache) the fused merge kernels once, before any test: a
+    first compile imports numba's compiler modules, which a cold-read test would count as disk reads."""
+    from mergepipe import kernels
+    kernels.warm_up()
+
+
 @dataclass(frozen=True)
 class Family:
     root: Path
