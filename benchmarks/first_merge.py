@@ -10,6 +10,7 @@ time is the sum of their walls. Then, on the same catalog (now analyzed), the se
     python benchmarks/first_merge.py --work /work/main/benchmarks/work --runs 3
     python benchmarks/first_merge.py --with-analyze-step             # also today's register, analyze, merge
     python benchmarks/first_merge.py --profile ci                    # small family, K=2, no mergekit
+    python benchmarks/first_merge.py --analyze-only --runs 3         # ANALYZE vs cold read alone -> analyze.md
 
 A family with at least max(--ks) experts already under --work is reused (the first K experts of it),
 never rewritten. Each K starts with one unmeasured read of its files (the virtual disk's host cache
@@ -390,6 +391,39 @@ def bench_k(args, prof, fam, k, work, mk_exe) -> dict:
     return rec
 
 
+def analyze_only(args, prof, fam, work: Path, results: dict) -> int:
+    """ANALYZE against a plain cold read of the same files, alternating, --runs rounds per K."""
+    rows, lines = [], []
+    for k in prof["ks"]:
+        f = first_k(fam, k)
+        run.measure([run.PY, ROOT / "benchmarks" / "coldread.py", *inputs(f)])  # the host-cache warm-up
+        outdir = work / f"first-merge-K{k}"
+        outdir.mkdir(exist_ok=True)
+        print(f"[analyze] K={k}", flush=True)
+        rec = {"K": k, "analyze": analyze_vs_coldread(f, outdir, args.runs)}
+        results["families"].append(rec)
+        rows.append(analyze_row(rec))
+        for r in rec["analyze"]:
+            lines.append(f"| {k} | {r['rep']} | {r['contender']} | {r['wall_s']:.2f} | {r['read_bytes'] / MB:.0f} | "
+                         f"{r['read_bytes'] / r['wall_s'] / MB:.0f} | {r['peak_rss_bytes'] / MB:.0f} |")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "analyze.json").write_text(json.dumps({**results, "targets": rows}, indent=2, default=str))
+    mach = results["machine"]
+    (out / "analyze.md").write_text("\n".join([
+        "# ANALYZE against a plain cold sequential read", "",
+        f"Run {results['started']} on {mach['cpus']} CPUs, {mach['memory_gib']} GiB RAM. `mergepipe analyze` on a "
+        "fresh catalog holding the base and K experts vs benchmarks/coldread.py over the same files, alternating, "
+        f"every input evicted before each; {args.runs} round(s), medians in the targets.", "",
+        f"Reproduce: `{results['command']}`", "",
+        "| target | measured | met |", "|---|---|---|",
+        *(f"| {r['target']} | {r['measured']} | {'yes' if r['met'] else 'no'} |" for r in rows), "",
+        "| K | round | contender | wall s | read MB | MB/s | peak RSS MB |", "|---:|---:|---|---:|---:|---:|---:|",
+        *lines, ""]))
+    print(f"wrote {out / 'analyze.md'}")
+    return 0
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", choices=sorted(PROFILES), default="full")
@@ -400,6 +434,8 @@ def parse_args(argv):
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"), help="where the report goes")
     ap.add_argument("--with-analyze-step", action="store_true",
                     help="also today's first merge: register, `mergepipe analyze`, merge")
+    ap.add_argument("--analyze-only", action="store_true",
+                    help="only ANALYZE against a cold read, per K, --runs rounds; writes analyze.{md,json}")
     ap.add_argument("--no-mergekit", action="store_true")
     ap.add_argument("--mergekit-venv", help="venv holding mergekit (default: WORK/mergekit-venv)")
     ap.add_argument("--mergekit-max-k", type=int, default=4, help="largest K mergekit runs at (its RSS grows with K)")
@@ -420,6 +456,8 @@ def main(argv=None) -> int:
                "ks": prof["ks"], "ops": prof["ops"], "cli_reps": prof["cli_reps"],
                "with_analyze_step": args.with_analyze_step, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                "command": shlex.join(["python", "benchmarks/first_merge.py", *argv]), "families": []}
+    if args.analyze_only:
+        return analyze_only(args, prof, fam, work, results)
     for k in prof["ks"]:
         results["families"].append(bench_k(args, prof, fam, k, work, mk_exe))
         if k == prof["ks"][0]:
