@@ -10,16 +10,16 @@ import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .catalog import Catalog
-from .errors import ExecutionError, MergePipeError
-from .manifest import load_manifest, verify
-from .registry import register, register_many
-from .txn import check_output_path, recover
+from mergepipe.catalog.db import Catalog
+from mergepipe.errors import ExecutionError, MergePipeError
+from mergepipe.manifest.build import load_manifest, verify
+from mergepipe.catalog.models import register, register_many
+from mergepipe.engine.txn import check_output_path, recover
 
 if TYPE_CHECKING:
-    from .engine import Engine
-    from .mergekit_config import MergekitConfig
-    from .planner import Plan, Planner
+    from mergepipe.engine.engine import Engine
+    from mergepipe.config.mergekit import MergekitConfig
+    from mergepipe.planner.plan import Plan, Planner
 
 __all__ = ["Catalog", "Planner", "Engine", "Plan", "merge", "plan_merge", "snapshots", "lineage", "verify",
            "recover", "explain", "load_plan", "load_manifest", "save_plan", "merge_config", "plan_config",
@@ -43,7 +43,7 @@ def __getattr__(name: str):
 
 
 def _execute(catalog: Catalog, plan: Plan, out, model_id, out_shard_bytes: int | None, progress):
-    from .engine import DEFAULT_SHARD_BYTES, Engine
+    from mergepipe.engine.engine import DEFAULT_SHARD_BYTES, Engine
     if out_shard_bytes is None:
         out_shard_bytes = DEFAULT_SHARD_BYTES
     return Engine(catalog).execute(plan, out=out, model_id=model_id, out_shard_bytes=out_shard_bytes,
@@ -52,7 +52,7 @@ def _execute(catalog: Catalog, plan: Plan, out, model_id, out_shard_bytes: int |
 
 def plan_merge(catalog: Catalog, base: str, experts, operator: str = "linear", budget=None, budget_mb=None,
                target_bound=None, save: bool = True, **kw) -> Plan:
-    from .planner import Planner
+    from mergepipe.planner.plan import Planner
     return Planner(catalog).plan(base, experts, operator, budget=budget, budget_mb=budget_mb,
                                  target_bound=target_bound, save=save, **kw)
 
@@ -68,7 +68,7 @@ def merge(catalog: Catalog, base: str, experts, out, operator: str = "linear", m
 
 
 def _config(config) -> MergekitConfig:
-    from .mergekit_config import MergekitConfig, load_config
+    from mergepipe.config.mergekit import MergekitConfig, load_config
     return config if isinstance(config, MergekitConfig) else load_config(config)
 
 
@@ -86,7 +86,7 @@ def check_target(catalog: Catalog, out, model_id: str | None = None) -> tuple[Pa
 def plan_config(catalog: Catalog, config, save: bool = True, **overrides) -> Plan:
     """Plan a mergekit config (a path or a parsed :class:`MergekitConfig`); ``overrides`` as in
     ``MergekitConfig.with_overrides``. Paths in it are registered on the fly (and analyzed by the merge)."""
-    from .mergekit_config import plan_from_config
+    from mergepipe.config.mergekit import plan_from_config
     cfg = _config(config).with_overrides(**overrides)
     return plan_from_config(catalog, cfg, save=save)[0]
 
@@ -96,7 +96,7 @@ def merge_config(catalog: Catalog, config, out, model_id: str | None = None,
     """Plan and execute a mergekit config; returns (plan, snapshot_id, manifest).
 
     A config that cannot be merged (bad key, missing path, taken output) changes nothing in the catalog."""
-    from .mergekit_config import plan_from_config
+    from mergepipe.config.mergekit import plan_from_config
     cfg = _config(config).with_overrides(**overrides)
     out, model_id = check_target(catalog, out, model_id)
     plan, _ = plan_from_config(catalog, cfg, save=False, reserved_ids={model_id})
@@ -166,7 +166,7 @@ def _dot(s: str) -> str:
 
 def explain(catalog: Catalog, ref: str) -> str:
     """EXPLAIN a plan (by plan id) or a snapshot (by snapshot/model id or directory: its plan + realized)."""
-    from .planner import load_plan
+    from mergepipe.planner.plan import load_plan
     rows = catalog.query("SELECT id FROM plans WHERE id = ? OR id = ?", [ref, "plan-" + ref])
     if rows:
         return load_plan(catalog, rows[0]["id"]).explain()

@@ -2,10 +2,10 @@
 
 import streamlit as st
 
-from mergepipe import views
+from mergepipe.dashboard import views
 from mergepipe.errors import MergePipeError
-from mergepipe.registry import register
-from mergepipe.runs import launch_analyze
+from mergepipe.catalog.models import register
+from mergepipe.engine.runs import launch_analyze
 from pages import _ui as ui
 
 NO_BASE = "(none: this is a base model)"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file, save_file
 
-import mergepipe.analyze as analyze_mod
+import mergepipe.analyze.stats as analyze_mod
 from conftest import (
     ANALYZE_BLOCK_BYTES,
     dump_catalog,
@@ -18,11 +18,11 @@ from conftest import (
     register_family,
     to_np32,
 )
-from mergepipe.analyze import analyze, analyze_expert
-from mergepipe.catalog import Catalog
+from mergepipe.analyze.stats import analyze, analyze_expert
+from mergepipe.catalog.db import Catalog
 from mergepipe.errors import CatalogError
-from mergepipe.registry import register
-from mergepipe.storage import open_checkpoint
+from mergepipe.catalog.models import register
+from mergepipe.storage.safetensors import open_checkpoint
 
 
 def _deltas(fam_dir_base, fam_dir_expert) -> dict[str, np.ndarray]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from mergepipe.budget import mib, parse_budget
+from mergepipe.planner.budget import mib, parse_budget
 from mergepipe.errors import MergePipeError, PlanError
-from mergepipe.planner import Planner
+from mergepipe.planner.plan import Planner
 
 from merge_helpers import run_cli, shared_family, copy_catalog, open_copy
 

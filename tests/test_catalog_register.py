@@ -17,10 +17,10 @@ from conftest import (
     read_bytes_now,
     register_family,
 )
-from mergepipe.catalog import SCHEMA_VERSION, Catalog
+from mergepipe.catalog.db import SCHEMA_VERSION, Catalog
 from mergepipe.errors import CatalogError, MergePipeError, StorageError
-from mergepipe.registry import fingerprint, layout_mismatches, register
-from mergepipe.storage import INDEX_NAME, evict, open_checkpoint
+from mergepipe.catalog.models import fingerprint, layout_mismatches, register
+from mergepipe.storage.safetensors import INDEX_NAME, evict, open_checkpoint
 
 
 # --- catalog ----------------------------------------------------------------------------------------
@@ -195,7 +195,7 @@ def test_different_content_refused_unless_replace(catalog, fam_fp32):
 
 
 def test_replace_drops_stale_statistics(catalog, fam_fp32):
-    from mergepipe.analyze import analyze
+    from mergepipe.analyze.stats import analyze
     register_family(catalog, fam_fp32)
     analyze(catalog, ["expert_1"], block_bytes=1 << 20, densities=(0.5,))
     assert catalog.blocks("expert_1") and catalog.analysis("expert_1")
@@ -252,7 +252,7 @@ def test_expert_layout_mismatch_is_one_error_and_changes_nothing(tmp_path, catal
 
 
 def test_layout_mismatches_lists_and_caps():
-    from mergepipe.storage import Checkpoint, TensorInfo
+    from mergepipe.storage.safetensors import Checkpoint, TensorInfo
     from pathlib import Path
 
     def ck(tensors):
@@ -341,5 +341,5 @@ def test_v1_catalog_is_migrated_in_place(tmp_path, fam_fp32):
     row = cat.model("base")
     assert row["file_stats"] is None and row["fingerprint"].startswith("sha256:")
     assert "fixed_bytes" in {c[1] for c in cat.conn.execute("PRAGMA table_info(tensor_stats)")}
-    from mergepipe.registry import check_unchanged
+    from mergepipe.catalog.models import check_unchanged
     check_unchanged(row)  # no stored stats: falls back to re-parsing the headers

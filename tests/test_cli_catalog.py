@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from conftest import ANALYZE_BLOCK_BYTES, dump_catalog_file, load_checkpoint_tensors, register_family
-from mergepipe.analyze import analyze
-from mergepipe.catalog import SCHEMA_VERSION, Catalog
-from mergepipe.cli import main
-from mergepipe.family import make_family
-from mergepipe.storage import INDEX_NAME
+from mergepipe.analyze.stats import analyze
+from mergepipe.catalog.db import SCHEMA_VERSION, Catalog
+from mergepipe.cli.app import main
+from mergepipe.research.family import make_family
+from mergepipe.storage.safetensors import INDEX_NAME
 
 MERGEPIPE = Path(sys.executable).parent / "mergepipe"
 BLOCK_KEYS = {"tensor", "block", "row_start", "row_end", "offset", "nbytes", "delta_l2", "delta_max_abs",

@@ -244,7 +244,7 @@ def test_original_quick_start_spelling(fam, db, tmp_path):
     res = run_cli_proc(["--db", db, "--base", "base", "--experts", "e1", "e2", "--out", out, "--model-id", "qs"])
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("published snap-") and "as model qs" in res.stdout
-    from mergepipe.catalog import Catalog
+    from mergepipe.catalog.db import Catalog
     cat = Catalog(db)
     row = cat.model("qs")
     snap = cat.query("SELECT * FROM snapshots WHERE model_id = 'qs'")[0]
@@ -298,7 +298,7 @@ def test_python_api(fam, tmp_path):
 
 def test_api_merge_helper_leaves_nothing_on_failure(fam, tmp_path):
     from mergepipe.api import merge
-    from mergepipe.catalog import Catalog
+    from mergepipe.catalog.db import Catalog
     from mergepipe.errors import MergePipeError
     db = copy_catalog(fam, tmp_path / "c.sqlite")
     cat = Catalog(db)

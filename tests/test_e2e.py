@@ -1,6 +1,6 @@
 """End-to-end: the dashboard in a real browser (Debian chromium driven by Playwright).
 
-Starts the app through mergepipe.dashboard.run_dashboard on 127.0.0.1 with a free port and a fresh
+Starts the app through mergepipe.dashboard.server.run_dashboard on 127.0.0.1 with a free port and a fresh
 catalog, then: registers and analyzes a generated family on the Models page (and registers a PEFT LoRA
 adapter, refused without a base), moves the budget slider
 on the Plan page and sees the estimated expert I/O and the access mask change, loads a mergekit YAML
@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 
 from dashboard_helpers import REPO, free_port, wait_for_health
-from mergepipe.catalog import Catalog
-from mergepipe.dashboard import run_dashboard
-from mergepipe.family import make_family
+from mergepipe.catalog.db import Catalog
+from mergepipe.dashboard.server import run_dashboard
+from mergepipe.research.family import make_family
 
 pytestmark = pytest.mark.e2e
 
@@ -159,7 +159,7 @@ def write_lora_adapter(base_dir: Path, out: Path, r: int = 4) -> None:
     """A PEFT-format LoRA adapter on q_proj/v_proj of a generated family's base."""
     import torch
     from safetensors.torch import save_file
-    from mergepipe.storage import open_checkpoint
+    from mergepipe.storage.safetensors import open_checkpoint
     gen = torch.Generator().manual_seed(0)
     tensors = {}
     for name, info in open_checkpoint(base_dir).tensors.items():

@@ -18,11 +18,11 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from mergepipe.engine import Engine
+from mergepipe.engine.engine import Engine
 from mergepipe.errors import ExecutionError, MergePipeError
-from mergepipe.grid import tensor_grid
-from mergepipe.planner import Plan, Planner, expand_ranges
-from mergepipe.storage import evict, open_checkpoint
+from mergepipe.storage.grid import tensor_grid
+from mergepipe.planner.plan import Plan, Planner, expand_ranges
+from mergepipe.storage.safetensors import evict, open_checkpoint
 
 from merge_helpers import (STAGING_MARK, dir_hashes, fsync_dirs, l2_dist, l2_norm, load_dir, open_copy,
                            rows, shared_family)
@@ -128,10 +128,10 @@ def test_error_bound_is_reasonably_tight(fam, cat, workdir):
 # --- bytes measured by the kernel on cold files -----------------------------------------------------------
 CHILD = textwrap.dedent("""
     import json, sys
-    from mergepipe.catalog import Catalog
-    from mergepipe.engine import Engine
-    from mergepipe.planner import load_plan
-    from mergepipe.storage import proc_io
+    from mergepipe.catalog.db import Catalog
+    from mergepipe.engine.engine import Engine
+    from mergepipe.planner.plan import load_plan
+    from mergepipe.storage.safetensors import proc_io
     cat = Catalog(sys.argv[1], create=False)
     plan = load_plan(cat, sys.argv[2])
     engine = Engine(cat)
@@ -298,7 +298,7 @@ def test_changed_input_after_planning_is_refused(fam, tmp_path):
 
 
 def test_changed_grid_after_planning_is_refused(fam, tmp_path):
-    from mergepipe.analyze import analyze
+    from mergepipe.analyze.stats import analyze
     from merge_helpers import DENSITIES
     cat = open_copy(fam, tmp_path / "c.sqlite")
     plan = Planner(cat).plan("base", fam.expert_ids, "linear", budget="50%")

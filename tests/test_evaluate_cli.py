@@ -8,7 +8,7 @@ from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 
-from mergepipe.evaluate import main
+from mergepipe.research.evaluate import main
 
 from merge_helpers import shared_family
 

@@ -27,20 +27,14 @@ from benchmarks.fidelity.study import (
 )
 from benchmarks.fidelity.tasks import LETTERS, TASKS, generic_text, suite, tokenizer
 from benchmarks.fidelity.train import MINI, build_family
-from mergepipe.analyze import analyze
+from mergepipe.analyze.stats import analyze
 from mergepipe.api import merge
-from mergepipe.catalog import Catalog
-from mergepipe.evaluate import (
-    CharTokenizer,
-    accuracy,
-    bound_check,
-    deviation,
-    greedy_answers,
-    load_model,
-    write_suite,
+from mergepipe.catalog.db import Catalog
+from mergepipe.research.evaluate import (
+    CharTokenizer, accuracy, bound_check, deviation, greedy_answers, load_model, write_suite,
 )
-from mergepipe.evaluate import main as evaluate_main
-from mergepipe.registry import register
+from mergepipe.research.evaluate import main as evaluate_main
+from mergepipe.catalog.models import register
 
 MINI_TASKS = MINI.tasks  # reverse, length, max
 _ids = itertools.count()

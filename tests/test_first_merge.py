@@ -11,13 +11,13 @@ import time
 
 import pytest
 
-from mergepipe.analyze import analyze
+from mergepipe.analyze.stats import analyze
 from mergepipe.api import merge
-from mergepipe.catalog import Catalog
-from mergepipe.engine import Engine
-from mergepipe.inflight import InflightAnalysis
-from mergepipe.planner import Planner
-from mergepipe.registry import register
+from mergepipe.catalog.db import Catalog
+from mergepipe.engine.engine import Engine
+from mergepipe.engine.inflight import InflightAnalysis
+from mergepipe.planner.plan import Planner
+from mergepipe.catalog.models import register
 
 from merge_helpers import (STAGING_MARK, check_catalog_consistent, cli_cmd, dir_hashes, dump_db, rows, run_cli,
                            shared_family)

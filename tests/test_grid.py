@@ -8,8 +8,8 @@ import math
 import pytest
 
 from conftest import ANALYZE_BLOCK_BYTES
-from mergepipe.grid import DEFAULT_BLOCK_BYTES, tensor_grid
-from mergepipe.storage import TensorInfo, open_checkpoint, row_nbytes
+from mergepipe.storage.grid import DEFAULT_BLOCK_BYTES, tensor_grid
+from mergepipe.storage.safetensors import TensorInfo, open_checkpoint, row_nbytes
 
 
 def _check_grid(info: TensorInfo, block_bytes: int):

@@ -1,4 +1,4 @@
-"""The fused block kernels (mergepipe.kernels) against the torch path (ops.sparsify + ops.combine):
+"""The fused block kernels (mergepipe.ops.kernels) against the torch path (ops.sparsify + ops.combine):
 bit for bit, signed zeros included, on random blocks with magnitude ties at the threshold, zeros,
 negative and zero weights, normalize on/off, lambda != 1, stored deltas, mixed dtypes and tail chunks;
 and the engine's output with and without the kernels."""
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from mergepipe import kernels
-from mergepipe.engine import Engine
-from mergepipe.ops import block_seed, combine, get_op, l1_ratio, resolve_params, sparsify, uniform
-from mergepipe.planner import Planner
+from mergepipe.ops import kernels
+from mergepipe.engine.engine import Engine
+from mergepipe.ops.core import block_seed, combine, get_op, l1_ratio, resolve_params, sparsify, uniform
+from mergepipe.planner.plan import Planner
 
 from merge_helpers import dir_hashes, open_copy, shared_family
 

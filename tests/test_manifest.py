@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from mergepipe import __version__
-from mergepipe.analyze import analyze
+from mergepipe.analyze.stats import analyze
 from mergepipe.api import lineage, snapshots
-from mergepipe.engine import Engine
+from mergepipe.engine.engine import Engine
 from mergepipe.errors import MergePipeError, VerifyError
-from mergepipe.manifest import MANIFEST_NAME, Manifest, load_manifest, verify
-from mergepipe.planner import Planner
+from mergepipe.manifest.build import MANIFEST_NAME, Manifest, load_manifest, verify
+from mergepipe.planner.plan import Planner
 
 from merge_helpers import (DENSITIES, check_catalog_consistent, dir_hashes, load_dir, manifest_of, open_copy,
                            run_cli, sha256_file, shared_family)
@@ -214,7 +214,7 @@ def test_merged_model_is_registered_with_lineage_and_can_be_merged_again(fam, tm
     assert verify(cat, sid1)["ok"] and verify(cat, sid2)["ok"]
     check_catalog_consistent(cat.path)
     # A published snapshot's model cannot be replaced.
-    from mergepipe.registry import register
+    from mergepipe.catalog.models import register
     with pytest.raises(MergePipeError):
         register(cat, "gen1", str(fam.experts[3]), base_id="base", replace=True)
     cat.close()

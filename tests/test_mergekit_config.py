@@ -20,9 +20,9 @@ from merge_helpers import (
     shared_family,
 )
 
-from mergepipe.catalog import Catalog
+from mergepipe.catalog.db import Catalog
 from mergepipe.errors import MergePipeError
-from mergepipe.mergekit_config import ConfigError, parse_config, prepare
+from mergepipe.config.mergekit import ConfigError, parse_config, prepare
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +180,7 @@ def test_paths_registered_analyzed_then_reused(fam, tmp_path):
 
 def test_new_path_gets_a_free_id_and_reused_models_keep_theirs(fam, db, tmp_path):
     cat = Catalog(db)
-    from mergepipe.registry import register
+    from mergepipe.catalog.models import register
     register(cat, "expert_4", str(fam.experts[2]), base_id="base")  # the folder name of experts[3] is taken
     cat.close()
     cfg = write(tmp_path, cfg_text(fam, "linear", [(0, {"weight": 1.0}), (3, {"weight": 1.0})]))
@@ -489,7 +489,7 @@ def test_bad_config_file_and_flags(fam, db, tmp_path):
 
 
 def test_dtypes_honoured_on_a_bf16_base(tmp_path):
-    from mergepipe.family import make_family
+    from mergepipe.research.family import make_family
     paths = make_family(tmp_path / "f", experts=1, size="tiny", dtype="bf16")
     cat = Catalog(tmp_path / "c.sqlite")
     try:

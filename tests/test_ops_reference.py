@@ -1,6 +1,6 @@
 """Invariant 2: at full budget every operator equals an independent full-read reference.
 
-Two references: mergepipe.baselines.naive_merge (whole tensors, torch.topk thresholds, the same
+Two references: mergepipe.research.baselines.naive_merge (whole tensors, torch.topk thresholds, the same
 per-(seed, expert, tensor, block) random streams), and, for linear / task_arithmetic / ties, a
 from-scratch implementation of the brief's semantics written here with torch.topk. mergekit is not
 used as an oracle. fp32: max abs diff <= 1e-6; bf16: bit-identical to naive_merge.
@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mergepipe.baselines import naive_merge
-from mergepipe.engine import Engine
-from mergepipe.planner import Planner
+from mergepipe.research.baselines import naive_merge
+from mergepipe.engine.engine import Engine
+from mergepipe.planner.plan import Planner
 
 from merge_helpers import ALL_OPS, load_dir, max_abs_diff, open_copy, plan_kwargs_for_baseline, shared_family
 

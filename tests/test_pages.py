@@ -11,10 +11,10 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from dashboard_helpers import EXPERTS, REPO, build_catalog, copy_catalog, wait_until
-from mergepipe import views
-from mergepipe.catalog import Catalog
-from mergepipe.registry import register
-from mergepipe.runs import get_run
+from mergepipe.dashboard import views
+from mergepipe.catalog.db import Catalog
+from mergepipe.catalog.models import register
+from mergepipe.engine.runs import get_run
 
 E = list(EXPERTS)
 TIMEOUT = 60

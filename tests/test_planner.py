@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from mergepipe.analyze import analyze
-from mergepipe.catalog import Catalog
+from mergepipe.analyze.stats import analyze
+from mergepipe.catalog.db import Catalog
 from mergepipe.errors import CatalogError, PlanError
-from mergepipe.planner import Planner, expand_ranges, load_plan
-from mergepipe.registry import register
+from mergepipe.planner.plan import Planner, expand_ranges, load_plan
+from mergepipe.catalog.models import register
 
 from merge_helpers import DENSITIES, l2_dist, load_dir, open_copy, shared_family
 
@@ -155,7 +155,7 @@ def test_budget_monotone_bound_and_selection(cat, fam):
 
 
 def test_full_delta_norm_estimate_matches_real_merge(cat, fam, tmp_path):
-    from mergepipe.engine import Engine
+    from mergepipe.engine.engine import Engine
     for op, w in (("linear", WEIGHTS), ("task_arithmetic", [0.5, 1.0, -0.3])):
         plan = Planner(cat).plan("base", fam.expert_ids, op, weights=w)
         Engine(cat).execute(plan, out=tmp_path / op)
@@ -195,7 +195,7 @@ def test_target_bound_met_without_reading_anything(cat, fam):
 
 
 def test_empty_access_set_executes_to_the_base(fam, tmp_path):
-    from mergepipe.engine import Engine
+    from mergepipe.engine.engine import Engine
     cat = open_copy(fam, tmp_path / "c.sqlite")
     plan = Planner(cat).plan("base", fam.expert_ids, "linear", weights=WEIGHTS, target_bound=1e9)
     assert plan["budget"]["bytes"] == 0
@@ -350,7 +350,7 @@ def test_uniform_strategy_takes_the_same_share_of_every_tensor(cat, fam):
 
 def test_kept_strategy_scores_blocks_by_what_ties_keeps():
     """A block whose energy sits below the TIES threshold is worth less than its norm says."""
-    from mergepipe.planner import _van_der_corput, _uniform_priority
+    from mergepipe.planner.plan import _van_der_corput, _uniform_priority
     assert [_van_der_corput(i) for i in range(4)] == [0.0, 0.5, 0.25, 0.75]
     pr = _uniform_priority(np.array([0, 0, 0, 0]), np.array([1, 1, 1, 1]), np.array([3, 2, 1, 0]))
     assert list(np.argsort(-pr, kind="stable")) == [3, 1, 2, 0]  # blocks 0, 2, 1, 3

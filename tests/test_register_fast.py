@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 
 import mergepipe
-import mergepipe.registry as registry
+import mergepipe.catalog.models as registry
 from conftest import dump_catalog, dump_catalog_file, load_checkpoint_tensors
-from mergepipe.catalog import Catalog
-from mergepipe.cli import main
+from mergepipe.catalog.db import Catalog
+from mergepipe.cli.app import main
 from mergepipe.errors import CatalogError
-from mergepipe.registry import fingerprint, named_by_path, register, register_many
-from mergepipe.storage import open_checkpoint
+from mergepipe.catalog.models import fingerprint, named_by_path, register, register_many
+from mergepipe.storage.safetensors import open_checkpoint
 
 REPO = Path(mergepipe.__file__).resolve().parents[1]
 HEAVY = ("torch", "numpy", "pandas")
@@ -107,7 +107,7 @@ def test_storage_tables_without_and_with_torch():
     """The parser's ITEMSIZE and the lazily built torch tables agree; DTYPES still imports as before."""
     import torch
 
-    from mergepipe.storage import DTYPES, ITEMSIZE, TORCH_TO_CODE, TensorInfo, torch_dtype_of
+    from mergepipe.storage.safetensors import DTYPES, ITEMSIZE, TORCH_TO_CODE, TensorInfo, torch_dtype_of
     assert set(DTYPES) == set(ITEMSIZE)
     for code, (tdtype, size) in DTYPES.items():
         assert size == ITEMSIZE[code] == tdtype.itemsize
@@ -115,7 +115,7 @@ def test_storage_tables_without_and_with_torch():
     assert DTYPES["BF16"][0] is torch.bfloat16
     assert TensorInfo("w", "F16", (2,), "f", 8, 4).torch_dtype is torch.float16
     with pytest.raises(AttributeError, match="no attribute 'NOPE'"):
-        import mergepipe.storage as storage
+        import mergepipe.storage.safetensors as storage
         storage.NOPE  # noqa: B018
 
 

@@ -8,8 +8,8 @@ import torch
 
 from mergepipe.api import merge
 from mergepipe.errors import PlanError
-from mergepipe.planner import Planner
-from mergepipe.settings import check_setting, evaluate, layer_t, num_layers, resolve
+from mergepipe.planner.plan import Planner
+from mergepipe.planner.settings import check_setting, evaluate, layer_t, num_layers, resolve
 
 from merge_helpers import l2_dist, load_dir, open_copy, shared_family
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from conftest import Family, load_checkpoint_tensors, register_family, to_np32
-from mergepipe import sketch
-from mergepipe.analyze import analyze
-from mergepipe.catalog import Catalog
-from mergepipe.family import make_family
-from mergepipe.grid import DEFAULT_BLOCK_BYTES
+from mergepipe.catalog import sketch
+from mergepipe.analyze.stats import analyze
+from mergepipe.catalog.db import Catalog
+from mergepipe.research.family import make_family
+from mergepipe.storage.grid import DEFAULT_BLOCK_BYTES
 
 
 # --- unit behaviour ------------------------------------------------------------------------------

@@ -18,15 +18,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mergepipe.analyze import analyze
+from mergepipe.analyze.stats import analyze
 from mergepipe.api import merge
-from mergepipe.catalog import Catalog
+from mergepipe.catalog.db import Catalog
 from mergepipe.errors import CatalogError, MergePipeError
-from mergepipe.family import make_family
-from mergepipe.lora import open_adapter
-from mergepipe.planner import Planner, expand_ranges
-from mergepipe.registry import check_unchanged, register
-from mergepipe.storage import evict, open_checkpoint
+from mergepipe.research.family import make_family
+from mergepipe.storage.lora import open_adapter
+from mergepipe.planner.plan import Planner, expand_ranges
+from mergepipe.catalog.models import check_unchanged, register
+from mergepipe.storage.safetensors import evict, open_checkpoint
 
 from merge_helpers import dump_db, fsync_dirs, load_dir, run_cli
 
@@ -213,8 +213,8 @@ def test_budgeted_lora_plan_reads_b_rows_and_a_once(fam, cat, tmp_path):
 CHILD = textwrap.dedent("""
     import json, sys
     from mergepipe.api import merge
-    from mergepipe.catalog import Catalog
-    from mergepipe.storage import evict, proc_io
+    from mergepipe.catalog.db import Catalog
+    from mergepipe.storage.safetensors import evict, proc_io
     db, out, budget, experts, dirs = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(","), sys.argv[5:]
     # A first merge loads the code it needs (numba's compiled kernels, lazily imported modules); only the
     # second one, on evicted inputs, is measured, so that the count holds checkpoint bytes alone.

@@ -15,16 +15,9 @@ from safetensors.torch import save_file
 
 from conftest import fsync_tree, load_checkpoint_tensors, read_bytes_now, write_raw_safetensors
 from mergepipe.errors import MergePipeError, StorageError
-from mergepipe.grid import tensor_grid
-from mergepipe.storage import (
-    INDEX_NAME,
-    RangeReader,
-    bytes_to_tensor,
-    evict,
-    n_rows,
-    open_checkpoint,
-    parse_header,
-    proc_io,
+from mergepipe.storage.grid import tensor_grid
+from mergepipe.storage.safetensors import (
+    INDEX_NAME, RangeReader, bytes_to_tensor, evict, n_rows, open_checkpoint, parse_header, proc_io,
     row_nbytes,
 )
 
@@ -159,7 +152,7 @@ def test_read_ranges_across_shards(fam_fp32):
 
 
 def test_row_helpers_for_1d_and_2d():
-    from mergepipe.storage import TensorInfo, rows_shape
+    from mergepipe.storage.safetensors import TensorInfo, rows_shape
     m = TensorInfo("m", "BF16", (10, 3), "f", 0, 60)
     v = TensorInfo("v", "F32", (7,), "f", 0, 28)
     s = TensorInfo("s", "F32", (), "f", 0, 4)

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from mergepipe.catalog import Catalog
-from mergepipe.engine import Engine
-from mergepipe.planner import Planner
-from mergepipe.txn import pid_alive
+from mergepipe.catalog.db import Catalog
+from mergepipe.engine.engine import Engine
+from mergepipe.planner.plan import Planner
+from mergepipe.engine.txn import pid_alive
 
 from merge_helpers import (STAGING_MARK, check_catalog_consistent, cli_cmd, copy_catalog, dump_db, rows,
                            run_cli, run_cli_proc, shared_family)
@@ -71,7 +71,7 @@ def wait_for_path(alive, path: Path, timeout: float = 60) -> float | None:
 FORK_SERVER = textwrap.dedent("""
     import json, os, sys
     import torch  # noqa: F401  (imported, never used here: forking stays safe)
-    import mergepipe.cli, mergepipe.engine, mergepipe.planner, mergepipe.api  # noqa: F401
+    import mergepipe.cli.app, mergepipe.engine, mergepipe.planner, mergepipe.api  # noqa: F401
     print("ready", flush=True)
     while True:
         line = sys.stdin.readline()
@@ -268,13 +268,13 @@ def test_sigterm_aborts_cleanly(small, tmp_path):
 FAULTS = {
     # publish renamed the directory; the catalog commit never ran
     "after-rename": """
-from mergepipe.txn import Transaction
+from mergepipe.engine.txn import Transaction
 import os
 Transaction.commit = lambda self, fn: os._exit(17)
 """,
     # snapshot rows inserted, the process dies before COMMIT
     "inside-commit": """
-from mergepipe.txn import Transaction
+from mergepipe.engine.txn import Transaction
 import os
 real_commit = Transaction.commit
 def commit(self, fn):
@@ -286,7 +286,7 @@ Transaction.commit = commit
 """,
     # txn marked 'renamed', the rename itself never happened
     "before-rename": """
-from mergepipe import txn
+from mergepipe.engine import txn
 import os
 real_rename = os.rename
 def rename(a, b):
@@ -297,7 +297,7 @@ txn.os.rename = rename
 """,
     # half-written shards in staging
     "mid-write": """
-from mergepipe import engine
+from mergepipe.engine import engine
 import os
 real_write = engine.ShardWriter.write
 count = [0]
@@ -310,7 +310,7 @@ engine.ShardWriter.write = write
 """,
     # everything written and the manifest staged, never published
     "after-manifest": """
-from mergepipe.txn import Transaction
+from mergepipe.engine.txn import Transaction
 import os
 Transaction.publish = lambda self: os._exit(17)
 """,

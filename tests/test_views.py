@@ -1,4 +1,4 @@
-"""Unit tests of mergepipe.views (everything the dashboard shows), on a real catalog built from a tiny
+"""Unit tests of mergepipe.dashboard.views (everything the dashboard shows), on a real catalog built from a tiny
 family (3 experts, fp32, 4 KiB grid) with one budgeted merge. No browser, no Streamlit."""
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import plotly.graph_objects as go
 import pytest
 
 from dashboard_helpers import BLOCK_BYTES, EXPERTS, build_catalog, copy_catalog
-from mergepipe import dashboard, views
+from mergepipe.dashboard import server as dashboard, views
 from mergepipe.api import plan_merge
-from mergepipe.catalog import Catalog
+from mergepipe.catalog.db import Catalog
 from mergepipe.errors import CatalogError, MergePipeError, PlanError
-from mergepipe.manifest import verify
-from mergepipe.planner import load_plan
-from mergepipe.registry import register
-from mergepipe.sketch import conflict_rate, cosine
+from mergepipe.manifest.build import verify
+from mergepipe.planner.plan import load_plan
+from mergepipe.catalog.models import register
+from mergepipe.catalog.sketch import conflict_rate, cosine
 
 E = list(EXPERTS)
 
@@ -555,7 +555,7 @@ def test_dashboard_command_and_env(tmp_path):
 
 
 def test_views_never_import_streamlit():
-    code = "import sys, mergepipe.views, mergepipe.dashboard, mergepipe.cli; print('streamlit' in sys.modules)"
+    code = "import sys, mergepipe.dashboard.views, mergepipe.dashboard.server, mergepipe.cli; print('streamlit' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -1,0 +1,1 @@
+"""mergekit-style YAML configs: parse, resolve into a plan, export."""

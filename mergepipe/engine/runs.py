@@ -1,0 +1,156 @@
+"""Merge runs launched as separate processes (the dashboard's Run page).
+
+A run is a row in the catalog's ``runs`` table; the child process (``mergepipe execute --run-id N``)
+writes its own progress in short transactions, so any reader (a refreshed browser, another page)
+sees it. Cancelling sends SIGTERM; the engine aborts its transaction and nothing is published.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mergepipe.catalog.db import Catalog, now
+from mergepipe.errors import ExecutionError
+from mergepipe.engine.txn import check_output_path, pid_alive
+
+PROGRESS_INTERVAL_S = 0.3
+
+
+def active_run_for(catalog: Catalog, out: str) -> dict | None:
+    rows = catalog.query("SELECT * FROM runs WHERE out = ? AND status IN ('queued', 'running')", [out])
+    return next((r for r in rows if pid_alive(r["pid"]) or r["pid"] is None), None)
+
+
+def create_run(catalog: Catalog, plan_id: str, out: str, model_id: str, planned: int, log_path: str | None) -> int:
+    out = str(Path(out).absolute())
+    if active_run_for(catalog, out):
+        raise ExecutionError(f"a run writing {out} is already in progress")
+    check_output_path(Path(out))
+    with catalog.transaction():
+        cur = catalog.conn.execute(
+            "INSERT INTO runs (plan_id, out, model_id, status, log_path, started_at, updated_at, expert_bytes_planned)"
+            " VALUES (?, ?, ?, 'queued', ?, ?, ?, ?)", [plan_id, out, model_id, log_path, now(), now(), planned])
+        return int(cur.lastrowid)
+
+
+def launch_run(db_path: str | Path, catalog: Catalog, plan_id: str, out: str, model_id: str,
+               log_dir: str | Path, out_shard_bytes: int | None = None) -> tuple[int, subprocess.Popen]:
+    """Start ``mergepipe execute`` for a saved plan in its own process session; returns (run id, Popen)."""
+    from mergepipe.planner.plan import load_plan
+    plan = load_plan(catalog, plan_id)
+    if catalog.has_model(model_id):
+        raise ExecutionError(f"model id {model_id!r} is already registered; choose another")
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    run_id = create_run(catalog, plan.id, out, model_id, plan["estimate"]["expert_read"], None)
+    log_path = log_dir / f"run-{run_id}.log"
+    cmd = ["execute", plan.id, "--out", str(out), "--model-id", model_id, "--run-id", str(run_id)]
+    if out_shard_bytes:
+        cmd += ["--out-shard-size", str(out_shard_bytes)]
+    return run_id, _spawn(catalog, db_path, cmd, run_id, log_path)
+
+
+def _spawn(catalog: Catalog, db_path, args: list[str], run_id: int, log_path: Path) -> subprocess.Popen:
+    """Start ``mergepipe ARGS`` detached (own session, no shell, output to the log) and record its pid."""
+    cmd = [sys.executable, "-m", "mergepipe.cli", "--db", str(db_path), *args]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    with catalog.transaction():
+        catalog.conn.execute("UPDATE runs SET pid = ?, log_path = ? WHERE id = ?", [proc.pid, str(log_path), run_id])
+    return proc
+
+
+def launch_analyze(db_path: str | Path, catalog: Catalog, model_ids: list[str], log_dir: str | Path,
+                   block_bytes: int | None = None) -> tuple[int, subprocess.Popen]:
+    """Start ``mergepipe analyze`` in its own process; progress lands in the runs table (kind 'analyze')."""
+    for mid in model_ids:
+        catalog.model(mid)
+    busy = catalog.query("SELECT id, pid FROM runs WHERE kind = 'analyze' AND status IN ('queued', 'running')")
+    if any(pid_alive(r["pid"]) for r in busy):
+        raise ExecutionError("an analyze run is already in progress")
+    with catalog.transaction():
+        cur = catalog.conn.execute(
+            "INSERT INTO runs (kind, model_id, status, started_at, updated_at) VALUES ('analyze', ?, 'queued', ?, ?)",
+            [",".join(model_ids), now(), now()])
+        run_id = int(cur.lastrowid)
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"analyze-{run_id}.log"
+    args = ["analyze", "--run-id", str(run_id)]
+    if model_ids:
+        args += ["--model-id", *model_ids]
+    if block_bytes:
+        args += ["--block-bytes", str(block_bytes)]
+    proc = _spawn(catalog, db_path, args, run_id, log_path)
+    return run_id, proc
+
+
+class RunProgress:
+    """Progress callback for the engine that writes the run row at most every PROGRESS_INTERVAL_S."""
+
+    def __init__(self, catalog: Catalog, run_id: int):
+        self.catalog = catalog
+        self.run_id = run_id
+        self.last = 0.0
+        with catalog.transaction():
+            catalog.conn.execute("UPDATE runs SET status='running', pid=?, updated_at=? WHERE id=?",
+                                 [os.getpid(), now(), run_id])
+
+    def __call__(self, done: int, total: int, expert_bytes: int) -> None:
+        t = time.monotonic()
+        if t - self.last < PROGRESS_INTERVAL_S and done < total:
+            return
+        self.last = t
+        with self.catalog.transaction():
+            self.catalog.conn.execute(
+                "UPDATE runs SET blocks_done=?, blocks_total=?, expert_bytes_done=?, updated_at=? WHERE id=?",
+                [done, total, expert_bytes, now(), self.run_id])
+
+    def finish(self) -> None:
+        with self.catalog.transaction():
+            self.catalog.conn.execute("UPDATE runs SET status='succeeded', finished_at=?, updated_at=? WHERE id=?",
+                                      [now(), now(), self.run_id])
+
+    def fail(self, status: str, message: str) -> None:
+        with self.catalog.transaction():
+            self.catalog.conn.execute("UPDATE runs SET status=?, error=?, finished_at=?, updated_at=? WHERE id=?",
+                                      [status, message, now(), now(), self.run_id])
+
+
+def get_run(catalog: Catalog, run_id: int) -> dict:
+    rows = catalog.query("SELECT * FROM runs WHERE id = ?", [run_id])
+    if not rows:
+        raise ExecutionError(f"unknown run {run_id}")
+    run = rows[0]
+    if run["status"] in ("queued", "running") and run["pid"] and not pid_alive(run["pid"]):
+        run["status"] = "failed"  # the process died without recording why; `recover` makes it durable
+    return run
+
+
+def cancel_run(catalog: Catalog, run_id: int) -> bool:
+    run = get_run(catalog, run_id)
+    if run["status"] not in ("queued", "running") or not run["pid"]:
+        return False
+    try:
+        os.killpg(run["pid"], signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def log_tail(run: dict, lines: int = 40) -> str:
+    path = run.get("log_path")
+    if not path or not Path(path).exists():
+        return ""
+    with open(path, "rb") as fh:
+        fh.seek(0, 2)
+        size = fh.tell()
+        fh.seek(max(0, size - 64 * 1024))
+        text = fh.read().decode(errors="replace")
+    return "\n".join(text.splitlines()[-lines:])
