@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.run import PY, cold, ensure_family, measure, resident_bytes  # noqa: E402
 from mergepipe.analyze.stats import analyze  # noqa: E402
 from mergepipe.catalog.db import Catalog  # noqa: E402
-from mergepipe.planner.plan import Planner  # noqa: E402
+from mergepipe.planner.context import Planner  # noqa: E402
 from mergepipe.catalog.models import register  # noqa: E402
 from mergepipe.storage.safetensors import open_checkpoint  # noqa: E402
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from mergepipe.analyze.stats import analyze  # noqa: E402
 from mergepipe.catalog.db import Catalog  # noqa: E402
 from mergepipe.research.family import make_family  # noqa: E402
-from mergepipe.planner.plan import Planner  # noqa: E402
+from mergepipe.planner.context import Planner  # noqa: E402
 from mergepipe.catalog.models import register  # noqa: E402
 from mergepipe.storage.safetensors import evict, open_checkpoint  # noqa: E402
 

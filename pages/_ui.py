@@ -11,7 +11,7 @@ import subprocess
 import streamlit as st
 
 from mergepipe.dashboard import views
-from mergepipe.catalog.db import Catalog
+from mergepipe.api import Catalog
 from mergepipe.errors import MergePipeError
 
 

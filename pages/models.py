@@ -4,8 +4,7 @@ import streamlit as st
 
 from mergepipe.dashboard import views
 from mergepipe.errors import MergePipeError
-from mergepipe.catalog.models import register
-from mergepipe.engine.runs import launch_analyze
+from mergepipe.api import launch_analyze, register
 from pages import _ui as ui
 
 NO_BASE = "(none: this is a base model)"

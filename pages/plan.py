@@ -6,7 +6,7 @@ import streamlit as st
 
 from mergepipe.dashboard import views
 from mergepipe.errors import PlanError
-from mergepipe.planner.plan import STRATEGIES, save_plan
+from mergepipe.api import STRATEGIES, save_plan
 from pages import _ui as ui
 
 TRI = {"default": None, "on": True, "off": False}

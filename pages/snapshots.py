@@ -4,7 +4,7 @@ bytes per expert and per tensor, the touched blocks, and a verify button."""
 import streamlit as st
 
 from mergepipe.dashboard import views
-from mergepipe.manifest.build import verify
+from mergepipe.api import verify
 from pages import _ui as ui
 
 st.title("Snapshots")

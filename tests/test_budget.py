@@ -7,7 +7,7 @@ import pytest
 
 from mergepipe.planner.budget import mib, parse_budget
 from mergepipe.errors import MergePipeError, PlanError
-from mergepipe.planner.plan import Planner
+from mergepipe.planner.context import Planner
 
 from merge_helpers import run_cli, shared_family, copy_catalog, open_copy
 

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from mergepipe.engine.engine import Engine
 from mergepipe.errors import ExecutionError, MergePipeError
 from mergepipe.storage.grid import tensor_grid
-from mergepipe.planner.plan import Plan, Planner, expand_ranges
+from mergepipe.planner.plan import Plan, expand_ranges
+from mergepipe.planner.context import Planner
 from mergepipe.storage.safetensors import evict, open_checkpoint
 
 from merge_helpers import (STAGING_MARK, dir_hashes, fsync_dirs, l2_dist, l2_norm, load_dir, open_copy,

@@ -16,7 +16,7 @@ from mergepipe.api import merge
 from mergepipe.catalog.db import Catalog
 from mergepipe.engine.engine import Engine
 from mergepipe.engine.inflight import InflightAnalysis
-from mergepipe.planner.plan import Planner
+from mergepipe.planner.context import Planner
 from mergepipe.catalog.models import register
 
 from merge_helpers import (STAGING_MARK, check_catalog_consistent, cli_cmd, dir_hashes, dump_db, rows, run_cli,

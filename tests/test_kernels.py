@@ -12,7 +12,7 @@ import torch
 from mergepipe.ops import kernels
 from mergepipe.engine.engine import Engine
 from mergepipe.ops.core import block_seed, combine, get_op, l1_ratio, resolve_params, sparsify, uniform
-from mergepipe.planner.plan import Planner
+from mergepipe.planner.context import Planner
 
 from merge_helpers import dir_hashes, open_copy, shared_family
 

@@ -16,7 +16,7 @@ from mergepipe.api import lineage, snapshots
 from mergepipe.engine.engine import Engine
 from mergepipe.errors import MergePipeError, VerifyError
 from mergepipe.manifest.build import MANIFEST_NAME, Manifest, load_manifest, verify
-from mergepipe.planner.plan import Planner
+from mergepipe.planner.context import Planner
 
 from merge_helpers import (DENSITIES, check_catalog_consistent, dir_hashes, load_dir, manifest_of, open_copy,
                            run_cli, sha256_file, shared_family)

@@ -13,7 +13,7 @@ import torch
 
 from mergepipe.research.baselines import naive_merge
 from mergepipe.engine.engine import Engine
-from mergepipe.planner.plan import Planner
+from mergepipe.planner.context import Planner
 
 from merge_helpers import ALL_OPS, load_dir, max_abs_diff, open_copy, plan_kwargs_for_baseline, shared_family
 

@@ -16,7 +16,8 @@ import torch
 from mergepipe.analyze.stats import analyze
 from mergepipe.catalog.db import Catalog
 from mergepipe.errors import CatalogError, PlanError
-from mergepipe.planner.plan import Planner, expand_ranges, load_plan
+from mergepipe.planner.context import Planner
+from mergepipe.planner.plan import expand_ranges, load_plan
 from mergepipe.catalog.models import register
 
 from merge_helpers import DENSITIES, l2_dist, load_dir, open_copy, shared_family
@@ -350,7 +351,7 @@ def test_uniform_strategy_takes_the_same_share_of_every_tensor(cat, fam):
 
 def test_kept_strategy_scores_blocks_by_what_ties_keeps():
     """A block whose energy sits below the TIES threshold is worth less than its norm says."""
-    from mergepipe.planner.plan import _van_der_corput, _uniform_priority
+    from mergepipe.planner.strategies import _van_der_corput, _uniform_priority
     assert [_van_der_corput(i) for i in range(4)] == [0.0, 0.5, 0.25, 0.75]
     pr = _uniform_priority(np.array([0, 0, 0, 0]), np.array([1, 1, 1, 1]), np.array([3, 2, 1, 0]))
     assert list(np.argsort(-pr, kind="stable")) == [3, 1, 2, 0]  # blocks 0, 2, 1, 3

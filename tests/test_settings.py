@@ -8,7 +8,7 @@ import torch
 
 from mergepipe.api import merge
 from mergepipe.errors import PlanError
-from mergepipe.planner.plan import Planner
+from mergepipe.planner.context import Planner
 from mergepipe.planner.settings import check_setting, evaluate, layer_t, num_layers, resolve
 
 from merge_helpers import l2_dist, load_dir, open_copy, shared_family

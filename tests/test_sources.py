@@ -24,7 +24,8 @@ from mergepipe.catalog.db import Catalog
 from mergepipe.errors import CatalogError, MergePipeError
 from mergepipe.research.family import make_family
 from mergepipe.storage.lora import open_adapter
-from mergepipe.planner.plan import Planner, expand_ranges
+from mergepipe.planner.context import Planner
+from mergepipe.planner.plan import expand_ranges
 from mergepipe.catalog.models import check_unchanged, register
 from mergepipe.storage.safetensors import evict, open_checkpoint
 

@@ -18,7 +18,7 @@ import pytest
 
 from mergepipe.catalog.db import Catalog
 from mergepipe.engine.engine import Engine
-from mergepipe.planner.plan import Planner
+from mergepipe.planner.context import Planner
 from mergepipe.engine.txn import pid_alive
 
 from merge_helpers import (STAGING_MARK, check_catalog_consistent, cli_cmd, copy_catalog, dump_db, rows,

@@ -34,6 +34,7 @@ from mergepipe.catalog.models import check_unchanged
 from mergepipe.catalog.sketch import DEFAULT_SKETCH_SIZE, sample_positions, sketch_bytes
 from mergepipe.storage.sources import open_source
 from mergepipe.storage.safetensors import FLOAT_DTYPES, Checkpoint, RangeReader, TensorInfo, open_checkpoint
+from mergepipe.catalog.analyses import replace_analyses
 
 # Top-k fractions with stored thresholds: every percent, plus two below 1 %.
 DEFAULT_DENSITIES = (0.001, 0.005) + tuple(round(i / 100, 2) for i in range(1, 100))
@@ -360,16 +361,7 @@ def _zero_tensor(binfo: TensorInfo, block_bytes: int, expert_id: str):
 def store_analyses(catalog: Catalog, jobs: list[ExpertAnalysis], seconds: dict | None = None) -> None:
     """Replace the statistics of these experts (and their base's grid) in one transaction."""
     with catalog.transaction():
-        for job in jobs:
-            if catalog.grid_block_bytes(job.base["id"]) != job.block_bytes:
-                catalog.db["grids"].upsert(
-                    {"base_id": job.base["id"], "block_bytes": job.block_bytes, "n_blocks": job.n_blocks,
-                     "created_at": now()}, pk="base_id")
-            for table in ("blocks", "tensor_stats"):
-                catalog.conn.execute(f"DELETE FROM {table} WHERE model_id = ?", [job.expert_id])
-            catalog.db["blocks"].insert_all((r for rows, _ in job.results.values() for r in rows), batch_size=2000)
-            catalog.db["tensor_stats"].insert_all((s for _, s in job.results.values()), batch_size=2000)
-            catalog.db["analyses"].upsert(job.record((seconds or {}).get(job.expert_id)), pk="model_id")
+        replace_analyses(catalog, jobs, seconds)
 
 
 def _prepare(catalog: Catalog, expert_id: str, block_bytes, sketch_size, densities, force) -> ExpertAnalysis | None:

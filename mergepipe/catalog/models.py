@@ -294,3 +294,23 @@ def _write(catalog: Catalog, c: Checked, row: dict) -> None:
         catalog.conn.execute("DELETE FROM models WHERE id = ?", [c.model_id])
     catalog.db["models"].insert(row)
     catalog.db["tensors"].insert_all(_tensor_rows(c), batch_size=1000)
+
+
+# --- lookups the upper layers need -------------------------------------------------------------------
+def model_ids(catalog: Catalog) -> set[str]:
+    """Every registered model id."""
+    return {r["id"] for r in catalog.query("SELECT id FROM models")}
+
+
+def models_at(catalog: Catalog, uri: str) -> list[dict]:
+    """The models registered from ``uri``, oldest first."""
+    return catalog.query("SELECT * FROM models WHERE uri = ? ORDER BY registered_at, id", [uri])
+
+
+def has_tensor(catalog: Catalog, model_id: str, name: str) -> bool:
+    return bool(catalog.query("SELECT 1 FROM tensors WHERE model_id=? AND name=?", [model_id, name]))
+
+
+def schema_version(catalog: Catalog) -> str:
+    """The schema version recorded in the catalog's meta table."""
+    return catalog.query('SELECT value FROM meta WHERE key=?', ['schema_version'])[0]['value']

@@ -79,8 +79,9 @@ def progress_bar(description: str):
 # --- catalog commands ----------------------------------------------------------------------------
 @command("init-db", "create (or migrate) a catalog")
 def cmd_init_db(args):
+    from mergepipe.catalog.models import schema_version
     cat = open_catalog(args, create=True)
-    print(f"catalog ready: {cat.path} (schema v{cat.query('SELECT value FROM meta WHERE key=?', ['schema_version'])[0]['value']})")
+    print(f"catalog ready: {cat.path} (schema v{schema_version(cat)})")
 
 
 def _add_register(p):
@@ -193,10 +194,10 @@ def cmd_models(args):
 
 @command("blocks", "per-block statistics of an analyzed expert")
 def cmd_blocks(args):
+    from mergepipe.catalog.models import has_tensor
     cat = open_catalog(args)
     cat.model(args.model_id)
-    if args.tensor is not None and not cat.query(
-            "SELECT 1 FROM tensors WHERE model_id=? AND name=?", [args.model_id, args.tensor]):
+    if args.tensor is not None and not has_tensor(cat, args.model_id, args.tensor):
         raise MergePipeError(f"model {args.model_id!r} has no tensor {args.tensor!r}")
     rows = cat.blocks(args.model_id, args.tensor)
     if not rows:
@@ -255,7 +256,7 @@ def _add_out_args(p):
 
 
 def _make_plan(args, cat, save=True, reserved_ids=()):
-    from mergepipe.planner.plan import Planner
+    from mergepipe.planner.context import Planner
     if args.budget is not None and args.io_budget_mb is not None:
         raise MergePipeError("give either --budget or --io-budget-mb, not both")
     if args.config is not None:
@@ -382,13 +383,14 @@ def cmd_execute(args):
 @command("explain", "print a plan or a snapshot, per expert and per tensor")
 def cmd_explain(args):
     from mergepipe.api import explain, load_manifest, load_plan
+    from mergepipe.catalog.plans import find_plan_id
     if args.as_mergekit:
         return _explain_mergekit(args)
     if args.out is not None:
         raise MergePipeError("--out goes with --as-mergekit")
     cat = open_catalog(args)
     if args.json:
-        if cat.query("SELECT 1 FROM plans WHERE id = ? OR id = ?", [args.ref, "plan-" + args.ref]):
+        if find_plan_id(cat, args.ref) is not None:
             print(load_plan(cat, args.ref).to_json(indent=2))
         else:
             print(load_manifest(cat, args.ref).to_json())

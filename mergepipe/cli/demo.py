@@ -11,6 +11,7 @@ from mergepipe.api import merge, merge_summary
 from mergepipe.catalog.db import Catalog
 from mergepipe.research.family import make_family
 from mergepipe.catalog.models import register, register_many
+from mergepipe.catalog.snapshots import snapshot_count
 
 DEMO_EXPERTS = 4
 
@@ -32,7 +33,7 @@ def build_demo(root: Path, log=print) -> dict:
     for r in analyze(cat, experts, block_bytes=256 << 10):
         log(f"analyze {r.model_id}: " + ("unchanged" if r.skipped else f"{r.n_blocks} blocks, {r.bytes_read / 1e6:.1f} MB "
                                           f"in {r.seconds:.2f} s"))
-    n = len(cat.query("SELECT id FROM snapshots"))
+    n = snapshot_count(cat)
     out = root / "merged" / f"ties-25pct-{n + 1}"
     out.parent.mkdir(exist_ok=True)
     plan, sid, manifest = merge(cat, "base", experts, out, operator="ties", model_id=f"demo-ties-25pct-{n + 1}",

@@ -35,8 +35,11 @@ import yaml
 from mergepipe.catalog.db import Catalog
 from mergepipe.errors import MergePipeError
 from mergepipe.ops.core import OPERATORS, get_op, resolve_params
-from mergepipe.planner.plan import STRATEGIES, Plan, Planner
-from mergepipe.catalog.models import check_unchanged, register
+from mergepipe.planner.strategies import STRATEGIES
+from mergepipe.planner.plan import Plan
+from mergepipe.planner.context import Planner
+from mergepipe.catalog.models import check_unchanged, model_ids, models_at, register
+from mergepipe.catalog.plans import find_plan_id
 from mergepipe.planner.settings import check_setting
 from mergepipe.storage.safetensors import open_checkpoint
 
@@ -435,7 +438,7 @@ class _Resolver:
                  reserved_ids):
         self.cat, self.cfg, self.register_paths = cat, cfg, register_paths
         self.check = check_path or _default_check
-        self.taken = {r["id"] for r in cat.query("SELECT id FROM models")} | set(reserved_ids or ())
+        self.taken = model_ids(cat) | set(reserved_ids or ())
         self.out = Resolved(cfg, "", [])
         self.base_path: Path | None = None
 
@@ -459,7 +462,7 @@ class _Resolver:
         return cand
 
     def _rows_at(self, path: Path) -> list[dict]:
-        return self.cat.query("SELECT * FROM models WHERE uri = ? ORDER BY registered_at, id", [str(path)])
+        return models_at(self.cat, str(path))
 
     def _unregistered(self, where: str, text: str):
         self.fail(where, f"{text} is not registered in the catalog; register and analyze it first "
@@ -621,7 +624,7 @@ def _record(cat: Catalog | None, ref: str) -> dict:
     from mergepipe.manifest.build import load_manifest
     from mergepipe.planner.plan import load_plan
 
-    if cat is not None and cat.query("SELECT 1 FROM plans WHERE id = ? OR id = ?", [ref, "plan-" + ref]):
+    if cat is not None and find_plan_id(cat, ref) is not None:
         p = load_plan(cat, ref).data
         return {"plan_id": p["id"], "digest": p["digest"], "base": p["base"], "experts": p["experts"],
                 "operator": p["operator"], "params": p["params"], "seed": p["seed"], "strategy": p["strategy"],

@@ -27,8 +27,11 @@ from pathlib import Path
 
 import torch
 
-from mergepipe import __version__
+from mergepipe.version import __version__
 from mergepipe.catalog.db import Catalog, now
+from mergepipe.catalog.plans import has_plan
+from mergepipe.catalog.runs import mark_run_published
+from mergepipe.catalog.snapshots import record_snapshot
 from mergepipe.errors import ExecutionError
 from mergepipe.storage.grid import DEFAULT_BLOCK_BYTES, BlockSpan, tensor_grid
 from mergepipe.engine.inflight import InflightAnalysis
@@ -197,7 +200,7 @@ class Engine:
         check_output_path(out)
         self._check_inputs(plan)
         from mergepipe.planner.plan import save_plan
-        if not self.catalog.query("SELECT 1 FROM plans WHERE id = ?", [plan.id]):
+        if not has_plan(self.catalog, plan.id):
             save_plan(self.catalog, plan)
         txn = Transaction(self.catalog, out)
         previous = signal.getsignal(signal.SIGTERM)
@@ -483,18 +486,10 @@ class Engine:
         if inflight:
             inflight.store(self.catalog)
         register(self.catalog, model_id, str(out), base_id=plan["base"]["id"], snapshot_id=manifest.snapshot_id)
-        self.catalog.db["snapshots"].insert({
-            "id": manifest.snapshot_id, "model_id": model_id, "plan_id": plan.id, "out": str(out),
-            "manifest_hash": manifest.manifest_hash, "created_at": manifest.run["created_at"]})
-        self.catalog.db["manifests"].insert({"snapshot_id": manifest.snapshot_id,
-                                             "manifest_hash": manifest.manifest_hash, "json": manifest.to_json()})
-        self.catalog.db["lineage"].insert_all(
-            [{"child_id": model_id, "parent_id": p["id"], "role": p["role"], "weight": p["weight"]}
-             for p in manifest.core["parents"]])
+        record_snapshot(self.catalog, manifest.snapshot_id, model_id, plan.id, str(out), manifest.manifest_hash,
+                        manifest.run["created_at"], manifest.to_json(), manifest.core["parents"])
         if run_id is not None:
-            self.catalog.conn.execute(
-                "UPDATE runs SET status='succeeded', snapshot_id=?, finished_at=?, updated_at=? WHERE id=?",
-                [manifest.snapshot_id, now(), now(), run_id])
+            mark_run_published(self.catalog, run_id, manifest.snapshot_id)
 
 
 def _warm_kernels() -> None:

@@ -17,12 +17,13 @@ from pathlib import Path
 from mergepipe.catalog.db import Catalog, now
 from mergepipe.errors import ExecutionError
 from mergepipe.engine.txn import check_output_path, pid_alive
+from mergepipe.catalog import runs as runs_table
 
 PROGRESS_INTERVAL_S = 0.3
 
 
 def active_run_for(catalog: Catalog, out: str) -> dict | None:
-    rows = catalog.query("SELECT * FROM runs WHERE out = ? AND status IN ('queued', 'running')", [out])
+    rows = runs_table.active_runs_at(catalog, out)
     return next((r for r in rows if pid_alive(r["pid"]) or r["pid"] is None), None)
 
 
@@ -32,10 +33,7 @@ def create_run(catalog: Catalog, plan_id: str, out: str, model_id: str, planned:
         raise ExecutionError(f"a run writing {out} is already in progress")
     check_output_path(Path(out))
     with catalog.transaction():
-        cur = catalog.conn.execute(
-            "INSERT INTO runs (plan_id, out, model_id, status, log_path, started_at, updated_at, expert_bytes_planned)"
-            " VALUES (?, ?, ?, 'queued', ?, ?, ?, ?)", [plan_id, out, model_id, log_path, now(), now(), planned])
-        return int(cur.lastrowid)
+        return runs_table.insert_merge_run(catalog, plan_id, out, model_id, log_path, planned)
 
 
 def launch_run(db_path: str | Path, catalog: Catalog, plan_id: str, out: str, model_id: str,
@@ -62,7 +60,7 @@ def _spawn(catalog: Catalog, db_path, args: list[str], run_id: int, log_path: Pa
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     with catalog.transaction():
-        catalog.conn.execute("UPDATE runs SET pid = ?, log_path = ? WHERE id = ?", [proc.pid, str(log_path), run_id])
+        runs_table.set_run_process(catalog, run_id, proc.pid, str(log_path))
     return proc
 
 
@@ -71,14 +69,11 @@ def launch_analyze(db_path: str | Path, catalog: Catalog, model_ids: list[str], 
     """Start ``mergepipe analyze`` in its own process; progress lands in the runs table (kind 'analyze')."""
     for mid in model_ids:
         catalog.model(mid)
-    busy = catalog.query("SELECT id, pid FROM runs WHERE kind = 'analyze' AND status IN ('queued', 'running')")
+    busy = runs_table.active_analyze_runs(catalog)
     if any(pid_alive(r["pid"]) for r in busy):
         raise ExecutionError("an analyze run is already in progress")
     with catalog.transaction():
-        cur = catalog.conn.execute(
-            "INSERT INTO runs (kind, model_id, status, started_at, updated_at) VALUES ('analyze', ?, 'queued', ?, ?)",
-            [",".join(model_ids), now(), now()])
-        run_id = int(cur.lastrowid)
+        run_id = runs_table.insert_analyze_run(catalog, model_ids)
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"analyze-{run_id}.log"
@@ -99,8 +94,7 @@ class RunProgress:
         self.run_id = run_id
         self.last = 0.0
         with catalog.transaction():
-            catalog.conn.execute("UPDATE runs SET status='running', pid=?, updated_at=? WHERE id=?",
-                                 [os.getpid(), now(), run_id])
+            runs_table.mark_run_running(catalog, run_id, os.getpid())
 
     def __call__(self, done: int, total: int, expert_bytes: int) -> None:
         t = time.monotonic()
@@ -108,23 +102,19 @@ class RunProgress:
             return
         self.last = t
         with self.catalog.transaction():
-            self.catalog.conn.execute(
-                "UPDATE runs SET blocks_done=?, blocks_total=?, expert_bytes_done=?, updated_at=? WHERE id=?",
-                [done, total, expert_bytes, now(), self.run_id])
+            runs_table.update_run_progress(self.catalog, self.run_id, done, total, expert_bytes)
 
     def finish(self) -> None:
         with self.catalog.transaction():
-            self.catalog.conn.execute("UPDATE runs SET status='succeeded', finished_at=?, updated_at=? WHERE id=?",
-                                      [now(), now(), self.run_id])
+            runs_table.mark_run_succeeded(self.catalog, self.run_id)
 
     def fail(self, status: str, message: str) -> None:
         with self.catalog.transaction():
-            self.catalog.conn.execute("UPDATE runs SET status=?, error=?, finished_at=?, updated_at=? WHERE id=?",
-                                      [status, message, now(), now(), self.run_id])
+            runs_table.mark_run_ended(self.catalog, self.run_id, status, message)
 
 
 def get_run(catalog: Catalog, run_id: int) -> dict:
-    rows = catalog.query("SELECT * FROM runs WHERE id = ?", [run_id])
+    rows = runs_table.run_rows(catalog, run_id)
     if not rows:
         raise ExecutionError(f"unknown run {run_id}")
     run = rows[0]

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from mergepipe.catalog.db import Catalog, now
 from mergepipe.errors import ExecutionError
+from mergepipe.catalog import runs as runs_table
+from mergepipe.catalog.snapshots import snapshot_at
 
 STAGING_MARK = ".mergepipe-staging-"
 ACTIVE: set[str] = set()  # ids of this process's transactions still in flight
@@ -73,8 +75,7 @@ class Transaction:
     def begin(self) -> Path:
         check_output_path(self.out)
         with self.catalog.transaction():
-            self.catalog.db["txns"].insert({"id": self.id, "staging": str(self.staging), "out": str(self.out),
-                                            "status": "staging", "pid": os.getpid(), "started_at": now()})
+            runs_table.insert_txn(self.catalog, self.id, str(self.staging), str(self.out), os.getpid())
         self.staging.mkdir()
         ACTIVE.add(self.id)
         self.state = "staging"
@@ -85,7 +86,7 @@ class Transaction:
         fsync_tree(self.staging)
         check_output_path(self.out)
         with self.catalog.transaction():
-            self.catalog.conn.execute("UPDATE txns SET status='renamed' WHERE id=?", [self.id])
+            runs_table.set_txn_status(self.catalog, self.id, "renamed", finished=False)
         os.rename(self.staging, self.out)
         fsync_path(self.out.parent)
         self.state = "renamed"
@@ -94,7 +95,7 @@ class Transaction:
         """Run ``register_fn`` and mark the txn committed in one catalog transaction."""
         with self.catalog.transaction():
             register_fn()
-            self.catalog.conn.execute("UPDATE txns SET status='committed', finished_at=? WHERE id=?", [now(), self.id])
+            runs_table.set_txn_status(self.catalog, self.id, "committed")
         ACTIVE.discard(self.id)
         self.state = "committed"
 
@@ -105,7 +106,7 @@ class Transaction:
             shutil.rmtree(self.out, ignore_errors=True)
         if self.state in ("staging", "renamed"):
             with self.catalog.transaction():
-                self.catalog.conn.execute("UPDATE txns SET status='aborted', finished_at=? WHERE id=?", [now(), self.id])
+                runs_table.set_txn_status(self.catalog, self.id, "aborted")
         ACTIVE.discard(self.id)
         self.state = "aborted"
 
@@ -113,26 +114,23 @@ class Transaction:
 def recover(catalog: Catalog) -> dict:
     """Roll back every unfinished transaction whose process is gone; fail runs that died."""
     removed, rolled_back = [], []
-    for t in catalog.query("SELECT * FROM txns WHERE status IN ('staging', 'renamed')"):
+    for t in runs_table.unfinished_txns(catalog):
         if t["id"] in ACTIVE or (t["pid"] != os.getpid() and pid_alive(t["pid"])):
             continue  # still running (here or in another live process)
         staging, out = Path(t["staging"]), Path(t["out"])
         if staging.exists():
             shutil.rmtree(staging)
             removed.append(str(staging))
-        if t["status"] == "renamed" and out.exists() and not catalog.query(
-                "SELECT 1 FROM snapshots WHERE out = ?", [str(out)]):
+        if t["status"] == "renamed" and out.exists() and not snapshot_at(catalog, str(out)):
             shutil.rmtree(out)
             removed.append(str(out))
         with catalog.transaction():
-            catalog.conn.execute("UPDATE txns SET status='rolled_back', finished_at=? WHERE id=?", [now(), t["id"]])
+            runs_table.set_txn_status(catalog, t["id"], "rolled_back")
         rolled_back.append(t["id"])
     failed_runs = []
-    for r in catalog.query("SELECT id, pid FROM runs WHERE status IN ('queued', 'running')"):
+    for r in runs_table.unfinished_runs(catalog):
         if not pid_alive(r["pid"]):
             with catalog.transaction():
-                catalog.conn.execute(
-                    "UPDATE runs SET status='failed', error='process died (recovered)', finished_at=? WHERE id=?",
-                    [now(), r["id"]])
+                runs_table.mark_run_died(catalog, r["id"])
             failed_runs.append(r["id"])
     return {"rolled_back": rolled_back, "removed": removed, "failed_runs": failed_runs}

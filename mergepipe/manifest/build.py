@@ -16,6 +16,7 @@ from pathlib import Path
 
 from mergepipe.catalog.db import Catalog
 from mergepipe.errors import MergePipeError, VerifyError
+from mergepipe.catalog import snapshots
 
 MANIFEST_NAME = "mergepipe_manifest.json"
 MANIFEST_FORMAT = "mergepipe.manifest/1"
@@ -82,12 +83,10 @@ def load_manifest(catalog: Catalog | None, ref: str) -> Manifest:
             raise VerifyError(f"{mpath}: unreadable manifest ({exc})") from None
     if catalog is None:
         raise MergePipeError(f"{ref}: not a directory")
-    rows = catalog.query(
-        "SELECT m.json FROM manifests m JOIN snapshots s ON s.id = m.snapshot_id WHERE s.id = ? OR s.model_id = ?",
-        [ref, ref])
-    if not rows:
+    text = snapshots.manifest_json(catalog, ref)
+    if text is None:
         raise MergePipeError(f"unknown snapshot {ref!r} (not a snapshot id, merged model id or snapshot directory)")
-    return Manifest.from_dict(json.loads(rows[0]["json"]))
+    return Manifest.from_dict(json.loads(text))
 
 
 def verify(catalog: Catalog | None, ref: str) -> dict:
@@ -105,9 +104,9 @@ def verify(catalog: Catalog | None, ref: str) -> dict:
     else:
         problems.append(f"{MANIFEST_NAME} is missing")
     if catalog is not None:
-        rows = catalog.query("SELECT manifest_hash FROM snapshots WHERE id = ?", [manifest.snapshot_id])
-        if rows and rows[0]["manifest_hash"] != manifest.manifest_hash:
-            problems.append(f"catalog records manifest hash {rows[0]['manifest_hash']}")
+        recorded = snapshots.snapshot_manifest_hash(catalog, manifest.snapshot_id)
+        if recorded is not None and recorded != manifest.manifest_hash:
+            problems.append(f"catalog records manifest hash {recorded}")
     checked = 0
     for name, info in sorted(manifest.core["outputs"].items()):
         f = out / name
