@@ -22,7 +22,7 @@ from mergepipe.catalog.plans import find_plan_id, has_plan
 
 if TYPE_CHECKING:
     from mergepipe.engine.engine import Engine
-    from mergepipe.config.mergekit import MergekitConfig
+    from mergepipe.config.model import MergekitConfig
     from mergepipe.planner.plan import Plan
     from mergepipe.planner.context import Planner
 
@@ -36,9 +36,9 @@ _LAZY = {
     "Engine": "mergepipe.engine.engine", "DEFAULT_SHARD_BYTES": "mergepipe.engine.engine",
     "Plan": "mergepipe.planner.plan", "load_plan": "mergepipe.planner.plan", "save_plan": "mergepipe.planner.plan",
     "Planner": "mergepipe.planner.context", "STRATEGIES": "mergepipe.planner.strategies",
-    "MergekitConfig": "mergepipe.config.mergekit", "export_mergekit": "mergepipe.config.mergekit",
-    "load_config": "mergepipe.config.mergekit", "parse_config": "mergepipe.config.mergekit",
-    "plan_from_config": "mergepipe.config.mergekit",
+    "MergekitConfig": "mergepipe.config.model", "export_mergekit": "mergepipe.config.export",
+    "load_config": "mergepipe.config.parse", "parse_config": "mergepipe.config.parse",
+    "plan_from_config": "mergepipe.config.resolve",
 }
 
 
@@ -76,7 +76,8 @@ def merge(catalog: Catalog, base: str, experts, out, operator: str = "linear", m
 
 
 def _config(config) -> MergekitConfig:
-    from mergepipe.config.mergekit import MergekitConfig, load_config
+    from mergepipe.config.model import MergekitConfig
+    from mergepipe.config.parse import load_config
     return config if isinstance(config, MergekitConfig) else load_config(config)
 
 
@@ -94,7 +95,7 @@ def check_target(catalog: Catalog, out, model_id: str | None = None) -> tuple[Pa
 def plan_config(catalog: Catalog, config, save: bool = True, **overrides) -> Plan:
     """Plan a mergekit config (a path or a parsed :class:`MergekitConfig`); ``overrides`` as in
     ``MergekitConfig.with_overrides``. Paths in it are registered on the fly (and analyzed by the merge)."""
-    from mergepipe.config.mergekit import plan_from_config
+    from mergepipe.config.resolve import plan_from_config
     cfg = _config(config).with_overrides(**overrides)
     return plan_from_config(catalog, cfg, save=save)[0]
 
@@ -104,7 +105,7 @@ def merge_config(catalog: Catalog, config, out, model_id: str | None = None,
     """Plan and execute a mergekit config; returns (plan, snapshot_id, manifest).
 
     A config that cannot be merged (bad key, missing path, taken output) changes nothing in the catalog."""
-    from mergepipe.config.mergekit import plan_from_config
+    from mergepipe.config.resolve import plan_from_config
     cfg = _config(config).with_overrides(**overrides)
     out, model_id = check_target(catalog, out, model_id)
     plan, _ = plan_from_config(catalog, cfg, save=False, reserved_ids={model_id})

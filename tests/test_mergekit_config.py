@@ -22,7 +22,9 @@ from merge_helpers import (
 
 from mergepipe.catalog.db import Catalog
 from mergepipe.errors import MergePipeError
-from mergepipe.config.mergekit import ConfigError, parse_config, prepare
+from mergepipe.config.model import ConfigError
+from mergepipe.config.parse import parse_config
+from mergepipe.config.resolve import prepare
 
 
 @pytest.fixture(scope="module")

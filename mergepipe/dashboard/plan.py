@@ -66,7 +66,7 @@ PLAN_PAGE_TRI = {None: "default", True: "on", False: "off"}
 def read_config_source(upload: bytes | None, path: str | None, roots: list[Path],
                        upload_name: str | None = None) -> tuple[bytes, str]:
     """The bytes of a mergekit YAML from an upload, else from a typed path under an allowed folder."""
-    from mergepipe.config.mergekit import MAX_CONFIG_BYTES
+    from mergepipe.config.model import MAX_CONFIG_BYTES
     if upload is not None:
         return upload, upload_name or "uploaded config"
     p = check_path(path or "", roots)
@@ -83,7 +83,8 @@ def mergekit_plan_settings(cat: Catalog, text: str | bytes, source: str, roots: 
     Only looks at the catalog: the config's models must be registered already (a path is matched by
     uri and fingerprint; paths must lie under an allowed folder). Refuses what the page cannot show
     (per-model densities that differ, a budget that is not a whole percentage)."""
-    from mergepipe.config.mergekit import parse_config, prepare
+    from mergepipe.config.parse import parse_config
+    from mergepipe.config.resolve import prepare
     cfg = parse_config(text, source)
     r = prepare(cat, cfg, register_paths=False, check_path=lambda t: check_path(t, roots))
     spec = get_op(cfg.method)
