@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from mergepipe.ops import kernels  # noqa: E402
-from mergepipe.engine.engine import tensor_bytes  # noqa: E402
+from mergepipe.engine.blocks import tensor_bytes  # noqa: E402
 from mergepipe.ops.core import block_seed, combine, get_op, resolve_params, sparsify  # noqa: E402
 from mergepipe.storage.safetensors import DTYPES, bytes_to_tensor  # noqa: E402
 

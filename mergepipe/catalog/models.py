@@ -15,6 +15,7 @@ from pathlib import Path
 from mergepipe.catalog.db import Catalog, now
 from mergepipe.errors import CatalogError
 from mergepipe.storage.lora import ADAPTER_CONFIG, base_mismatches, open_adapter
+from mergepipe.storage.local import fingerprint
 from mergepipe.storage.safetensors import FLOAT_DTYPES, Checkpoint, open_checkpoint
 
 KINDS = ("full", "delta", "lora")
@@ -23,21 +24,6 @@ KINDS = ("full", "delta", "lora")
 def open_files(kind: str, uri: str) -> Checkpoint:
     """The files a model of this kind is read from (a LoRA adapter's weights, else the checkpoint)."""
     return open_adapter(uri).checkpoint if kind == "lora" else open_checkpoint(uri)
-
-
-def fingerprint(ckpt: Checkpoint) -> str:
-    """sha256 over the tensor layout (names, dtypes, shapes, offsets), file sizes and mtimes.
-
-    Reads no tensor bytes. Sibling fine-tunes share one layout, so the files' modification times are
-    part of it: a rewritten expert gets a new fingerprint and is re-analyzed, never silently reused.
-    """
-    h = hashlib.sha256(ckpt.headers_digest_source())
-    for f in ckpt.files:
-        h.update(f"{f.name}:{f.stat().st_mtime_ns}".encode())
-    adapter_config = ckpt.root / ADAPTER_CONFIG
-    if ckpt.root.is_dir() and adapter_config.is_file():  # a LoRA's alpha and r change its delta
-        h.update(adapter_config.read_bytes())
-    return "sha256:" + h.hexdigest()
 
 
 def current_fingerprint(row: dict) -> str:

@@ -21,7 +21,8 @@ from conftest import dump_catalog, dump_catalog_file, load_checkpoint_tensors
 from mergepipe.catalog.db import Catalog
 from mergepipe.cli.app import main
 from mergepipe.errors import CatalogError
-from mergepipe.catalog.models import fingerprint, named_by_path, register, register_many
+from mergepipe.storage.local import fingerprint
+from mergepipe.catalog.models import named_by_path, register, register_many
 from mergepipe.storage.safetensors import open_checkpoint
 
 REPO = Path(mergepipe.__file__).resolve().parents[1]

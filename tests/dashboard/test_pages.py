@@ -444,7 +444,7 @@ def test_models_register_delta_and_lora(env, built):
     from safetensors.torch import save_file
 
     from merge_helpers import load_dir
-    from test_mergekit_config import make_peft_adapter
+    from config.test_mergekit_config import make_peft_adapter
     tmp = env["tmp"]
     base, expert = load_dir(built.family / "base"), load_dir(built.family / "expert_1")
     (tmp / "delta_1").mkdir()

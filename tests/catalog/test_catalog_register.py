@@ -19,7 +19,8 @@ from conftest import (
 )
 from mergepipe.catalog.db import SCHEMA_VERSION, Catalog
 from mergepipe.errors import CatalogError, MergePipeError, StorageError
-from mergepipe.catalog.models import fingerprint, layout_mismatches, register
+from mergepipe.storage.local import fingerprint
+from mergepipe.catalog.models import layout_mismatches, register
 from mergepipe.storage.safetensors import INDEX_NAME, evict, open_checkpoint
 
 
