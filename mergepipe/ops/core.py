@@ -1,4 +1,5 @@
-"""Merge operators, each a small unit registered by name with declared parameters and defaults.
+"""Merge operators: the registry (one module per operator family declares its specs and block math;
+this module registers them by name), parameter resolution, and the per-block sparsify and combine.
 
 All operators work on one block at a time (mask-aware): the engine hands an operator the base block
 and the deltas of the experts the plan selected for that block; omitted experts contribute delta = 0
@@ -21,56 +22,16 @@ Deliberate differences from mergekit, all forced by streaming block by block:
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, field
-
 import torch
 
 from mergepipe.errors import PlanError
+from mergepipe.ops import breadcrumbs, dare, della, linear, ties
+from mergepipe.ops.spec import OPERATORS, OpSpec, register_op
 
-
-@dataclass(frozen=True)
-class OpSpec:
-    name: str
-    sparsify: str | None  # None | "magnitude" | "random" | "magnitude_outliers" | "della"
-    consensus: bool
-    normalize: bool
-    rescale: bool
-    aliases: tuple[str, ...] = ()
-    params: dict = field(default_factory=dict)  # extra global parameters with defaults
-    whole_models: bool = False  # linear: averages x_i, not base + deltas
-
-    @property
-    def additive(self) -> bool:
-        """Fixed-coefficient additive operators: the planner's error bound holds for these."""
-        return self.sparsify is None and not self.consensus
-
-    @property
-    def random(self) -> bool:
-        return self.sparsify in ("random", "della")
-
-    @property
-    def uses_density(self) -> bool:
-        return self.sparsify is not None
-
-
-OPERATORS: dict[str, OpSpec] = {}
-
-
-def register_op(spec: OpSpec) -> OpSpec:
-    OPERATORS[spec.name] = spec
-    return spec
-
-
-register_op(OpSpec("linear", None, False, True, False, aliases=("avg",), whole_models=True))
-register_op(OpSpec("task_arithmetic", None, False, False, False))
-register_op(OpSpec("ties", "magnitude", True, True, False))
-register_op(OpSpec("dare_linear", "random", False, False, True))
-register_op(OpSpec("dare_ties", "random", True, False, True, aliases=("dare",)))
-register_op(OpSpec("breadcrumbs", "magnitude_outliers", False, False, False, params={"gamma": 0.01}))
-register_op(OpSpec("breadcrumbs_ties", "magnitude_outliers", True, False, False, params={"gamma": 0.01}))
-register_op(OpSpec("della", "della", True, True, True, params={"epsilon": 0.1}))
-register_op(OpSpec("della_linear", "della", False, False, True, params={"epsilon": 0.1}))
+# Registration order is the order operators are listed in (the CLI, the dashboard, error messages).
+for _family in (linear, ties, dare, breadcrumbs, della):
+    for _spec in _family.SPECS:
+        register_op(_spec)
 
 
 def get_op(name: str) -> OpSpec:
@@ -136,41 +97,6 @@ def useful_blocks(spec: OpSpec, thresholds: list[float] | None, max_abs):
     return np.ones_like(max_abs, dtype=bool)
 
 
-def block_seed(seed: int, expert: int, tensor: str, block: int) -> int:
-    """Seed of the random stream for one (expert, tensor, block): independent of traversal order."""
-    h = hashlib.blake2b(f"{seed}|{expert}|{tensor}|{block}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & ((1 << 63) - 1)
-
-
-def uniform(seed: int, shape) -> torch.Tensor:
-    """The random stream of one block: float32 in [0, 1), element i (C order) a hash of (seed, i)
-    (counter-based, see kernels._u01), so any part of it can be drawn without the rest: the fused
-    kernel draws it element by element, the torch path and the reference as whole blocks."""
-    from mergepipe.ops import kernels  # numba: imported on first use, not by every importer of ops (planner, CLI)
-    shape = tuple(shape)
-    n = 1
-    for s in shape:
-        n *= s
-    return torch.from_numpy(kernels.uniform_array(seed, n)).reshape(shape)
-
-
-def _abs_sum64(t: torch.Tensor) -> float:
-    from mergepipe.ops import kernels
-    return kernels.abs_sum64(t.detach().contiguous().reshape(-1).float().numpy())
-
-
-def l1_ratio(original: torch.Tensor, kept: torch.Tensor) -> float | None:
-    """||original||_1 / ||kept||_1, summed in float64 in a fixed order (kernels.abs_sum64), so the
-    torch path, the fused kernel and the reference get the same bits."""
-    org, new = _abs_sum64(original), _abs_sum64(kept)
-    return org / new if org >= 1e-8 and new >= 1e-8 else None
-
-
-def _l1_rescale(original: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    ratio = l1_ratio(original, kept)
-    return kept if ratio is None else kept * ratio
-
-
 def sparsify(spec: OpSpec, delta: torch.Tensor, density: float, params: dict, thresholds: list[float],
              seed: int) -> torch.Tensor:
     """Sparsify one expert's delta block (float32, block shape)."""
@@ -178,67 +104,23 @@ def sparsify(spec: OpSpec, delta: torch.Tensor, density: float, params: dict, th
     if kind is None or (density >= 1.0 and kind != "magnitude_outliers"):
         return delta
     if kind == "magnitude":
-        return delta * (delta.abs() >= thresholds[0])
+        return ties.magnitude(delta, thresholds)
     if kind == "magnitude_outliers":
-        a = delta.abs()
-        kept = delta * ((a >= thresholds[1]) & (a < thresholds[0]))
-        return _l1_rescale(delta, kept) if params["rescale"] else kept
+        return breadcrumbs.outliers(delta, params, thresholds)
     if kind == "random":
-        kept = delta * (uniform(seed, delta.shape) < density)
-        return _l1_rescale(delta, kept) if params["rescale"] else kept
+        return dare.random_drop(delta, density, params, seed)
     if kind == "della":
-        return della_block(delta, density, params["epsilon"], params["rescale"], seed)
+        return della.della_block(delta, density, params["epsilon"], params["rescale"], seed)
     raise AssertionError(kind)
-
-
-def della_block(delta: torch.Tensor, density: float, epsilon: float, rescale: bool, seed: int) -> torch.Tensor:
-    """MAGPRUNE: keep probability rises linearly with magnitude rank within each row."""
-    rows = delta.reshape(delta.shape[0], -1) if delta.dim() >= 2 else delta.reshape(1, -1)
-    n = rows.shape[1]
-    ranks = torch.argsort(torch.argsort(rows.abs(), dim=1, stable=True), dim=1, stable=True).float()
-    probs = (density - epsilon) + (2 * epsilon / n) * ranks if n > 1 else torch.full_like(rows, density)
-    probs = probs.clamp(1e-6, 1.0)
-    keep = uniform(seed, rows.shape) < probs
-    kept = (rows / probs if rescale else rows) * keep
-    return kept.reshape(delta.shape)
 
 
 def combine(spec: OpSpec, base: torch.Tensor, deltas: list[tuple[float, torch.Tensor]],
             weight_sum: float, params: dict) -> torch.Tensor:
     """Merge one block. ``deltas`` are (weight, sparsified delta) of the experts read for this block;
     ``weight_sum`` is the sum of all experts' weights (omitted ones included)."""
-    lam = params["lambda"]
     if spec.consensus:
-        if not deltas:
-            return base
-        # Arithmetic rather than torch.where/boolean masks: ~3x faster on CPU, same values.
-        weighted = [w * d for w, d in deltas]
-        total = weighted[0].clone()
-        for wd in weighted[1:]:
-            total += wd
-        sign = (total >= 0) * 2.0 - 1.0  # elected sign; a zero sum elects +
-        magnitude = torch.zeros_like(base)  # sum of |w_i d_i| over entries agreeing with the sign
-        divisor = torch.zeros_like(base) if params["normalize"] else None
-        for (w, _), wd in zip(deltas, weighted):
-            agreeing = (wd * sign).clamp_(min=0)  # |w_i d_i| where it agrees, else 0
-            magnitude += agreeing
-            if divisor is not None:
-                divisor.add_(torch.sign(agreeing), alpha=w)
-        mixed = magnitude * sign
-        if divisor is not None:
-            mixed /= divisor.masked_fill_(divisor == 0, 1.0)
-        return base + mixed * lam if lam != 1 else base + mixed
-    mixed = torch.zeros_like(base)
-    for w, d in deltas:
-        mixed += w * d  # not add_(alpha=w): keep the reference's rounding (weight, then sum)
-    divisor = weight_sum if abs(weight_sum) >= 1e-8 else 1.0
-    if spec.whole_models and not params["normalize"]:
-        base = base * weight_sum  # sum_i w_i x_i = (sum_i w_i) base + sum_i w_i delta_i
-    if params["normalize"]:
-        mixed /= divisor
-    if lam != 1:
-        mixed *= lam
-    return base + mixed
+        return ties.combine_consensus(base, deltas, params)
+    return linear.combine_additive(spec, base, deltas, weight_sum, params)
 
 
 def coefficient(spec: OpSpec, weight: float, weight_sum: float, params: dict) -> float:

@@ -11,7 +11,7 @@ materialised.
 The arithmetic repeats the torch path operation for operation in float32 (scalars rounded to float32
 as torch does for Python numbers, the same order of additions, no fused multiply-add: numba does not
 contract without fastmath), so the output is bit-identical to ``ops.sparsify`` + ``ops.combine``;
-``tests/test_kernels.py`` checks that on random inputs.
+``tests/ops/test_kernels.py`` checks that on random inputs.
 
 Two pieces are shared with the torch path and the full-read reference rather than duplicated:
 ``uniform`` (the counter-based random stream of DARE/DELLA: a hash of (block seed, element index))

@@ -20,8 +20,9 @@ from mergepipe.catalog.models import check_unchanged
 from mergepipe.errors import PlanError
 from mergepipe.manifest.build import canonical
 from mergepipe.ops.core import (
-    coefficient, get_op, lookup_thresholds, OpSpec, resolve_params, threshold_fractions, useful_blocks,
+    coefficient, get_op, lookup_thresholds, resolve_params, threshold_fractions, useful_blocks,
 )
+from mergepipe.ops.spec import OpSpec
 from mergepipe.planner.budget import mib, parse_budget
 from mergepipe.planner.settings import (
     check_setting, is_scalar, layer_t, num_layers, resolve, tensor_density, tensor_weight,

@@ -19,7 +19,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mergepipe.storage.grid import tensor_grid
-from mergepipe.ops.core import OpSpec, block_seed, get_op, l1_ratio, uniform
+from mergepipe.ops.spec import OpSpec
+from mergepipe.ops.streams import block_seed, l1_ratio, uniform
+from mergepipe.ops.core import get_op
 from mergepipe.storage.safetensors import FLOAT_DTYPES, open_checkpoint
 
 

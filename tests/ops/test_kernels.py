@@ -11,7 +11,8 @@ import torch
 
 from mergepipe.ops import kernels
 from mergepipe.engine.engine import Engine
-from mergepipe.ops.core import block_seed, combine, get_op, l1_ratio, resolve_params, sparsify, uniform
+from mergepipe.ops.streams import block_seed, l1_ratio, uniform
+from mergepipe.ops.core import combine, get_op, resolve_params, sparsify
 from mergepipe.planner.context import Planner
 
 from merge_helpers import dir_hashes, open_copy, shared_family

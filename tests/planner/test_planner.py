@@ -381,7 +381,7 @@ def test_planner_input_errors(fam, tmp_path):
     with pytest.raises(PlanError, match="della"):
         planner.plan("base", ids, "della", density=0.05)  # density - epsilon must stay positive
     # No stored top-37% threshold, and an expert registered but not analyzed: not refused any more,
-    # the plan reads those experts in full and analyzes them on the way (tests/test_first_merge.py).
+    # the plan reads those experts in full and analyzes them on the way (tests/engine/test_first_merge.py).
     no_thr = planner.plan("base", ids, "ties", density=0.37, save=False)
     assert [e["analyze"] for e in no_thr["experts"]] == ["no magnitude threshold for top-0.37"] * len(ids)
     register(cat, "e4", str(fam.experts[3]), base_id="base")
