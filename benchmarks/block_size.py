@@ -24,7 +24,7 @@ from mergepipe.catalog.db import Catalog  # noqa: E402
 from mergepipe.engine.engine import Engine  # noqa: E402
 from mergepipe.planner.context import Planner  # noqa: E402
 from mergepipe.catalog.models import register  # noqa: E402
-from mergepipe.storage.safetensors import evict  # noqa: E402
+from mergepipe.storage.local import evict  # noqa: E402
 from run import ensure_family  # noqa: E402
 
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from mergepipe.catalog.db import Catalog  # noqa: E402
 from mergepipe.planner.context import Planner  # noqa: E402
-from mergepipe.storage.safetensors import evict  # noqa: E402
+from mergepipe.storage.local import evict  # noqa: E402
 
 PY = sys.executable
 

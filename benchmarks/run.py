@@ -31,7 +31,8 @@ from mergepipe.catalog.db import Catalog  # noqa: E402
 from mergepipe.research.family import make_family  # noqa: E402
 from mergepipe.planner.context import Planner  # noqa: E402
 from mergepipe.catalog.models import register  # noqa: E402
-from mergepipe.storage.safetensors import evict, open_checkpoint  # noqa: E402
+from mergepipe.storage.local import evict  # noqa: E402
+from mergepipe.storage.safetensors import open_checkpoint
 
 PROFILES = {
     "ci": dict(size="small", dtype="bf16", ks=[4], ops=["linear", "ties"], budgets=["10%", "100%"], block=256 << 10),

@@ -18,7 +18,8 @@ from mergepipe.analyze.stats import analyze
 from mergepipe.catalog.db import Catalog
 from mergepipe.research.family import make_family
 from mergepipe.catalog.models import register
-from mergepipe.storage.safetensors import INDEX_NAME, proc_io
+from mergepipe.storage.safetensors import INDEX_NAME
+from mergepipe.storage.local import proc_io
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -33,7 +33,8 @@ from mergepipe.storage.grid import DEFAULT_BLOCK_BYTES, BlockSpan, tensor_grid
 from mergepipe.catalog.models import check_unchanged
 from mergepipe.catalog.sketch import DEFAULT_SKETCH_SIZE, sample_positions, sketch_bytes
 from mergepipe.storage.sources import open_source
-from mergepipe.storage.safetensors import FLOAT_DTYPES, Checkpoint, RangeReader, TensorInfo, open_checkpoint
+from mergepipe.storage.safetensors import FLOAT_DTYPES, Checkpoint, TensorInfo, open_checkpoint
+from mergepipe.storage.local import RangeReader
 from mergepipe.catalog.analyses import replace_analyses
 
 # Top-k fractions with stored thresholds: every percent, plus two below 1 %.

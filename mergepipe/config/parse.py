@@ -64,6 +64,30 @@ def parse_config(text: str | bytes, source: str = "config") -> MergekitConfig:
 
 
 def _parse(text, source: str) -> MergekitConfig:
+    doc = _load(text)
+    method = _method(doc)
+    base = _base(doc)
+    globals_ = _global_params(doc)
+    entries = _model_entries(doc)
+    models, values = _models(entries, globals_)
+    # The compute dtype: MergePipe always computes in float32, at least as precise as any float dtype
+    # asked for (outputs may differ from mergekit's bf16/fp16 arithmetic by that dtype's rounding).
+    dtype = _dtype(doc.get("dtype"), "dtype")
+    out_dtype = _dtype(doc.get("out_dtype"), "out_dtype")
+    _check_tokenizer(doc)
+    budget, target, strategy, seed, plan_id = _extension(doc)
+
+    return MergekitConfig(
+        source=source, method=method, base=base, models=tuple(models),
+        normalize=_flag(globals_.get("normalize"), "parameters.normalize"),
+        rescale=_flag(globals_.get("rescale"), "parameters.rescale"),
+        lam=values["lambda"], gamma=values["gamma"], epsilon=values["epsilon"],
+        dtype=dtype, out_dtype=out_dtype, budget=budget, target_bound=target, strategy=strategy, seed=seed,
+        plan_id=plan_id)
+
+
+def _load(text) -> dict:
+    """The YAML document: a mapping of known top-level keys."""
     if isinstance(text, bytes):
         if len(text) > MAX_CONFIG_BYTES:
             raise ConfigError(f"{len(text)} bytes is too large for a merge config")
@@ -89,7 +113,11 @@ def _parse(text, source: str) -> MergekitConfig:
             raise ConfigError(REFUSED_TOP_KEYS[key])
         if key not in TOP_KEYS:
             raise ConfigError(f"unsupported key `{key}` (MergePipe reads {', '.join(TOP_KEYS)})")
+    return doc
 
+
+def _method(doc: dict) -> str:
+    """``merge_method``: an operator MergePipe has."""
     method = doc.get("merge_method")
     if method is None:
         raise ConfigError("`merge_method` is required")
@@ -100,19 +128,31 @@ def _parse(text, source: str) -> MergekitConfig:
         if method in MERGEKIT_ONLY_METHODS:
             raise ConfigError(f"merge_method `{method}` is not supported by MergePipe (supported: {supported})")
         raise ConfigError(f"unknown merge_method `{method}` (supported: {supported})")
+    return method
 
+
+def _base(doc: dict) -> str:
+    """``base_model``: required."""
     base = doc.get("base_model")
     if base is None:
         raise ConfigError("`base_model` is required: MergePipe stores experts as deltas against their base "
                           "(for linear, name the base the models were fine-tuned from; it is not averaged in)")
     base = _ref(base, "base_model")
+    return base
 
+
+def _global_params(doc: dict) -> dict:
+    """The merge-wide ``parameters``."""
     raw_globals = doc.get("parameters") or {}
     if not isinstance(raw_globals, dict):
         raise ConfigError("`parameters` must be a mapping of parameter names to values")
     globals_ = {k: _param(v, f"parameters.{k}", k) for k, v in raw_globals.items() if _known(k, GLOBAL_PARAMS,
                                                                                               "parameters")}
+    return globals_
 
+
+def _model_entries(doc: dict) -> list[tuple[str, dict, str]]:
+    """(reference, own parameters, where) of each ``models:`` entry."""
     raw_models = doc.get("models")
     if raw_models is None:
         raise ConfigError("`models:` is required (the list of models to merge)")
@@ -137,7 +177,11 @@ def _parse(text, source: str) -> MergekitConfig:
         params = {k: _param(v, f"{where}.parameters.{k}", k) for k, v in raw.items()
                   if _known(k, MODEL_PARAMS, f"{where}.parameters")}
         entries.append((ref, params, where))
+    return entries
 
+
+def _models(entries, globals_: dict) -> tuple[list[ConfigModel], dict]:
+    """The models with mergekit's precedence applied, and the one value of each shared parameter."""
     # mergekit: a model's own parameter wins over the global one of the same name.
     models = []
     shared: dict[str, dict[str, float]] = {p: {} for p in SHARED_PARAMS}
@@ -155,16 +199,19 @@ def _parse(text, source: str) -> MergekitConfig:
             raise ConfigError(f"`{p}` differs between models ({', '.join(f'{v:g}' for v in distinct)}): "
                               f"MergePipe applies one {p} to every model")
         values[p] = distinct[0] if distinct else None
+    return models, values
 
-    # The compute dtype: MergePipe always computes in float32, at least as precise as any float dtype
-    # asked for (outputs may differ from mergekit's bf16/fp16 arithmetic by that dtype's rounding).
-    dtype = _dtype(doc.get("dtype"), "dtype")
-    out_dtype = _dtype(doc.get("out_dtype"), "out_dtype")
+
+def _check_tokenizer(doc: dict) -> None:
+    """MergePipe copies the base's tokenizer files; nothing else is accepted."""
     tok = doc.get("tokenizer_source")
     if tok is not None and tok != "base":
         raise ConfigError(f"tokenizer_source: {tok!r} is not supported: MergePipe copies the base's tokenizer "
                           f"files (use `tokenizer_source: base` or leave it out)")
 
+
+def _extension(doc: dict):
+    """The ``mergepipe:`` extension key: (budget, target_bound, strategy, seed, plan id)."""
     ext = doc.get("mergepipe") or {}
     if not isinstance(ext, dict):
         raise ConfigError("`mergepipe` must be a mapping (budget, target_bound, strategy, seed)")
@@ -190,14 +237,7 @@ def _parse(text, source: str) -> MergekitConfig:
     plan_id = ext.get("plan")
     if plan_id is not None and not isinstance(plan_id, str):
         raise ConfigError("mergepipe.plan must be a plan id")
-
-    return MergekitConfig(
-        source=source, method=method, base=base, models=tuple(models),
-        normalize=_flag(globals_.get("normalize"), "parameters.normalize"),
-        rescale=_flag(globals_.get("rescale"), "parameters.rescale"),
-        lam=values["lambda"], gamma=values["gamma"], epsilon=values["epsilon"],
-        dtype=dtype, out_dtype=out_dtype, budget=budget, target_bound=target, strategy=strategy, seed=seed,
-        plan_id=plan_id)
+    return budget, target, strategy, seed, plan_id
 
 
 def _known(key, allowed, where: str) -> bool:

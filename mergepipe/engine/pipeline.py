@@ -26,7 +26,8 @@ from mergepipe.ops.core import get_op
 from mergepipe.planner.plan import Plan, compact_ranges, expand_ranges
 from mergepipe.planner.settings import tensor_weight
 from mergepipe.storage.grid import BlockSpan, tensor_grid
-from mergepipe.storage.safetensors import FLOAT_DTYPES, RangeReader, TensorInfo, open_checkpoint
+from mergepipe.storage.safetensors import FLOAT_DTYPES, TensorInfo, open_checkpoint
+from mergepipe.storage.local import RangeReader
 from mergepipe.storage.sources import open_source
 
 

@@ -25,7 +25,8 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from mergepipe.storage.safetensors import Checkpoint, RangeReader
+    from mergepipe.storage.local import RangeReader
+    from mergepipe.storage.safetensors import Checkpoint
 
 
 class Storage(ABC):

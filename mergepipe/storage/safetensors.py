@@ -1,12 +1,11 @@
-"""Safetensors storage: header parsing and validation, exact byte-range reads, page-cache eviction.
+"""The safetensors format: dtype tables, header parsing and validation, checkpoint layouts (a file or a
+sharded Hugging Face directory), row geometry and bytes -> tensor.
 
 Headers are parsed by hand (8-byte little-endian length + JSON) so that registering a checkpoint reads
-no tensor bytes. Tensor data is read with ``os.preadv`` of exactly the requested range on file
-descriptors advised ``POSIX_FADV_RANDOM``: safetensors' own mmap path lets kernel read-ahead pull in
-many times the bytes asked for (see shared/notes/io-and-compute.md).
+no tensor bytes. Reading tensor data is the storage backend's job (mergepipe.storage.local).
 
 Parsing headers and configs uses the standard library only; torch is imported on first use of a
-tensor (``bytes_to_tensor``, ``RangeReader.tensor_rows``, ``TensorInfo.torch_dtype``, ``DTYPES``).
+tensor (``bytes_to_tensor``, ``TensorInfo.torch_dtype``, ``DTYPES``).
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -260,100 +258,6 @@ def read_json_object(path: Path) -> dict:
     return data
 
 
-class RangeReader:
-    """Exact positioned reads from a checkpoint's files, counting every byte read.
-
-    Adjacent ranges passed together to :meth:`read_ranges` are coalesced into one ``preadv``.
-    """
-
-    def __init__(self, checkpoint: Checkpoint, sequential: bool = False):
-        self.checkpoint = checkpoint
-        self.sequential = sequential
-        self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()  # readers may be shared by worker threads
-        self.bytes_read = 0
-        self.calls = 0
-
-    def _fd(self, fname: str) -> int:
-        with self._lock:
-            return self._open(fname)
-
-    def _open(self, fname: str) -> int:
-        fd = self._fds.get(fname)
-        if fd is None:
-            path = self.checkpoint.root / fname if self.checkpoint.root.is_dir() else self.checkpoint.root
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError as exc:
-                raise StorageError(f"{path}: cannot open ({exc.strerror})") from None
-            advice = os.POSIX_FADV_SEQUENTIAL if self.sequential else os.POSIX_FADV_RANDOM
-            os.posix_fadvise(fd, 0, 0, advice)
-            self._fds[fname] = fd
-        return fd
-
-    def read_into(self, fname: str, offset: int, buf) -> None:
-        """Fill ``buf`` (a writable buffer) from ``fname`` at absolute ``offset``."""
-        view = memoryview(buf).cast("B")
-        fd = self._fd(fname)
-        done = 0
-        while done < len(view):
-            n = os.preadv(fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise StorageError(f"{fname}: unexpected end of file at byte {offset + done} (truncated?)")
-            done += n
-        with self._lock:
-            self.bytes_read += done
-            self.calls += 1
-
-    def read(self, fname: str, offset: int, nbytes: int) -> bytearray:
-        buf = bytearray(nbytes)
-        self.read_into(fname, offset, buf)
-        return buf
-
-    def read_ranges(self, ranges: list[tuple[str, int, int]]) -> list[memoryview]:
-        """Read several (file, offset, nbytes) ranges, coalescing ones that touch; returns one view each."""
-        out: list[memoryview | None] = [None] * len(ranges)
-        order = sorted(range(len(ranges)), key=lambda i: (ranges[i][0], ranges[i][1]))
-        run: list[int] = []
-
-        def flush():
-            if not run:
-                return
-            fname, start = ranges[run[0]][0], ranges[run[0]][1]
-            end = max(ranges[i][1] + ranges[i][2] for i in run)
-            view = memoryview(self.read(fname, start, end - start))
-            for i in run:
-                out[i] = view[ranges[i][1] - start : ranges[i][1] - start + ranges[i][2]]
-            run.clear()
-
-        for i in order:
-            fname, off, n = ranges[i]
-            if run:
-                pf, poff, pn = ranges[run[-1]]
-                if pf != fname or off != poff + pn:
-                    flush()
-            run.append(i)
-        flush()
-        return out  # type: ignore[return-value]
-
-    def tensor_rows(self, info: TensorInfo, row_start: int, row_end: int) -> torch.Tensor:
-        """Read rows [row_start, row_end) of dim 0 (elements, for 1-D tensors) as a tensor."""
-        row_bytes = row_nbytes(info)
-        buf = self.read(info.file, info.offset + row_start * row_bytes, (row_end - row_start) * row_bytes)
-        return bytes_to_tensor(buf, info.dtype, rows_shape(info, row_end - row_start))
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
 def row_nbytes(info: TensorInfo) -> int:
     """Bytes of one row of dim 0 (one element for 0-D and 1-D tensors)."""
     return math.prod(info.shape[1:]) * info.itemsize if len(info.shape) >= 2 else info.itemsize
@@ -378,26 +282,3 @@ def bytes_to_tensor(buf, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     if len(buf) == 0:
         return torch.empty(shape, dtype=tdtype)
     return torch.frombuffer(buf, dtype=tdtype).reshape(shape)
-
-
-def evict(paths) -> None:
-    """Drop files from the page cache (for cold-cache measurements); directories are walked."""
-    for p in paths:
-        p = Path(p)
-        targets = [q for q in p.rglob("*") if q.is_file()] if p.is_dir() else [p]
-        for q in targets:
-            fd = os.open(q, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
-def proc_io() -> dict[str, int]:
-    """This process's I/O counters from /proc/self/io (read_bytes/write_bytes hit the disk)."""
-    out = {}
-    with open("/proc/self/io") as fh:
-        for line in fh:
-            k, v = line.split(":")
-            out[k.strip()] = int(v)
-    return out

@@ -17,11 +17,13 @@ from conftest import (
     read_bytes_now,
     register_family,
 )
-from mergepipe.catalog.db import SCHEMA_VERSION, Catalog
+from mergepipe.catalog.schema import SCHEMA_VERSION
+from mergepipe.catalog.db import Catalog
 from mergepipe.errors import CatalogError, MergePipeError, StorageError
 from mergepipe.storage.local import fingerprint
 from mergepipe.catalog.models import layout_mismatches, register
-from mergepipe.storage.safetensors import INDEX_NAME, evict, open_checkpoint
+from mergepipe.storage.safetensors import INDEX_NAME, open_checkpoint
+from mergepipe.storage.local import evict
 
 
 # --- catalog ----------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ import pytest
 
 from conftest import ANALYZE_BLOCK_BYTES, dump_catalog_file, load_checkpoint_tensors, register_family
 from mergepipe.analyze.stats import analyze
-from mergepipe.catalog.db import SCHEMA_VERSION, Catalog
+from mergepipe.catalog.schema import SCHEMA_VERSION
+from mergepipe.catalog.db import Catalog
 from mergepipe.cli.app import main
 from mergepipe.research.family import make_family
 from mergepipe.storage.safetensors import INDEX_NAME

@@ -23,7 +23,8 @@ from mergepipe.errors import ExecutionError, MergePipeError
 from mergepipe.storage.grid import tensor_grid
 from mergepipe.planner.plan import Plan, expand_ranges
 from mergepipe.planner.context import Planner
-from mergepipe.storage.safetensors import evict, open_checkpoint
+from mergepipe.storage.local import evict
+from mergepipe.storage.safetensors import open_checkpoint
 
 from merge_helpers import (STAGING_MARK, dir_hashes, fsync_dirs, l2_dist, l2_norm, load_dir, open_copy,
                            rows, shared_family)
@@ -132,7 +133,7 @@ CHILD = textwrap.dedent("""
     from mergepipe.catalog.db import Catalog
     from mergepipe.engine.engine import Engine
     from mergepipe.planner.plan import load_plan
-    from mergepipe.storage.safetensors import proc_io
+    from mergepipe.storage.local import proc_io
     cat = Catalog(sys.argv[1], create=False)
     plan = load_plan(cat, sys.argv[2])
     engine = Engine(cat)

@@ -27,7 +27,8 @@ from mergepipe.storage.lora import open_adapter
 from mergepipe.planner.context import Planner
 from mergepipe.planner.plan import expand_ranges
 from mergepipe.catalog.models import check_unchanged, register
-from mergepipe.storage.safetensors import evict, open_checkpoint
+from mergepipe.storage.local import evict
+from mergepipe.storage.safetensors import open_checkpoint
 
 from merge_helpers import dump_db, fsync_dirs, load_dir, run_cli
 
@@ -215,7 +216,7 @@ CHILD = textwrap.dedent("""
     import json, sys
     from mergepipe.api import merge
     from mergepipe.catalog.db import Catalog
-    from mergepipe.storage.safetensors import evict, proc_io
+    from mergepipe.storage.local import evict, proc_io
     db, out, budget, experts, dirs = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(","), sys.argv[5:]
     # A first merge loads the code it needs (numba's compiled kernels, lazily imported modules); only the
     # second one, on evicted inputs, is measured, so that the count holds checkpoint bytes alone.

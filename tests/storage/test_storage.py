@@ -17,9 +17,9 @@ from conftest import fsync_tree, load_checkpoint_tensors, read_bytes_now, write_
 from mergepipe.errors import MergePipeError, StorageError
 from mergepipe.storage.grid import tensor_grid
 from mergepipe.storage.safetensors import (
-    INDEX_NAME, RangeReader, bytes_to_tensor, evict, n_rows, open_checkpoint, parse_header, proc_io,
-    row_nbytes,
+    INDEX_NAME, bytes_to_tensor, n_rows, open_checkpoint, parse_header, row_nbytes,
 )
+from mergepipe.storage.local import RangeReader, evict, proc_io
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
