@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mergepipe.analyze.stats import analyze  # noqa: E402
+from mergepipe.analyze.runner import analyze  # noqa: E402
 from mergepipe.catalog.db import Catalog  # noqa: E402
 from mergepipe.engine.engine import Engine  # noqa: E402
 from mergepipe.planner.context import Planner  # noqa: E402

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.run import PY, cold, ensure_family, measure, resident_bytes  # noqa: E402
-from mergepipe.analyze.stats import analyze  # noqa: E402
+from mergepipe.analyze.runner import analyze  # noqa: E402
 from mergepipe.catalog.db import Catalog  # noqa: E402
 from mergepipe.planner.context import Planner  # noqa: E402
 from mergepipe.catalog.models import register  # noqa: E402

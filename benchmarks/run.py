@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mergepipe.analyze.stats import analyze  # noqa: E402
+from mergepipe.analyze.runner import analyze  # noqa: E402
 from mergepipe.catalog.db import Catalog  # noqa: E402
 from mergepipe.research.family import make_family  # noqa: E402
 from mergepipe.planner.context import Planner  # noqa: E402

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mergepipe.analyze.stats import analyze
+from mergepipe.analyze.runner import analyze
 from mergepipe.catalog.db import Catalog
 from mergepipe.research.family import make_family
 from mergepipe.catalog.models import register

@@ -9,7 +9,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from mergepipe.analyze.stats import analyze
+from mergepipe.analyze.runner import analyze
 from mergepipe.api import merge
 from mergepipe.catalog.db import Catalog
 from mergepipe.research.family import make_family

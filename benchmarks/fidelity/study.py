@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from mergepipe.analyze.stats import analyze
+from mergepipe.analyze.runner import analyze
 from mergepipe.api import merge
 from mergepipe.catalog.db import Catalog
 from mergepipe.research.evaluate import accuracy, bound_check, deviation

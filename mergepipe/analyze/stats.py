@@ -1,16 +1,19 @@
 """ANALYZE: one pass over base and experts computing per-block statistics of each expert's delta.
 
 Per block of delta = expert - base: L2 and L1 norms, max |delta|, non-zero count and a sketch
-(see sketch.py). Per (expert, tensor): the same totals and exact top-k magnitude thresholds for a
+(see catalog/sketch.py). Per (expert, tensor): the same totals and exact top-k magnitude thresholds for a
 grid of densities (what TIES/breadcrumbs need), so a budgeted merge never reads a whole tensor to
 learn them. Thresholds are found by a radix select on the float32 bit pattern of |delta|: pass one
 histograms the top 16 bits; pass two counts the low 16 bits of only the bins that hold a k-th largest
 (from memory for small tensors, otherwise re-read from the page cache the first pass just filled).
 
-Both passes are compiled loops over the checkpoints' raw bytes (analyze_kernels.py); (expert, tensor)
+Both passes are compiled loops over the checkpoints' raw bytes (analyze/kernels.py); (expert, tensor)
 tasks run on a pool of threads, one per core plus one so that a read never leaves a core idle, in
 tensor-major order so that the experts of one base share its pages in the page cache. The engine
 runs the same :class:`ExpertAnalysis` during a first merge (analysis on the way).
+
+This module holds one expert's analysis and the per-tensor passes; thresholds.py the radix select,
+runner.py what ANALYZE runs (preparing jobs, the task pool, storing the results).
 """
 
 from __future__ import annotations
@@ -20,32 +23,26 @@ import math
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
 from mergepipe.analyze import kernels
-from mergepipe.catalog.db import Catalog, now
-from mergepipe.errors import CatalogError
-from mergepipe.storage.grid import DEFAULT_BLOCK_BYTES, BlockSpan, tensor_grid
-from mergepipe.catalog.models import check_unchanged
+from mergepipe.catalog.db import now
 from mergepipe.catalog.sketch import DEFAULT_SKETCH_SIZE, sample_positions, sketch_bytes
-from mergepipe.storage.sources import open_source
-from mergepipe.storage.safetensors import FLOAT_DTYPES, Checkpoint, TensorInfo, open_checkpoint
+from mergepipe.storage.grid import BlockSpan, tensor_grid
 from mergepipe.storage.local import RangeReader
-from mergepipe.catalog.analyses import replace_analyses
+from mergepipe.storage.safetensors import Checkpoint, FLOAT_DTYPES, TensorInfo
+from mergepipe.storage.sources import open_source
+from mergepipe.analyze.thresholds import DenseSelection, HIST_BINS, KeySelection, kth_largest_thresholds
+
 
 # Top-k fractions with stored thresholds: every percent, plus two below 1 %.
 DEFAULT_DENSITIES = (0.001, 0.005) + tuple(round(i / 100, 2) for i in range(1, 100))
 IN_MEMORY_TENSOR_BYTES = 64 << 20
 KEEP_TASK_BYTES = 512 << 20  # base and expert bytes of one tensor kept for the second pass, all experts
-HIST_BINS = 1 << 15  # top 16 bits of a non-negative float32: sign 0, so 2**15 bins
 # numpy views of raw bytes the kernels accept (bf16 and fp16 need distinct 16-bit types)
 RAW_VIEW = {"BF16": np.uint16, "F16": np.int16, "F32": np.float32, "F64": np.float64}
-
-Progress = Callable[[str, int, int], None]
 
 
 _ARENA = threading.local()
@@ -277,66 +274,6 @@ class _TensorPass:
         return DenseSelection(dense[:-1])
 
 
-class DenseSelection:
-    """Counts of the low 16 bits of the entries in a few top-16 bins: [slots, 65536]."""
-
-    def __init__(self, dense: np.ndarray):
-        self.dense = dense
-
-    def kth_low_bits(self, slots: list[int], ranks: list[int]) -> list[int]:
-        """The low 16 bits of the rank-th largest entry (1-based) within each slot."""
-        return kernels.kth_from_top(self.dense, np.array(slots, dtype=np.int64),
-                                    np.array(ranks, dtype=np.int64)).tolist()
-
-
-class KeySelection:
-    """The entries of a few top-16 bins whose low 16 bits are not zero, as sorted ``slot << 16 | low``
-    keys; every other entry of those bins has low bits 0 and ranks below them."""
-
-    def __init__(self, sorted_keys: np.ndarray):
-        self.keys = sorted_keys
-
-    def kth_low_bits(self, slots: list[int], ranks: list[int]) -> list[int]:
-        out = []
-        for slot, rank in zip(slots, ranks):
-            end = int(np.searchsorted(self.keys, (slot + 1) << 16))
-            start = int(np.searchsorted(self.keys, (slot << 16) + 1))
-            out.append(int(self.keys[end - rank]) & 0xFFFF if rank <= end - start else 0)
-        return out
-
-
-def kth_largest_thresholds(hist: np.ndarray, numel: int, nnz: int, densities, select) -> dict[float, float]:
-    """Exact k-th largest |delta| for k = int(d * numel), d in ``densities``, by radix select.
-
-    ``hist`` counts the top 16 bits of |delta|'s float32 pattern (bin 0 holds the zeros and is
-    never selected: k <= nnz); ``select(bins)`` returns a selection of the entries in those bins
-    (a second pass over the tensor) that answers ``kth_low_bits(slots, ranks)``."""
-    desc = np.cumsum(hist[::-1])  # desc[j] = entries in the top j+1 bins
-    wanted: dict[float, tuple[int, int]] = {}
-    for d in densities:
-        k = int(d * numel)
-        if 0 < k <= nnz:
-            j = int(np.searchsorted(desc, k))
-            above = int(desc[j - 1]) if j > 0 else 0
-            wanted[d] = (HIST_BINS - 1 - j, k - above)
-    bins = sorted({b for b, _ in wanted.values()})
-    if bins:
-        slot = {b: i for i, b in enumerate(bins)}
-        low = select(bins).kth_low_bits([slot[b] for b, _ in wanted.values()], [r for _, r in wanted.values()])
-        bits = np.array([(b << 16) | lo for (b, _), lo in zip(wanted.values(), low)], dtype=np.uint32)
-        values = dict(zip(wanted, bits.view(np.float32).tolist()))
-    out = {}
-    for d in densities:
-        k = int(d * numel)
-        if k <= 0:
-            out[d] = float("inf")  # keep nothing
-        elif d not in wanted:
-            out[d] = 0.0  # fewer non-zeros than k: every non-zero entry is kept
-        else:
-            out[d] = values[d]
-    return out
-
-
 def _row(expert_id: str, tensor: str, span: BlockSpan, rng, **stats) -> dict:
     row = {"model_id": expert_id, "tensor": tensor, "block": span.index, "row_start": span.row_start,
            "row_end": span.row_end, "offset": rng[1], "nbytes": rng[2], "delta_l2": 0.0, "delta_l1": 0.0,
@@ -357,101 +294,3 @@ def _zero_tensor(binfo: TensorInfo, block_bytes: int, expert_id: str):
     stats = {"model_id": expert_id, "tensor": binfo.name, "numel": binfo.numel, "delta_l2": 0.0, "delta_l1": 0.0,
              "delta_max_abs": 0.0, "delta_nnz": 0, "thresholds": "{}", "fixed_bytes": 0}
     return rows, stats
-
-
-def store_analyses(catalog: Catalog, jobs: list[ExpertAnalysis], seconds: dict | None = None) -> None:
-    """Replace the statistics of these experts (and their base's grid) in one transaction."""
-    with catalog.transaction():
-        replace_analyses(catalog, jobs, seconds)
-
-
-def _prepare(catalog: Catalog, expert_id: str, block_bytes, sketch_size, densities, force) -> ExpertAnalysis | None:
-    """The analysis job for one expert, or None when its stored statistics are current."""
-    expert = catalog.model(expert_id)
-    if not expert["base_id"]:
-        raise CatalogError(f"{expert_id} has no base; register it with --base to analyze it")
-    base = catalog.model(expert["base_id"])
-    grid_bytes = catalog.grid_block_bytes(base["id"])
-    if block_bytes is None:
-        block_bytes = grid_bytes or DEFAULT_BLOCK_BYTES
-    if block_bytes <= 0:
-        raise CatalogError("--block-bytes must be positive")
-    if sketch_size <= 0:
-        raise CatalogError("--sketch-size must be positive")
-    if not all(0 < float(d) <= 1 for d in densities):
-        raise CatalogError("--densities must lie in (0, 1]")
-    densities = tuple(sorted(set(float(d) for d in densities)))
-    # Headers only: a model whose files changed since registration must never be skipped as unchanged.
-    check_unchanged(base)
-    check_unchanged(expert)
-    prev = catalog.analysis(expert_id)
-    if (
-        not force and prev and grid_bytes == block_bytes and catalog.is_analyzed(expert_id)
-        and prev["sketch_size"] == sketch_size and set(json.loads(prev["densities"])) >= set(densities)
-    ):
-        return None
-    return ExpertAnalysis(expert, base, open_checkpoint(base["uri"]), block_bytes, sketch_size, densities)
-
-
-def run_analyses(jobs: list[ExpertAnalysis], progress: Progress | None = None) -> None:
-    """Analyze every tensor of every job on a thread pool, tensor-major across the jobs."""
-    import torch  # LoRA deltas are torch matmuls: keep them single-threaded beside the pool
-
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        _run_tasks(jobs, progress)
-    finally:
-        torch.set_num_threads(saved)
-
-
-def _run_tasks(jobs: list[ExpertAnalysis], progress: Progress | None) -> None:
-    """One task per (base, tensor) covering every expert of that base, in the order of the files."""
-    by_base: dict[str, list[ExpertAnalysis]] = {}
-    for job in jobs:
-        by_base.setdefault(job.base["id"], []).append(job)
-    tasks = [(group, binfo) for group in by_base.values() for binfo in group[0].tensor_order()]
-    done = {job.expert_id: 0 for job in jobs}
-    totals = {job.expert_id: sum(t.nbytes for t in job.base_ck.tensors.values()) for job in jobs}
-    with ThreadPoolExecutor(max_workers=analysis_workers(), thread_name_prefix="mergepipe-analyze") as pool:
-        for (group, binfo), _ in zip(tasks, pool.map(lambda t: analyze_tensor(*t), tasks)):
-            for job in group:
-                done[job.expert_id] += binfo.nbytes
-                if progress:
-                    progress(job.expert_id, done[job.expert_id], totals[job.expert_id])
-
-
-def analyze(catalog: Catalog, model_ids=None, progress: Progress | None = None, block_bytes: int | None = None,
-            sketch_size: int = DEFAULT_SKETCH_SIZE, densities=DEFAULT_DENSITIES,
-            force: bool = False) -> list[AnalyzeResult]:
-    """Analyze the given experts (default: every registered model that has a base) in one pass;
-    experts whose statistics are current are skipped. All statistics are stored in one transaction."""
-    if not model_ids:
-        model_ids = [m["id"] for m in catalog.models() if m["base_id"]]
-    for mid in model_ids:
-        catalog.model(mid)  # fail before any work on an unknown id
-    jobs = {mid: _prepare(catalog, mid, block_bytes, sketch_size, densities, force) for mid in model_ids}
-    todo = [j for j in jobs.values() if j is not None]
-    grids = {}
-    for job in todo:  # one grid per base
-        if grids.setdefault(job.base["id"], job.block_bytes) != job.block_bytes:
-            raise CatalogError(f"experts of {job.base['id']} analyzed with different block sizes in one run")
-    t0 = time.perf_counter()
-    try:
-        run_analyses(todo, progress)
-        wall = time.perf_counter() - t0
-        if todo:
-            store_analyses(catalog, todo, {j.expert_id: wall / len(todo) for j in todo})
-    finally:
-        for job in todo:
-            job.close()
-    return [AnalyzeResult(mid, True) if job is None else
-            AnalyzeResult(mid, False, job.bytes_read, wall / max(1, len(todo)), job.n_blocks)
-            for mid, job in jobs.items()]
-
-
-def analyze_expert(catalog: Catalog, expert_id: str, block_bytes: int | None = None,
-                   sketch_size: int = DEFAULT_SKETCH_SIZE, densities=DEFAULT_DENSITIES, force: bool = False,
-                   progress: Progress | None = None) -> AnalyzeResult:
-    """Analyze one expert against its base; skipped when nothing it depends on changed."""
-    return analyze(catalog, [expert_id], progress, block_bytes, sketch_size, densities, force)[0]

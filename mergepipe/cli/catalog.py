@@ -70,7 +70,8 @@ def _add_analyze(p):
 
 @command("analyze", "compute per-block delta statistics of experts against their base")
 def cmd_analyze(args):
-    from mergepipe.analyze.stats import DEFAULT_DENSITIES, analyze
+    from mergepipe.analyze.stats import DEFAULT_DENSITIES
+    from mergepipe.analyze.runner import analyze
     from mergepipe.catalog.sketch import DEFAULT_SKETCH_SIZE
     cat = open_catalog(args)
     if args.ids:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from mergepipe.analyze.stats import analyze
+from mergepipe.analyze.runner import analyze
 from mergepipe.api import merge, merge_summary
 from mergepipe.catalog.db import Catalog
 from mergepipe.research.family import make_family

@@ -18,7 +18,7 @@ from conftest import (
     register_family,
     to_np32,
 )
-from mergepipe.analyze.stats import analyze, analyze_expert
+from mergepipe.analyze.runner import analyze, analyze_expert
 from mergepipe.catalog.db import Catalog
 from mergepipe.errors import CatalogError
 from mergepipe.catalog.models import register

@@ -198,7 +198,7 @@ def test_different_content_refused_unless_replace(catalog, fam_fp32):
 
 
 def test_replace_drops_stale_statistics(catalog, fam_fp32):
-    from mergepipe.analyze.stats import analyze
+    from mergepipe.analyze.runner import analyze
     register_family(catalog, fam_fp32)
     analyze(catalog, ["expert_1"], block_bytes=1 << 20, densities=(0.5,))
     assert catalog.blocks("expert_1") and catalog.analysis("expert_1")

@@ -12,7 +12,7 @@ import torch
 
 from conftest import Family, load_checkpoint_tensors, register_family, to_np32
 from mergepipe.catalog import sketch
-from mergepipe.analyze.stats import analyze
+from mergepipe.analyze.runner import analyze
 from mergepipe.catalog.db import Catalog
 from mergepipe.research.family import make_family
 from mergepipe.storage.grid import DEFAULT_BLOCK_BYTES

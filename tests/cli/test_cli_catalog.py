@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ANALYZE_BLOCK_BYTES, dump_catalog_file, load_checkpoint_tensors, register_family
-from mergepipe.analyze.stats import analyze
+from mergepipe.analyze.runner import analyze
 from mergepipe.catalog.schema import SCHEMA_VERSION
 from mergepipe.catalog.db import Catalog
 from mergepipe.cli.app import main

@@ -300,7 +300,7 @@ def test_changed_input_after_planning_is_refused(fam, tmp_path):
 
 
 def test_changed_grid_after_planning_is_refused(fam, tmp_path):
-    from mergepipe.analyze.stats import analyze
+    from mergepipe.analyze.runner import analyze
     from merge_helpers import DENSITIES
     cat = open_copy(fam, tmp_path / "c.sqlite")
     plan = Planner(cat).plan("base", fam.expert_ids, "linear", budget="50%")

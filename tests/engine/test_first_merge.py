@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from mergepipe.analyze.stats import analyze
+from mergepipe.analyze.runner import analyze
 from mergepipe.api import merge
 from mergepipe.catalog.db import Catalog
 from mergepipe.engine.engine import Engine

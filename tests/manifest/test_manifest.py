@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mergepipe import __version__
-from mergepipe.analyze.stats import analyze
+from mergepipe.analyze.runner import analyze
 from mergepipe.api import lineage, snapshots
 from mergepipe.engine.engine import Engine
 from mergepipe.errors import MergePipeError, VerifyError

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from mergepipe.analyze.stats import analyze
+from mergepipe.analyze.runner import analyze
 from mergepipe.catalog.db import Catalog
 from mergepipe.errors import CatalogError, PlanError
 from mergepipe.planner.context import Planner

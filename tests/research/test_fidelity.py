@@ -27,7 +27,7 @@ from benchmarks.fidelity.study import (
 )
 from benchmarks.fidelity.tasks import LETTERS, TASKS, generic_text, suite, tokenizer
 from benchmarks.fidelity.train import MINI, build_family
-from mergepipe.analyze.stats import analyze
+from mergepipe.analyze.runner import analyze
 from mergepipe.api import merge
 from mergepipe.catalog.db import Catalog
 from mergepipe.research.evaluate import (
