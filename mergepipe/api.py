@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from mergepipe.catalog.db import Catalog
 from mergepipe.errors import ExecutionError, MergePipeError
-from mergepipe.manifest.build import load_manifest, verify
+from mergepipe.manifest.verify import load_manifest, verify
 from mergepipe.catalog.models import register, register_many
 from mergepipe.engine.runs import cancel_run, get_run, launch_analyze, launch_run, log_tail
 from mergepipe.engine.txn import check_output_path, recover

@@ -10,7 +10,7 @@ from mergepipe.cli.common import command, emit, open_catalog, table
 @command("verify", "re-hash a snapshot against its manifest (exit 1 on mismatch)")
 def cmd_verify(args):
     from mergepipe.errors import VerifyError
-    from mergepipe.manifest.build import verify
+    from mergepipe.manifest.verify import verify
     cat = open_catalog(args) if (Path(args.db).exists() or not Path(args.ref).is_dir()) else None
     res = verify(cat, args.ref)
     emit(args, res, lambda r: print(

@@ -16,7 +16,7 @@ from mergepipe.config.model import MERGEKIT_DTYPE
 # --- export -------------------------------------------------------------------------------------------
 def _record(cat: Catalog | None, ref: str) -> dict:
     """The merge settings of a stored plan (by id) or of a snapshot (id, merged model id or directory)."""
-    from mergepipe.manifest.build import load_manifest
+    from mergepipe.manifest.verify import load_manifest
     from mergepipe.planner.plan import load_plan
 
     if cat is not None and find_plan_id(cat, ref) is not None:

@@ -20,7 +20,7 @@ from mergepipe.dashboard import server as dashboard, views
 from mergepipe.api import plan_merge
 from mergepipe.catalog.db import Catalog
 from mergepipe.errors import CatalogError, MergePipeError, PlanError
-from mergepipe.manifest.build import verify
+from mergepipe.manifest.verify import verify
 from mergepipe.planner.plan import load_plan
 from mergepipe.catalog.models import register
 from mergepipe.catalog.sketch import conflict_rate, cosine

@@ -15,7 +15,8 @@ from mergepipe.analyze.runner import analyze
 from mergepipe.api import lineage, snapshots
 from mergepipe.engine.engine import Engine
 from mergepipe.errors import MergePipeError, VerifyError
-from mergepipe.manifest.build import MANIFEST_NAME, Manifest, load_manifest, verify
+from mergepipe.manifest.build import MANIFEST_NAME, Manifest
+from mergepipe.manifest.verify import load_manifest, verify
 from mergepipe.planner.context import Planner
 
 from merge_helpers import (DENSITIES, check_catalog_consistent, dir_hashes, load_dir, manifest_of, open_copy,
