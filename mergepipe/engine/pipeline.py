@@ -19,7 +19,7 @@ from pathlib import Path
 
 from mergepipe.engine.blocks import merge_block, warm_kernels
 from mergepipe.engine.inflight import InflightAnalysis
-from mergepipe.engine.shards import ShardWriter, finish_files, plan_shards
+from mergepipe.storage.writers import ShardWriter, finish_files, plan_shards
 from mergepipe.errors import ExecutionError
 from mergepipe.manifest.build import file_sha256
 from mergepipe.ops.core import get_op

@@ -297,7 +297,7 @@ txn.os.rename = rename
 """,
     # half-written shards in staging
     "mid-write": """
-from mergepipe.engine import shards as engine
+from mergepipe.storage import writers as engine
 import os
 real_write = engine.ShardWriter.write
 count = [0]
