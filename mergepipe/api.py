@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mergepipe.catalog.db import Catalog
-from mergepipe.errors import ExecutionError, MergePipeError
-from mergepipe.manifest.verify import load_manifest, verify
 from mergepipe.catalog.models import register, register_many
+from mergepipe.catalog.plans import find_plan_id, has_plan
+from mergepipe.catalog.snapshots import snapshot_rows
 from mergepipe.engine.runs import cancel_run, get_run, launch_analyze, launch_run, log_tail
 from mergepipe.engine.txn import check_output_path, recover
-from mergepipe.catalog.snapshots import snapshot_rows
-from mergepipe.manifest.lineage import lineage, lineage_dot
-from mergepipe.catalog.plans import find_plan_id, has_plan
+from mergepipe.errors import ExecutionError, MergePipeError
+from mergepipe.manifest.lineage import lineage, lineage_dot  # noqa: F401  (lineage_dot: for the CLI)
+from mergepipe.manifest.verify import load_manifest, verify
 
 if TYPE_CHECKING:
     from mergepipe.engine.engine import Engine

@@ -8,6 +8,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+from mergepipe.analyze.stats import (
+    AnalyzeResult, DEFAULT_DENSITIES, ExpertAnalysis, analysis_workers, analyze_tensor,
+)
 from mergepipe.catalog.analyses import replace_analyses
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.models import check_unchanged
@@ -15,9 +18,6 @@ from mergepipe.catalog.sketch import DEFAULT_SKETCH_SIZE
 from mergepipe.errors import CatalogError
 from mergepipe.storage.grid import DEFAULT_BLOCK_BYTES
 from mergepipe.storage.safetensors import open_checkpoint
-from mergepipe.analyze.stats import (
-    AnalyzeResult, DEFAULT_DENSITIES, ExpertAnalysis, analysis_workers, analyze_tensor,
-)
 
 
 Progress = Callable[[str, int, int], None]

@@ -28,13 +28,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from mergepipe.analyze import kernels
+from mergepipe.analyze.thresholds import DenseSelection, HIST_BINS, KeySelection, kth_largest_thresholds
 from mergepipe.catalog.db import now
 from mergepipe.catalog.sketch import DEFAULT_SKETCH_SIZE, sample_positions, sketch_bytes
 from mergepipe.storage.grid import BlockSpan, tensor_grid
 from mergepipe.storage.local import RangeReader
 from mergepipe.storage.safetensors import Checkpoint, FLOAT_DTYPES, TensorInfo
 from mergepipe.storage.sources import open_source
-from mergepipe.analyze.thresholds import DenseSelection, HIST_BINS, KeySelection, kth_largest_thresholds
 
 
 # Top-k fractions with stored thresholds: every percent, plus two below 1 %.

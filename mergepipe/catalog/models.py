@@ -14,8 +14,8 @@ from pathlib import Path
 
 from mergepipe.catalog.db import Catalog, now
 from mergepipe.errors import CatalogError
-from mergepipe.storage.lora import ADAPTER_CONFIG, base_mismatches, open_adapter
 from mergepipe.storage.local import fingerprint
+from mergepipe.storage.lora import ADAPTER_CONFIG, base_mismatches, open_adapter
 from mergepipe.storage.safetensors import FLOAT_DTYPES, Checkpoint, open_checkpoint
 
 KINDS = ("full", "delta", "lora")

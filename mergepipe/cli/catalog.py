@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from mergepipe.cli.common import command, emit, open_catalog, progress_bar, table
 from mergepipe.errors import MergePipeError
 from mergepipe.planner.budget import human_bytes
-from mergepipe.cli.common import command, emit, open_catalog, progress_bar, table
 
 
 # --- catalog commands ----------------------------------------------------------------------------

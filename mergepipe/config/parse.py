@@ -11,13 +11,13 @@ from pathlib import Path
 
 import yaml
 
-from mergepipe.ops.core import OPERATORS
-from mergepipe.planner.settings import check_setting
-from mergepipe.planner.strategies import STRATEGIES
 from mergepipe.config.model import (
     ConfigError, ConfigModel, DTYPE_NAMES, EXTENSION_KEYS, GLOBAL_PARAMS, MAX_CONFIG_BYTES,
     MERGEKIT_ONLY_METHODS, MODEL_PARAMS, MergekitConfig, REFUSED_TOP_KEYS, SHARED_PARAMS, TOP_KEYS,
 )
+from mergepipe.ops.core import OPERATORS
+from mergepipe.planner.settings import check_setting
+from mergepipe.planner.strategies import STRATEGIES
 
 
 # --- parsing ----------------------------------------------------------------------------------------

@@ -14,12 +14,12 @@ from pathlib import Path
 
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.models import check_unchanged, model_ids, models_at, register
+from mergepipe.config.model import ConfigError, ConfigModel, MERGEKIT_DTYPE, MergekitConfig
+from mergepipe.config.parse import _exists
 from mergepipe.ops.core import get_op, resolve_params
 from mergepipe.planner.context import Planner
 from mergepipe.planner.plan import Plan
 from mergepipe.storage.safetensors import open_checkpoint
-from mergepipe.config.model import ConfigError, ConfigModel, MERGEKIT_DTYPE, MergekitConfig
-from mergepipe.config.parse import _exists
 
 
 # --- resolving references against the catalog ---------------------------------------------------------

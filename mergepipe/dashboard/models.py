@@ -10,8 +10,8 @@ import pandas as pd
 from mergepipe.catalog import analyses
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.snapshots import children_of, parents_of
-from mergepipe.errors import MergePipeError
 from mergepipe.dashboard.formatting import fmt_bytes, short_fp
+from mergepipe.errors import MergePipeError
 
 
 # --- models ----------------------------------------------------------------------------------------

@@ -11,13 +11,13 @@ import plotly.graph_objects as go
 
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.plans import plan_rows
-from mergepipe.errors import MergePipeError, PlanError
-from mergepipe.ops.core import get_op, OPERATORS
-from mergepipe.planner.plan import Plan
-from mergepipe.planner.context import PlanContext
 from mergepipe.dashboard.figures import MAX_CELLS, aggregate, heatmap_figure, layout_of
 from mergepipe.dashboard.formatting import fmt_bound, fmt_bytes, fmt_pct
 from mergepipe.dashboard.paths import check_path
+from mergepipe.errors import MergePipeError, PlanError
+from mergepipe.ops.core import get_op, OPERATORS
+from mergepipe.planner.context import PlanContext
+from mergepipe.planner.plan import Plan
 
 
 # --- plans ---------------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ import pandas as pd
 
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.runs import list_runs
-from mergepipe.engine.txn import pid_alive
 from mergepipe.dashboard.formatting import fmt_bytes, fmt_seconds
+from mergepipe.engine.txn import pid_alive
 
 
 ACTIVE = ("queued", "running")

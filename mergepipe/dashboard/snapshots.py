@@ -9,14 +9,14 @@ import plotly.graph_objects as go
 
 from mergepipe import api
 from mergepipe.catalog.db import Catalog
-from mergepipe.errors import MergePipeError
-from mergepipe.manifest.build import Manifest
-from mergepipe.planner.plan import load_plan, Plan
 from mergepipe.dashboard.figures import (
     MAX_CELLS, aggregate, block_layout, heatmap_figure, tensor_sort_key,
 )
 from mergepipe.dashboard.formatting import fmt_bound, fmt_bytes, fmt_pct, short_fp
 from mergepipe.dashboard.plan import _mask_array, block_labels
+from mergepipe.errors import MergePipeError
+from mergepipe.manifest.build import Manifest
+from mergepipe.planner.plan import load_plan, Plan
 
 
 # --- snapshots -----------------------------------------------------------------------------------------

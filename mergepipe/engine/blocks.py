@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from mergepipe.ops.streams import block_seed
 from mergepipe.ops.core import combine, sparsify
+from mergepipe.ops.streams import block_seed
 from mergepipe.planner.settings import tensor_density, tensor_weight
 from mergepipe.storage.safetensors import DTYPES, bytes_to_tensor, rows_shape
 

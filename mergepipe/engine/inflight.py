@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from mergepipe.analyze.stats import DEFAULT_DENSITIES, ExpertAnalysis, analysis_workers, analyze_tensor
 from mergepipe.analyze.runner import store_analyses
+from mergepipe.analyze.stats import DEFAULT_DENSITIES, ExpertAnalysis, analysis_workers, analyze_tensor
 from mergepipe.catalog.db import Catalog
 from mergepipe.ops.core import get_op, lookup_thresholds, threshold_fractions, useful_blocks
 from mergepipe.planner.settings import tensor_density

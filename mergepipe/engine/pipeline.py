@@ -19,16 +19,16 @@ from pathlib import Path
 
 from mergepipe.engine.blocks import merge_block, warm_kernels
 from mergepipe.engine.inflight import InflightAnalysis
-from mergepipe.storage.writers import ShardWriter, finish_files, plan_shards
 from mergepipe.errors import ExecutionError
 from mergepipe.manifest.build import file_sha256
 from mergepipe.ops.core import get_op
 from mergepipe.planner.plan import Plan, compact_ranges, expand_ranges
 from mergepipe.planner.settings import tensor_weight
 from mergepipe.storage.grid import BlockSpan, tensor_grid
-from mergepipe.storage.safetensors import FLOAT_DTYPES, TensorInfo, open_checkpoint
 from mergepipe.storage.local import RangeReader
+from mergepipe.storage.safetensors import FLOAT_DTYPES, TensorInfo, open_checkpoint
 from mergepipe.storage.sources import open_source
+from mergepipe.storage.writers import ShardWriter, finish_files, plan_shards
 
 
 def block_groups(tensors: list[TensorInfo], block_bytes: int, group_bytes: int, span_cost=None,

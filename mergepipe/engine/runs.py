@@ -14,10 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-from mergepipe.catalog.db import Catalog, now
-from mergepipe.errors import ExecutionError
-from mergepipe.engine.txn import check_output_path, pid_alive
 from mergepipe.catalog import runs as runs_table
+from mergepipe.catalog.db import Catalog
+from mergepipe.engine.txn import check_output_path, pid_alive
+from mergepipe.errors import ExecutionError
 
 PROGRESS_INTERVAL_S = 0.3
 

@@ -15,10 +15,10 @@ import shutil
 import uuid
 from pathlib import Path
 
-from mergepipe.catalog.db import Catalog, now
-from mergepipe.errors import ExecutionError
 from mergepipe.catalog import runs as runs_table
+from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.snapshots import snapshot_at
+from mergepipe.errors import ExecutionError
 
 STAGING_MARK = ".mergepipe-staging-"
 ACTIVE: set[str] = set()  # ids of this process's transactions still in flight

@@ -23,18 +23,18 @@ from mergepipe.ops.core import (
     coefficient, get_op, lookup_thresholds, resolve_params, threshold_fractions, useful_blocks,
 )
 from mergepipe.ops.spec import OpSpec
+from mergepipe.planner.bounds import Bounds
 from mergepipe.planner.budget import mib, parse_budget
+from mergepipe.planner.candidates import Candidates
+from mergepipe.planner.plan import PLAN_FORMAT, Plan, compact_ranges, save_plan
 from mergepipe.planner.settings import (
     check_setting, is_scalar, layer_t, num_layers, resolve, tensor_density, tensor_weight,
 )
+from mergepipe.planner.strategies import STRATEGIES, StrategyScores, _uniform_priority
 from mergepipe.storage.grid import DEFAULT_BLOCK_BYTES, tensor_grid
 from mergepipe.storage.safetensors import FLOAT_DTYPES, TensorInfo
 from mergepipe.storage.sources import fixed_bytes, open_source
 from mergepipe.version import __version__
-from mergepipe.planner.candidates import Candidates
-from mergepipe.planner.plan import PLAN_FORMAT, Plan, compact_ranges, save_plan
-from mergepipe.planner.bounds import Bounds
-from mergepipe.planner.strategies import STRATEGIES, StrategyScores, _uniform_priority
 
 
 class PlanContext(StrategyScores, Bounds):

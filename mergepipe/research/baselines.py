@@ -18,10 +18,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mergepipe.storage.grid import tensor_grid
+from mergepipe.ops.core import get_op
 from mergepipe.ops.spec import OpSpec
 from mergepipe.ops.streams import block_seed, l1_ratio, uniform
-from mergepipe.ops.core import get_op
+from mergepipe.storage.grid import tensor_grid
 from mergepipe.storage.safetensors import FLOAT_DTYPES, open_checkpoint
 
 

@@ -13,9 +13,9 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mergepipe.errors import StorageError
 from mergepipe.storage.base import Storage
 from mergepipe.storage.lora import ADAPTER_CONFIG
-from mergepipe.errors import StorageError
 from mergepipe.storage.safetensors import (
     Checkpoint, TensorInfo, bytes_to_tensor, open_checkpoint, row_nbytes, rows_shape,
 )
