@@ -12,6 +12,8 @@ responsive on large catalogs; the drill-down views show the detail of one layer 
 
 from __future__ import annotations
 
+import pandas as pd  # noqa: F401  (pages annotate with views.pd.DataFrame)
+
 from mergepipe.dashboard.formatting import (  # noqa: F401
     fmt_bound, fmt_bytes, fmt_pct, fmt_seconds, short_fp,
 )
