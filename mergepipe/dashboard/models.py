@@ -1,4 +1,4 @@
-"""The Models page (and the home page's totals): models, their roles, details and registration."""
+"""The Models page: models, their roles, details and registration; what is analyzed and what is stale."""
 
 from __future__ import annotations
 
@@ -103,10 +103,3 @@ def stats_version(cat: Catalog) -> str:
     """Changes when models, analyses or grids change (not on run progress): a cache key for statistics."""
     row = analyses.stats_version_row(cat)
     return hashlib.sha256(repr(tuple(row)).encode()).hexdigest()[:16]
-
-
-def totals(cat: Catalog) -> dict:
-    """Catalog totals with human-readable sizes (for the home page metrics)."""
-    t = cat.totals()
-    t["model_size"] = fmt_bytes(t["model_bytes"])
-    return t

@@ -7,7 +7,7 @@ responsive on large catalogs; the drill-down views show the detail of one layer 
 """
 
 # One namespace for the pages (``views.models_df``, ``views.plan_summary``, ...): the functions live in one
-# module per page (models, runs, catalog, plan, snapshots, lineage) beside the shared formatting, paths and
+# module per page (home, models, runs, catalog, plan, snapshots, lineage) beside the shared formatting, paths and
 # figures modules; this module only gathers them.
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from mergepipe.dashboard.figures import (  # noqa: F401
 )
 from mergepipe.dashboard.models import (  # noqa: F401
     analyzed_experts, bases, experts_of, KIND_HELP, model_details, models_df, REGISTER_KINDS,
-    registration_base, role_of, stats_version, totals, unanalyzed_experts,
+    registration_base, role_of, stats_version, unanalyzed_experts,
 )
+from mergepipe.dashboard.home import totals  # noqa: F401
 from mergepipe.dashboard.runs import (  # noqa: F401
     _parse_ts, ACTIVE, effective_status, latest_run, run_progress, runs, runs_df,
 )
