@@ -1,6 +1,6 @@
 """MergePipe dashboard: `mergepipe dashboard` (or `streamlit run app.py`) with MERGEPIPE_DB set.
 
-Pages only render; everything they show is computed by mergepipe.views."""
+Pages only render; everything they show is computed by mergepipe.dashboard.views."""
 
 import streamlit as st
 
@@ -17,7 +17,7 @@ PAGES = [
 ]
 
 page = st.navigation(PAGES)
-from mergepipe import views  # noqa: E402  (after set_page_config: importing torch takes a moment)
+from mergepipe.dashboard import views  # noqa: E402  (after set_page_config: importing torch takes a moment)
 
 st.sidebar.caption(f"Catalog: `{views.db_path()}`")
 page.run()

@@ -19,19 +19,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mergepipe.analyze import analyze  # noqa: E402
-from mergepipe.catalog import Catalog  # noqa: E402
-from mergepipe.engine import Engine  # noqa: E402
-from mergepipe.planner import Planner  # noqa: E402
-from mergepipe.registry import register  # noqa: E402
-from mergepipe.storage import evict  # noqa: E402
+from mergepipe.analyze.runner import analyze  # noqa: E402
+from mergepipe.catalog.db import Catalog  # noqa: E402
+from mergepipe.engine.engine import Engine  # noqa: E402
+from mergepipe.planner.context import Planner  # noqa: E402
+from mergepipe.catalog.models import register  # noqa: E402
+from mergepipe.storage.local import evict  # noqa: E402
 from run import ensure_family  # noqa: E402
 
 
 def l2_distance(a, b) -> float:
     """||A - B||_2 over all tensors (float64)."""
     from safetensors.torch import load_file
-    from mergepipe.storage import open_checkpoint
+    from mergepipe.storage.safetensors import open_checkpoint
     ta, tb = {}, {}
     for ck, dst in ((open_checkpoint(a), ta), (open_checkpoint(b), tb)):
         for f in ck.files:

@@ -7,7 +7,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from safetensors import safe_open  # noqa: E402
 
-from mergepipe.storage import open_checkpoint  # noqa: E402
+from mergepipe.storage.safetensors import open_checkpoint  # noqa: E402
 
 
 def main(a: str, b: str) -> None:

@@ -4,16 +4,16 @@ Generating and analyzing 17 real qwen3-0.6b-sized checkpoints would take many mi
 so the catalog is synthetic where that does not matter to the dashboard:
 
 * each checkpoint is a *sparse* safetensors file: a real header with the qwen3-0.6b tensor shapes
-  (mergepipe.family.tensor_shapes) in bf16, the data region a hole (no disk space, never read);
+  (mergepipe.research.family.tensor_shapes) in bf16, the data region a hole (no disk space, never read);
   models are registered normally (headers only), so fingerprints and checks are real;
-* the block statistics are inserted directly: the real 1 MiB grid (mergepipe.grid.tensor_grid),
+* the block statistics are inserted directly: the real 1 MiB grid (mergepipe.storage.grid.tensor_grid),
   random norms that depend on expert and layer, ~10 % frozen tensors, and random 2048-sample
   sketches with a shared component (so conflicts and cosines vary), plus per-tensor statistics and
   TIES thresholds; the ``analyses`` rows make every expert count as analyzed;
 * one budgeted plan is saved and a snapshot with a manifest (touched blocks = the plan's access set)
   is recorded, so that the Snapshots and Lineage pages have something to show.
 
-Then it times (1) every mergepipe.views function the pages use (first call; the pages cache the
+Then it times (1) every mergepipe.dashboard.views function the pages use (first call; the pages cache the
 expensive ones with st.cache_data / st.cache_resource, so a cached call costs a dictionary lookup),
 (2) each page rendered by Streamlit's AppTest, cold and then warm (server-side script time including
 Plotly/Arrow serialization), and (3) with ``--browser`` the same pages in headless chromium through a
@@ -46,14 +46,14 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from mergepipe import views  # noqa: E402
-from mergepipe.catalog import Catalog, now  # noqa: E402
-from mergepipe.family import hf_config, tensor_shapes  # noqa: E402
-from mergepipe.grid import tensor_grid  # noqa: E402
-from mergepipe.manifest import Manifest  # noqa: E402
-from mergepipe.planner import save_plan  # noqa: E402
-from mergepipe.registry import register  # noqa: E402
-from mergepipe.storage import TensorInfo  # noqa: E402
+from mergepipe.dashboard import views  # noqa: E402
+from mergepipe.catalog.db import Catalog, now  # noqa: E402
+from mergepipe.research.family import hf_config, tensor_shapes  # noqa: E402
+from mergepipe.storage.grid import tensor_grid  # noqa: E402
+from mergepipe.manifest.build import Manifest  # noqa: E402
+from mergepipe.planner.plan import save_plan  # noqa: E402
+from mergepipe.catalog.models import register  # noqa: E402
+from mergepipe.storage.safetensors import TensorInfo  # noqa: E402
 
 SIZE = "qwen3-0.6b"
 SKETCH = 2048
@@ -374,7 +374,7 @@ def report(info, view_times, app_times, browser_times, args) -> str:
              f"Measured by `benchmarks/dashboard_scale.py` ({time.strftime('%Y-%m-%d')}, {platform.node()}, "
              f"{os.cpu_count()} CPUs, Python {platform.python_version()}).", "",
              f"Catalog: base + {len(info['experts'])} experts at {SIZE} scale (tensor shapes from "
-             f"`mergepipe.family.tensor_shapes('{SIZE}')`, bf16), {args.block_mib:g} MiB grid: {info['tensors']} tensors, "
+             f"`mergepipe.research.family.tensor_shapes('{SIZE}')`, bf16), {args.block_mib:g} MiB grid: {info['tensors']} tensors, "
              f"{info['blocks_per_expert']} blocks per expert, {info['blocks_per_expert'] * len(info['experts']):,} block "
              f"rows with 2048-sample sketches ({info['db_mb']:.0f} MB catalog, built in {info['build_s']:.1f} s). "
              "Checkpoints are sparse files with real headers and block statistics are synthetic (random norms, "
@@ -396,7 +396,7 @@ def report(info, view_times, app_times, browser_times, args) -> str:
             lines.append(f"| {label} | {cold:.2f} | {warm:.2f} |")
     worst = max([w for _, _, w in app_times] + [w for _, _, w in browser_times])
     lines += ["", f"Slowest cached render: **{worst:.2f} s** (target: under 3 s).", "",
-              "## mergepipe.views functions (first call, no cache)", "",
+              "## mergepipe.dashboard.views functions (first call, no cache)", "",
               "| function | seconds | note |", "|---|---:|---|"]
     for label, s, note in view_times:
         lines.append(f"| {label} | {s:.3f} | {note} |")

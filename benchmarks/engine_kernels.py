@@ -25,9 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mergepipe.catalog import Catalog  # noqa: E402
-from mergepipe.planner import Planner  # noqa: E402
-from mergepipe.storage import evict  # noqa: E402
+from mergepipe.catalog.db import Catalog  # noqa: E402
+from mergepipe.planner.context import Planner  # noqa: E402
+from mergepipe.storage.local import evict  # noqa: E402
 
 PY = sys.executable
 

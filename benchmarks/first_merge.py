@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import run  # noqa: E402
 from benchmarks.report import medians  # noqa: E402
-from mergepipe.storage import open_checkpoint  # noqa: E402
+from mergepipe.storage.safetensors import open_checkpoint  # noqa: E402
 
 ROOT = run.ROOT
 PROFILES = {

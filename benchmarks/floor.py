@@ -13,9 +13,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mergepipe.grid import tensor_grid  # noqa: E402
-from mergepipe.planner import expand_ranges  # noqa: E402
-from mergepipe.storage import RangeReader, open_checkpoint  # noqa: E402
+from mergepipe.storage.grid import tensor_grid  # noqa: E402
+from mergepipe.planner.plan import expand_ranges  # noqa: E402
+from mergepipe.storage.local import RangeReader  # noqa: E402
+from mergepipe.storage.safetensors import open_checkpoint
 
 CHUNK = 16 << 20
 

@@ -21,10 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from mergepipe import kernels  # noqa: E402
-from mergepipe.engine import tensor_bytes  # noqa: E402
-from mergepipe.ops import block_seed, combine, get_op, resolve_params, sparsify  # noqa: E402
-from mergepipe.storage import DTYPES, bytes_to_tensor  # noqa: E402
+from mergepipe.ops import kernels  # noqa: E402
+from mergepipe.engine.blocks import tensor_bytes  # noqa: E402
+from mergepipe.ops.streams import block_seed  # noqa: E402
+from mergepipe.ops.core import combine, get_op, resolve_params, sparsify  # noqa: E402
+from mergepipe.storage.safetensors import DTYPES, bytes_to_tensor  # noqa: E402
 
 CODES = {"bf16": "BF16", "fp32": "F32"}
 

@@ -25,11 +25,11 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.run import PY, cold, ensure_family, measure, resident_bytes  # noqa: E402
-from mergepipe.analyze import analyze  # noqa: E402
-from mergepipe.catalog import Catalog  # noqa: E402
-from mergepipe.planner import Planner  # noqa: E402
-from mergepipe.registry import register  # noqa: E402
-from mergepipe.storage import open_checkpoint  # noqa: E402
+from mergepipe.analyze.runner import analyze  # noqa: E402
+from mergepipe.catalog.db import Catalog  # noqa: E402
+from mergepipe.planner.context import Planner  # noqa: E402
+from mergepipe.catalog.models import register  # noqa: E402
+from mergepipe.storage.safetensors import open_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

@@ -26,12 +26,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mergepipe.analyze import analyze  # noqa: E402
-from mergepipe.catalog import Catalog  # noqa: E402
-from mergepipe.family import make_family  # noqa: E402
-from mergepipe.planner import Planner  # noqa: E402
-from mergepipe.registry import register  # noqa: E402
-from mergepipe.storage import evict, open_checkpoint  # noqa: E402
+from mergepipe.analyze.runner import analyze  # noqa: E402
+from mergepipe.catalog.db import Catalog  # noqa: E402
+from mergepipe.research.family import make_family  # noqa: E402
+from mergepipe.planner.context import Planner  # noqa: E402
+from mergepipe.catalog.models import register  # noqa: E402
+from mergepipe.storage.local import evict  # noqa: E402
+from mergepipe.storage.safetensors import open_checkpoint
 
 PROFILES = {
     "ci": dict(size="small", dtype="bf16", ks=[4], ops=["linear", "ties"], budgets=["10%", "100%"], block=256 << 10),
@@ -206,7 +207,7 @@ def bench_family(args, prof, k, fam, work, results, mk_exe, db):
             shutil.rmtree(out, ignore_errors=True)
             if k <= prof.get("naive_max_k", 10**6):
                 cold(inputs)
-                r = attempt([PY, "-m", "mergepipe.baselines", str(fam["base"]), str(out), "--experts",
+                r = attempt([PY, "-m", "mergepipe.research.baselines", str(fam["base"]), str(out), "--experts",
                              *map(str, fam["experts"][:k]), "--op", op,
                              "--density", str(DENSITY if op in ("ties", "dare_ties") else 1.0),
                              "--block-bytes", str(prof["block"]), "--expert-ids", *ids], f"naive {op} K={k}")

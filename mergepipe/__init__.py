@@ -5,10 +5,10 @@ Catalog -> Plan -> Execute -> Manifest. The library never imports Streamlit.
     from mergepipe import Catalog, Planner, Engine
 """
 
-__version__ = "0.1.0"
+from mergepipe.version import __version__  # noqa: E402
 
-from .catalog import Catalog  # noqa: E402
-from .errors import MergePipeError  # noqa: E402
+from mergepipe.catalog.db import Catalog  # noqa: E402
+from mergepipe.errors import MergePipeError  # noqa: E402
 
 __all__ = ["Catalog", "Planner", "Engine", "MergePipeError", "__version__"]
 
@@ -16,9 +16,9 @@ __all__ = ["Catalog", "Planner", "Engine", "MergePipeError", "__version__"]
 def __getattr__(name):
     # Planner and Engine pull in torch; import them only when asked for.
     if name == "Planner":
-        from .planner import Planner
+        from mergepipe.planner.context import Planner
         return Planner
     if name == "Engine":
-        from .engine import Engine
+        from mergepipe.engine.engine import Engine
         return Engine
     raise AttributeError(f"module 'mergepipe' has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """Rendering glue shared by the pages (not a page itself): the catalog of this rerun, cached views,
 the child processes the dashboard started, and user-error display. Everything computed comes from
-mergepipe.views; nothing here knows about merging."""
+mergepipe.dashboard.views; nothing here knows about merging."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import subprocess
 
 import streamlit as st
 
-from mergepipe import views
-from mergepipe.catalog import Catalog
+from mergepipe.dashboard import views
+from mergepipe.api import Catalog
 from mergepipe.errors import MergePipeError
 
 

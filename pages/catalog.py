@@ -3,7 +3,7 @@ heatmaps from the sketches, and a drill-down from a layer to its blocks."""
 
 import streamlit as st
 
-from mergepipe import views
+from mergepipe.dashboard import views
 from pages import _ui as ui
 
 VIEWS = ["Heatmap", "Tensors", "Blocks", "Conflicts"]

@@ -2,7 +2,7 @@
 
 import streamlit as st
 
-from mergepipe import views
+from mergepipe.dashboard import views
 from pages import _ui as ui
 
 st.title("MergePipe")

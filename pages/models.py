@@ -2,10 +2,9 @@
 
 import streamlit as st
 
-from mergepipe import views
+from mergepipe.dashboard import views
 from mergepipe.errors import MergePipeError
-from mergepipe.registry import register
-from mergepipe.runs import launch_analyze
+from mergepipe.api import launch_analyze, register
 from pages import _ui as ui
 
 NO_BASE = "(none: this is a base model)"

@@ -4,9 +4,9 @@ Every setting is bound to the URL, so a plan view can be shared as a link."""
 
 import streamlit as st
 
-from mergepipe import views
+from mergepipe.dashboard import views
 from mergepipe.errors import PlanError
-from mergepipe.planner import STRATEGIES, save_plan
+from mergepipe.api import STRATEGIES, save_plan
 from pages import _ui as ui
 
 TRI = {"default": None, "on": True, "off": False}

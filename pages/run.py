@@ -3,9 +3,8 @@ cancel it, read its log. The run lives in the catalog, so it survives a refresh 
 
 import streamlit as st
 
-from mergepipe import views
-from mergepipe.planner import load_plan
-from mergepipe.runs import cancel_run, get_run, launch_run, log_tail
+from mergepipe.dashboard import views
+from mergepipe.api import cancel_run, get_run, launch_run, load_plan, log_tail
 from pages import _ui as ui
 
 st.title("Run")

@@ -3,8 +3,8 @@ bytes per expert and per tensor, the touched blocks, and a verify button."""
 
 import streamlit as st
 
-from mergepipe import views
-from mergepipe.manifest import verify
+from mergepipe.dashboard import views
+from mergepipe.api import verify
 from pages import _ui as ui
 
 st.title("Snapshots")

@@ -14,18 +14,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mergepipe.analyze import analyze
-from mergepipe.catalog import Catalog
-from mergepipe.family import make_family
-from mergepipe.registry import register
-from mergepipe.storage import INDEX_NAME, proc_io
+from mergepipe.analyze.runner import analyze
+from mergepipe.catalog.db import Catalog
+from mergepipe.research.family import make_family
+from mergepipe.catalog.models import register
+from mergepipe.storage.safetensors import INDEX_NAME
+from mergepipe.storage.local import proc_io
 
 
 @pytest.fixture(scope="session", autouse=True)
 def compiled_kernels():
     """Compile (or load from numba's on-disk cache) the fused merge kernels once, before any test: a
     first compile imports numba's compiler modules, which a cold-read test would count as disk reads."""
-    from mergepipe import kernels
+    from mergepipe.ops import kernels
     kernels.warm_up()
 
 

@@ -9,11 +9,11 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from mergepipe.analyze import analyze
+from mergepipe.analyze.runner import analyze
 from mergepipe.api import merge
-from mergepipe.catalog import Catalog
-from mergepipe.family import make_family
-from mergepipe.registry import register
+from mergepipe.catalog.db import Catalog
+from mergepipe.research.family import make_family
+from mergepipe.catalog.models import register
 
 BLOCK_BYTES = 4096
 EXPERTS = ("expert_1", "expert_2", "expert_3")

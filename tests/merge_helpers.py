@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from mergepipe.analyze import analyze
-from mergepipe.catalog import Catalog
-from mergepipe.family import make_family
-from mergepipe.registry import register
+from mergepipe.analyze.runner import analyze
+from mergepipe.catalog.db import Catalog
+from mergepipe.research.family import make_family
+from mergepipe.catalog.models import register
 
 # Every top-k fraction the tests use: ties at 0.3/0.5, breadcrumbs (gamma 0.01) at 0.3/0.5.
 DENSITIES = (0.01, 0.2, 0.21, 0.3, 0.31, 0.5, 0.51)
@@ -216,7 +216,7 @@ class CliResult:
 
 def run_cli(args: list[str]) -> CliResult:
     """Run ``mergepipe.cli.main`` in this process, capturing stdout and stderr."""
-    from mergepipe.cli import main
+    from mergepipe.cli.app import main
     out, err = io.StringIO(), io.StringIO()
     with redirect_stdout(out), redirect_stderr(err):
         code = main([str(a) for a in args])
@@ -228,7 +228,7 @@ def manifest_of(out_dir: Path) -> dict:
 
 
 def plan_kwargs_for_baseline(plan) -> dict:
-    """Arguments for mergepipe.baselines.naive_merge that reproduce ``plan`` at full budget."""
+    """Arguments for mergepipe.research.baselines.naive_merge that reproduce ``plan`` at full budget."""
     return dict(operator=plan["operator"], weights=[e["weight"] for e in plan["experts"]],
                 densities=[1.0 if e["density"] is None else e["density"] for e in plan["experts"]],
                 params=plan["params"], seed=plan["seed"], block_bytes=plan["grid"]["block_bytes"],

@@ -7,7 +7,7 @@ For each operator (linear, task_arithmetic, ties, dare_ties) it makes the full-b
 budgeted merges at 5, 10, 25, 50 % of the full expert read under every planner strategy (norm,
 conflict, kept, random, uniform; the 100 % point is shared). Per merge it records per-task exact-match
 accuracy and mean, the relative l2 deviation from that operator's full-budget merge (see
-mergepipe.evaluate), bytes read (planned and realized), the plan's bound (additive operators) and
+mergepipe.research.evaluate), bytes read (planned and realized), the plan's bound (additive operators) and
 seconds. Base and experts are evaluated on the same held-out suite.
 
 "Merge size" (skip with --no-merge-size, ~2.5 min on 2 cores): merges of K = 2 (4 disjoint pairs) and
@@ -34,15 +34,15 @@ from pathlib import Path
 
 import torch
 
-from mergepipe.analyze import analyze
+from mergepipe.analyze.runner import analyze
 from mergepipe.api import merge
-from mergepipe.catalog import Catalog
-from mergepipe.evaluate import accuracy, bound_check, deviation
-from mergepipe.ops import coefficient, get_op
-from mergepipe.registry import register
+from mergepipe.catalog.db import Catalog
+from mergepipe.research.evaluate import accuracy, bound_check, deviation
+from mergepipe.ops.core import coefficient, get_op
+from mergepipe.catalog.models import register
 
-from .tasks import suite
-from .train import DEFAULT_OUT, FULL, MINI, build_family
+from benchmarks.fidelity.tasks import suite
+from benchmarks.fidelity.train import DEFAULT_OUT, FULL, MINI, build_family
 
 ROOT = Path(__file__).resolve().parents[2]
 WORK = ROOT / "benchmarks" / "work" / "fidelity"

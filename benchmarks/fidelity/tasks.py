@@ -14,7 +14,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mergepipe.evaluate import BOS, EOS, PAD, CharTokenizer, write_suite
+from mergepipe.research.evaluate import BOS, EOS, PAD, CharTokenizer, write_suite
 
 LETTERS = "abcdefghijklmnop"  # 16 letters: the alphabet of every letter task (Caesar shifts within it)
 DIGITS = "0123456789"
@@ -130,7 +130,7 @@ def task_line(task: Task, rng: random.Random) -> tuple[str, str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="write the fidelity task suite as JSONL for mergepipe.evaluate")
+    ap = argparse.ArgumentParser(description="write the fidelity task suite as JSONL for mergepipe.research.evaluate")
     ap.add_argument("--write", required=True, help="output .jsonl")
     ap.add_argument("--n", type=int, default=200, help="examples per task")
     ap.add_argument("--seed", type=int, default=10_000, help="suite seed (training uses other seeds)")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .tasks import TASK_NAMES, TASKS, generic_text, task_line, tokenizer
+from benchmarks.fidelity.tasks import TASK_NAMES, TASKS, generic_text, task_line, tokenizer
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "work" / "fidelity" / "family"
 

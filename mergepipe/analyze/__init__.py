@@ -1,0 +1,1 @@
+"""ANALYZE: per-block statistics of registered models."""

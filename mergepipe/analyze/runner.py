@@ -1,0 +1,119 @@
+"""Running ANALYZE: which experts need it (stored statistics stale or missing), the (expert, tensor)
+tasks on a thread pool in tensor-major order, and storing the results in one catalog transaction."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from mergepipe.analyze.stats import (
+    AnalyzeResult, DEFAULT_DENSITIES, ExpertAnalysis, analysis_workers, analyze_tensor,
+)
+from mergepipe.catalog.analyses import replace_analyses
+from mergepipe.catalog.db import Catalog
+from mergepipe.catalog.models import check_unchanged
+from mergepipe.catalog.sketch import DEFAULT_SKETCH_SIZE
+from mergepipe.errors import CatalogError
+from mergepipe.storage.grid import DEFAULT_BLOCK_BYTES
+from mergepipe.storage.safetensors import open_checkpoint
+
+
+Progress = Callable[[str, int, int], None]
+def store_analyses(catalog: Catalog, jobs: list[ExpertAnalysis], seconds: dict | None = None) -> None:
+    """Replace the statistics of these experts (and their base's grid) in one transaction."""
+    with catalog.transaction():
+        replace_analyses(catalog, jobs, seconds)
+
+
+def _prepare(catalog: Catalog, expert_id: str, block_bytes, sketch_size, densities, force) -> ExpertAnalysis | None:
+    """The analysis job for one expert, or None when its stored statistics are current."""
+    expert = catalog.model(expert_id)
+    if not expert["base_id"]:
+        raise CatalogError(f"{expert_id} has no base; register it with --base to analyze it")
+    base = catalog.model(expert["base_id"])
+    grid_bytes = catalog.grid_block_bytes(base["id"])
+    if block_bytes is None:
+        block_bytes = grid_bytes or DEFAULT_BLOCK_BYTES
+    if block_bytes <= 0:
+        raise CatalogError("--block-bytes must be positive")
+    if sketch_size <= 0:
+        raise CatalogError("--sketch-size must be positive")
+    if not all(0 < float(d) <= 1 for d in densities):
+        raise CatalogError("--densities must lie in (0, 1]")
+    densities = tuple(sorted(set(float(d) for d in densities)))
+    # Headers only: a model whose files changed since registration must never be skipped as unchanged.
+    check_unchanged(base)
+    check_unchanged(expert)
+    prev = catalog.analysis(expert_id)
+    if (
+        not force and prev and grid_bytes == block_bytes and catalog.is_analyzed(expert_id)
+        and prev["sketch_size"] == sketch_size and set(json.loads(prev["densities"])) >= set(densities)
+    ):
+        return None
+    return ExpertAnalysis(expert, base, open_checkpoint(base["uri"]), block_bytes, sketch_size, densities)
+
+
+def run_analyses(jobs: list[ExpertAnalysis], progress: Progress | None = None) -> None:
+    """Analyze every tensor of every job on a thread pool, tensor-major across the jobs."""
+    import torch  # LoRA deltas are torch matmuls: keep them single-threaded beside the pool
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _run_tasks(jobs, progress)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _run_tasks(jobs: list[ExpertAnalysis], progress: Progress | None) -> None:
+    """One task per (base, tensor) covering every expert of that base, in the order of the files."""
+    by_base: dict[str, list[ExpertAnalysis]] = {}
+    for job in jobs:
+        by_base.setdefault(job.base["id"], []).append(job)
+    tasks = [(group, binfo) for group in by_base.values() for binfo in group[0].tensor_order()]
+    done = {job.expert_id: 0 for job in jobs}
+    totals = {job.expert_id: sum(t.nbytes for t in job.base_ck.tensors.values()) for job in jobs}
+    with ThreadPoolExecutor(max_workers=analysis_workers(), thread_name_prefix="mergepipe-analyze") as pool:
+        for (group, binfo), _ in zip(tasks, pool.map(lambda t: analyze_tensor(*t), tasks)):
+            for job in group:
+                done[job.expert_id] += binfo.nbytes
+                if progress:
+                    progress(job.expert_id, done[job.expert_id], totals[job.expert_id])
+
+
+def analyze(catalog: Catalog, model_ids=None, progress: Progress | None = None, block_bytes: int | None = None,
+            sketch_size: int = DEFAULT_SKETCH_SIZE, densities=DEFAULT_DENSITIES,
+            force: bool = False) -> list[AnalyzeResult]:
+    """Analyze the given experts (default: every registered model that has a base) in one pass;
+    experts whose statistics are current are skipped. All statistics are stored in one transaction."""
+    if not model_ids:
+        model_ids = [m["id"] for m in catalog.models() if m["base_id"]]
+    for mid in model_ids:
+        catalog.model(mid)  # fail before any work on an unknown id
+    jobs = {mid: _prepare(catalog, mid, block_bytes, sketch_size, densities, force) for mid in model_ids}
+    todo = [j for j in jobs.values() if j is not None]
+    grids = {}
+    for job in todo:  # one grid per base
+        if grids.setdefault(job.base["id"], job.block_bytes) != job.block_bytes:
+            raise CatalogError(f"experts of {job.base['id']} analyzed with different block sizes in one run")
+    t0 = time.perf_counter()
+    try:
+        run_analyses(todo, progress)
+        wall = time.perf_counter() - t0
+        if todo:
+            store_analyses(catalog, todo, {j.expert_id: wall / len(todo) for j in todo})
+    finally:
+        for job in todo:
+            job.close()
+    return [AnalyzeResult(mid, True) if job is None else
+            AnalyzeResult(mid, False, job.bytes_read, wall / max(1, len(todo)), job.n_blocks)
+            for mid, job in jobs.items()]
+
+
+def analyze_expert(catalog: Catalog, expert_id: str, block_bytes: int | None = None,
+                   sketch_size: int = DEFAULT_SKETCH_SIZE, densities=DEFAULT_DENSITIES, force: bool = False,
+                   progress: Progress | None = None) -> AnalyzeResult:
+    """Analyze one expert against its base; skipped when nothing it depends on changed."""
+    return analyze(catalog, [expert_id], progress, block_bytes, sketch_size, densities, force)[0]

@@ -1,0 +1,296 @@
+"""ANALYZE: one pass over base and experts computing per-block statistics of each expert's delta.
+
+Per block of delta = expert - base: L2 and L1 norms, max |delta|, non-zero count and a sketch
+(see catalog/sketch.py). Per (expert, tensor): the same totals and exact top-k magnitude thresholds for a
+grid of densities (what TIES/breadcrumbs need), so a budgeted merge never reads a whole tensor to
+learn them. Thresholds are found by a radix select on the float32 bit pattern of |delta|: pass one
+histograms the top 16 bits; pass two counts the low 16 bits of only the bins that hold a k-th largest
+(from memory for small tensors, otherwise re-read from the page cache the first pass just filled).
+
+Both passes are compiled loops over the checkpoints' raw bytes (analyze/kernels.py); (expert, tensor)
+tasks run on a pool of threads, one per core plus one so that a read never leaves a core idle, in
+tensor-major order so that the experts of one base share its pages in the page cache. The engine
+runs the same :class:`ExpertAnalysis` during a first merge (analysis on the way).
+
+This module holds one expert's analysis and the per-tensor passes; thresholds.py the radix select,
+runner.py what ANALYZE runs (preparing jobs, the task pool, storing the results).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from mergepipe.analyze import kernels
+from mergepipe.analyze.thresholds import DenseSelection, HIST_BINS, KeySelection, kth_largest_thresholds
+from mergepipe.catalog.db import now
+from mergepipe.catalog.sketch import DEFAULT_SKETCH_SIZE, sample_positions, sketch_bytes
+from mergepipe.storage.grid import BlockSpan, tensor_grid
+from mergepipe.storage.local import RangeReader
+from mergepipe.storage.safetensors import Checkpoint, FLOAT_DTYPES, TensorInfo
+from mergepipe.storage.sources import open_source
+
+
+# Top-k fractions with stored thresholds: every percent, plus two below 1 %.
+DEFAULT_DENSITIES = (0.001, 0.005) + tuple(round(i / 100, 2) for i in range(1, 100))
+IN_MEMORY_TENSOR_BYTES = 64 << 20
+KEEP_TASK_BYTES = 512 << 20  # base and expert bytes of one tensor kept for the second pass, all experts
+# numpy views of raw bytes the kernels accept (bf16 and fp16 need distinct 16-bit types)
+RAW_VIEW = {"BF16": np.uint16, "F16": np.int16, "F32": np.float32, "F64": np.float64}
+
+
+_ARENA = threading.local()
+
+
+def _arena(nbytes: int) -> np.ndarray:
+    """This thread's reusable read buffer of at least ``nbytes``. Reusing it spares the page faults
+    (kernel time) of a fresh mapping for every block, which cost as much as the reads themselves."""
+    buf = getattr(_ARENA, "buf", None)
+    if buf is None or buf.size < nbytes:
+        buf = _ARENA.buf = np.empty(max(nbytes, 8 << 20), dtype=np.uint8)
+    return buf
+
+
+def _read(reader: RangeReader, rng: tuple[str, int, int], dtype: str, into: np.ndarray) -> np.ndarray:
+    """One byte range as the kernels' array type, read into ``into`` (a slice of the arena)."""
+    buf = into[:rng[2]]
+    assert buf.size == rng[2]
+    reader.read_into(rng[0], rng[1], buf)
+    return buf.view(RAW_VIEW[dtype])
+
+
+@dataclass
+class AnalyzeResult:
+    model_id: str
+    skipped: bool
+    bytes_read: int = 0
+    seconds: float = 0.0
+    n_blocks: int = 0
+
+
+def analysis_workers() -> int:
+    return max(1, min(4, (os.cpu_count() or 1) + 1))
+
+
+class ExpertAnalysis:
+    """ANALYZE of one expert against its base: its own readers (so bytes are counted per expert),
+    its settings, and the rows of every tensor analyzed so far. Tensors may be analyzed concurrently."""
+
+    def __init__(self, expert: dict, base: dict, base_ck: Checkpoint, block_bytes: int,
+                 sketch_size: int = DEFAULT_SKETCH_SIZE, densities=DEFAULT_DENSITIES):
+        self.expert, self.base = expert, base
+        self.base_ck = base_ck
+        self.source = open_source(expert["kind"], expert["uri"])
+        self.block_bytes = block_bytes
+        self.sketch_size = sketch_size
+        self.densities = tuple(sorted(set(float(d) for d in densities)))
+        self.rb = RangeReader(base_ck, sequential=True)
+        self.re = RangeReader(self.source.checkpoint, sequential=True)
+        self.results: dict[str, tuple[list[dict], dict]] = {}
+        self.seconds = 0.0
+        self.base_read = 0  # base bytes this expert's statistics used (a shared read counts for each)
+        self._lock = threading.Lock()
+
+    @property
+    def expert_id(self) -> str:
+        return self.expert["id"]
+
+    @property
+    def bytes_read(self) -> int:
+        return self.base_read + self.rb.bytes_read + self.re.bytes_read
+
+    def tensor_order(self) -> list[TensorInfo]:
+        """Base tensors in the order of the expert's bytes, so the pass over its files is sequential."""
+        return sorted(self.base_ck.tensors.values(), key=self._read_position)
+
+    def _read_position(self, binfo: TensorInfo):
+        if not self.source.has_delta(binfo.name):  # tensors without a delta go last
+            return (1, "", 0)
+        fname, offset, _ = self.source.block_ranges(binfo.name, tensor_grid(binfo, 1 << 62)[0])[0]
+        return (0, fname, offset)
+
+    def store(self, name: str, result: tuple[list[dict], dict], seconds: float) -> None:
+        with self._lock:
+            self.results[name] = result
+            self.seconds += seconds
+
+    def record(self, seconds: float | None = None) -> dict:
+        """The ``analyses`` row of this expert (all of its tensors must be analyzed)."""
+        return {"model_id": self.expert_id, "base_id": self.base["id"], "fingerprint": self.expert["fingerprint"],
+                "base_fingerprint": self.base["fingerprint"], "block_bytes": self.block_bytes,
+                "sketch_size": self.sketch_size, "densities": json.dumps(list(self.densities)),
+                "n_blocks": self.n_blocks, "bytes_read": self.bytes_read,
+                "seconds": round(self.seconds if seconds is None else seconds, 4), "analyzed_at": now()}
+
+    @property
+    def n_blocks(self) -> int:
+        return sum(len(rows) for rows, _ in self.results.values())
+
+    def close(self) -> None:
+        self.rb.close()
+        self.re.close()
+
+
+class _Arena:
+    """Bump allocation in this thread's reusable buffer, each piece 8-byte aligned."""
+
+    def __init__(self, nbytes: int):
+        self.buf = _arena(nbytes)
+        self.pos = 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        piece = self.buf[self.pos:self.pos + nbytes]
+        self.pos += -(-nbytes // 8) * 8
+        return piece
+
+
+def analyze_tensor(jobs: list[ExpertAnalysis], binfo: TensorInfo) -> None:
+    """One base tensor for several experts of that base: each base block is read once for all of them
+    (the base's bytes are still counted for every expert that uses them)."""
+    t0 = time.perf_counter()
+    passes = [_TensorPass(job, binfo) for job in jobs if job.source.has_delta(binfo.name)]
+    if passes and is_float(binfo):
+        _first_pass(passes, binfo)
+    for job in jobs:
+        p = next((p for p in passes if p.job is job), None)
+        job.store(binfo.name, p.finish() if p else _zero_tensor(binfo, job.block_bytes, job.expert_id),
+                  (time.perf_counter() - t0) / len(jobs))
+
+
+def _first_pass(passes: list["_TensorPass"], binfo: TensorInfo) -> None:
+    spans = passes[0].spans
+    needs_base = any(p.source.needs_base for p in passes)
+    per_span = [(span.nbytes + 8 if needs_base else 0) + sum(p.expert_bytes(span) + 8 for p in passes)
+                for span in spans]
+    keep = binfo.numel * 4 <= IN_MEMORY_TENSOR_BYTES and sum(per_span) <= KEEP_TASK_BYTES
+    arena = _Arena(sum(per_span) if keep else max(per_span))
+    with RangeReader(passes[0].job.base_ck, sequential=True) as base_reader:
+        for span in spans:
+            if not keep:
+                arena.pos = 0
+            base = None
+            if needs_base:
+                rng = (binfo.file, binfo.offset + span.rel_offset, span.nbytes)
+                base = _read(base_reader, rng, binfo.dtype, arena.take(span.nbytes))
+            for p in passes:
+                p.add_block(span, base, arena, keep)
+
+
+class _TensorPass:
+    """The block statistics and both radix-select passes of one (expert, tensor)."""
+
+    def __init__(self, job: ExpertAnalysis, binfo: TensorInfo):
+        self.job, self.binfo = job, binfo
+        self.source = job.source
+        self.spans = tensor_grid(binfo, job.block_bytes)
+        fixed = self.source.fixed_ranges(binfo.name)
+        self.fixed_bytes = sum(n for _, _, n in fixed)
+        self.fixed = job.re.read_ranges(fixed) if fixed and is_float(binfo) else []
+        self.hist = np.zeros((4, 1 << 16), dtype=np.int32 if binfo.numel < 2**31 else np.int64)
+        self.rows: list[dict] = []
+        self.cached: list[tuple] = []  # (expert, base) arrays of every block, when the tensor is kept
+        self.l2sq = self.l1 = self.mx = 0.0
+        self.nnz = self.nonzero_low = 0
+
+    def expert_bytes(self, span: BlockSpan) -> int:
+        return 0 if self.source.kind == "lora" else self.source.block_ranges(self.binfo.name, span)[0][2]
+
+    def expert_block(self, span: BlockSpan, into: np.ndarray | None = None) -> np.ndarray:
+        """The expert-side array of a block: raw bytes (full, delta) or the float32 delta (LoRA)."""
+        name, job = self.binfo.name, self.job
+        if self.source.kind == "lora":
+            bufs = job.re.read_ranges(self.source.block_ranges(name, span))
+            return self.source.delta(name, span, bufs, self.fixed, None).reshape(-1).numpy()
+        (rng,) = self.source.block_ranges(name, span)
+        return _read(job.re, rng, self.source.checkpoint.tensors[name].dtype,
+                     np.empty(rng[2], dtype=np.uint8) if into is None else into)
+
+    def reread(self, span: BlockSpan):
+        """A block's (expert, base) arrays read again, for the second pass over a large tensor."""
+        e = self.expert_block(span)
+        if not self.source.needs_base:
+            return e, None
+        rng = (self.binfo.file, self.binfo.offset + span.rel_offset, span.nbytes)
+        return e, _read(self.job.rb, rng, self.binfo.dtype, np.empty(span.nbytes, dtype=np.uint8))
+
+    def add_block(self, span: BlockSpan, base: np.ndarray | None, arena: _Arena, keep: bool) -> None:
+        e = self.expert_block(span, arena.take(self.expert_bytes(span)))
+        b = base if self.source.needs_base else None
+        if b is not None:
+            self.job.base_read += b.nbytes
+        s2, s1, m, n, low = kernels.block_stats(e, b, self.hist)
+        m = float(m)
+        positions = sample_positions(e.size, self.job.sketch_size).numpy()
+        (rng,) = self.source.block_ranges(self.binfo.name, span)
+        self.rows.append(_row(self.job.expert_id, self.binfo.name, span, rng, delta_l2=math.sqrt(s2), delta_l1=s1,
+                              delta_max_abs=m, delta_nnz=n,
+                              sketch=sketch_bytes(kernels.gather_delta(e, b, positions), m)))
+        self.l2sq, self.l1, self.mx = self.l2sq + s2, self.l1 + s1, max(self.mx, m)
+        self.nnz, self.nonzero_low = self.nnz + n, self.nonzero_low + low
+        if keep:
+            self.cached.append((e, b))
+        self.keep = keep
+
+    def finish(self) -> tuple[list[dict], dict]:
+        binfo, job = self.binfo, self.job
+        if not is_float(binfo):  # not read: block rows with zero statistics
+            self.rows = [_row(job.expert_id, binfo.name, span, self.source.block_ranges(binfo.name, span)[0])
+                         for span in self.spans]
+        hist = self.hist.sum(axis=0, dtype=np.int64)
+        thresholds = (kth_largest_thresholds(hist[:HIST_BINS], binfo.numel, self.nnz, job.densities, self.select)
+                      if self.nnz else {})
+        stats = {"model_id": job.expert_id, "tensor": binfo.name, "numel": binfo.numel, "delta_l2": self.l2sq ** 0.5,
+                 "delta_l1": self.l1, "delta_max_abs": self.mx, "delta_nnz": self.nnz,
+                 "thresholds": json.dumps({str(k): v for k, v in thresholds.items()}),
+                 "fixed_bytes": self.fixed_bytes if self.nnz else 0}
+        self.cached = []
+        return self.rows, stats
+
+    def select(self, bins: list[int]):
+        """Second pass: the low 16 bits of the entries in ``bins`` (from memory or re-read).
+
+        Entries whose low 16 bits are all zero need no second look: the first pass counted them (their
+        bin's count minus the others). bf16 deltas almost only have such entries, so when few entries
+        have low bits set, only those are collected; otherwise every entry of the bins is counted."""
+        slot_of = np.full(1 << 16, len(bins), dtype=np.int32)  # unselected bins map past the last slot
+        slot_of[np.array(bins)] = np.arange(len(bins), dtype=np.int32)
+        blocks = self.cached if self.keep else (self.reread(s) for s in self.spans)
+        if self.nonzero_low * 8 < self.binfo.numel:
+            keys = np.empty(self.nonzero_low, dtype=np.int64)
+            pos = 0
+            if self.nonzero_low:
+                for e, b in blocks:
+                    pos = kernels.collect_nonzero_low_keys(e, b, slot_of, len(bins), keys, pos)
+            return KeySelection(np.sort(keys[:pos]))
+        dense = np.zeros((len(bins) + 1, 1 << 16), dtype=np.int64 if self.binfo.numel >= 2**31 else np.int32)
+        for e, b in blocks:
+            kernels.count_low_bits(e, b, slot_of, dense)
+        return DenseSelection(dense[:-1])
+
+
+def _row(expert_id: str, tensor: str, span: BlockSpan, rng, **stats) -> dict:
+    row = {"model_id": expert_id, "tensor": tensor, "block": span.index, "row_start": span.row_start,
+           "row_end": span.row_end, "offset": rng[1], "nbytes": rng[2], "delta_l2": 0.0, "delta_l1": 0.0,
+           "delta_max_abs": 0.0, "delta_nnz": 0, "sketch": b""}
+    row.update(stats)
+    return row
+
+
+def is_float(binfo: TensorInfo) -> bool:
+    return binfo.dtype in FLOAT_DTYPES
+
+
+def _zero_tensor(binfo: TensorInfo, block_bytes: int, expert_id: str):
+    """Rows for a tensor the expert does not change (untargeted by a LoRA adapter): nothing to read."""
+    rows = [{"model_id": expert_id, "tensor": binfo.name, "block": s.index, "row_start": s.row_start,
+             "row_end": s.row_end, "offset": None, "nbytes": 0, "delta_l2": 0.0, "delta_l1": 0.0,
+             "delta_max_abs": 0.0, "delta_nnz": 0, "sketch": b""} for s in tensor_grid(binfo, block_bytes)]
+    stats = {"model_id": expert_id, "tensor": binfo.name, "numel": binfo.numel, "delta_l2": 0.0, "delta_l1": 0.0,
+             "delta_max_abs": 0.0, "delta_nnz": 0, "thresholds": "{}", "fixed_bytes": 0}
+    return rows, stats

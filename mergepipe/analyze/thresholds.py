@@ -1,0 +1,69 @@
+"""Exact top-k magnitude thresholds by a radix select on the float32 bit pattern of |delta|: the k-th
+largest from a histogram of the top 16 bits, then the low 16 bits of only the bins that hold it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mergepipe.analyze import kernels
+
+
+HIST_BINS = 1 << 15  # top 16 bits of a non-negative float32: sign 0, so 2**15 bins
+class DenseSelection:
+    """Counts of the low 16 bits of the entries in a few top-16 bins: [slots, 65536]."""
+
+    def __init__(self, dense: np.ndarray):
+        self.dense = dense
+
+    def kth_low_bits(self, slots: list[int], ranks: list[int]) -> list[int]:
+        """The low 16 bits of the rank-th largest entry (1-based) within each slot."""
+        return kernels.kth_from_top(self.dense, np.array(slots, dtype=np.int64),
+                                    np.array(ranks, dtype=np.int64)).tolist()
+
+
+class KeySelection:
+    """The entries of a few top-16 bins whose low 16 bits are not zero, as sorted ``slot << 16 | low``
+    keys; every other entry of those bins has low bits 0 and ranks below them."""
+
+    def __init__(self, sorted_keys: np.ndarray):
+        self.keys = sorted_keys
+
+    def kth_low_bits(self, slots: list[int], ranks: list[int]) -> list[int]:
+        out = []
+        for slot, rank in zip(slots, ranks):
+            end = int(np.searchsorted(self.keys, (slot + 1) << 16))
+            start = int(np.searchsorted(self.keys, (slot << 16) + 1))
+            out.append(int(self.keys[end - rank]) & 0xFFFF if rank <= end - start else 0)
+        return out
+
+
+def kth_largest_thresholds(hist: np.ndarray, numel: int, nnz: int, densities, select) -> dict[float, float]:
+    """Exact k-th largest |delta| for k = int(d * numel), d in ``densities``, by radix select.
+
+    ``hist`` counts the top 16 bits of |delta|'s float32 pattern (bin 0 holds the zeros and is
+    never selected: k <= nnz); ``select(bins)`` returns a selection of the entries in those bins
+    (a second pass over the tensor) that answers ``kth_low_bits(slots, ranks)``."""
+    desc = np.cumsum(hist[::-1])  # desc[j] = entries in the top j+1 bins
+    wanted: dict[float, tuple[int, int]] = {}
+    for d in densities:
+        k = int(d * numel)
+        if 0 < k <= nnz:
+            j = int(np.searchsorted(desc, k))
+            above = int(desc[j - 1]) if j > 0 else 0
+            wanted[d] = (HIST_BINS - 1 - j, k - above)
+    bins = sorted({b for b, _ in wanted.values()})
+    if bins:
+        slot = {b: i for i, b in enumerate(bins)}
+        low = select(bins).kth_low_bits([slot[b] for b, _ in wanted.values()], [r for _, r in wanted.values()])
+        bits = np.array([(b << 16) | lo for (b, _), lo in zip(wanted.values(), low)], dtype=np.uint32)
+        values = dict(zip(wanted, bits.view(np.float32).tolist()))
+    out = {}
+    for d in densities:
+        k = int(d * numel)
+        if k <= 0:
+            out[d] = float("inf")  # keep nothing
+        elif d not in wanted:
+            out[d] = 0.0  # fewer non-zeros than k: every non-zero entry is kept
+        else:
+            out[d] = values[d]
+    return out

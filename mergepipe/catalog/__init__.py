@@ -1,0 +1,1 @@
+"""Catalog: the SQLite schema, migrations and every SQL statement."""

@@ -1,0 +1,93 @@
+"""Stored statistics: per-block and per-tensor delta statistics, analyses and grids.
+
+ANALYZE writes them (:func:`replace_analyses`); the planner and the dashboard read them.
+Functions that return a cursor leave it to the caller to iterate (rows come as tuples).
+"""
+
+from __future__ import annotations
+
+from mergepipe.catalog.db import Catalog, now
+
+
+def replace_analyses(catalog: Catalog, jobs, seconds: dict | None = None) -> None:
+    """Replace the statistics of these experts (and their base's grid); the caller holds the transaction.
+
+    ``jobs`` are ANALYZE jobs: ``base``, ``expert_id``, ``block_bytes``, ``n_blocks``, ``results`` and
+    ``record(seconds)`` (the analyses row)."""
+    for job in jobs:
+        if catalog.grid_block_bytes(job.base["id"]) != job.block_bytes:
+            catalog.db["grids"].upsert(
+                {"base_id": job.base["id"], "block_bytes": job.block_bytes, "n_blocks": job.n_blocks,
+                 "created_at": now()}, pk="base_id")
+        for table in ("blocks", "tensor_stats"):
+            catalog.conn.execute(f"DELETE FROM {table} WHERE model_id = ?", [job.expert_id])
+        catalog.db["blocks"].insert_all((r for rows, _ in job.results.values() for r in rows), batch_size=2000)
+        catalog.db["tensor_stats"].insert_all((s for _, s in job.results.values()), batch_size=2000)
+        catalog.db["analyses"].upsert(job.record((seconds or {}).get(job.expert_id)), pk="model_id")
+
+
+# --- planner reads (cursors of tuples, changed tensors/blocks only) ---------------------------------
+def changed_tensor_thresholds(catalog: Catalog, model_id: str):
+    """(tensor, thresholds JSON) of the tensors an expert changed."""
+    return catalog.conn.execute(
+        "SELECT tensor, thresholds FROM tensor_stats WHERE model_id = ? AND delta_nnz > 0", [model_id])
+
+
+def fixed_bytes_by_tensor(catalog: Catalog, model_id: str) -> dict[str, int]:
+    """tensor -> bytes that must be read whatever the budget (tensors with fixed_bytes > 0)."""
+    return dict(catalog.conn.execute(
+        "SELECT tensor, fixed_bytes FROM tensor_stats WHERE model_id = ? AND fixed_bytes > 0", [model_id]))
+
+
+def changed_block_stats(catalog: Catalog, model_id: str) -> list[tuple]:
+    """(tensor, block, nbytes, delta_l2, delta_max_abs) of the blocks an expert changed."""
+    return catalog.conn.execute(
+        "SELECT tensor, block, nbytes, delta_l2, delta_max_abs FROM blocks WHERE model_id = ? AND delta_nnz > 0",
+        [model_id]).fetchall()
+
+
+def changed_block_sketches(catalog: Catalog, model_id: str):
+    """(tensor, block, delta_max_abs, sketch) of the blocks an expert changed."""
+    return catalog.conn.execute(
+        "SELECT tensor, block, delta_max_abs, sketch FROM blocks WHERE model_id = ? AND delta_nnz > 0", [model_id])
+
+
+def changed_block_l2(catalog: Catalog, model_id: str):
+    """(tensor, block, delta_l2) of the blocks an expert changed."""
+    return catalog.conn.execute(
+        "SELECT tensor, block, delta_l2 FROM blocks WHERE model_id = ? AND delta_nnz > 0", [model_id])
+
+
+# --- dashboard reads ---------------------------------------------------------------------------------
+def _in(seq) -> str:
+    return ",".join("?" * len(seq))
+
+
+def tensor_stats_rows(catalog: Catalog, experts: list[str]) -> list[dict]:
+    return catalog.query(f"SELECT model_id, tensor, numel, delta_l2, delta_l1, delta_max_abs, delta_nnz FROM tensor_stats "
+                         f"WHERE model_id IN ({_in(experts)})", list(experts))
+
+
+def block_stats_rows(catalog: Catalog, experts: list[str], tensors: list[str] | None = None) -> list[dict]:
+    sql = (f"SELECT model_id, tensor, block, row_start, row_end, nbytes, delta_l2, delta_l1, delta_max_abs, delta_nnz "
+           f"FROM blocks WHERE model_id IN ({_in(experts)})")
+    params = list(experts)
+    if tensors is not None:
+        sql += f" AND tensor IN ({_in(tensors)})"
+        params += list(tensors)
+    return catalog.query(sql, params)
+
+
+def sketch_rows(catalog: Catalog, experts: list[str], tensors: list[str]) -> list[dict]:
+    return catalog.query(f"SELECT model_id, tensor, block, delta_max_abs, sketch FROM blocks "
+                         f"WHERE model_id IN ({_in(experts)}) AND tensor IN ({_in(tensors)})", [*experts, *tensors])
+
+
+def stats_version_row(catalog: Catalog) -> tuple:
+    """What statistics depend on: models' fingerprints, analyses, grids, and plan and snapshot counts."""
+    return catalog.conn.execute(
+        """SELECT (SELECT group_concat(id || ':' || fingerprint, ',') FROM (SELECT * FROM models ORDER BY id)),
+                  (SELECT group_concat(model_id || ':' || analyzed_at || ':' || block_bytes, ',')
+                     FROM (SELECT * FROM analyses ORDER BY model_id)),
+                  (SELECT group_concat(base_id || ':' || block_bytes, ',') FROM (SELECT * FROM grids ORDER BY base_id)),
+                  (SELECT COUNT(*) FROM plans), (SELECT COUNT(*) FROM snapshots)""").fetchone()

@@ -1,0 +1,302 @@
+"""Registering checkpoints: read headers and config only, fingerprint, check an expert against its base.
+
+Nothing here imports torch: a registration costs the headers' bytes and a few milliseconds of JSON.
+``register_many`` registers a batch of experts in one transaction, parsing their base once."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from mergepipe.catalog.db import Catalog, now
+from mergepipe.errors import CatalogError
+from mergepipe.storage.local import fingerprint
+from mergepipe.storage.lora import ADAPTER_CONFIG, base_mismatches, open_adapter
+from mergepipe.storage.safetensors import FLOAT_DTYPES, Checkpoint, open_checkpoint
+
+KINDS = ("full", "delta", "lora")
+
+
+def open_files(kind: str, uri: str) -> Checkpoint:
+    """The files a model of this kind is read from (a LoRA adapter's weights, else the checkpoint)."""
+    return open_adapter(uri).checkpoint if kind == "lora" else open_checkpoint(uri)
+
+
+def current_fingerprint(row: dict) -> str:
+    """Fingerprint of the files a registered model points at, as they are now."""
+    return fingerprint(open_files(row["kind"], row["uri"]))
+
+
+def file_stats(uri: str) -> str | None:
+    """(name, size, mtime) of a checkpoint's weight and index files, from stat() alone."""
+    root = Path(uri)
+    try:
+        files = [root] if root.is_file() else sorted(
+            [*root.glob("*.safetensors"), *root.glob("*.safetensors.index.json"), *root.glob(ADAPTER_CONFIG)])
+        return json.dumps([[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files])
+    except OSError:
+        return None
+
+
+def check_unchanged(row: dict) -> None:
+    """Refuse to use a model whose files changed since it was registered.
+
+    Files whose sizes and mtimes are as registered are unchanged (their headers cannot differ, and the
+    fingerprint covers nothing else); otherwise the headers are parsed again and fingerprinted."""
+    if row.get("file_stats") and file_stats(row["uri"]) == row["file_stats"]:
+        return
+    if current_fingerprint(row) != row["fingerprint"]:
+        raise CatalogError(
+            f"the files of {row['id']!r} ({row['uri']}) changed since registration; "
+            f"re-register it with --replace"
+        )
+
+
+def content_hash(ckpt: Checkpoint) -> str:
+    """sha256 over every byte of every file (opt-in: reads the whole checkpoint)."""
+    h = hashlib.sha256()
+    for f in ckpt.files:
+        with open(f, "rb") as fh:
+            while chunk := fh.read(16 << 20):
+                h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def layout_mismatches(base: Checkpoint, expert: Checkpoint, limit: int = 20, any_float: bool = False) -> list[str]:
+    """Differences in tensor names, shapes and dtypes between an expert and its base.
+
+    ``any_float``: a float tensor may have another float dtype (a delta checkpoint)."""
+    problems = []
+    for name in sorted(set(base.tensors) - set(expert.tensors)):
+        problems.append(f"missing tensor {name}")
+    for name in sorted(set(expert.tensors) - set(base.tensors)):
+        problems.append(f"extra tensor {name}")
+    for name in sorted(set(base.tensors) & set(expert.tensors)):
+        b, e = base.tensors[name], expert.tensors[name]
+        if b.shape != e.shape:
+            problems.append(f"{name}: shape {list(e.shape)} != base {list(b.shape)}")
+        if b.dtype != e.dtype and not (any_float and {b.dtype, e.dtype} <= FLOAT_DTYPES):
+            problems.append(f"{name}: dtype {e.dtype} != base {b.dtype}")
+    if len(problems) > limit:
+        problems = problems[:limit] + [f"... and {len(problems) - limit} more"]
+    return problems
+
+
+def _architecture(kind: str, config: dict) -> str | None:
+    if kind == "lora":
+        targets = config.get("target_modules")
+        targets = ",".join(sorted(targets)) if isinstance(targets, list) else targets
+        return f"LoRA r={config.get('r')} alpha={config.get('lora_alpha')}" + (f" on {targets}" if targets else "")
+    return ",".join(config.get("architectures", [])) or config.get("model_type")
+
+
+@dataclass
+class Checked:
+    """One checkpoint, parsed and checked, ready to be written (or already registered as it is)."""
+
+    model_id: str
+    uri: str
+    kind: str
+    base_id: str | None
+    ckpt: Checkpoint
+    fingerprint: str
+    existing: bool  # another registration of this id is replaced
+    unchanged: bool = False
+
+    def result(self) -> dict:
+        if self.unchanged:
+            return {"model_id": self.model_id, "status": "unchanged", "fingerprint": self.fingerprint}
+        return {"model_id": self.model_id, "status": "replaced" if self.existing else "registered",
+                "fingerprint": self.fingerprint, "bytes": self.ckpt.nbytes, "n_tensors": len(self.ckpt.tensors)}
+
+
+def register(
+    catalog: Catalog,
+    model_id: str,
+    uri: str,
+    base_id: str | None = None,
+    kind: str = "full",
+    with_content_hash: bool = False,
+    replace: bool = False,
+    snapshot_id: str | None = None,
+) -> dict:
+    """Register a checkpoint; returns {'model_id', 'status': 'registered'|'unchanged'|'replaced', ...}."""
+    return register_many(catalog, [(model_id, uri)], base_id=base_id, kind=kind,
+                         with_content_hash=with_content_hash, replace=replace, snapshot_id=snapshot_id)[0]
+
+
+def register_many(
+    catalog: Catalog,
+    items,
+    base_id: str | None = None,
+    kind: str = "full",
+    with_content_hash: bool = False,
+    replace: bool = False,
+    snapshot_id: str | None = None,
+) -> list[dict]:
+    """Register checkpoints, given as (model_id, uri) pairs, in one catalog transaction.
+
+    All or nothing: every checkpoint is parsed and checked (against ``base_id``, whose headers are
+    parsed once for the whole batch) before anything is written, so any error leaves the catalog
+    as it was. Returns one result per item, as :func:`register` does."""
+    items = [(model_id, str(uri)) for model_id, uri in items]
+    _check_request(items, base_id, kind)
+    base_ckpt = _open_base(catalog, base_id)
+    checked = [_check_one(catalog, model_id, uri, kind, base_id, base_ckpt, replace) for model_id, uri in items]
+    to_write = [c for c in checked if not c.unchanged]
+    if to_write:
+        rows = [(c, _model_row(c, with_content_hash, snapshot_id)) for c in to_write]
+        with catalog.transaction():
+            for c, row in rows:
+                _write(catalog, c, row)
+    return [c.result() for c in checked]
+
+
+def named_by_path(uris) -> list[tuple[str, str]]:
+    """(model_id, uri) pairs naming each checkpoint after its directory (or its file, less the suffix).
+
+    Two checkpoints that would get the same name are refused."""
+    items, seen = [], {}
+    for uri in map(str, uris):
+        # "x/", "x/." and "y/../x" are all named x; a symbolic link keeps its own name
+        path = Path(os.path.abspath(Path(uri).expanduser()))
+        model_id = path.stem if path.is_file() else path.name
+        if model_id in seen:
+            raise CatalogError(f"{seen[model_id]} and {uri} would both be named {model_id!r}; "
+                               f"register them one at a time with --model-id ID --uri PATH")
+        seen[model_id] = uri
+        items.append((model_id, uri))
+    return items
+
+
+def _check_request(items: list[tuple[str, str]], base_id: str | None, kind: str) -> None:
+    if kind not in KINDS:
+        raise CatalogError(f"unsupported kind {kind!r} (supported: {', '.join(KINDS)})")
+    if kind in ("delta", "lora") and not base_id:
+        raise CatalogError(f"a {kind} checkpoint needs --base")
+    if not items:
+        raise CatalogError("nothing to register (give at least one checkpoint)")
+    seen = set()
+    for model_id, _ in items:
+        if not model_id or not model_id.strip():
+            raise CatalogError("model id must not be empty")
+        if model_id == base_id:
+            raise CatalogError(f"{model_id!r}: a model cannot be its own base")
+        if model_id in seen:
+            raise CatalogError(f"model id {model_id!r} is given twice")
+        seen.add(model_id)
+
+
+def _open_base(catalog: Catalog, base_id: str | None) -> Checkpoint | None:
+    if base_id is None:
+        return None
+    base_row = catalog.model(base_id)
+    if base_row["kind"] != "full":
+        raise CatalogError(f"base {base_id!r} is a {base_row['kind']} checkpoint; a base must be a full checkpoint")
+    return open_checkpoint(base_row["uri"])
+
+
+def _check_one(catalog: Catalog, model_id: str, uri: str, kind: str, base_id: str | None,
+               base_ckpt: Checkpoint | None, replace: bool) -> Checked:
+    """Parse one checkpoint and check it against its base and any registration of its id."""
+    adapter = open_adapter(uri) if kind == "lora" else None
+    ckpt = adapter.checkpoint if adapter else open_checkpoint(uri)
+    if base_ckpt is not None:
+        problems = (base_mismatches(adapter, base_ckpt) if adapter
+                    else layout_mismatches(base_ckpt, ckpt, any_float=kind == "delta"))
+        if problems:
+            raise CatalogError(f"{model_id} does not match base {base_id}: " + "; ".join(problems))
+    checked = Checked(model_id, uri, kind, base_id, ckpt, fingerprint(ckpt), existing=False)
+    existing = catalog.query("SELECT * FROM models WHERE id = ?", [model_id])
+    if existing:
+        checked.existing = True
+        checked.unchanged = _same_registration(existing[0], checked)
+        if not checked.unchanged:
+            _check_replaceable(existing[0], replace)
+    return checked
+
+
+def _same_registration(old: dict, new: Checked) -> bool:
+    return (
+        old["fingerprint"] == new.fingerprint
+        and old["base_id"] == new.base_id
+        and old["kind"] == new.kind
+        and str(Path(old["uri"]).resolve()) == str(Path(new.uri).resolve())
+    )
+
+
+def _check_replaceable(old: dict, replace: bool) -> None:
+    if not replace:
+        raise CatalogError(
+            f"model {old['id']!r} is already registered with different content or settings "
+            f"(uri {old['uri']}); pass --replace to replace it"
+        )
+    if old["snapshot_id"]:
+        raise CatalogError(f"model {old['id']!r} is a published snapshot and cannot be replaced")
+
+
+def _model_row(c: Checked, with_content_hash: bool, snapshot_id: str | None) -> dict:
+    ckpt = c.ckpt
+    dtypes = sorted({t.dtype for t in ckpt.tensors.values()})
+    return {
+        "id": c.model_id,
+        "uri": str(Path(c.uri).resolve()),
+        "kind": c.kind,
+        "base_id": c.base_id,
+        "fingerprint": c.fingerprint,
+        "content_hash": content_hash(ckpt) if with_content_hash else None,
+        "architecture": _architecture(c.kind, ckpt.config),
+        "dtype": dtypes[0] if len(dtypes) == 1 else "mixed:" + ",".join(dtypes),
+        "params": sum(math.prod(t.shape) for t in ckpt.tensors.values()),
+        "bytes": ckpt.nbytes,
+        "n_tensors": len(ckpt.tensors),
+        "config": json.dumps(ckpt.config, sort_keys=True),
+        "registered_at": now(),
+        "snapshot_id": snapshot_id,
+        "file_stats": file_stats(c.uri),
+    }
+
+
+def _tensor_rows(c: Checked) -> list[dict]:
+    ordered = sorted(c.ckpt.tensors.values(), key=lambda t: (t.file, t.offset))
+    return [
+        {
+            "model_id": c.model_id, "name": t.name, "idx": i, "shape": json.dumps(list(t.shape)),
+            "dtype": t.dtype, "file": t.file, "offset": t.offset, "nbytes": t.nbytes,
+        }
+        for i, t in enumerate(ordered)
+    ]
+
+
+def _write(catalog: Catalog, c: Checked, row: dict) -> None:
+    """Insert one model and its tensors (inside the caller's transaction), replacing its old rows."""
+    if c.existing:
+        for table in ("tensors", "blocks", "tensor_stats", "analyses"):
+            catalog.conn.execute(f"DELETE FROM {table} WHERE model_id = ?", [c.model_id])
+        catalog.conn.execute("DELETE FROM models WHERE id = ?", [c.model_id])
+    catalog.db["models"].insert(row)
+    catalog.db["tensors"].insert_all(_tensor_rows(c), batch_size=1000)
+
+
+# --- lookups the upper layers need -------------------------------------------------------------------
+def model_ids(catalog: Catalog) -> set[str]:
+    """Every registered model id."""
+    return {r["id"] for r in catalog.query("SELECT id FROM models")}
+
+
+def models_at(catalog: Catalog, uri: str) -> list[dict]:
+    """The models registered from ``uri``, oldest first."""
+    return catalog.query("SELECT * FROM models WHERE uri = ? ORDER BY registered_at, id", [uri])
+
+
+def has_tensor(catalog: Catalog, model_id: str, name: str) -> bool:
+    return bool(catalog.query("SELECT 1 FROM tensors WHERE model_id=? AND name=?", [model_id, name]))
+
+
+def schema_version(catalog: Catalog) -> str:
+    """The schema version recorded in the catalog's meta table."""
+    return catalog.query('SELECT value FROM meta WHERE key=?', ['schema_version'])[0]['value']

@@ -1,0 +1,62 @@
+"""The catalog's tables (SCHEMA, created if missing) and the migrations between schema versions."""
+
+from __future__ import annotations
+
+SCHEMA_VERSION = 3
+
+SCHEMA = [
+    """CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)""",
+    """CREATE TABLE IF NOT EXISTS models (
+        id TEXT PRIMARY KEY, uri TEXT NOT NULL, kind TEXT NOT NULL, base_id TEXT,
+        fingerprint TEXT NOT NULL, content_hash TEXT, architecture TEXT, dtype TEXT,
+        params INTEGER, bytes INTEGER, n_tensors INTEGER, config TEXT, registered_at TEXT,
+        snapshot_id TEXT, file_stats TEXT)""",
+    """CREATE TABLE IF NOT EXISTS tensors (
+        model_id TEXT NOT NULL, name TEXT NOT NULL, idx INTEGER, shape TEXT, dtype TEXT, file TEXT,
+        offset INTEGER, nbytes INTEGER, PRIMARY KEY (model_id, name))""",
+    """CREATE TABLE IF NOT EXISTS grids (
+        base_id TEXT PRIMARY KEY, block_bytes INTEGER NOT NULL, n_blocks INTEGER, created_at TEXT)""",
+    """CREATE TABLE IF NOT EXISTS analyses (
+        model_id TEXT PRIMARY KEY, base_id TEXT NOT NULL, fingerprint TEXT, base_fingerprint TEXT,
+        block_bytes INTEGER, sketch_size INTEGER, densities TEXT, n_blocks INTEGER,
+        bytes_read INTEGER, seconds REAL, analyzed_at TEXT)""",
+    """CREATE TABLE IF NOT EXISTS blocks (
+        model_id TEXT NOT NULL, tensor TEXT NOT NULL, block INTEGER NOT NULL,
+        row_start INTEGER, row_end INTEGER, offset INTEGER, nbytes INTEGER,
+        delta_l2 REAL, delta_l1 REAL, delta_max_abs REAL, delta_nnz INTEGER, sketch BLOB,
+        PRIMARY KEY (model_id, tensor, block))""",
+    """CREATE TABLE IF NOT EXISTS tensor_stats (
+        model_id TEXT NOT NULL, tensor TEXT NOT NULL, numel INTEGER, delta_l2 REAL, delta_l1 REAL,
+        delta_max_abs REAL, delta_nnz INTEGER, thresholds TEXT, fixed_bytes INTEGER DEFAULT 0,
+        PRIMARY KEY (model_id, tensor))""",
+    """CREATE TABLE IF NOT EXISTS plans (
+        id TEXT PRIMARY KEY, created_at TEXT, base_id TEXT, operator TEXT, budget_bytes INTEGER,
+        full_expert_bytes INTEGER, expert_read_bytes INTEGER, error_bound REAL, json TEXT)""",
+    """CREATE TABLE IF NOT EXISTS snapshots (
+        id TEXT PRIMARY KEY, model_id TEXT, plan_id TEXT, out TEXT, manifest_hash TEXT,
+        created_at TEXT)""",
+    """CREATE TABLE IF NOT EXISTS manifests (
+        snapshot_id TEXT PRIMARY KEY, manifest_hash TEXT, json TEXT)""",
+    """CREATE TABLE IF NOT EXISTS lineage (
+        child_id TEXT NOT NULL, parent_id TEXT NOT NULL, role TEXT, weight REAL,
+        PRIMARY KEY (child_id, parent_id))""",
+    """CREATE TABLE IF NOT EXISTS runs (
+        id INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT DEFAULT 'merge', plan_id TEXT, out TEXT,
+        model_id TEXT, status TEXT,
+        pid INTEGER, log_path TEXT, started_at TEXT, updated_at TEXT, finished_at TEXT,
+        blocks_done INTEGER DEFAULT 0, blocks_total INTEGER DEFAULT 0,
+        expert_bytes_done INTEGER DEFAULT 0, expert_bytes_planned INTEGER DEFAULT 0,
+        snapshot_id TEXT, error TEXT)""",
+    """CREATE TABLE IF NOT EXISTS txns (
+        id TEXT PRIMARY KEY, staging TEXT, out TEXT, status TEXT, pid INTEGER, started_at TEXT,
+        finished_at TEXT)""",
+    """CREATE INDEX IF NOT EXISTS blocks_model ON blocks (model_id)""",
+    """CREATE INDEX IF NOT EXISTS models_base ON models (base_id)""",
+]
+
+# Ordered migrations: version -> statements taking the schema from version-1 to version.
+MIGRATIONS: dict[int, list[str]] = {
+    2: ["ALTER TABLE models ADD COLUMN file_stats TEXT"],  # (name, size, mtime) of the files, for cheap change checks
+    # bytes read once per tensor when any of its blocks is read (a LoRA adapter's A matrix)
+    3: ["ALTER TABLE tensor_stats ADD COLUMN fixed_bytes INTEGER DEFAULT 0"],
+}

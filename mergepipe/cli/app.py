@@ -1,0 +1,97 @@
+"""The ``mergepipe`` command line: a thin layer over the Python API.
+
+User errors print one line (``error: ...``) and exit 2; nothing in the catalog changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mergepipe.errors import MergePipeError
+# Importing a command module registers its commands (in this order: catalog, merge, snapshots).
+from mergepipe.cli import catalog, merge, snapshots  # noqa: F401
+from mergepipe.cli.catalog import _add_analyze, _add_register
+from mergepipe.cli.common import SUBCOMMANDS, default_db
+from mergepipe.cli.merge import _add_out_args, _add_plan_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--db", default=argparse.SUPPRESS, help="catalog path (default $MERGEPIPE_DB or ./mergepipe.sqlite)")
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
+    parser = argparse.ArgumentParser(prog="mergepipe", parents=[common],
+                                     description="Budget-aware parameter management for LLM merging.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parsers = {}
+    for name, (fn, help_text) in SUBCOMMANDS.items():
+        parsers[name] = sub.add_parser(name, help=help_text, parents=[common], description=help_text)
+        parsers[name].set_defaults(func=fn)
+    _add_register(parsers["register"])
+    _add_analyze(parsers["analyze"])
+    parsers["blocks"].add_argument("--model-id", required=True)
+    parsers["blocks"].add_argument("--tensor")
+    mf = parsers["make-family"]
+    mf.add_argument("out")
+    mf.add_argument("--experts", type=int, default=4)
+    mf.add_argument("--size", default="small", choices=["tiny", "small", "medium", "qwen3-0.6b"])
+    mf.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    mf.add_argument("--shard-bytes", type=int, default=256 << 20)
+    mf.add_argument("--seed", type=int, default=0)
+    demo = parsers["demo"]
+    demo.add_argument("--dir", default="mergepipe-demo", help="where the demo family and catalog go")
+    demo.add_argument("--no-dashboard", action="store_true", help="stop after the merge")
+    demo.add_argument("--port", type=int, default=8501)
+    _add_plan_args(parsers["plan"], with_out=False)
+    _add_plan_args(parsers["merge"], with_out=True)
+    parsers["execute"].add_argument("plan_id")
+    _add_out_args(parsers["execute"])
+    parsers["execute"].add_argument("--run-id", type=int, help=argparse.SUPPRESS)
+    for name in ("explain", "verify"):
+        parsers[name].add_argument("ref", help="plan id, snapshot id, merged model id or snapshot directory")
+    parsers["explain"].add_argument("--as-mergekit", action="store_true",
+                                    help="print the equivalent mergekit YAML config instead")
+    parsers["explain"].add_argument("--out", help="with --as-mergekit: write the YAML to this file")
+    parsers["lineage"].add_argument("model_id", nargs="?")
+    parsers["lineage"].add_argument("--dot", action="store_true", help="print Graphviz DOT")
+    parsers["dashboard"].add_argument("--port", type=int, default=8501)
+    return parser
+
+
+def _first_positional(argv: list[str]) -> str | None:
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--db":
+            i += 2
+        elif tok.startswith("-"):
+            i += 1
+        else:
+            return tok
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if _first_positional(argv) not in SUBCOMMANDS and ("--base" in argv or "--config" in argv):
+        argv = ["merge", *argv]  # the original MergePipe quick start: `mergepipe --db P --base B ...`
+    args = parser.parse_args(argv)
+    args.db = getattr(args, "db", None) or default_db()
+    args.json = getattr(args, "json", False)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        args.func(args)
+    except MergePipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

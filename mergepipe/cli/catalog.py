@@ -1,0 +1,155 @@
+"""Catalog commands: init-db, register, analyze, models, blocks, make-family, demo."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from mergepipe.cli.common import command, emit, open_catalog, progress_bar, table
+from mergepipe.errors import MergePipeError
+from mergepipe.planner.budget import human_bytes
+
+
+# --- catalog commands ----------------------------------------------------------------------------
+@command("init-db", "create (or migrate) a catalog")
+def cmd_init_db(args):
+    from mergepipe.catalog.models import schema_version
+    cat = open_catalog(args, create=True)
+    print(f"catalog ready: {cat.path} (schema v{schema_version(cat)})")
+
+
+def _add_register(p):
+    p.add_argument("paths", nargs="*", metavar="PATH",
+                   help="checkpoint directories or .safetensors files, each named after its directory "
+                        "(or file); all are registered in one transaction, or none")
+    p.add_argument("--model-id", help="id of the one checkpoint given by --uri (or by one PATH)")
+    p.add_argument("--uri", help="checkpoint directory or .safetensors file")
+    p.add_argument("--base", dest="base_id", help="id of the base model (for experts)")
+    p.add_argument("--kind", default="full", choices=["full", "delta", "lora"])
+    p.add_argument("--content-hash", action="store_true", help="also hash every byte (slow)")
+    p.add_argument("--replace", action="store_true", help="replace an id registered with other content")
+
+
+def _register_items(args) -> list[tuple[str, str]]:
+    """(model id, path) pairs from `--model-id ID --uri PATH` or from positional paths."""
+    from mergepipe.catalog.models import named_by_path
+    paths = ([args.uri] if args.uri is not None else []) + list(args.paths)
+    if not paths:
+        raise MergePipeError("give the checkpoints to register: PATH [PATH ...] or --model-id ID --uri PATH")
+    if args.uri is not None and args.paths:
+        raise MergePipeError("give either --uri PATH or positional paths, not both")
+    if args.model_id is None:
+        return named_by_path(paths)
+    if len(paths) > 1:
+        raise MergePipeError("--model-id names one checkpoint; with several paths each is named after "
+                             "its directory")
+    return [(args.model_id, paths[0])]
+
+
+@command("register", "register checkpoints (reads headers only)")
+def cmd_register(args):
+    from mergepipe.catalog.models import register_many
+    items = _register_items(args)
+    cat = open_catalog(args, create=True)
+    results = register_many(cat, items, base_id=args.base_id, kind=args.kind,
+                            with_content_hash=args.content_hash, replace=args.replace)
+    out = results[0] if args.uri is not None else results  # the single --uri form prints one object
+    emit(args, out, lambda _: [print(f"{r['status']}: {r['model_id']} ({r['fingerprint'][:19]}...)")
+                               for r in results])
+
+
+def _add_analyze(p):
+    p.add_argument("ids", nargs="*", metavar="ID", help="experts to analyze (default: all)")
+    p.add_argument("--model-id", nargs="*", dest="model_ids", help="experts to analyze, as the IDs")
+    p.add_argument("--block-bytes", type=int, default=None, help="block size target (default 1 MiB)")
+    p.add_argument("--sketch-size", type=int, default=None, help="sketch samples per block (default 2048)")
+    p.add_argument("--densities", type=float, nargs="*", help="extra top-k densities to store thresholds for")
+    p.add_argument("--force", action="store_true", help="re-analyze even if unchanged")
+    p.add_argument("--run-id", type=int, help=argparse.SUPPRESS)
+
+
+@command("analyze", "compute per-block delta statistics of experts against their base")
+def cmd_analyze(args):
+    from mergepipe.analyze.stats import DEFAULT_DENSITIES
+    from mergepipe.analyze.runner import analyze
+    from mergepipe.catalog.sketch import DEFAULT_SKETCH_SIZE
+    cat = open_catalog(args)
+    if args.ids:
+        args.model_ids = [*(args.model_ids or []), *args.ids]
+    kw = {"force": args.force, "sketch_size": args.sketch_size or DEFAULT_SKETCH_SIZE,
+          "densities": tuple(DEFAULT_DENSITIES) + tuple(args.densities or ())}
+    if args.block_bytes is not None:
+        kw["block_bytes"] = args.block_bytes
+    prog, cb = progress_bar("analyze")
+    run = None
+    if args.run_id is not None:
+        from mergepipe.engine.runs import RunProgress
+        run = RunProgress(cat, args.run_id)
+    total_models = max(1, len(args.model_ids or [m for m in cat.models() if m["base_id"]]))
+    finished = []
+
+    def progress(label, done, total):
+        cb(label, done, total)
+        if run:  # blocks_* columns carry bytes for analyze runs: models done + fraction of the current one
+            if done >= total:
+                finished.append(label)
+            run(int((len(finished) + (0 if done >= total else done / max(total, 1))) * 1000), total_models * 1000, done)
+    try:
+        with prog:
+            results = analyze(cat, args.model_ids, progress=progress, **kw)
+    except BaseException as exc:
+        if run:
+            run.fail("cancelled" if isinstance(exc, KeyboardInterrupt) else "failed", str(exc))
+        raise
+    if run:
+        run.finish()
+    out = [r.__dict__ for r in results]
+
+    def render(rows):
+        for r in rows:
+            if r["skipped"]:
+                print(f"{r['model_id']}: unchanged, skipped")
+            else:
+                rate = r["bytes_read"] / r["seconds"] / 1e6 if r["seconds"] else 0
+                print(f"{r['model_id']}: {r['n_blocks']} blocks, read {human_bytes(r['bytes_read'])} "
+                      f"in {r['seconds']:.2f} s ({rate:.0f} MB/s)")
+    emit(args, out, render)
+
+
+@command("models", "list registered models")
+def cmd_models(args):
+    cat = open_catalog(args)
+    rows = [{k: v for k, v in m.items() if k != "config"} for m in cat.models()]
+    for r in rows:
+        r["analyzed"] = bool(r["base_id"]) and cat.is_analyzed(r["id"])
+    emit(args, rows, lambda rs: table(
+        [{**r, "bytes": human_bytes(r["bytes"]), "fingerprint": r["fingerprint"][7:19]} for r in rs],
+        ["id", "kind", "base_id", "architecture", "dtype", "params", "bytes", "fingerprint", "analyzed"]))
+
+
+@command("blocks", "per-block statistics of an analyzed expert")
+def cmd_blocks(args):
+    from mergepipe.catalog.models import has_tensor
+    cat = open_catalog(args)
+    cat.model(args.model_id)
+    if args.tensor is not None and not has_tensor(cat, args.model_id, args.tensor):
+        raise MergePipeError(f"model {args.model_id!r} has no tensor {args.tensor!r}")
+    rows = cat.blocks(args.model_id, args.tensor)
+    if not rows:
+        raise MergePipeError(f"{args.model_id!r} has no block statistics yet (run `mergepipe analyze`)")
+    emit(args, rows, lambda rs: table(rs, ["tensor", "block", "row_start", "row_end", "offset", "nbytes",
+                                           "delta_l2", "delta_max_abs", "delta_nnz"]))
+
+
+@command("make-family", "write a synthetic base + K experts family")
+def cmd_make_family(args):
+    from mergepipe.research.family import make_family
+    paths = make_family(args.out, experts=args.experts, size=args.size, dtype=args.dtype,
+                        shard_bytes=args.shard_bytes, seed=args.seed)
+    emit(args, paths, lambda p: print(f"wrote base {p['base']} and {len(p['experts'])} experts"))
+
+
+@command("demo", "build a small family, register, analyze and merge it, then open the dashboard")
+def cmd_demo(args):
+    from mergepipe.cli.demo import run_demo
+    run_demo(Path(args.dir), dashboard=not args.no_dashboard, port=args.port)

@@ -1,0 +1,54 @@
+"""``mergepipe demo``: build a small family, register and analyze it, run a budgeted merge, and open
+the dashboard on the demo catalog."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from mergepipe.analyze.runner import analyze
+from mergepipe.api import merge, merge_summary
+from mergepipe.catalog.db import Catalog
+from mergepipe.catalog.models import register, register_many
+from mergepipe.catalog.snapshots import snapshot_count
+from mergepipe.research.family import make_family
+
+DEMO_EXPERTS = 4
+
+
+def build_demo(root: Path, log=print) -> dict:
+    """Idempotent: reuses the family and catalog when they are already there."""
+    root = Path(root).absolute()
+    root.mkdir(parents=True, exist_ok=True)
+    fam = root / "family"
+    t0 = time.perf_counter()
+    if not (fam / f"expert_{DEMO_EXPERTS}" / "config.json").exists():
+        log(f"building a small bf16 family (base + {DEMO_EXPERTS} experts) in {fam} ...")
+        make_family(fam, experts=DEMO_EXPERTS, size="small", dtype="bf16", shard_bytes=4 << 20, seed=0)
+    db = root / "catalog.sqlite"
+    cat = Catalog(db)
+    register(cat, "base", str(fam / "base"))
+    experts = [f"expert_{i}" for i in range(1, DEMO_EXPERTS + 1)]
+    register_many(cat, [(e, str(fam / e)) for e in experts], base_id="base")
+    for r in analyze(cat, experts, block_bytes=256 << 10):
+        log(f"analyze {r.model_id}: " + ("unchanged" if r.skipped else f"{r.n_blocks} blocks, {r.bytes_read / 1e6:.1f} MB "
+                                          f"in {r.seconds:.2f} s"))
+    n = snapshot_count(cat)
+    out = root / "merged" / f"ties-25pct-{n + 1}"
+    out.parent.mkdir(exist_ok=True)
+    plan, sid, manifest = merge(cat, "base", experts, out, operator="ties", model_id=f"demo-ties-25pct-{n + 1}",
+                                density=0.3, budget="25%")
+    s = merge_summary(plan, manifest)
+    log(f"merged (ties, density 0.3, budget 25%): read {s['realized']['expert_read'] / 1e6:.1f} MB of "
+        f"{s['full_expert_bytes'] / 1e6:.1f} MB expert bytes -> {sid} at {out}")
+    log(f"demo ready in {time.perf_counter() - t0:.1f} s; catalog: {db}")
+    cat.close()
+    return {"db": str(db), "snapshot_id": sid, "out": str(out)}
+
+
+def run_demo(root: Path, dashboard: bool = True, port: int = 8501) -> dict:
+    res = build_demo(root)
+    if dashboard:
+        from mergepipe.dashboard.server import run_dashboard
+        run_dashboard(res["db"], port=port, allowed_roots=[str(Path(root).absolute())])
+    return res

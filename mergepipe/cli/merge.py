@@ -1,0 +1,204 @@
+"""Plan and merge commands: plan, merge, execute, explain (also from mergekit YAML configs)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from mergepipe.cli.common import command, emit, open_catalog, progress_bar
+from mergepipe.errors import MergePipeError
+from mergepipe.planner.budget import human_bytes
+
+
+# --- plan / merge / execute ---------------------------------------------------------------------
+def _add_plan_args(p, with_out: bool):
+    p.add_argument("--config", help="a mergekit YAML config (models, base_model, merge_method, parameters); "
+                                    "paths in it are registered and analyzed on the fly; flags given here "
+                                    "override its values")
+    p.add_argument("--base", help="base model id (required without --config)")
+    p.add_argument("--experts", nargs="+", help="expert model ids (required without --config)")
+    p.add_argument("--op", "--operator", dest="op", default=None,
+                   help="linear (AVG), task_arithmetic, ties, dare_linear, dare_ties (DARE), breadcrumbs, "
+                        "breadcrumbs_ties, della, della_linear (default linear, or the config's merge_method)")
+    p.add_argument("--weights", nargs="+", type=float)
+    p.add_argument("--density", type=float)
+    p.add_argument("--lambda", dest="lam", type=float)
+    p.add_argument("--gamma", type=float, help="breadcrumbs: fraction of largest magnitudes dropped (0.01)")
+    p.add_argument("--epsilon", type=float, help="della: spread of keep probabilities (0.1)")
+    p.add_argument("--normalize", dest="normalize", action="store_true", default=None)
+    p.add_argument("--no-normalize", dest="normalize", action="store_false")
+    p.add_argument("--rescale", dest="rescale", action="store_true", default=None)
+    p.add_argument("--no-rescale", dest="rescale", action="store_false")
+    p.add_argument("--budget", help="expert-read budget: 10%%, 0.1, 512MiB, 8GB (default 100%%)")
+    p.add_argument("--io-budget-mb", type=float, help="expert-read budget in MiB")
+    p.add_argument("--target-bound", type=float, help="smallest budget whose relative error bound <= this")
+    p.add_argument("--strategy", default=None,
+                   help="how blocks are ranked: norm (default), conflict, kept, random, uniform")
+    p.add_argument("--seed", type=int, default=None, help="seed of the random operators and strategy (default 0)")
+    if with_out:
+        _add_out_args(p)
+
+
+def _add_out_args(p):
+    p.add_argument("--out", required=True, help="output directory (must not exist)")
+    p.add_argument("--model-id", help="id of the merged model (default: the output directory's name)")
+    p.add_argument("--out-shard-size", type=int, default=2 << 30, help="bytes per output shard (default 2 GiB)")
+
+
+def _make_plan(args, cat, save=True, reserved_ids=()):
+    from mergepipe.planner.context import Planner
+    if args.budget is not None and args.io_budget_mb is not None:
+        raise MergePipeError("give either --budget or --io-budget-mb, not both")
+    if args.config is not None:
+        return _config_plan(args, cat, save, reserved_ids)
+    if not args.base or not args.experts:
+        raise MergePipeError("--base and --experts are required (or give a mergekit YAML with --config)")
+    return Planner(cat).plan(
+        args.base, args.experts, args.op or "linear", budget=args.budget, budget_mb=args.io_budget_mb,
+        target_bound=args.target_bound, save=save, weights=args.weights, density=args.density, lam=args.lam,
+        normalize=args.normalize, rescale=args.rescale, seed=0 if args.seed is None else args.seed,
+        strategy=args.strategy or "norm", gamma=args.gamma, epsilon=args.epsilon)
+
+
+def _load_config(args):
+    """The --config file, parsed and validated, with the command line's flags applied over it."""
+    from mergepipe.planner.budget import mib
+    from mergepipe.config.parse import load_config
+    if args.base or args.experts:
+        raise MergePipeError("--base/--experts cannot be combined with --config (the config names the models)")
+    budget = mib(args.io_budget_mb) if args.io_budget_mb is not None else args.budget
+    return load_config(args.config).with_overrides(
+        operator=args.op, weights=args.weights, density=args.density, lam=args.lam, normalize=args.normalize,
+        rescale=args.rescale, gamma=args.gamma, epsilon=args.epsilon, budget=budget,
+        target_bound=args.target_bound, strategy=args.strategy, seed=args.seed)
+
+
+def _config_plan(args, cat, save, reserved_ids):
+    from mergepipe.config.resolve import plan_from_config
+    plan, resolved = plan_from_config(cat, args.config_parsed, save=save, reserved_ids=reserved_ids)
+    for kw in resolved.to_register:
+        print(f"registered {kw['model_id']} ({kw['kind']}) from {kw['uri']}", file=sys.stderr)
+    return plan
+
+
+def _plan_summary(plan) -> dict:
+    return {"plan_id": plan.id, "digest": plan.digest, "operator": plan["operator"],
+            "budget_bytes": plan["budget"]["bytes"], "full_expert_bytes": plan["full_expert_bytes"],
+            "estimated": plan["estimate"], "blocks_selected": plan["blocks_selected"],
+            "expert_read_by_expert": plan["expert_read_by_expert"], "error_bound": plan["error_bound"]}
+
+
+def _open_for_plan(args):
+    """The catalog for plan/merge; with --config the YAML is read first (a bad file creates nothing)
+    and a missing catalog is created, since the config's paths get registered into it."""
+    if args.config is not None:
+        args.config_parsed = _load_config(args)
+        return open_catalog(args, create=True)
+    return open_catalog(args)
+
+
+@command("plan", "make and store a plan (reads no expert bytes)")
+def cmd_plan(args):
+    cat = _open_for_plan(args)
+    plan = _make_plan(args, cat)
+    emit(args, _plan_summary(plan), lambda _: print(plan.explain()))
+
+
+def _execute(args, cat, plan):
+    from mergepipe.api import merge_summary
+    from mergepipe.engine.engine import Engine
+    from mergepipe.engine.runs import RunProgress
+    run = RunProgress(cat, args.run_id) if getattr(args, "run_id", None) is not None else None
+    prog, cb = progress_bar("merge")
+
+    def progress(done, total, nbytes):
+        cb("blocks", done, total)
+        if run:
+            run(done, total, nbytes)
+    try:
+        with prog:
+            _, manifest = Engine(cat).execute(plan, out=args.out, model_id=args.model_id,
+                                              out_shard_bytes=args.out_shard_size, progress=progress,
+                                              run_id=getattr(args, "run_id", None))
+    except KeyboardInterrupt:
+        if run:
+            run.fail("cancelled", "cancelled by the user")
+        raise
+    except MergePipeError as exc:
+        if run:
+            run.fail("failed", str(exc))
+        raise
+    except Exception as exc:
+        if run:
+            run.fail("failed", f"{type(exc).__name__}: {exc}")
+        raise
+    summary = merge_summary(plan, manifest)
+    emit(args, summary, lambda s: print(
+        f"published {s['snapshot_id']} as model {s['model_id']} at {s['out']}\n"
+        f"  manifest {s['manifest_hash']}\n"
+        f"  expert read {human_bytes(s['realized']['expert_read'])} of {human_bytes(s['full_expert_bytes'])} "
+        f"(budget {human_bytes(s['budget_bytes'])}), base read {human_bytes(s['realized']['base_read'])}, "
+        f"wrote {human_bytes(s['realized']['output_write'])} in {s['seconds']:.2f} s"
+        + (f"\n  error bound {s['error_bound']['absolute']:.4g} (relative {s['error_bound']['relative']:.3e})"
+           if s["error_bound"] else "")))
+
+
+@command("merge", "plan and execute a merge, publishing a snapshot")
+def cmd_merge(args):
+    cat = _open_for_plan(args)
+    # Not saved here: the engine stores the plan once the output path and model id are known to be
+    # usable, so a refused merge leaves the catalog unchanged.
+    reserved = ()
+    if args.config is not None:  # refuse a taken output before registering or analyzing anything
+        from mergepipe.api import check_target
+        _, model_id = check_target(cat, args.out, args.model_id)
+        reserved = (model_id,)
+    _execute(args, cat, _make_plan(args, cat, save=False, reserved_ids=reserved))
+
+
+@command("execute", "execute a stored plan")
+def cmd_execute(args):
+    from mergepipe.planner.plan import load_plan
+    cat = open_catalog(args)
+    try:
+        plan = load_plan(cat, args.plan_id)
+    except MergePipeError as exc:
+        if args.run_id is not None:
+            from mergepipe.engine.runs import RunProgress
+            RunProgress(cat, args.run_id).fail("failed", str(exc))
+        raise
+    _execute(args, cat, plan)
+
+
+@command("explain", "print a plan or a snapshot, per expert and per tensor")
+def cmd_explain(args):
+    from mergepipe.api import explain, load_manifest, load_plan
+    from mergepipe.catalog.plans import find_plan_id
+    if args.as_mergekit:
+        return _explain_mergekit(args)
+    if args.out is not None:
+        raise MergePipeError("--out goes with --as-mergekit")
+    cat = open_catalog(args)
+    if args.json:
+        if find_plan_id(cat, args.ref) is not None:
+            print(load_plan(cat, args.ref).to_json(indent=2))
+        else:
+            print(load_manifest(cat, args.ref).to_json())
+        return
+    print(explain(cat, args.ref))
+
+
+def _explain_mergekit(args):
+    from mergepipe.config.export import export_mergekit
+    cat = open_catalog(args) if (Path(args.db).exists() or not Path(args.ref).is_dir()) else None
+    text = export_mergekit(cat, args.ref)
+    if args.out is None:
+        sys.stdout.write(text)
+        return
+    out = Path(args.out)
+    if out.is_dir():
+        raise MergePipeError(f"{out} is a directory; give a file name for the YAML")
+    if not out.parent.is_dir():
+        raise MergePipeError(f"{out.parent}: directory does not exist")
+    out.write_text(text)
+    print(f"wrote {out}", file=sys.stderr)

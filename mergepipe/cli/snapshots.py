@@ -1,0 +1,56 @@
+"""Snapshot commands: verify, snapshots, lineage, recover, and starting the dashboard."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mergepipe.cli.common import command, emit, open_catalog, table
+
+
+@command("verify", "re-hash a snapshot against its manifest (exit 1 on mismatch)")
+def cmd_verify(args):
+    from mergepipe.errors import VerifyError
+    from mergepipe.manifest.verify import verify
+    cat = open_catalog(args) if (Path(args.db).exists() or not Path(args.ref).is_dir()) else None
+    res = verify(cat, args.ref)
+    emit(args, res, lambda r: print(
+        f"{'OK' if r['ok'] else 'MISMATCH'} {r['snapshot_id']} ({r['files_checked']} files) {r['out']}"
+        + "".join(f"\n  {p}" for p in r["problems"])))
+    if not res["ok"]:
+        raise VerifyError(f"{res['snapshot_id']}: " + "; ".join(res["problems"]))
+
+
+@command("snapshots", "list published snapshots")
+def cmd_snapshots(args):
+    from mergepipe.api import snapshots
+    cat = open_catalog(args)
+    emit(args, snapshots(cat), lambda rs: table(rs, ["id", "model_id", "operator", "plan_id", "out",
+                                                      "expert_read_bytes", "manifest_hash", "created_at"]))
+
+
+@command("lineage", "ancestors and descendants of a model (the whole DAG without an id)")
+def cmd_lineage(args):
+    from mergepipe.api import lineage, lineage_dot
+    cat = open_catalog(args)
+    g = lineage(cat, args.model_id)
+    if args.dot:
+        print(lineage_dot(g))
+        return
+    emit(args, g, lambda g: [print(f"{e['parent_id']} -[{e['role']}"
+                                   + (f" w={e['weight']:g}" if e["weight"] is not None else "")
+                                   + f"]-> {e['child_id']}") for e in g["edges"]] or print("(no merges yet)"))
+
+
+@command("recover", "roll back unfinished merges and clean up their leftovers")
+def cmd_recover(args):
+    from mergepipe.engine.txn import recover
+    cat = open_catalog(args)
+    res = recover(cat)
+    emit(args, res, lambda r: print(f"rolled back {len(r['rolled_back'])} transaction(s), removed "
+                                    f"{len(r['removed'])} path(s), marked {len(r['failed_runs'])} run(s) failed"))
+
+
+@command("dashboard", "start the Streamlit dashboard on 127.0.0.1")
+def cmd_dashboard(args):
+    from mergepipe.dashboard.server import run_dashboard
+    run_dashboard(args.db, port=args.port)

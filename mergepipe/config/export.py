@@ -1,0 +1,117 @@
+"""Export a stored plan or snapshot as the equivalent mergekit YAML (:func:`export_mergekit`); merging
+from that YAML gives the same plan digest (budget, strategy and seed travel in a ``mergepipe:`` key)."""
+
+from __future__ import annotations
+
+import yaml
+
+from mergepipe.catalog.db import Catalog
+from mergepipe.catalog.plans import find_plan_id
+from mergepipe.config.model import MERGEKIT_DTYPE
+from mergepipe.errors import MergePipeError
+from mergepipe.ops.core import get_op
+from mergepipe.storage.safetensors import open_checkpoint
+
+
+# --- export -------------------------------------------------------------------------------------------
+def _record(cat: Catalog | None, ref: str) -> dict:
+    """The merge settings of a stored plan (by id) or of a snapshot (id, merged model id or directory)."""
+    from mergepipe.manifest.verify import load_manifest
+    from mergepipe.planner.plan import load_plan
+
+    if cat is not None and find_plan_id(cat, ref) is not None:
+        p = load_plan(cat, ref).data
+        return {"plan_id": p["id"], "digest": p["digest"], "base": p["base"], "experts": p["experts"],
+                "operator": p["operator"], "params": p["params"], "seed": p["seed"], "strategy": p["strategy"],
+                "budget": p["budget"], "target_bound": p.get("target_bound"), "snapshot_id": None,
+                "full_expert_bytes": p["full_expert_bytes"]}
+    try:
+        m = load_manifest(cat, ref)
+    except MergePipeError:
+        raise MergePipeError(f"unknown plan or snapshot {ref!r}") from None
+    c = m.core
+    spec = c["budget"]["spec"]
+    target = float(spec.split()[1]) if spec.startswith("target-bound ") else None
+    return {"plan_id": c["plan_id"], "digest": c["plan_digest"], "base": c["inputs"]["base"],
+            "experts": c["inputs"]["experts"], "operator": c["operator"], "params": c["params"], "seed": c["seed"],
+            "strategy": c["strategy"], "budget": c["budget"], "target_bound": target,
+            "snapshot_id": m.snapshot_id, "full_expert_bytes": c["full_expert_bytes"]}
+
+
+def _base_dtype(cat: Catalog | None, base: dict) -> str | None:
+    if cat is not None and cat.has_model(base["id"]):
+        return cat.model(base["id"])["dtype"]
+    try:
+        dtypes = sorted({t.dtype for t in open_checkpoint(base["uri"]).tensors.values()})
+    except MergePipeError:
+        return None
+    return dtypes[0] if len(dtypes) == 1 else None
+
+
+def _expert_setting(e: dict, key: str):
+    """(setting, exact) of one expert's weight or density as recorded in a plan.
+
+    A plain plan records a number; a plan with filters or gradients records the expert's own setting
+    (which is all a config merged by MergePipe ever has). When only per-tensor values are recorded,
+    they are written as one exact-name filter per tensor."""
+    own = (e.get("settings") or {}).get(key)
+    if own is not None:
+        return own, True
+    if e.get(key) is not None:
+        return e[key], "settings" not in e
+    per = e.get("tensors") or {}
+    i = 0 if key == "weight" else 1
+    if not per:
+        return None, True
+    return [{"filter": name, "value": v[i]} for name, v in per.items() if v[i] is not None], False
+
+
+def export_mergekit(cat: Catalog | None, ref: str) -> str:
+    """The mergekit YAML equivalent to a stored plan or a published snapshot.
+
+    Paths are the registered uris; a LoRA expert is written as ``BASE+ADAPTER``. ``dtype: float32`` and
+    ``out_dtype`` (the base's dtype) say what MergePipe does. The budget, strategy, seed and plan id go
+    in the ``mergepipe:`` key (and in a comment), so merging from this YAML reproduces the plan digest."""
+    r = _record(cat, ref)
+    op = get_op(r["operator"])
+    base = r["base"]
+    models = []
+    notes = []
+    for e in r["experts"]:
+        path = f"{base['uri']}+{e['uri']}" if e["kind"] == "lora" else e["uri"]
+        if e["kind"] == "delta":
+            notes.append(f"# NOTE: {e['id']} is a MergePipe delta checkpoint: mergekit would read it as a full model.")
+        params = {}
+        for key in ("weight", "density") if op.uses_density else ("weight",):
+            value, exact = _expert_setting(e, key)
+            if value is not None:
+                params[key] = value
+            if not exact:
+                notes.append(f"# NOTE: the {key} of {e['id']} came from a merge-wide setting given to the Python "
+                             f"API; it is written per tensor: same values, another plan digest.")
+        models.append({"model": path, "parameters": params})
+    params = {"normalize": r["params"]["normalize"], "rescale": r["params"]["rescale"],
+              "lambda": r["params"]["lambda"]}
+    for key in op.params:
+        params[key] = r["params"][key]
+    doc: dict = {"merge_method": op.name, "base_model": base["uri"], "models": models, "parameters": params,
+                 "dtype": "float32"}
+    base_dtype = _base_dtype(cat, base)
+    if base_dtype in MERGEKIT_DTYPE:
+        doc["out_dtype"] = MERGEKIT_DTYPE[base_dtype]
+    doc["tokenizer_source"] = "base"
+    ext: dict = {}
+    if r["target_bound"] is not None:
+        ext["target_bound"] = r["target_bound"]
+    else:
+        ext["budget"] = r["budget"]["spec"]
+    ext.update({"strategy": r["strategy"], "seed": r["seed"], "plan": r["plan_id"]})
+    doc["mergepipe"] = ext
+    source = f"snapshot {r['snapshot_id']} " if r["snapshot_id"] else ""
+    header = [f"# mergekit config exported by MergePipe from {source}plan {r['plan_id']} ({r['digest']})",
+              (f"# budget {r['budget']['spec']} = {r['budget']['bytes']} B of {r['full_expert_bytes']} B expert read, "
+              f"strategy {r['strategy']}, seed {r['seed']}"),
+              ("# MergePipe computes in float32 and writes the base's dtype. The `mergepipe:` key holds what mergekit "
+              "has no key for; mergekit ignores it."), *notes]
+    body = yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, allow_unicode=True)
+    return "\n".join(header) + "\n" + body

@@ -1,0 +1,102 @@
+"""A mergekit YAML config as MergePipe reads it: the keys it accepts or refuses, and the parsed form.
+
+Budgets are not a mergekit concept: they come from ``--budget`` or the ``mergepipe:`` extension key."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from mergepipe.errors import MergePipeError
+from mergepipe.ops.core import get_op
+
+
+MAX_CONFIG_BYTES = 1 << 20  # a merge config is a few hundred bytes; refuse to parse anything huge
+
+TOP_KEYS = ("models", "base_model", "merge_method", "parameters", "dtype", "out_dtype", "tokenizer_source",
+            "mergepipe")
+REFUSED_TOP_KEYS = {
+    "slices": "layer slices (`slices:`) are not supported: MergePipe merges whole models with the same "
+              "tensors; use `models:`",
+    "modules": "per-module definitions (`modules:`) are not supported; use one `models:` list",
+    "tokenizer": "tokenizer merging (`tokenizer:`) is not supported: MergePipe copies the base's tokenizer "
+                 "files (`tokenizer_source: base`)",
+    "chat_template": "`chat_template` is not supported: MergePipe copies the base's tokenizer and chat "
+                     "template files as they are",
+}
+GLOBAL_PARAMS = ("weight", "density", "normalize", "rescale", "lambda", "gamma", "epsilon", "int8_mask")
+MODEL_PARAMS = ("weight", "density", "gamma", "epsilon", "lambda")
+SHARED_PARAMS = ("lambda", "gamma", "epsilon")  # per-model in some mergekit versions, one value in MergePipe
+EXTENSION_KEYS = ("budget", "target_bound", "strategy", "seed", "plan")
+# mergekit methods MergePipe does not implement (named so that the refusal says so).
+MERGEKIT_ONLY_METHODS = ("slerp", "nuslerp", "multislerp", "model_stock", "passthrough", "karcher", "sce",
+                         "arcee_fusion", "nearswap", "ram", "core_space", "task_adapter", "cabs", "lrp", "pcb",
+                         "zipit", "generalized_anysize", "tokenizer_permute")
+# mergekit dtype names -> safetensors dtype names, and back.
+DTYPE_NAMES = {"float32": "F32", "fp32": "F32", "float": "F32", "bfloat16": "BF16", "bf16": "BF16",
+               "float16": "F16", "fp16": "F16", "half": "F16", "float64": "F64", "fp64": "F64"}
+MERGEKIT_DTYPE = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+class ConfigError(MergePipeError):
+    """A mergekit config is malformed or asks for something MergePipe does not do."""
+
+
+# --- the parsed config ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ConfigModel:
+    """One entry of ``models:``: a reference as written, with its effective weight and density."""
+
+    ref: str
+    weight: float | list | None = None  # a number, or a mergekit setting (gradient, filter conditions)
+    density: float | list | None = None
+    where: str = ""  # for messages: "models[2]"
+
+
+@dataclass(frozen=True)
+class MergekitConfig:
+    """A validated mergekit config, in MergePipe terms (operator name, one value per shared parameter)."""
+
+    source: str
+    method: str
+    base: str
+    models: tuple[ConfigModel, ...]
+    normalize: bool | None = None
+    rescale: bool | None = None
+    lam: float | None = None
+    gamma: float | None = None
+    epsilon: float | None = None
+    dtype: str | None = None  # safetensors names (F32, BF16, ...)
+    out_dtype: str | None = None
+    budget: str | None = None
+    target_bound: float | None = None
+    strategy: str | None = None
+    seed: int | None = None
+    plan_id: str | None = None  # informational (written by export)
+
+    def with_overrides(self, operator=None, weights=None, density=None, lam=None, normalize=None, rescale=None,
+                       gamma=None, epsilon=None, budget=None, target_bound=None, strategy=None,
+                       seed=None) -> MergekitConfig:
+        """The config with command-line settings replacing its own (None: keep the config's value).
+
+        ``density`` replaces every model's density; ``weights`` lists one weight per model in config
+        order; a budget or target bound replaces both of the config's budget settings."""
+        changes: dict = {}
+        if operator is not None:
+            changes["method"] = get_op(operator).name
+        models = list(self.models)
+        if weights is not None:
+            if len(weights) != len(models):
+                raise ConfigError(f"{len(weights)} weights given for the {len(models)} models of {self.source}")
+            models = [dataclasses.replace(m, weight=float(w)) for m, w in zip(models, weights)]
+        if density is not None:
+            models = [dataclasses.replace(m, density=float(density)) for m in models]
+        changes["models"] = tuple(models)
+        for name, value in (("lam", lam), ("normalize", normalize), ("rescale", rescale), ("gamma", gamma),
+                            ("epsilon", epsilon), ("strategy", strategy), ("seed", seed)):
+            if value is not None:
+                changes[name] = value
+        if budget is not None or target_bound is not None:
+            changes["budget"] = None if budget is None else str(budget)
+            changes["target_bound"] = target_bound
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,328 @@
+"""Parse and validate a mergekit YAML config without touching a catalog (:func:`parse_config`).
+
+``weight`` and ``density`` may be mergekit settings (per-tensor ``filter`` conditions, gradients over
+the layers), resolved with mergekit's precedence by the planner. Everything MergePipe cannot do
+exactly is refused with one message naming the key; nothing is silently approximated."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import yaml
+
+from mergepipe.config.model import (
+    ConfigError, ConfigModel, DTYPE_NAMES, EXTENSION_KEYS, GLOBAL_PARAMS, MAX_CONFIG_BYTES,
+    MERGEKIT_ONLY_METHODS, MODEL_PARAMS, MergekitConfig, REFUSED_TOP_KEYS, SHARED_PARAMS, TOP_KEYS,
+)
+from mergepipe.ops.core import OPERATORS
+from mergepipe.planner.settings import check_setting
+from mergepipe.planner.strategies import STRATEGIES
+
+
+# --- parsing ----------------------------------------------------------------------------------------
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML silently keeps the last)."""
+
+
+def _construct_mapping(loader, node, deep=False):
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if not isinstance(key, (str, int, float, bool)):
+            continue
+        if key in seen:
+            raise ConfigError(f"duplicate key {key!r} (line {key_node.start_mark.line + 1})")
+        seen.add(key)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def load_config(path: str | Path) -> MergekitConfig:
+    """Read and validate a mergekit YAML file."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"{p}: no such config file")
+    if p.stat().st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{p}: {p.stat().st_size} bytes is too large for a merge config")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not a UTF-8 text file") from None
+    return parse_config(text, source=p.name)
+
+
+def parse_config(text: str | bytes, source: str = "config") -> MergekitConfig:
+    """Validate mergekit YAML text; every refusal is a :class:`ConfigError` naming the key."""
+    try:
+        return _parse(text, source)
+    except ConfigError as exc:
+        msg = str(exc)
+        raise ConfigError(msg if msg.startswith(f"{source}: ") else f"{source}: {msg}") from None
+
+
+def _parse(text, source: str) -> MergekitConfig:
+    doc = _load(text)
+    method = _method(doc)
+    base = _base(doc)
+    globals_ = _global_params(doc)
+    entries = _model_entries(doc)
+    models, values = _models(entries, globals_)
+    # The compute dtype: MergePipe always computes in float32, at least as precise as any float dtype
+    # asked for (outputs may differ from mergekit's bf16/fp16 arithmetic by that dtype's rounding).
+    dtype = _dtype(doc.get("dtype"), "dtype")
+    out_dtype = _dtype(doc.get("out_dtype"), "out_dtype")
+    _check_tokenizer(doc)
+    budget, target, strategy, seed, plan_id = _extension(doc)
+
+    return MergekitConfig(
+        source=source, method=method, base=base, models=tuple(models),
+        normalize=_flag(globals_.get("normalize"), "parameters.normalize"),
+        rescale=_flag(globals_.get("rescale"), "parameters.rescale"),
+        lam=values["lambda"], gamma=values["gamma"], epsilon=values["epsilon"],
+        dtype=dtype, out_dtype=out_dtype, budget=budget, target_bound=target, strategy=strategy, seed=seed,
+        plan_id=plan_id)
+
+
+def _load(text) -> dict:
+    """The YAML document: a mapping of known top-level keys."""
+    if isinstance(text, bytes):
+        if len(text) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{len(text)} bytes is too large for a merge config")
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ConfigError("not a UTF-8 text file") from None
+    try:
+        doc = yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ConfigError(f"not valid YAML{where}: {exc.problem or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"not valid YAML: {exc}") from None
+    if doc is None:
+        raise ConfigError("the config is empty")
+    if not isinstance(doc, dict):
+        raise ConfigError(f"a merge config is a mapping of keys (models, base_model, merge_method, ...), "
+                          f"not a {type(doc).__name__}")
+    for key in doc:
+        if key in REFUSED_TOP_KEYS:
+            raise ConfigError(REFUSED_TOP_KEYS[key])
+        if key not in TOP_KEYS:
+            raise ConfigError(f"unsupported key `{key}` (MergePipe reads {', '.join(TOP_KEYS)})")
+    return doc
+
+
+def _method(doc: dict) -> str:
+    """``merge_method``: an operator MergePipe has."""
+    method = doc.get("merge_method")
+    if method is None:
+        raise ConfigError("`merge_method` is required")
+    if not isinstance(method, str):
+        raise ConfigError(f"`merge_method` must be a name, not {method!r}")
+    if method not in OPERATORS:
+        supported = ", ".join(OPERATORS)
+        if method in MERGEKIT_ONLY_METHODS:
+            raise ConfigError(f"merge_method `{method}` is not supported by MergePipe (supported: {supported})")
+        raise ConfigError(f"unknown merge_method `{method}` (supported: {supported})")
+    return method
+
+
+def _base(doc: dict) -> str:
+    """``base_model``: required."""
+    base = doc.get("base_model")
+    if base is None:
+        raise ConfigError("`base_model` is required: MergePipe stores experts as deltas against their base "
+                          "(for linear, name the base the models were fine-tuned from; it is not averaged in)")
+    base = _ref(base, "base_model")
+    return base
+
+
+def _global_params(doc: dict) -> dict:
+    """The merge-wide ``parameters``."""
+    raw_globals = doc.get("parameters") or {}
+    if not isinstance(raw_globals, dict):
+        raise ConfigError("`parameters` must be a mapping of parameter names to values")
+    globals_ = {k: _param(v, f"parameters.{k}", k) for k, v in raw_globals.items() if _known(k, GLOBAL_PARAMS,
+                                                                                              "parameters")}
+    return globals_
+
+
+def _model_entries(doc: dict) -> list[tuple[str, dict, str]]:
+    """(reference, own parameters, where) of each ``models:`` entry."""
+    raw_models = doc.get("models")
+    if raw_models is None:
+        raise ConfigError("`models:` is required (the list of models to merge)")
+    if not isinstance(raw_models, list) or not raw_models:
+        raise ConfigError("`models:` must be a non-empty list of `- model: PATH_OR_ID` entries")
+    entries = []
+    for i, item in enumerate(raw_models):
+        where = f"models[{i}]"
+        if isinstance(item, str):
+            item = {"model": item}
+        if not isinstance(item, dict):
+            raise ConfigError(f"{where} must be a mapping with a `model` key")
+        for key in item:
+            if key not in ("model", "parameters"):
+                raise ConfigError(f"unsupported key `{key}` in {where} (a model entry has model and parameters)")
+        if "model" not in item:
+            raise ConfigError(f"{where} has no `model`")
+        ref = _ref(item["model"], f"{where}.model")
+        raw = item.get("parameters") or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{where}.parameters must be a mapping of parameter names to values")
+        params = {k: _param(v, f"{where}.parameters.{k}", k) for k, v in raw.items()
+                  if _known(k, MODEL_PARAMS, f"{where}.parameters")}
+        entries.append((ref, params, where))
+    return entries
+
+
+def _models(entries, globals_: dict) -> tuple[list[ConfigModel], dict]:
+    """The models with mergekit's precedence applied, and the one value of each shared parameter."""
+    # mergekit: a model's own parameter wins over the global one of the same name.
+    models = []
+    shared: dict[str, dict[str, float]] = {p: {} for p in SHARED_PARAMS}
+    for ref, params, where in entries:
+        eff = {k: params.get(k, globals_.get(k)) for k in MODEL_PARAMS}
+        models.append(ConfigModel(ref, _with_fallback(params.get("weight"), globals_.get("weight")),
+                                  _with_fallback(params.get("density"), globals_.get("density")), where))
+        for p in SHARED_PARAMS:
+            if eff[p] is not None:
+                shared[p][where] = eff[p]
+    values = {}
+    for p, per in shared.items():
+        distinct = sorted(set(per.values()))
+        if len(distinct) > 1:
+            raise ConfigError(f"`{p}` differs between models ({', '.join(f'{v:g}' for v in distinct)}): "
+                              f"MergePipe applies one {p} to every model")
+        values[p] = distinct[0] if distinct else None
+    return models, values
+
+
+def _check_tokenizer(doc: dict) -> None:
+    """MergePipe copies the base's tokenizer files; nothing else is accepted."""
+    tok = doc.get("tokenizer_source")
+    if tok is not None and tok != "base":
+        raise ConfigError(f"tokenizer_source: {tok!r} is not supported: MergePipe copies the base's tokenizer "
+                          f"files (use `tokenizer_source: base` or leave it out)")
+
+
+def _extension(doc: dict):
+    """The ``mergepipe:`` extension key: (budget, target_bound, strategy, seed, plan id)."""
+    ext = doc.get("mergepipe") or {}
+    if not isinstance(ext, dict):
+        raise ConfigError("`mergepipe` must be a mapping (budget, target_bound, strategy, seed)")
+    for key in ext:
+        if key not in EXTENSION_KEYS:
+            raise ConfigError(f"unsupported key `{key}` in mergepipe (allowed: {', '.join(EXTENSION_KEYS)})")
+    budget = ext.get("budget")
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, (str, int, float)):
+            raise ConfigError(f"mergepipe.budget must be like 25%, 0.25 or 512MiB, not {budget!r}")
+        budget = str(budget)
+    target = ext.get("target_bound")
+    if target is not None:
+        target = _number(target, "mergepipe.target_bound")
+        if budget is not None:
+            raise ConfigError("give either mergepipe.budget or mergepipe.target_bound, not both")
+    strategy = ext.get("strategy")
+    if strategy is not None and strategy not in STRATEGIES:
+        raise ConfigError(f"mergepipe.strategy {strategy!r} is unknown (choose from {', '.join(STRATEGIES)})")
+    seed = ext.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ConfigError(f"mergepipe.seed must be an integer, not {seed!r}")
+    plan_id = ext.get("plan")
+    if plan_id is not None and not isinstance(plan_id, str):
+        raise ConfigError("mergepipe.plan must be a plan id")
+    return budget, target, strategy, seed, plan_id
+
+
+def _known(key, allowed, where: str) -> bool:
+    if key not in allowed:
+        raise ConfigError(f"unsupported parameter `{key}` in {where} (MergePipe supports {', '.join(allowed)})")
+    return True
+
+
+def _ref(value, where: str) -> str:
+    if isinstance(value, dict):
+        raise ConfigError(f"{where}: the mapping form of a model reference is not supported; "
+                          f"write a path, a catalog id or BASE+ADAPTER")
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{where} must be a path or a model id, not {value!r}")
+    return value.strip()
+
+
+PER_TENSOR = ("weight", "density")  # may vary per tensor (filters, gradients); the others are one value
+
+
+def _param(value, where: str, name: str):
+    """One parameter value. ``weight`` and ``density`` may be mergekit settings: a number, a gradient
+    (a list of numbers over the layers) or a list of ``{filter, value}`` conditions; the other
+    parameters are one value (a gradient or filter for them is refused)."""
+    if isinstance(value, dict) and set(value) <= {"value", "filter"} and "value" in value \
+            and value.get("filter") in (None, "*"):
+        return _param(value["value"], where, name)  # {value: x} without a filter is just x
+    if name in PER_TENSOR:
+        return _setting(value, where)
+    if isinstance(value, (list, dict)):
+        kind = "per-tensor filters" if isinstance(value, dict) or any(isinstance(v, dict) for v in value) \
+            else "a gradient across layers"
+        raise ConfigError(f"{where} is {kind}: not supported for {name}; MergePipe applies one {name} to every "
+                          f"tensor (filters and gradients work for weight and density)")
+    if name in ("normalize", "rescale", "int8_mask"):
+        return _flag(value, where)
+    return _number(value, where)
+
+
+def _setting(value, where: str):
+    """A weight/density setting in the planner's JSON form (floats, lists, {filter, value} dicts)."""
+    return check_setting(value, where, ConfigError)
+
+
+def _with_fallback(own, merge_wide):
+    """One model's setting with mergekit's fallback to the merge-wide one folded in.
+
+    mergekit takes a model's own value when it yields one for a tensor, else the global value. A
+    number or gradient always yields one; a condition list may not, so the global value is appended
+    as its last condition(s). The result resolves, tensor by tensor, exactly like the two levels."""
+    if own is None:
+        return merge_wide
+    if merge_wide is None or not isinstance(own, list) or not isinstance(own[0], dict):
+        return own
+    if isinstance(merge_wide, list) and isinstance(merge_wide[0], dict):
+        return own + merge_wide
+    return own + [{"filter": None, "value": merge_wide}]
+
+
+def _number(value, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{where} must be a number, not {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{where} must be a finite number, not {value!r}")
+    return float(value)
+
+
+def _flag(value, where: str) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    raise ConfigError(f"{where} must be true or false, not {value!r}")
+
+
+def _dtype(value, key: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or value.lower() not in DTYPE_NAMES:
+        raise ConfigError(f"{key}: unknown dtype {value!r} (float32, bfloat16, float16)")
+    return DTYPE_NAMES[value.lower()]
+
+
+def _exists(path) -> bool:
+    try:
+        return Path(path).expanduser().exists()
+    except (OSError, ValueError):
+        return False

@@ -1,0 +1,238 @@
+"""Resolve a parsed config against the catalog and plan it.
+
+:func:`prepare` maps each model reference to a catalog model: a registered id is used as is; a path
+is matched to a registered model by uri and fingerprint, or else registered under an id derived from
+its folder name; ``BASE+ADAPTER`` registers a PEFT LoRA adapter against the base. It only looks;
+:func:`plan_from_config` then applies the registrations and plans inside one catalog transaction, so
+a config that fails anywhere before the merge starts leaves the catalog unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mergepipe.catalog.db import Catalog
+from mergepipe.catalog.models import check_unchanged, model_ids, models_at, register
+from mergepipe.config.model import ConfigError, ConfigModel, MERGEKIT_DTYPE, MergekitConfig
+from mergepipe.config.parse import _exists
+from mergepipe.ops.core import get_op, resolve_params
+from mergepipe.planner.context import Planner
+from mergepipe.planner.plan import Plan
+from mergepipe.storage.safetensors import open_checkpoint
+
+
+# --- resolving references against the catalog ---------------------------------------------------------
+@dataclass
+class Resolved:
+    """A config resolved to catalog ids, plus the registrations and analyses it still needs."""
+
+    config: MergekitConfig
+    base: str
+    experts: list[dict]  # {"model": id, "weight"?: w, "density"?: d}
+    to_register: list[dict] = field(default_factory=list)  # register() keyword arguments, in order
+    reused: dict[str, str] = field(default_factory=dict)  # reference as written -> registered id it matched
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.to_register)
+
+    def plan_kwargs(self) -> dict:
+        """Keyword arguments for ``Planner.plan`` (and ``api.plan_merge``) without ``save``."""
+        c = self.config
+        return {"base_model": self.base, "experts": self.experts, "operator": c.method, "budget": c.budget,
+                "target_bound": c.target_bound, "lam": c.lam, "normalize": c.normalize, "rescale": c.rescale,
+                "gamma": c.gamma, "epsilon": c.epsilon, "seed": 0 if c.seed is None else c.seed,
+                "strategy": c.strategy or "norm"}
+
+
+PathCheck = Callable[[str], Path]
+
+
+def _default_check(text: str) -> Path:
+    return Path(text).expanduser().absolute()
+
+
+class _Resolver:
+    def __init__(self, cat: Catalog, cfg: MergekitConfig, register_paths: bool, check_path: PathCheck | None,
+                 reserved_ids):
+        self.cat, self.cfg, self.register_paths = cat, cfg, register_paths
+        self.check = check_path or _default_check
+        self.taken = model_ids(cat) | set(reserved_ids or ())
+        self.out = Resolved(cfg, "", [])
+        self.base_path: Path | None = None
+
+    def fail(self, where: str, message: str):
+        raise ConfigError(f"{self.cfg.source}: {where}: {message}")
+
+    def _path(self, text: str, where: str) -> Path | None:
+        """The absolute path a reference names, or None when nothing exists there."""
+        if not _exists(text):
+            return None
+        p = self.check(text)
+        return Path(p).resolve()
+
+    def _derive_id(self, path: Path) -> str:
+        name = path.name if path.is_dir() else path.stem
+        name = name or "model"
+        cand, n = name, 2
+        while cand in self.taken:
+            cand, n = f"{name}-{n}", n + 1
+        self.taken.add(cand)
+        return cand
+
+    def _rows_at(self, path: Path) -> list[dict]:
+        return models_at(self.cat, str(path))
+
+    def _unregistered(self, where: str, text: str):
+        self.fail(where, f"{text} is not registered in the catalog; register and analyze it first "
+                         f"(Models page, or `mergepipe merge --config` which does it for you)")
+
+    def base(self) -> tuple[str, Path | None]:
+        text, where = self.cfg.base, "base_model"
+        if self.cat.has_model(text):
+            return text, Path(self.cat.model(text)["uri"])
+        path = self._path(text, where)
+        if path is None:
+            if self.split_lora(text):
+                self.fail(where, "a LoRA-patched model (BASE+ADAPTER) cannot be the base; "
+                                 "list the adapter under `models:`")
+            self.fail(where, f"{text!r} is neither a registered model id nor an existing path "
+                             f"(MergePipe reads local checkpoints; it does not download from the Hub)")
+        rows = [r for r in self._rows_at(path) if r["kind"] == "full"]
+        rows.sort(key=lambda r: r["base_id"] is not None)  # a plain base first
+        for row in rows:
+            check_unchanged(row)
+            self.out.reused[text] = row["id"]
+            return row["id"], path
+        if not self.register_paths:
+            self._unregistered(where, text)
+        open_checkpoint(path)  # a clear error now if it is not a checkpoint
+        mid = self._derive_id(path)
+        self.out.to_register.append({"model_id": mid, "uri": str(path), "base_id": None, "kind": "full"})
+        return mid, path
+
+    def split_lora(self, text: str) -> tuple[str, str] | None:
+        """``BASE+ADAPTER`` -> (base reference, adapter path) when both sides exist."""
+        if self.cat.has_model(text) or _exists(text):
+            return None
+        for i, ch in enumerate(text):
+            if ch == "+":
+                left, right = text[:i], text[i + 1:]
+                if left and right and (self.cat.has_model(left) or _exists(left)) and _exists(right):
+                    return left, right
+        return None
+
+    def expert(self, m: ConfigModel, base_id: str, base_path: Path | None) -> str | None:
+        """The catalog id of one model (None: it is the base itself, which mergekit skips)."""
+        text, where = m.ref, m.where + ".model"
+        if self.cat.has_model(text):
+            if text == base_id:
+                return None
+            return text
+        lora = self.split_lora(text)
+        kind = "lora" if lora else "full"
+        if lora:
+            left, right = lora
+            same_base = left == base_id or (base_path is not None and _exists(left)
+                                            and Path(self.check(left)).resolve() == base_path)
+            if not same_base:
+                self.fail(where, f"the adapter {right} is applied to {left}, but the merge base is "
+                                 f"{self.cfg.base}: MergePipe merges adapters trained on the merge base")
+            path = self._path(right, where)
+        else:
+            path = self._path(text, where)
+            if path is None:
+                self.fail(where, f"{text!r} is neither a registered model id nor an existing path "
+                                 f"(MergePipe reads local checkpoints; it does not download from the Hub)")
+            if base_path is not None and path == base_path:
+                return None
+        rows = [r for r in self._rows_at(path) if r["base_id"] == base_id
+                and (r["kind"] == "lora" if lora else r["kind"] != "lora")]
+        if rows:
+            row = rows[0]
+            check_unchanged(row)
+            self.out.reused[text] = row["id"]
+            mid = row["id"]
+        else:
+            if not self.register_paths:
+                self._unregistered(where, text)
+            if not lora:
+                open_checkpoint(path)  # a clear error now if it is not a checkpoint
+            mid = self._derive_id(path)
+            self.out.to_register.append({"model_id": mid, "uri": str(path), "base_id": base_id, "kind": kind})
+        return mid
+
+
+def prepare(cat: Catalog, cfg: MergekitConfig, register_paths: bool = True, check_path: PathCheck | None = None,
+            reserved_ids=()) -> Resolved:
+    """Resolve every model reference of ``cfg`` against the catalog, changing nothing.
+
+    ``register_paths=False`` refuses paths that are not registered yet (the dashboard's Plan page);
+    ``check_path`` vets a path before it is read (the dashboard's allowed folders); ``reserved_ids``
+    are ids a derived id must avoid (the merged model's)."""
+    op = get_op(cfg.method)
+    resolve_params(op, normalize=cfg.normalize, rescale=cfg.rescale, lam=cfg.lam,
+                            **{k: v for k, v in (("gamma", cfg.gamma), ("epsilon", cfg.epsilon)) if v is not None})
+    r = _Resolver(cat, cfg, register_paths, check_path, reserved_ids)
+    base_id, base_path = r.base()
+    r.out.base, r.base_path = base_id, base_path
+    _check_out_dtype(cat, cfg, base_id, base_path)
+    for m in cfg.models:
+        mid = r.expert(m, base_id, base_path)
+        if mid is None:
+            if op.whole_models:
+                raise ConfigError(f"{cfg.source}: {m.where}: the base model is listed among the models; MergePipe's "
+                                  f"linear averages the other models only (remove it, or give the models' "
+                                  f"weights relative to each other)")
+            continue  # mergekit skips the base model in task-vector methods
+        spec = {"model": mid}
+        if m.weight is not None:
+            spec["weight"] = m.weight
+        if m.density is not None:
+            spec["density"] = m.density
+        r.out.experts.append(spec)
+    if not r.out.experts:
+        raise ConfigError(f"{cfg.source}: `models:` lists no model other than the base")
+    return r.out
+
+
+def _check_out_dtype(cat: Catalog, cfg: MergekitConfig, base_id: str, base_path: Path | None) -> None:
+    # mergekit writes out_dtype, or else dtype; MergePipe always writes the base's own dtype.
+    want = cfg.out_dtype or cfg.dtype
+    if want is None:
+        return
+    if cat.has_model(base_id):
+        have = cat.model(base_id)["dtype"]
+    else:
+        dtypes = sorted({t.dtype for t in open_checkpoint(base_path).tensors.values()})
+        have = dtypes[0] if len(dtypes) == 1 else "mixed:" + ",".join(dtypes)
+    if want != have:
+        key = "out_dtype" if cfg.out_dtype else "dtype (which mergekit also uses as the output dtype)"
+        fix = (f"set `out_dtype: {MERGEKIT_DTYPE[have]}`" if have in MERGEKIT_DTYPE
+               else "leave out_dtype out")
+        raise ConfigError(f"{cfg.source}: {key}: {MERGEKIT_DTYPE.get(want, want)} cannot be honoured: MergePipe "
+                          f"writes the base's dtype ({MERGEKIT_DTYPE.get(have, have)}); {fix}")
+
+
+def apply(cat: Catalog, resolved: Resolved) -> None:
+    """Register what :func:`prepare` found missing (call inside a catalog transaction). Experts
+    without statistics are analyzed by the merge itself, on the way (see inflight.py)."""
+    for kw in resolved.to_register:
+        register(cat, kw["model_id"], kw["uri"], base_id=kw["base_id"], kind=kw["kind"])
+
+
+def plan_from_config(cat: Catalog, cfg: MergekitConfig, save: bool = True, reserved_ids=(),
+                     register_paths: bool = True, check_path: PathCheck | None = None) -> tuple[Plan, Resolved]:
+    """Resolve ``cfg`` (registering paths as needed) and plan it.
+
+    Registration and planning share one catalog transaction: when either fails, no registration is
+    kept. Experts without statistics are read in full and analyzed by the merge (the plan says so)."""
+    resolved = prepare(cat, cfg, register_paths=register_paths, check_path=check_path, reserved_ids=reserved_ids)
+    planner = Planner(cat)
+    if not resolved.pending:
+        return planner.plan(save=save, **resolved.plan_kwargs()), resolved
+    with cat.transaction():
+        apply(cat, resolved)
+        plan = planner.plan(save=save, **resolved.plan_kwargs())
+    return plan, resolved

@@ -1,0 +1,1 @@
+"""What the dashboard pages show (data and figures, one module per page) and the server launcher."""

@@ -1,0 +1,46 @@
+"""How the dashboard writes sizes, percentages, bounds, durations and fingerprints."""
+
+from __future__ import annotations
+
+
+# --- formatting ------------------------------------------------------------------------------------
+def fmt_bytes(n) -> str:
+    """1536 -> '1.50 KiB'; None -> '-'."""
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def fmt_pct(x) -> str:
+    """0.253 -> '25.3%'."""
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def fmt_bound(bound: dict | None) -> str:
+    """The planner's error bound as one line (or why there is none)."""
+    if not bound:
+        return "n/a (not an additive operator)"
+    return f"{bound['absolute']:.4g} (relative {bound['relative']:.3g})"
+
+
+def fmt_seconds(s) -> str:
+    if s is None:
+        return "-"
+    s = float(s)
+    if s < 60:
+        return f"{s:.0f} s"
+    if s < 3600:
+        return f"{int(s // 60)} min {int(s % 60):02d} s"
+    return f"{int(s // 3600)} h {int(s % 3600 // 60):02d} min"
+
+
+def short_fp(fp: str | None) -> str:
+    """'sha256:abcdef0123...' -> 'abcdef012345'."""
+    if not fp:
+        return "-"
+    return fp.split(":", 1)[-1][:12]

@@ -1,0 +1,293 @@
+"""The Plan page: operators, plan context, budget/bound frontier, block masks, mergekit configs, saved plans."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+from mergepipe.catalog.db import Catalog
+from mergepipe.catalog.plans import plan_rows
+from mergepipe.dashboard.figures import MAX_CELLS, aggregate, heatmap_figure, layout_of
+from mergepipe.dashboard.formatting import fmt_bound, fmt_bytes, fmt_pct
+from mergepipe.dashboard.paths import check_path
+from mergepipe.errors import MergePipeError, PlanError
+from mergepipe.ops.core import get_op, OPERATORS
+from mergepipe.planner.context import PlanContext
+from mergepipe.planner.plan import Plan
+
+
+# --- plans ---------------------------------------------------------------------------------------------
+def operators() -> list[str]:
+    return list(OPERATORS)
+
+
+def op_info(name: str) -> dict:
+    """What the Plan page needs to know about an operator's parameters."""
+    spec = get_op(name)
+    return {"name": spec.name, "uses_density": spec.uses_density, "additive": spec.additive,
+            "normalize": spec.normalize, "rescale": spec.rescale, "random": spec.random,
+            "extra": dict(spec.params)}
+
+
+def plan_context(cat: Catalog, base: str, experts: list[str], operator: str = "linear", weights=None, density=None,
+                 lam=None, normalize=None, rescale=None, seed: int = 0, strategy: str = "norm", gamma=None,
+                 epsilon=None) -> PlanContext:
+    """A PlanContext ready for fast re-planning (the sketch-based norm estimate is computed now, so
+    that moving the budget touches no catalog row)."""
+    if not experts:
+        raise PlanError("choose at least one expert")
+    ctx = PlanContext(cat, base, list(experts), operator, weights=list(weights) if weights is not None else None,
+                      density=density, lam=lam, normalize=normalize, rescale=rescale, seed=seed, strategy=strategy,
+                      gamma=gamma, epsilon=epsilon)
+    if ctx.op.additive:
+        ctx.full_norm_estimate()
+    ctx.layout = layout_of(ctx.tensors, ctx.block_bytes)
+    return ctx
+
+
+def make_plan(ctx: PlanContext, budget_pct: float | None = None, target_rel: float | None = None) -> Plan:
+    """The plan at a budget in percent of the full expert read, or the smallest one meeting a relative bound."""
+    if target_rel is not None:
+        return ctx.plan(target_bound=float(target_rel))
+    if budget_pct is None:
+        raise PlanError("give a budget")
+    if not budget_pct > 0:
+        raise PlanError("the budget must be positive: move the slider above 0%")
+    return ctx.plan(budget=f"{float(budget_pct):g}%")
+
+
+PLAN_PAGE_TRI = {None: "default", True: "on", False: "off"}
+
+
+def read_config_source(upload: bytes | None, path: str | None, roots: list[Path],
+                       upload_name: str | None = None) -> tuple[bytes, str]:
+    """The bytes of a mergekit YAML from an upload, else from a typed path under an allowed folder."""
+    from mergepipe.config.model import MAX_CONFIG_BYTES
+    if upload is not None:
+        return upload, upload_name or "uploaded config"
+    p = check_path(path or "", roots)
+    if not p.is_file():
+        raise MergePipeError(f"{p} is not a file")
+    if p.stat().st_size > MAX_CONFIG_BYTES:
+        raise MergePipeError(f"{p}: {p.stat().st_size} bytes is too large for a merge config")
+    return p.read_bytes(), p.name
+
+
+def mergekit_plan_settings(cat: Catalog, text: str | bytes, source: str, roots: list[Path]) -> dict:
+    """Plan-page settings (widget key -> value) equivalent to a mergekit YAML config.
+
+    Only looks at the catalog: the config's models must be registered already (a path is matched by
+    uri and fingerprint; paths must lie under an allowed folder). Refuses what the page cannot show
+    (per-model densities that differ, a budget that is not a whole percentage)."""
+    from mergepipe.config.parse import parse_config
+    from mergepipe.config.resolve import prepare
+    cfg = parse_config(text, source)
+    r = prepare(cat, cfg, register_paths=False, check_path=lambda t: check_path(t, roots))
+    spec = get_op(cfg.method)
+    experts = [e["model"] for e in r.experts]
+    for e in experts:
+        if cat.model(e)["base_id"] != r.base:
+            raise PlanError(f"expert {e!r} is registered with base {cat.model(e)['base_id']!r}, not {r.base!r}")
+    settings: dict = {"base": r.base, "experts": experts, "op": spec.name, "lam": 1.0 if cfg.lam is None else cfg.lam,
+                      "normalize": PLAN_PAGE_TRI[cfg.normalize], "rescale": PLAN_PAGE_TRI[cfg.rescale],
+                      "seed": 0 if cfg.seed is None else cfg.seed, "strategy": cfg.strategy or "norm"}
+    for e in r.experts:
+        for key in ("weight", "density"):
+            if isinstance(e.get(key), list):
+                raise PlanError(f"{source}: the {key} of {e['model']} varies per tensor (a filter or gradient), "
+                                f"which the Plan page cannot show; use `mergepipe merge --config`")
+        settings[f"w_{e['model']}"] = float(e.get("weight", 1.0))
+    if spec.uses_density:
+        densities = sorted({float(e.get("density", 1.0)) for e in r.experts})
+        if len(densities) > 1:
+            raise PlanError(f"{source}: the models' densities differ ({', '.join(f'{d:g}' for d in densities)}); "
+                            f"the Plan page uses one density for all (use `mergepipe merge --config`)")
+        d = densities[0]
+        if not (0.01 <= d <= 1.0 and abs(round(d, 2) - d) < 1e-9):
+            raise PlanError(f"{source}: density {d:g} is not one the Plan page offers (0.01 to 1 in steps of 0.01)")
+        settings["density"] = round(d, 2)
+    for name, value in (("gamma", cfg.gamma), ("epsilon", cfg.epsilon)):
+        if name in spec.params:
+            value = spec.params[name] if value is None else value
+            if not 0 <= value <= 0.5:
+                raise PlanError(f"{source}: {name} {value:g} is outside the Plan page's range (0 to 0.5)")
+            settings[name] = float(value)
+    if cfg.target_bound is not None:
+        if not spec.additive:
+            raise PlanError(f"{source}: a target bound needs an additive operator (linear, task_arithmetic)")
+        settings.update({"mode": "target bound", "target": float(cfg.target_bound)})
+    elif cfg.budget is not None:
+        settings.update({"mode": "budget", "budget": _whole_percent(cfg.budget, source)})
+    return settings
+
+
+def _whole_percent(spec: str, source: str) -> int:
+    text = spec.strip()
+    try:
+        pct = float(text[:-1]) if text.endswith("%") else float(text) * 100
+    except ValueError:
+        pct = None
+    if pct is None or not 0 <= pct <= 100 or abs(pct - round(pct)) > 1e-9:
+        raise PlanError(f"{source}: budget {spec} is not a whole percentage, which the Plan page's slider needs "
+                        f"(use `mergepipe merge --config` for other budgets)")
+    return round(pct)
+
+
+def plan_summary(plan: Plan | dict) -> dict:
+    """Formatted estimates of a plan (strings) plus the raw numbers they come from."""
+    p = plan.data if isinstance(plan, Plan) else plan
+    full = p["full_expert_bytes"]
+    est = p["estimate"]
+    selected = sum(p["blocks_selected"].values())
+    candidates = sum(p["blocks_candidate"].values())
+    return {
+        "plan_id": p["id"], "operator": p["operator"],
+        "budget": f"{fmt_bytes(p['budget']['bytes'])} ({p['budget']['spec']})",
+        "budget_bytes": p["budget"]["bytes"],
+        "expert_read": fmt_bytes(est["expert_read"]), "expert_read_bytes": est["expert_read"],
+        "expert_read_pct": fmt_pct(est["expert_read"] / full) if full else "-",
+        "base_read": fmt_bytes(est["base_read"]), "write": fmt_bytes(est["output_write"]),
+        "full_expert": fmt_bytes(full),
+        "bound": fmt_bound(p["error_bound"]),
+        "bound_abs": p["error_bound"]["absolute"] if p["error_bound"] else None,
+        "bound_rel": p["error_bound"]["relative"] if p["error_bound"] else None,
+        "blocks": f"{selected} of {candidates} candidate blocks ({p['blocks_total']} per model)",
+        "blocks_selected": selected, "blocks_candidate": candidates, "blocks_total": p["blocks_total"],
+        "first_merge": first_merge_note(p),
+    }
+
+
+def first_merge_note(p: dict) -> str | None:
+    """What a first merge does, when some experts have no current statistics (None otherwise)."""
+    pending = [f"{e['id']} ({e['analyze']})" for e in p["experts"] if e.get("analyze")]
+    if not pending:
+        return None
+    return (f"First merge: {', '.join(pending)}. This merge reads every expert in full and analyzes "
+            f"{'it' if len(pending) == 1 else 'them'} on the way (no separate analyze needed); the "
+            f"{p['budget']['spec']} budget applies from the next merge.")
+
+
+def plan_experts_df(plan: Plan | dict) -> pd.DataFrame:
+    p = plan.data if isinstance(plan, Plan) else plan
+    rows = []
+    for e in p["experts"]:
+        eid = e["id"]
+        rows.append({"expert": eid, "weight": e["weight"], "density": e.get("density"),
+                     "blocks": p["blocks_selected"][eid], "candidates": p["blocks_candidate"][eid],
+                     "read": p["expert_read_by_expert"][eid], "read_text": fmt_bytes(p["expert_read_by_expert"][eid])})
+    return pd.DataFrame(rows, columns=["expert", "weight", "density", "blocks", "candidates", "read", "read_text"])
+
+
+def _mask_array(layout: pd.DataFrame, experts: list[str], access: dict) -> np.ndarray:
+    first = dict(zip(layout["tensor"], layout["first"]))
+    total = int(layout["blocks"].sum()) if len(layout) else 0
+    m = np.zeros((len(experts), total), dtype=np.float64)
+    for ei, e in enumerate(experts):
+        for t, ranges in (access.get(e) or {}).items():
+            f = first.get(t)
+            if f is None:
+                continue
+            for a, b in ranges:
+                m[ei, f + a:f + b] = 1.0
+    return m
+
+
+def block_labels(layout: pd.DataFrame) -> list[str]:
+    return [f"{t}#{b}" for t, n in zip(layout["tensor"], layout["blocks"]) for b in range(int(n))]
+
+
+def mask_matrix(ctx: PlanContext, plan: Plan | dict, max_cells: int = MAX_CELLS) -> pd.DataFrame:
+    """Experts x blocks (all tensors, display order): 1 = selected, 0.5 = candidate left out, 0 = no delta
+    (or not useful to the operator). Aggregated to the mean over column bins above ``max_cells``."""
+    p = plan.data if isinstance(plan, Plan) else plan
+    layout = ctx.layout
+    experts = [e["id"] for e in ctx.experts]
+    sel = _mask_array(layout, experts, p["access"])
+    first = np.zeros(len(ctx.tensors), dtype=np.int64)
+    pos = dict(zip(layout["tensor"], layout["first"]))
+    for i, t in enumerate(ctx.tensors):
+        first[i] = pos[t["name"]]
+    c = ctx.candidates
+    cand = np.zeros_like(sel)
+    if len(c.expert):
+        cand[c.expert, first[c.tensor] + c.block] = 0.5
+    m = np.maximum(sel, cand)
+    df = pd.DataFrame(m, index=experts, columns=block_labels(layout))
+    return aggregate(df, max_cells, axis=1, how="mean")
+
+
+def mask_heatmap(mask: pd.DataFrame) -> go.Figure:
+    fig = heatmap_figure(mask, "access mask: blocks read per expert (1 = read, 0.5 = left out, 0 = no delta)",
+                         "read", colorscale=[[0, "#f0f0f0"], [0.5, "#9ecae1"], [1, "#08519c"]], zmin=0, zmax=1,
+                         height=max(200, 80 + 28 * len(mask.index)))
+    return fig
+
+
+def omitted_term(ctx: PlanContext, plan: Plan | dict) -> float:
+    """Sum over the candidates the plan leaves out of |c_i| * ||delta|| (the bound for additive operators)."""
+    p = plan.data if isinstance(plan, Plan) else plan
+    experts = [e["id"] for e in ctx.experts]
+    sel = _mask_array(ctx.layout, experts, p["access"])
+    pos = dict(zip(ctx.layout["tensor"], ctx.layout["first"]))
+    first = np.array([pos[t["name"]] for t in ctx.tensors], dtype=np.int64)
+    c = ctx.candidates
+    if not len(c.expert):
+        return 0.0
+    chosen = sel[c.expert, first[c.tensor] + c.block] > 0
+    return float(c.bound_term[~chosen].sum())
+
+
+def frontier_df(ctx: PlanContext, points: int = 101) -> pd.DataFrame:
+    """The budget-bound curve of the greedy order: budget (bytes, %) vs omitted bound (absolute, relative)."""
+    full = ctx.candidates.full_bytes
+    norm = ctx.full_norm_estimate() if ctx.op.additive else None
+    rows = []
+    for b, bound in ctx.candidates.frontier(points):
+        rows.append({"budget_bytes": b, "budget_pct": 100.0 * b / full if full else 0.0, "bound_abs": bound,
+                     "bound_rel": bound / norm if norm else None})
+    return pd.DataFrame(rows, columns=["budget_bytes", "budget_pct", "bound_abs", "bound_rel"])
+
+
+def frontier_figure(frontier: pd.DataFrame, current_pct: float, current_bound: float, relative: bool,
+                    operator: str) -> go.Figure:
+    y = "bound_rel" if relative and frontier["bound_rel"].notna().all() else "bound_abs"
+    yt = ("relative error bound" if y == "bound_rel" else
+          ("error bound ||M_full - M_A||" if op_info(operator)["additive"] else
+           f"omitted sum |c|*||delta|| (not a bound for {operator})"))
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=frontier["budget_pct"], y=frontier[y], mode="lines", name="frontier",
+                             hovertemplate="budget %{x:.1f}%<br>%{y:.4g}<extra></extra>"))
+    fig.add_trace(go.Scatter(x=[current_pct], y=[current_bound], mode="markers", name="this plan",
+                             marker={"size": 12, "color": "crimson", "symbol": "x"}))
+    fig.update_layout(title="budget vs bound", xaxis_title="expert-read budget (% of full)", yaxis_title=yt,
+                      margin={"l": 10, "r": 10, "t": 40, "b": 10}, height=320, showlegend=False)
+    return fig
+
+
+def current_point(ctx: PlanContext, plan: Plan | dict, relative: bool) -> tuple[float, float]:
+    """(expert read in % of full, bound) of a plan, for the frontier chart."""
+    p = plan.data if isinstance(plan, Plan) else plan
+    full = ctx.candidates.full_bytes
+    x = 100.0 * p["estimate"]["expert_read"] / full if full else 0.0
+    omitted = omitted_term(ctx, p)
+    if relative and ctx.op.additive:
+        norm = ctx.full_norm_estimate()
+        return x, (omitted / norm if norm else 0.0)
+    return x, omitted
+
+
+def plans_df(cat: Catalog) -> pd.DataFrame:
+    rows = []
+    for r in plan_rows(cat):
+        p = json.loads(r["json"])
+        rows.append({"plan": r["id"], "created": r["created_at"], "base": r["base_id"], "operator": r["operator"],
+                     "experts": ", ".join(e["id"] for e in p["experts"]), "budget": p["budget"]["spec"],
+                     "expert_read": fmt_bytes(r["expert_read_bytes"]),
+                     "of_full": fmt_pct(r["expert_read_bytes"] / r["full_expert_bytes"]) if r["full_expert_bytes"] else "-",
+                     "bound": "-" if r["error_bound"] is None else f"{r['error_bound']:.4g}"})
+    cols = ["plan", "created", "base", "operator", "experts", "budget", "expert_read", "of_full", "bound"]
+    return pd.DataFrame(rows, columns=cols)

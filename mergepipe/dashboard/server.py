@@ -1,0 +1,69 @@
+"""``mergepipe dashboard``: start the Streamlit app (app.py) on 127.0.0.1 as a child process.
+
+The library never imports Streamlit: this module only builds the command line and environment and
+waits for the server. The app reads the catalog path from MERGEPIPE_DB and the folders it may read
+checkpoints from / write outputs into from MERGEPIPE_ALLOWED_ROOTS (os.pathsep-separated).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from mergepipe.errors import MergePipeError
+
+APP = Path(__file__).resolve().parents[2] / "app.py"
+
+
+def dashboard_command(port: int = 8501, app: Path = APP) -> list[str]:
+    return [sys.executable, "-m", "streamlit", "run", str(app), "--server.port", str(int(port)),
+            "--server.address", "127.0.0.1", "--server.headless", "true"]
+
+
+def dashboard_env(db_path, allowed_roots=None, base_env=None) -> dict[str, str]:
+    env = dict(os.environ if base_env is None else base_env)
+    env["MERGEPIPE_DB"] = str(Path(db_path).expanduser().absolute())
+    if allowed_roots:
+        env["MERGEPIPE_ALLOWED_ROOTS"] = os.pathsep.join(str(Path(r).expanduser().absolute()) for r in allowed_roots)
+    return env
+
+
+def run_dashboard(db_path, port: int = 8501, allowed_roots=None, wait: bool = True, stdout=None):
+    """Start ``python -m streamlit run app.py`` on 127.0.0.1:port for the catalog at ``db_path``,
+    print the URL and wait for it (Ctrl-C stops it). With ``wait=False`` return the Popen (the
+    server's output goes to ``stdout``, a file, when given)."""
+    if not APP.exists():
+        raise MergePipeError(f"{APP}: the dashboard app is missing (install MergePipe from a source checkout)")
+    if not 0 < int(port) < 65536:
+        raise MergePipeError(f"bad port {port}")
+    db = Path(db_path).expanduser().absolute()
+    if not db.parent.is_dir():
+        raise MergePipeError(f"{db.parent}: directory does not exist")
+    if allowed_roots is None:  # the caller's working directory and the catalog's folder
+        allowed_roots = [Path.cwd(), db.parent]
+    # Run from the app's folder: Streamlit reads .streamlit/config.toml (the security settings) from
+    # its working directory, and puts that directory first on the import path.
+    proc = subprocess.Popen(dashboard_command(port), env=dashboard_env(db, allowed_roots), stdin=subprocess.DEVNULL,
+                            stdout=stdout, stderr=subprocess.STDOUT if stdout is not None else None, cwd=APP.parent)
+    print(f"MergePipe dashboard for {db}: http://127.0.0.1:{int(port)}/  (Ctrl-C to stop)", flush=True)
+    if not wait:
+        return proc
+
+    def _interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # stopping us stops the server too
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)
+        try:
+            return proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)

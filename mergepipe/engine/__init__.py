@@ -1,0 +1,1 @@
+"""Engine: the streaming merge pipeline, executors, shard writing and the publish transaction."""

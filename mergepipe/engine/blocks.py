@@ -1,0 +1,65 @@
+"""Merging one block: the fused numba kernels where they apply, else the torch path of the operators
+(sparsify each contributing expert's delta, then combine). Both give bit-identical bytes."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mergepipe.ops.core import combine, sparsify
+from mergepipe.ops.streams import block_seed
+from mergepipe.planner.settings import tensor_density, tensor_weight
+from mergepipe.storage.safetensors import DTYPES, bytes_to_tensor, rows_shape
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def merge_block(fused, op, params, seed, experts, sources, weight_sum, info, span, raw, contributors, thresholds):
+    """The merged bytes of one block (``raw``: its base bytes; ``contributors``: (expert index, buffers))."""
+    shape = rows_shape(info, span.row_end - span.row_start)
+    if fused:
+        data = fused_block(op, params, seed, experts, sources, weight_sum, info, span, shape, raw,
+                           contributors, thresholds)
+        if data is not None:
+            return data
+    base = bytes_to_tensor(raw, info.dtype, shape).float()
+    deltas = []
+    for ei, (bufs, fixed) in contributors:
+        e = experts[ei]
+        delta = sources[ei].delta(info.name, span, bufs, fixed, base).reshape(shape)
+        thr = thresholds.get(e["id"], {}).get(info.name, [])
+        d = sparsify(op, delta, tensor_density(e, info.name) or 1.0, params, thr,
+                     block_seed(seed, e["id"], info.name, span.index))
+        deltas.append((tensor_weight(e, info.name), d))
+    merged = combine(op, base, deltas, weight_sum, params)
+    return tensor_bytes(merged.to(DTYPES[info.dtype][0]))
+
+
+def fused_block(op, params, seed, experts, sources, weight_sum, info, span, shape, raw, contributors, thresholds):
+    """The fused kernel (kernels.fused_merge) for full or delta checkpoints with linear, task
+    arithmetic, TIES or DARE; None where it does not apply (LoRA, other operators, fp16/fp64)."""
+    from mergepipe.ops import kernels
+    if op.sparsify not in kernels.FUSED_SPARSIFY or info.dtype not in kernels.CODES:
+        return None
+    contributions = []
+    for ei, (bufs, _fixed) in contributors:
+        src = sources[ei]
+        if getattr(src, "kind", None) not in ("full", "delta") or len(bufs) != 1:
+            return None
+        e = experts[ei]
+        density = tensor_density(e, info.name) or 1.0
+        bseed = block_seed(seed, e["id"], info.name, span.index) if op.random and density < 1.0 else 0
+        contributions.append((bufs[0], src.checkpoint.tensors[info.name].dtype, src.kind == "delta",
+                              tensor_weight(e, info.name), density, thresholds.get(e["id"], {}).get(info.name, []),
+                              bseed))
+    out = kernels.fused_merge(op, params, raw, info.dtype, math.prod(shape), contributions, weight_sum)
+    return None if out is None else memoryview(out)
+
+
+def warm_kernels() -> None:
+    from mergepipe.ops import kernels
+    kernels.warm_up()
+

@@ -1,0 +1,45 @@
+"""The Executor seam: what runs the block tasks of a merge.
+
+A block task is a plain call ``fn(*args)`` that merges one block and returns its bytes (a buffer).
+The pipeline submits tasks in output order, keeps at most a bounded number outstanding, and waits on
+each future in that order before writing the bytes at their final offset; it never relies on the
+order in which tasks complete. :class:`LocalExecutor` runs them on a pool of single-threaded worker
+threads in this process (what MergePipe does today). A distributed executor would ship each task to
+a worker and hand back a future of its bytes; see docs/architecture.md for what it must guarantee.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from concurrent.futures import Future, ThreadPoolExecutor
+
+
+class Executor(ABC):
+    """Runs block tasks; one executor serves one merge and is shut down at its end."""
+
+    @abstractmethod
+    def submit(self, fn, /, *args) -> Future:
+        """Start ``fn(*args)``; the future's result is the task's return value (or its exception)."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Wait for the tasks that are running; cancel the ones not yet started."""
+
+
+class LocalExecutor(Executor):
+    """A thread pool of ``workers`` threads, each limited to ``threads`` torch intra-op threads.
+
+    Block-sized kernels gain nothing from intra-op threads, and OpenMP spin-waits collapse when the
+    cores are shared, so ``threads`` is 1 by default (see Engine)."""
+
+    def __init__(self, workers: int, threads: int = 1):
+        import torch
+
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mergepipe-compute",
+                                        initializer=torch.set_num_threads, initargs=(threads,))
+
+    def submit(self, fn, /, *args) -> Future:
+        return self._pool.submit(fn, *args)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,1 @@
+"""Manifests: build, hash and verify merge manifests; lineage."""

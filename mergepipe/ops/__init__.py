@@ -1,0 +1,1 @@
+"""Operators: one module per merge-operator family, plus the fused numba kernels."""

@@ -1,0 +1,131 @@
+"""Merge operators: the registry (one module per operator family declares its specs and block math;
+this module registers them by name), parameter resolution, and the per-block sparsify and combine.
+
+All operators work on one block at a time (mask-aware): the engine hands an operator the base block
+and the deltas of the experts the plan selected for that block; omitted experts contribute delta = 0
+with their coefficients unchanged. Semantics follow the design brief (mergekit's generalized task
+arithmetic):
+
+    delta_i' = sparsify(delta_i)          # per tensor (thresholds from the catalog) or per block
+    contrib  = sum_i w_i * delta_i' [* sign-consensus mask]
+    divisor  = sum of weights (of agreeing entries, with consensus)   -- applied when normalize
+    out      = base + lambda * contrib / divisor
+
+Deliberate differences from mergekit, all forced by streaming block by block:
+  * DARE's L1-preserving rescale (``rescale``) is applied per block instead of per tensor.
+  * DELLA ranks magnitudes within each row of dim 0 (1-D tensors: within each block).
+  * Breadcrumbs keeps entries with tau_lo <= |d| < tau_hi, where tau_hi / tau_lo are the k-th largest
+    |d| for k = int(gamma*n) and int((gamma+density)*n); mergekit's int(gamma*n)+int(density*n) can
+    differ by one element.
+  * Magnitude ties at a threshold are all kept (torch.topk keeps an arbitrary subset of them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mergepipe.errors import PlanError
+from mergepipe.ops import breadcrumbs, dare, della, linear, ties
+from mergepipe.ops.spec import OPERATORS, OpSpec, register_op
+
+# Registration order is the order operators are listed in (the CLI, the dashboard, error messages).
+for _family in (linear, ties, dare, breadcrumbs, della):
+    for _spec in _family.SPECS:
+        register_op(_spec)
+
+
+def get_op(name: str) -> OpSpec:
+    key = name.strip().lower()
+    for spec in OPERATORS.values():
+        if key == spec.name or key in spec.aliases:
+            return spec
+    names = ", ".join(sorted(list(OPERATORS) + [a for s in OPERATORS.values() for a in s.aliases]))
+    raise PlanError(f"unknown operator {name!r} (choose from {names})")
+
+
+def resolve_params(spec: OpSpec, normalize=None, rescale=None, lam=None, **extra) -> dict:
+    """The operator's full parameter set: declared defaults overridden by what the user gave."""
+    params = {
+        "normalize": spec.normalize if normalize is None else bool(normalize),
+        "rescale": spec.rescale if rescale is None else bool(rescale),
+        "lambda": 1.0 if lam is None else float(lam),
+    }
+    for key, default in spec.params.items():
+        params[key] = float(extra[key]) if extra.get(key) is not None else default
+    unknown = [k for k, v in extra.items() if v is not None and k not in spec.params]
+    if unknown:
+        raise PlanError(f"operator {spec.name} takes no parameter {', '.join(unknown)}")
+    return params
+
+
+def threshold_fractions(spec: OpSpec, density: float, params: dict) -> list[float]:
+    """The top-k fractions whose |delta| thresholds the operator needs per (expert, tensor)."""
+    if spec.sparsify == "magnitude":
+        return [density]
+    if spec.sparsify == "magnitude_outliers":
+        gamma = params["gamma"]
+        return [round(gamma, 10), round(min(1.0, gamma + density), 10)]
+    return []
+
+
+def lookup_thresholds(table: dict, fractions: list[float]) -> list[float] | None:
+    """Stored thresholds (``{str(density): value}``) for ``fractions``; None if one is missing.
+    Keeping every entry (fraction 1) needs no threshold."""
+    out = []
+    for f in fractions:
+        if f >= 1.0:
+            out.append(0.0)
+            continue
+        value = table.get(str(f))
+        if value is None:  # keys are str(float); fall back to a tolerant match
+            value = next((v for k, v in table.items() if abs(float(k) - f) < 1e-9), None)
+        if value is None:
+            return None
+        out.append(value)
+    return out
+
+
+def useful_blocks(spec: OpSpec, thresholds: list[float] | None, max_abs):
+    """Which blocks (by their max |delta|) can contribute after sparsification: under a magnitude
+    threshold a block whose largest entry is below it contributes nothing (numpy arrays)."""
+    import numpy as np
+
+    if spec.sparsify == "magnitude":
+        return max_abs >= thresholds[0] if thresholds else np.zeros_like(max_abs, dtype=bool)
+    if spec.sparsify == "magnitude_outliers":
+        return max_abs >= thresholds[1] if thresholds else np.zeros_like(max_abs, dtype=bool)
+    return np.ones_like(max_abs, dtype=bool)
+
+
+def sparsify(spec: OpSpec, delta: torch.Tensor, density: float, params: dict, thresholds: list[float],
+             seed: int) -> torch.Tensor:
+    """Sparsify one expert's delta block (float32, block shape)."""
+    kind = spec.sparsify
+    if kind is None or (density >= 1.0 and kind != "magnitude_outliers"):
+        return delta
+    if kind == "magnitude":
+        return ties.magnitude(delta, thresholds)
+    if kind == "magnitude_outliers":
+        return breadcrumbs.outliers(delta, params, thresholds)
+    if kind == "random":
+        return dare.random_drop(delta, density, params, seed)
+    if kind == "della":
+        return della.della_block(delta, density, params["epsilon"], params["rescale"], seed)
+    raise AssertionError(kind)
+
+
+def combine(spec: OpSpec, base: torch.Tensor, deltas: list[tuple[float, torch.Tensor]],
+            weight_sum: float, params: dict) -> torch.Tensor:
+    """Merge one block. ``deltas`` are (weight, sparsified delta) of the experts read for this block;
+    ``weight_sum`` is the sum of all experts' weights (omitted ones included)."""
+    if spec.consensus:
+        return ties.combine_consensus(base, deltas, params)
+    return linear.combine_additive(spec, base, deltas, weight_sum, params)
+
+
+def coefficient(spec: OpSpec, weight: float, weight_sum: float, params: dict) -> float:
+    """Effective coefficient of an expert's delta in the output (additive operators)."""
+    c = weight * params["lambda"]
+    if params["normalize"] and abs(weight_sum) >= 1e-8:
+        c /= weight_sum
+    return c

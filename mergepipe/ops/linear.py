@@ -1,0 +1,31 @@
+"""Linear (weighted average of whole models) and task arithmetic (base + weighted sum of deltas): the
+additive operators, for which the planner's error bound holds."""
+
+from __future__ import annotations
+
+import torch
+
+from mergepipe.ops.spec import OpSpec
+
+SPECS = (
+    OpSpec("linear", None, False, True, False, aliases=("avg",), whole_models=True),
+    OpSpec("task_arithmetic", None, False, False, False),
+)
+
+
+def combine_additive(spec: OpSpec, base: torch.Tensor, deltas: list[tuple[float, torch.Tensor]],
+                     weight_sum: float, params: dict) -> torch.Tensor:
+    """base + lambda * sum_i w_i delta_i [/ sum of all weights when normalize]; whole-model operators
+    without normalize scale the base by the weight sum (sum_i w_i x_i)."""
+    lam = params["lambda"]
+    mixed = torch.zeros_like(base)
+    for w, d in deltas:
+        mixed += w * d  # not add_(alpha=w): keep the reference's rounding (weight, then sum)
+    divisor = weight_sum if abs(weight_sum) >= 1e-8 else 1.0
+    if spec.whole_models and not params["normalize"]:
+        base = base * weight_sum  # sum_i w_i x_i = (sum_i w_i) base + sum_i w_i delta_i
+    if params["normalize"]:
+        mixed /= divisor
+    if lam != 1:
+        mixed *= lam
+    return base + mixed

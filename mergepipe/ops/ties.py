@@ -1,0 +1,41 @@
+"""TIES: keep each delta's largest magnitudes (per-tensor threshold from the catalog), elect a sign per
+entry, and merge only the agreeing contributions (also the consensus step of dare_ties, breadcrumbs_ties
+and della)."""
+
+from __future__ import annotations
+
+import torch
+
+from mergepipe.ops.spec import OpSpec
+
+SPECS = (OpSpec("ties", "magnitude", True, True, False),)
+
+
+def magnitude(delta: torch.Tensor, thresholds: list[float]) -> torch.Tensor:
+    """Keep the entries with |delta| at or above the expert's per-tensor threshold."""
+    return delta * (delta.abs() >= thresholds[0])
+
+
+def combine_consensus(base: torch.Tensor, deltas: list[tuple[float, torch.Tensor]], params: dict) -> torch.Tensor:
+    """Sign election: sum the weighted deltas that agree with the elected sign of their sum
+    [/ the weights of the agreeing entries when normalize]."""
+    lam = params["lambda"]
+    if not deltas:
+        return base
+    # Arithmetic rather than torch.where/boolean masks: ~3x faster on CPU, same values.
+    weighted = [w * d for w, d in deltas]
+    total = weighted[0].clone()
+    for wd in weighted[1:]:
+        total += wd
+    sign = (total >= 0) * 2.0 - 1.0  # elected sign; a zero sum elects +
+    magnitude = torch.zeros_like(base)  # sum of |w_i d_i| over entries agreeing with the sign
+    divisor = torch.zeros_like(base) if params["normalize"] else None
+    for (w, _), wd in zip(deltas, weighted):
+        agreeing = (wd * sign).clamp_(min=0)  # |w_i d_i| where it agrees, else 0
+        magnitude += agreeing
+        if divisor is not None:
+            divisor.add_(torch.sign(agreeing), alpha=w)
+    mixed = magnitude * sign
+    if divisor is not None:
+        mixed /= divisor.masked_fill_(divisor == 0, 1.0)
+    return base + mixed * lam if lam != 1 else base + mixed

@@ -1,0 +1,1 @@
+"""Planner: budget, candidate blocks, selection strategies, bounds and EXPLAIN."""

@@ -1,0 +1,49 @@
+"""Error bounds: the additive bound's tighter blockwise form and the estimated norm of the full merge."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from mergepipe.catalog import analyses
+
+
+class Bounds:
+    """Error bounds of a plan: the full-merge norm estimated from sketches and the blockwise bound of the
+    omitted blocks (a mixin of PlanContext: uses its candidates and sketch matrix)."""
+
+    def full_norm_estimate(self) -> float:
+        """Estimated ||M_full - base||_2 = ||sum_i c_i delta_i||, with cross terms from the sketches."""
+        if hasattr(self, "_full_norm"):
+            return self._full_norm
+        keys, mat = self._sketch_matrix()
+        key_tensor = np.zeros(len(keys), dtype=np.int64)
+        for (tensor, _), i in keys.items():
+            key_tensor[i] = self.tensor_index[tensor]
+        coefs = self.coef_matrix[:, key_tensor].T  # [B, K]
+        l2 = np.zeros((len(keys), len(self.experts)))
+        for ei, e in enumerate(self.experts):
+            for tensor, block, value in analyses.changed_block_l2(self.catalog, e["id"]):
+                l2[keys[(tensor, block)], ei] = value
+        gram = np.matmul(mat, mat.transpose(0, 2, 1))  # [B, K, K] sketch inner products (batched BLAS)
+        norms = np.sqrt(np.maximum(np.einsum("bkk->bk", gram), 0))
+        # cos_ij * ||d_i|| * ||d_j|| with cos estimated from the sketches
+        a = np.divide(l2 * coefs, norms, out=np.zeros_like(l2), where=norms > 0)  # [B, K]
+        total = float(np.einsum("bk,bkj,bj->", a, gram, a, optimize=True))
+        self._full_norm = math.sqrt(max(total, 0.0))
+        return self._full_norm
+
+    # --- estimates -------------------------------------------------------------------------------
+
+    def _blockwise_bound(self, omitted: np.ndarray) -> float:
+        """A tighter bound: blocks at different (tensor, block) positions are disjoint coordinates, so
+        ||sum of omitted updates||^2 = sum over positions of ||sum_i c_i delta_i||^2, and each position's
+        norm is at most the sum of its omitted |c_i| * ||delta_i||. Never above the additive bound."""
+        cands = self.candidates
+        if not omitted.any():
+            return 0.0
+        pos = cands.tensor[omitted] * (int(cands.block.max()) + 1) + cands.block[omitted]
+        _, group = np.unique(pos, return_inverse=True)
+        per_position = np.bincount(group, weights=cands.bound_term[omitted])
+        return float(np.sqrt(np.square(per_position).sum()))

@@ -1,0 +1,324 @@
+"""The budget-aware planner: which (expert, tensor, block) triples to read, decided from the catalog
+alone, before any expert byte is read.
+
+Greedy by score per byte (default score |c_i| * ||delta_{i,t,b}||_2, which minimises the additive error
+bound), deterministic tie-break (expert order, tensor order, block index), budget-sound by
+construction. ``PlanContext`` holds everything about a merge request except the budget; ``Planner``
+is the front door.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+
+from mergepipe.catalog import analyses
+from mergepipe.catalog.db import Catalog
+from mergepipe.catalog.models import check_unchanged
+from mergepipe.errors import PlanError
+from mergepipe.manifest.build import canonical
+from mergepipe.ops.core import (
+    coefficient, get_op, lookup_thresholds, resolve_params, threshold_fractions, useful_blocks,
+)
+from mergepipe.ops.spec import OpSpec
+from mergepipe.planner.bounds import Bounds
+from mergepipe.planner.budget import mib, parse_budget
+from mergepipe.planner.candidates import Candidates
+from mergepipe.planner.plan import PLAN_FORMAT, Plan, compact_ranges, save_plan
+from mergepipe.planner.settings import (
+    check_setting, is_scalar, layer_t, num_layers, resolve, tensor_density, tensor_weight,
+)
+from mergepipe.planner.strategies import STRATEGIES, StrategyScores, _uniform_priority
+from mergepipe.storage.grid import DEFAULT_BLOCK_BYTES, tensor_grid
+from mergepipe.storage.safetensors import FLOAT_DTYPES, TensorInfo
+from mergepipe.storage.sources import fixed_bytes, open_source
+from mergepipe.version import __version__
+
+
+class PlanContext(StrategyScores, Bounds):
+    """Everything about a merge request except the budget: reusable while a user drags a slider."""
+
+    def __init__(self, catalog: Catalog, base_model: str, experts, operator: str = "ties",
+                 weights=None, density=None, lam=None, normalize=None, rescale=None, seed: int = 0,
+                 strategy: str = "norm", gamma=None, epsilon=None, weight=None):
+        self.catalog = catalog
+        self.op: OpSpec = get_op(operator)
+        self.params = resolve_params(self.op, normalize=normalize, rescale=rescale, lam=lam,
+                                     gamma=gamma, epsilon=epsilon)
+        self.seed = int(seed)
+        if strategy not in STRATEGIES:
+            raise PlanError(f"unknown strategy {strategy!r} (choose from {', '.join(STRATEGIES)})")
+        self.strategy = strategy
+        self.base = catalog.model(base_model)
+        self.tensors = [t for t in catalog.tensors(self.base["id"])]
+        self.tensor_index = {t["name"]: i for i, t in enumerate(self.tensors)}
+        self.experts = self._expert_specs(experts, weights, density, weight)
+        self.block_bytes = catalog.grid_block_bytes(self.base["id"]) or DEFAULT_BLOCK_BYTES
+        names = [t["name"] for t in self.tensors]
+        # [K, T] weight of each expert on each tensor, and its coefficient in the merged delta
+        self.weight_matrix = np.array([[tensor_weight(e, n) or 0.0 for n in names] for e in self.experts],
+                                      dtype=np.float64).reshape(len(self.experts), len(names))
+        self.weight_sums = self.weight_matrix.sum(axis=0)
+        self.coef_matrix = np.array([[coefficient(self.op, w, ws, self.params) for w, ws in zip(row, self.weight_sums)]
+                                     for row in self.weight_matrix]).reshape(self.weight_matrix.shape)
+        self.thresholds = self._thresholds()
+        self.candidates = self._candidates()
+
+    def _expert_specs(self, experts, weights, density, weight=None) -> list[dict]:
+        if not experts:
+            raise PlanError("no experts given")
+        specs = []
+        for i, e in enumerate(experts):
+            spec = {"model": e} if isinstance(e, str) else dict(e)
+            if "model" not in spec:
+                raise PlanError(f"expert {e!r} has no model id")
+            specs.append(spec)
+        ids = [s["model"] for s in specs]
+        if len(set(ids)) != len(ids):
+            raise PlanError(f"an expert is listed twice: {', '.join(sorted({i for i in ids if ids.count(i) > 1}))}")
+        if weights is not None:
+            if len(weights) != len(specs):
+                raise PlanError(f"{len(weights)} weights given for {len(specs)} experts")
+            for s, w in zip(specs, weights):
+                s["weight"] = w
+        global_w = None if weight is None else check_setting(weight, "weight")
+        global_d = None if density is None else check_setting(density, "density")
+        check_unchanged(self.base)
+        out = []
+        for s in specs:
+            row = self.catalog.model(s["model"])
+            if row["base_id"] != self.base["id"]:
+                raise PlanError(f"expert {row['id']!r} is registered with base {row['base_id']!r}, not {self.base['id']!r}")
+            check_unchanged(row)
+            w = check_setting(s["weight"], f"weight of {row['id']}") if s.get("weight") is not None else None
+            d = check_setting(s["density"], f"density of {row['id']}") if s.get("density") is not None else None
+            spec = {"id": row["id"], "uri": row["uri"], "fingerprint": row["fingerprint"], "kind": row["kind"]}
+            if not self.catalog.is_analyzed(row["id"]):
+                spec["analyze"] = "not analyzed"
+            if all(v is None or is_scalar(v) for v in (w, d, global_w, global_d)):
+                spec["weight"] = w if w is not None else (global_w if global_w is not None else 1.0)
+                dd = d if d is not None else (global_d if global_d is not None else 1.0)
+                self._check_density(row["id"], dd)
+                spec["density"] = dd if self.op.uses_density else None
+            else:
+                spec.update(self._per_tensor(row["id"], [w, global_w], [d, global_d]))
+            out.append(spec)
+        return out
+
+    def _check_density(self, expert_id: str, d: float, where: str = "") -> None:
+        if self.op.uses_density and not 0 < d <= 1:
+            raise PlanError(f"density {d:g} of {expert_id}{where} is outside (0, 1]")
+        if self.op.sparsify == "della":
+            eps = self.params["epsilon"]
+            if d < 1 and not (0 < eps and d - eps > 0 and d + eps <= 1):
+                raise PlanError(f"della needs 0 < density - epsilon and density + epsilon <= 1 "
+                                f"(density {d:g}{where}, epsilon {eps})")
+
+    def _per_tensor(self, expert_id: str, weight_settings, density_settings) -> dict:
+        """Weight and density of one expert for every float tensor, from filters and gradients."""
+        names = [t["name"] for t in self.tensors if t["dtype"] in FLOAT_DTYPES]
+        layers = num_layers([t["name"] for t in self.tensors], json.loads(self.base["config"] or "{}"))
+        values = {}
+        for name in names:
+            t = layer_t(name, layers)
+            w = resolve(weight_settings, name, t, 1.0)
+            d = resolve(density_settings, name, t, 1.0)
+            self._check_density(expert_id, d, f" on {name}")
+            values[name] = [w, d if self.op.uses_density else None]
+        ws = {v[0] for v in values.values()}
+        ds = {v[1] for v in values.values()}
+        return {"weight": ws.pop() if len(ws) == 1 else None, "density": ds.pop() if len(ds) == 1 else None,
+                "settings": {"weight": weight_settings[0], "density": density_settings[0]},
+                "tensors": values}
+
+    def _thresholds(self) -> dict[str, dict[str, list[float]]]:
+        """Magnitude thresholds per (expert, tensor) from the catalog. An expert lacking one for a
+        density this merge needs is marked to be analyzed on the way (the merge reads it in full)."""
+        out: dict[str, dict[str, list[float]]] = {}
+        if self.op.sparsify not in ("magnitude", "magnitude_outliers"):
+            return out
+        for e in self.experts:
+            if e.get("analyze"):
+                continue
+            rows = analyses.changed_tensor_thresholds(self.catalog, e["id"])
+            per = {}
+            for name, text in rows:
+                fracs = threshold_fractions(self.op, tensor_density(e, name) or 1.0, self.params)
+                vals = lookup_thresholds(json.loads(text or "{}"), fracs)
+                if vals is None:
+                    missing = ", ".join(f"{f:g}" for f in fracs if lookup_thresholds(json.loads(text or "{}"), [f]) is None)
+                    e["analyze"] = f"no magnitude threshold for top-{missing}"
+                    break
+                if fracs:
+                    per[name] = vals
+            if per and not e.get("analyze"):
+                out[e["id"]] = per
+        return out
+
+    @property
+    def to_analyze(self) -> list[dict]:
+        """Experts this merge analyzes on the way (not analyzed, changed, or missing a threshold)."""
+        return [e for e in self.experts if e.get("analyze")]
+
+    def _all_blocks(self, ei: int, expert: dict) -> np.ndarray:
+        """Every block of an expert analyzed on the way (it has no statistics to choose from): the
+        columns of the candidate table, with no score."""
+        source = open_source(expert["kind"], expert["uri"])
+        rows = []
+        for ti, t in enumerate(self.tensors):
+            if t["dtype"] not in FLOAT_DTYPES or not source.has_delta(t["name"]):
+                continue
+            setup = fixed_bytes(source, t["name"])
+            for span in tensor_grid(_info(t), self.block_bytes):
+                nbytes = sum(n for _, _, n in source.block_ranges(t["name"], span))
+                rows.append((ei, ti, span.index, nbytes, 0.0, setup))
+        return np.array(rows, dtype=np.float64).reshape(-1, 6)
+
+    def _candidates(self) -> Candidates:
+        float_tensor = {t["name"] for t in self.tensors if t["dtype"] in FLOAT_DTYPES}
+        parts = []
+        for ei, e in enumerate(self.experts):
+            if e.get("analyze"):
+                parts.append(self._all_blocks(ei, e))
+                continue
+            fixed = analyses.fixed_bytes_by_tensor(self.catalog, e["id"])
+            rows = analyses.changed_block_stats(self.catalog, e["id"])
+            by_tensor: dict[str, list] = {}
+            for r in rows:
+                if r[0] in float_tensor:
+                    by_tensor.setdefault(r[0], []).append(r)
+            for name, rs in by_tensor.items():
+                a = np.array([r[1:] for r in rs], dtype=np.float64)  # block, nbytes, l2, max_abs
+                useful = useful_blocks(self.op, self.thresholds.get(e["id"], {}).get(name), a[:, 3])
+                a = a[useful]
+                parts.append(np.column_stack([np.full(len(a), ei), np.full(len(a), self.tensor_index[name]), a[:, :3],
+                                              np.full(len(a), fixed.get(name, 0))]))
+        table = np.concatenate(parts) if parts else np.zeros((0, 6))
+        cols = {"expert": table[:, 0], "tensor": table[:, 1], "block": table[:, 2], "nbytes": table[:, 3],
+                "l2": table[:, 4], "setup": table[:, 5]}
+        arr = {k: np.array(v, dtype=np.float64 if k == "l2" else np.int64) for k, v in cols.items()}
+        coefs = np.abs(self.coef_matrix)
+        bound_term = coefs[arr["expert"], arr["tensor"]] * arr["l2"] if len(arr["l2"]) else np.zeros(0)
+        score = bound_term.copy()
+        priority = None
+        if self.strategy == "conflict" and len(score):
+            score = score * (1.0 - self._conflict_rates(arr))
+        elif self.strategy == "kept" and len(score):
+            score = score * np.sqrt(self._kept_energy(arr))
+        elif self.strategy == "random":
+            priority = np.random.default_rng(self.seed).random(len(score))
+        elif self.strategy == "uniform":
+            priority = _uniform_priority(arr["expert"], arr["tensor"], arr["block"])
+        return Candidates(arr["expert"], arr["tensor"], arr["block"], arr["nbytes"], score, bound_term, priority,
+                          arr["setup"])
+
+    # --- estimates -------------------------------------------------------------------------------
+    def base_bytes(self) -> int:
+        return sum(t["nbytes"] for t in self.tensors)
+
+    def plan(self, budget=None, budget_mb=None, target_bound: float | None = None) -> Plan:
+        cands = self.candidates
+        full = cands.full_bytes
+        if budget_mb is not None:
+            budget = mib(budget_mb)
+        budget_spec = f"target-bound {target_bound:g}" if target_bound is not None else (
+            "100%" if budget is None else str(budget))
+        if target_bound is not None and not target_bound >= 0:
+            raise PlanError("--target-bound must be a non-negative number")
+        if target_bound is not None and not self.op.additive:
+            raise PlanError(f"--target-bound needs an additive operator (linear, task_arithmetic), not {self.op.name}")
+        if target_bound is None and full:
+            parse_budget(budget_spec, full)  # a bad budget is refused, first merge or not
+        if self.to_analyze:  # a first merge: the budget applies from the next merge on
+            return self._build(cands.order, budget_spec, full, target_bound, first_merge=True)
+        if target_bound is not None:
+            norm = self.full_norm_estimate()
+            budget_bytes = cands.smallest_budget_for(target_bound * norm) if full else 0
+        else:
+            budget_bytes = parse_budget(budget_spec, full) if full else 0
+        chosen = cands.select(budget_bytes) if full else np.zeros(0, dtype=np.int64)
+        return self._build(chosen, budget_spec, budget_bytes, target_bound)
+
+
+    def _build(self, chosen: np.ndarray, budget_spec: str, budget_bytes: int, target_bound,
+               first_merge: bool = False) -> Plan:
+        cands = self.candidates
+        names = [t["name"] for t in self.tensors]
+        access: dict[str, dict[str, list[int]]] = {e["id"]: {} for e in self.experts}
+        per_expert_bytes = {e["id"]: 0 for e in self.experts}
+        per_tensor_bytes: dict[str, int] = {}
+        for c, nbytes in zip(chosen, cands.bytes_of(chosen)):
+            eid = self.experts[cands.expert[c]]["id"]
+            tname = names[cands.tensor[c]]
+            access[eid].setdefault(tname, []).append(int(cands.block[c]))
+            per_expert_bytes[eid] += int(nbytes)
+            per_tensor_bytes[tname] = per_tensor_bytes.get(tname, 0) + int(nbytes)
+        access = {e: {t: compact_ranges(b) for t, b in sorted(ts.items())} for e, ts in access.items()}
+        expert_read = sum(per_expert_bytes.values())
+        selected_mask = np.zeros(len(cands.nbytes), dtype=bool)
+        selected_mask[chosen] = True
+        bound = None
+        if self.op.additive and self.to_analyze:  # every block is read: nothing omitted
+            bound = {"absolute": 0.0, "full_delta_norm": None, "relative": 0.0, "blockwise": 0.0,
+                     "blockwise_relative": 0.0}
+        elif self.op.additive:
+            omitted = float(cands.bound_term[~selected_mask].sum())
+            blockwise = self._blockwise_bound(~selected_mask)
+            norm = self.full_norm_estimate()
+            bound = {"absolute": omitted, "full_delta_norm": norm,
+                     "relative": omitted / norm if norm > 0 else 0.0,
+                     "blockwise": blockwise, "blockwise_relative": blockwise / norm if norm > 0 else 0.0}
+        base_bytes = self.base_bytes()
+        core = {
+            "format": PLAN_FORMAT,
+            "base": {"id": self.base["id"], "uri": self.base["uri"], "fingerprint": self.base["fingerprint"]},
+            "experts": self.experts,
+            "operator": self.op.name,
+            "params": self.params,
+            "seed": self.seed,
+            "strategy": self.strategy,
+            "grid": {"block_bytes": self.block_bytes},
+            "budget": {"spec": budget_spec, "bytes": budget_bytes, **({"first_merge": True} if first_merge else {})},
+            "access": access,
+            "thresholds": self.thresholds,
+        }
+        digest = hashlib.sha256(canonical(core)).hexdigest()
+        data = dict(core)
+        data.update({
+            "id": "plan-" + digest[:16],
+            "digest": "sha256:" + digest,
+            "full_expert_bytes": cands.full_bytes,
+            "estimate": {"base_read": base_bytes, "expert_read": expert_read, "output_write": base_bytes},
+            "expert_read_by_expert": per_expert_bytes,
+            "expert_read_by_tensor": dict(sorted(per_tensor_bytes.items())),
+            "blocks_selected": {e: sum(r[1] - r[0] for rs in ts.values() for r in rs) for e, ts in access.items()},
+            "blocks_candidate": {e["id"]: int((cands.expert == i).sum()) for i, e in enumerate(self.experts)},
+            "blocks_total": sum(len(tensor_grid(_info(t), self.block_bytes)) for t in self.tensors),
+            "error_bound": bound,
+            "target_bound": target_bound,
+            "software": {"mergepipe": __version__},
+        })
+        return Plan(data)
+
+
+def _info(row: dict) -> TensorInfo:
+    return TensorInfo(row["name"], row["dtype"], tuple(row["shape"]), row["file"], row["offset"], row["nbytes"])
+
+
+class Planner:
+    """``Planner(catalog).plan(base_model=..., experts=[...], operator="TIES", budget_mb=8192)``."""
+
+    def __init__(self, catalog: Catalog):
+        self.catalog = catalog
+
+    def context(self, base_model: str, experts, operator: str = "ties", **kw) -> PlanContext:
+        return PlanContext(self.catalog, base_model, experts, operator, **kw)
+
+    def plan(self, base_model: str, experts, operator: str = "ties", budget=None, budget_mb=None,
+             target_bound=None, save: bool = True, **kw) -> Plan:
+        plan = self.context(base_model, experts, operator, **kw).plan(budget, budget_mb, target_bound)
+        if save:
+            save_plan(self.catalog, plan)
+        return plan

@@ -1,0 +1,49 @@
+"""EXPLAIN: a plan as text (inputs, budget, estimates, selection per expert and per tensor)."""
+
+from __future__ import annotations
+
+import json
+
+
+def explain_plan(p: dict) -> str:
+    """EXPLAIN-style text: inputs, budget, estimates, then selection per expert and per tensor."""
+    from mergepipe.planner.budget import human_bytes  # formatting only
+
+    lines = [f"PLAN {p['id']}  ({p['digest']})",
+             f"  operator   {p['operator']}  params {json.dumps(p['params'], sort_keys=True)}  seed {p['seed']}  "
+             f"strategy {p['strategy']}",
+             f"  base       {p['base']['id']}  {p['base']['fingerprint'][:19]}",
+             f"  grid       {human_bytes(p['grid']['block_bytes'])} blocks, {p['blocks_total']} per model",
+             f"  budget     {p['budget']['spec']} = {human_bytes(p['budget']['bytes'])} of "
+             f"{human_bytes(p['full_expert_bytes'])} full expert read"
+             + ("  (first merge: every expert is read in full; the budget applies from the next merge)"
+                if p["budget"].get("first_merge") else ""),
+             f"  estimate   base read {human_bytes(p['estimate']['base_read'])}, expert read "
+             f"{human_bytes(p['estimate']['expert_read'])}, write {human_bytes(p['estimate']['output_write'])}"]
+    if p["error_bound"]:
+        b = p["error_bound"]
+        norm = "n/a" if b["full_delta_norm"] is None else f"{b['full_delta_norm']:.6g}"
+        lines.append(f"  bound      ||M_full - M_A|| <= {b['absolute']:.6g}  (relative {b['relative']:.3e} "
+                     f"of ||M_full - base|| ~ {norm})")
+        if "blockwise" in b:  # plans stored before the blockwise bound existed lack it
+            lines.append(f"  tighter    ||M_full - M_A|| <= {b['blockwise']:.6g}  (relative "
+                         f"{b['blockwise_relative']:.3e}; blocks at different positions are disjoint)")
+    lines.append("  experts")
+    for e in p["experts"]:
+        eid = e["id"]
+        extra = f" density {e['density']:g}" if e.get("density") is not None else ""
+        weight = "per tensor" if e.get("weight") is None else f"{e['weight']:g}"
+        lines.append(f"    {eid:<20} weight {weight}{extra}  blocks {p['blocks_selected'][eid]}/"
+                     f"{p['blocks_candidate'][eid]}  read {human_bytes(p['expert_read_by_expert'][eid])}")
+        if e.get("analyze"):
+            lines.append(f"    {'':<20} {e['analyze']}: read in full and analyzed on the way")
+    lines.append("  tensors (blocks read per expert)")
+    tensors = sorted({t for ts in p["access"].values() for t in ts})
+    for t in tensors:
+        parts = []
+        for e in p["experts"]:
+            rs = p["access"][e["id"]].get(t, [])
+            if rs:
+                parts.append(f"{e['id']}:" + ",".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in rs))
+        lines.append(f"    {t:<48} {human_bytes(p['expert_read_by_tensor'].get(t, 0)):>12}  {' '.join(parts)}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Research helpers kept apart from the product: synthetic families, evaluation, the naive baseline."""

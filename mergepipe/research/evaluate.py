@@ -1,0 +1,328 @@
+"""Merge fidelity: how far a budgeted merge is from the full-budget merge, and what it can still do.
+
+Two kinds of measurement, both for any model directory (a registered checkpoint or a merge output):
+
+* **Weight space** (:func:`deviation`). For a budgeted merge ``M_A``, the full-budget merge ``M_full``
+  of the same operator and parameters, and the base ``B`` (all tensors as float32, flattened together
+  into one vector, non-float tensors ignored):
+
+  - ``relative``       = ||M_A - M_full||_2 / ||M_full||_2
+    The *relative l2 deviation* the MergePipe paper reports ("8.84e-4 at budget 0.5"): deviation of
+    the budgeted merge from the full-budget merge, relative to the size of the full-budget model.
+  - ``relative_delta`` = ||M_A - M_full||_2 / ||M_full - B||_2
+    The same deviation relative to the size of the merged *update*. This is what the planner's error
+    bound is expressed in (``plan["error_bound"]["relative"]``), and a much stricter scale: fine-tuning
+    deltas are small next to the weights.
+  - ``absolute``       = ||M_A - M_full||_2, comparable with ``plan["error_bound"]["absolute"]``.
+
+  :func:`bound_check` compares the realized absolute deviation with the plan's bound (additive
+  operators, invariant 3: realized <= bound).
+
+* **Behaviour** (:func:`accuracy`). Per-task exact-match accuracy and their mean, by greedy decoding
+  with the model. Tasks are passed in as ``{task name: [(prompt, answer), ...]}``, so the library does
+  not depend on any particular task suite. Models with a ``vocab.json`` whose tokens are single
+  characters plus ``<pad>``, ``<s>``, ``</s>`` use :class:`CharTokenizer` (the fidelity family in
+  ``benchmarks/fidelity`` does); other models use ``transformers.AutoTokenizer``.
+
+transformers is imported lazily (optional extra ``[eval]``).
+
+CLI::
+
+    python -m mergepipe.evaluate accuracy MODEL_DIR --tasks SUITE.jsonl [--json]
+    python -m mergepipe.evaluate deviation MODEL_DIR --reference FULL_DIR [--base BASE_DIR] [--json]
+
+``SUITE.jsonl`` holds one ``{"task": ..., "prompt": ..., "answer": ...}`` object per line
+(``python -m benchmarks.fidelity.tasks --write SUITE.jsonl`` writes the fidelity suite).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from mergepipe.errors import MergePipeError
+from mergepipe.storage.safetensors import FLOAT_DTYPES, open_checkpoint
+
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+
+
+# --- weight space -----------------------------------------------------------------------------------
+def load_tensors(model_dir) -> dict[str, torch.Tensor]:
+    """Every floating-point tensor of a checkpoint, as float32."""
+    ck = open_checkpoint(model_dir)
+    out = {}
+    for name, info in ck.tensors.items():
+        if info.dtype not in FLOAT_DTYPES:
+            continue
+        path = ck.root / info.file if ck.root.is_dir() else ck.root
+        with safe_open(str(path), framework="pt") as fh:
+            out[name] = fh.get_tensor(name).float()
+    return out
+
+
+def deviation(model_dir, reference_dir, base_dir=None) -> dict:
+    """||M - R||, ||M - R|| / ||R|| and (with a base) ||M - R|| / ||R - base|| over all float tensors.
+
+    Accumulated in float64, tensor by tensor; the two checkpoints must have the same tensor names."""
+    m, r = load_tensors(model_dir), load_tensors(reference_dir)
+    b = load_tensors(base_dir) if base_dir is not None else None
+    for other, label in ((r, reference_dir), (b, base_dir)):
+        if other is None:
+            continue
+        if set(m) != set(other):
+            raise MergePipeError(f"{model_dir} and {label} have different tensors: {sorted(set(m) ^ set(other))[:5]}")
+        bad = [n for n in m if m[n].shape != other[n].shape]
+        if bad:
+            raise MergePipeError(f"{model_dir} and {label} differ in shape: {bad[0]} {list(m[bad[0]].shape)} "
+                                 f"vs {list(other[bad[0]].shape)}")
+    diff2 = ref2 = upd2 = 0.0
+    per_tensor = {}
+    for name in sorted(r):
+        d = (m[name].double() - r[name].double())
+        dn = float((d * d).sum())
+        diff2 += dn
+        ref2 += float((r[name].double() ** 2).sum())
+        if b is not None:
+            upd2 += float(((r[name].double() - b[name].double()) ** 2).sum())
+        if dn > 0:
+            per_tensor[name] = math.sqrt(dn)
+    absolute = math.sqrt(diff2)
+    out = {"absolute": absolute, "reference_norm": math.sqrt(ref2),
+           "relative": absolute / math.sqrt(ref2) if ref2 > 0 else 0.0, "per_tensor": per_tensor}
+    if b is not None:
+        out["update_norm"] = math.sqrt(upd2)
+        out["relative_delta"] = absolute / math.sqrt(upd2) if upd2 > 0 else 0.0
+    return out
+
+
+def bound_check(plan, dev: dict, rtol: float = 1e-5) -> dict:
+    """Realized ||M_A - M_full|| against the plan's bound (additive operators); ``None`` when no bound.
+
+    ``holds`` allows float32 rounding of the written weights (``rtol`` of the reference norm)."""
+    bound = (plan["error_bound"] if not isinstance(plan, dict) else plan.get("error_bound"))
+    if not bound:
+        return None
+    slack = rtol * dev.get("reference_norm", 0.0)
+    return {"bound_absolute": bound["absolute"], "realized_absolute": dev["absolute"],
+            "bound_relative": bound["relative"], "realized_relative_delta": dev.get("relative_delta"),
+            "holds": dev["absolute"] <= bound["absolute"] + slack}
+
+
+# --- behaviour --------------------------------------------------------------------------------------
+class CharTokenizer:
+    """One token per character; ids from ``vocab.json`` (token -> id) with ``<pad>``, ``<s>``, ``</s>``."""
+
+    def __init__(self, tokens: list[str]):
+        self.tokens = list(tokens)
+        self.index = {t: i for i, t in enumerate(self.tokens)}
+        self.pad_id, self.bos_id, self.eos_id = self.index[PAD], self.index[BOS], self.index[EOS]
+
+    @classmethod
+    def from_dir(cls, model_dir) -> CharTokenizer:
+        table = json.loads((Path(model_dir) / "vocab.json").read_text())
+        tokens = [None] * len(table)
+        for t, i in table.items():
+            tokens[i] = t
+        return cls(tokens)
+
+    @staticmethod
+    def applies(model_dir) -> bool:
+        p = Path(model_dir) / "vocab.json"
+        if not p.exists():
+            return False
+        try:
+            table = json.loads(p.read_text())
+        except ValueError:
+            return False
+        return isinstance(table, dict) and {PAD, BOS, EOS} <= set(table) and all(
+            len(t) == 1 for t in table if t not in (PAD, BOS, EOS))
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = [self.index[c] for c in text]
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def decode(self, ids) -> str:
+        out = []
+        for i in ids:
+            i = int(i)
+            if i == self.eos_id:
+                break
+            if self.tokens[i] not in (PAD, BOS, EOS):
+                out.append(self.tokens[i])
+        return "".join(out)
+
+    def save(self, model_dir) -> None:
+        (Path(model_dir) / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(self.tokens)}))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class _HFTokenizer:
+    """Adapter so a transformers tokenizer looks like CharTokenizer to the decoding loop."""
+
+    def __init__(self, model_dir):
+        from transformers import AutoTokenizer
+        try:
+            self.tok = AutoTokenizer.from_pretrained(str(model_dir))
+        except (OSError, ValueError, KeyError, ImportError) as exc:
+            raise MergePipeError(f"{model_dir}: no usable tokenizer ({str(exc).strip().splitlines()[0]})") from None
+        self.bos_id, self.eos_id = self.tok.bos_token_id, self.tok.eos_token_id
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=False)
+        return ([self.bos_id] if bos and self.bos_id is not None else []) + ids + ([self.eos_id] if eos else [])
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in ids]
+        if self.eos_id in ids:
+            ids = ids[: ids.index(self.eos_id)]
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def load_tokenizer(model_dir):
+    return CharTokenizer.from_dir(model_dir) if CharTokenizer.applies(model_dir) else _HFTokenizer(model_dir)
+
+
+def load_model(model_dir):
+    """The model in float32, eval mode (transformers imported here, lazily)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    except (OSError, ValueError, KeyError) as exc:
+        raise MergePipeError(f"{model_dir}: cannot load as a causal LM ({str(exc).splitlines()[0]})") from None
+    model.eval()
+    return model
+
+
+@torch.no_grad()
+def greedy_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 256) -> list[str]:
+    """Greedy continuation of each prompt (``<s>`` + prompt), decoded up to ``</s>``.
+
+    Prompts are batched by token length, so no padding (and no position-id bookkeeping) is needed;
+    ``model.generate`` (greedy, KV cache) stops a batch once every sequence has produced ``</s>``."""
+    encoded = [tokenizer.encode(p, bos=True) for p in prompts]
+    by_len: dict[int, list[int]] = {}
+    for i, ids in enumerate(encoded):
+        by_len.setdefault(len(ids), []).append(i)
+    out: list[str] = [""] * len(prompts)
+    pad = getattr(tokenizer, "pad_id", None)
+    for n, members in sorted(by_len.items()):
+        for start in range(0, len(members), batch_size):
+            idx = members[start:start + batch_size]
+            seq = torch.tensor([encoded[i] for i in idx], dtype=torch.long)
+            gen = model.generate(seq, attention_mask=torch.ones_like(seq), max_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=tokenizer.eos_id,
+                                 pad_token_id=tokenizer.eos_id if pad is None else pad)
+            for row, i in enumerate(idx):
+                out[i] = tokenizer.decode(gen[row, n:].tolist())
+    return out
+
+
+def accuracy(model_or_dir, suite: dict[str, list[tuple[str, str]]], tokenizer=None, batch_size: int = 256,
+             return_outputs: bool = False) -> dict:
+    """Exact-match accuracy per task and their unweighted mean.
+
+    ``suite`` maps a task name to (prompt, answer) pairs. A prediction is correct when the greedy
+    continuation up to ``</s>`` equals the answer exactly; generation stops after the longest answer
+    + 1 tokens, so a model that never emits ``</s>`` is never counted correct."""
+    if isinstance(model_or_dir, (str, Path)):
+        tokenizer = tokenizer or load_tokenizer(model_or_dir)
+        model = load_model(model_or_dir)
+    else:
+        model = model_or_dir
+        if tokenizer is None:
+            raise ValueError("pass the tokenizer with a model object")
+    per_task, outputs = {}, {}
+    for name, pairs in suite.items():
+        if not pairs:
+            raise ValueError(f"task {name!r} has no examples")
+        prompts = [p for p, _ in pairs]
+        max_new = max(len(tokenizer.encode(a)) for _, a in pairs) + 1
+        got = greedy_answers(model, tokenizer, prompts, max_new, batch_size)
+        per_task[name] = sum(g == a for g, (_, a) in zip(got, pairs)) / len(pairs)
+        outputs[name] = got
+    res = {"per_task": per_task, "mean": sum(per_task.values()) / len(per_task)}
+    if return_outputs:
+        res["outputs"] = outputs
+    return res
+
+
+def read_suite(path) -> dict[str, list[tuple[str, str]]]:
+    suite: dict[str, list[tuple[str, str]]] = {}
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MergePipeError(f"{path}: cannot read the task suite ({exc.strerror if isinstance(exc, OSError) else exc})") from None
+    for i, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+                suite.setdefault(str(row["task"]), []).append((str(row["prompt"]), str(row["answer"])))
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise MergePipeError(f"{path}:{i}: expected a JSON object with task, prompt and answer ({exc})") from None
+    if not suite:
+        raise MergePipeError(f"{path}: the task suite is empty")
+    return suite
+
+
+def write_suite(suite: dict[str, list[tuple[str, str]]], path) -> None:
+    with open(path, "w") as fh:
+        for name, pairs in suite.items():
+            for p, a in pairs:
+                fh.write(json.dumps({"task": name, "prompt": p, "answer": a}) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mergepipe.evaluate", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("accuracy", help="per-task exact-match accuracy of a model directory")
+    a.add_argument("model_dir")
+    a.add_argument("--tasks", required=True, help="JSONL suite: {task, prompt, answer} per line")
+    a.add_argument("--json", action="store_true")
+    d = sub.add_parser("deviation", help="relative l2 deviation of a model from a reference model")
+    d.add_argument("model_dir")
+    d.add_argument("--reference", required=True, help="the full-budget merge")
+    d.add_argument("--base", help="the base model (adds the deviation relative to the merged update)")
+    d.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        return _run(args)
+    except MergePipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    if args.cmd == "accuracy":
+        res = accuracy(args.model_dir, read_suite(args.tasks))
+        if args.json:
+            print(json.dumps(res, indent=2))
+        else:
+            for name, acc in res["per_task"].items():
+                print(f"{name:<16} {acc:.3f}")
+            print(f"{'mean':<16} {res['mean']:.3f}")
+    else:
+        res = deviation(args.model_dir, args.reference, args.base)
+        res.pop("per_tensor")
+        if args.json:
+            print(json.dumps(res, indent=2))
+        else:
+            print(f"||M - R||            {res['absolute']:.6g}")
+            print(f"||M - R|| / ||R||     {res['relative']:.6e}  (relative l2 deviation)")
+            if "relative_delta" in res:
+                print(f"||M - R|| / ||R - B|| {res['relative_delta']:.6e}  (relative to the merged update)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

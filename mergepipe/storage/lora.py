@@ -1,0 +1,143 @@
+"""PEFT LoRA adapters: parse and validate an adapter directory without reading tensor data.
+
+A PEFT LoRA adapter directory holds ``adapter_config.json`` and ``adapter_model.safetensors`` with,
+per targeted linear module, ``<prefix>.<module>.lora_A.weight`` (r x in) and ``.lora_B.weight``
+(out x r). The delta of the module's weight is ``scale * B @ A`` with ``scale = alpha / r`` (or
+``alpha / sqrt(r)`` with ``use_rslora``), ``r`` and ``alpha`` per module after ``rank_pattern`` /
+``alpha_pattern``, exactly as PEFT computes it in ``merge_and_unload``. Rows [r0, r1) of that delta
+need rows [r0, r1) of B and all of A, which is what lets a budgeted merge read adapter bytes only.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from mergepipe.errors import CatalogError
+from mergepipe.storage.safetensors import (
+    FLOAT_DTYPES, Checkpoint, TensorInfo, open_checkpoint, read_json_object,
+)
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# PEFT saves keys as base_model.model.<module>.lora_A.weight (the adapter name is dropped on save).
+KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
+
+
+@dataclass(frozen=True)
+class LoraPair:
+    """One targeted weight: base tensor ``target`` gets delta ``scale * B @ A``."""
+
+    target: str
+    a: TensorInfo
+    b: TensorInfo
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+
+@dataclass
+class LoraAdapter:
+    root: Path
+    checkpoint: Checkpoint
+    config: dict
+    pairs: dict[str, LoraPair]  # base tensor name -> pair
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    """PEFT's rank_pattern/alpha_pattern lookup: a key matches a module name ending in it."""
+    for key, value in (patterns or {}).items():
+        if re.fullmatch(rf"(.*\.)?{key}", module):
+            return value
+    return default
+
+
+def _config(root: Path) -> dict:
+    path = root / ADAPTER_CONFIG
+    if not path.is_file():
+        raise CatalogError(f"{root}: not a PEFT adapter directory (no {ADAPTER_CONFIG})")
+    config = read_json_object(path)
+    peft_type = str(config.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise CatalogError(f"{path}: peft_type {peft_type} is not supported (only LORA)")
+    for flag, why in (("use_dora", "DoRA adapters"), ("fan_in_fan_out", "fan_in_fan_out (Conv1D) adapters")):
+        if config.get(flag):
+            raise CatalogError(f"{path}: {why} are not supported ({flag} is true)")
+    for key in ("r", "lora_alpha"):
+        value = config.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise CatalogError(f"{path}: {key} must be a positive number (got {value!r})")
+    return config
+
+
+def open_adapter(uri: str | Path) -> LoraAdapter:
+    """Parse an adapter directory: its config and the header of its weights file."""
+    root = Path(uri).expanduser()
+    if not root.is_dir():
+        raise CatalogError(f"{root}: a LoRA adapter must be a directory with {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
+    config = _config(root)
+    weights = root / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        other = " (found adapter_model.bin: save the adapter with safe_serialization=True)" \
+            if (root / "adapter_model.bin").exists() else ""
+        raise CatalogError(f"{root}: no {ADAPTER_WEIGHTS}{other}")
+    ckpt = open_checkpoint(weights)
+    ckpt.root = root  # files are named relative to the adapter directory
+    ckpt.config = config
+    halves: dict[str, dict[str, TensorInfo]] = {}
+    unsupported = []
+    for name, info in ckpt.tensors.items():
+        m = KEY.match(name)
+        if not m:
+            unsupported.append(name)
+            continue
+        halves.setdefault(m["module"], {})[m["ab"]] = info
+    if unsupported:
+        shown = ", ".join(sorted(unsupported)[:5]) + (f" and {len(unsupported) - 5} more" if len(unsupported) > 5 else "")
+        raise CatalogError(f"{weights}: unsupported tensors (only lora_A/lora_B of linear layers; "
+                           f"modules_to_save, embedding LoRA and DoRA are not supported): {shown}")
+    rslora = bool(config.get("use_rslora"))
+    pairs = {}
+    for module, ab in sorted(halves.items()):
+        if set(ab) != {"A", "B"}:
+            missing = ({"A", "B"} - set(ab)).pop()
+            raise CatalogError(f"{weights}: {module} has no lora_{missing} weight")
+        a, b = ab["A"], ab["B"]
+        for t in (a, b):
+            if t.dtype not in FLOAT_DTYPES or len(t.shape) != 2:
+                raise CatalogError(f"{weights}: {t.name} must be a 2-D float tensor (is {t.dtype} {list(t.shape)})")
+        if a.shape[0] != b.shape[1]:
+            raise CatalogError(f"{weights}: {module}: lora_A is {list(a.shape)} but lora_B is {list(b.shape)} "
+                               f"(ranks differ)")
+        r = a.shape[0]
+        r_config = _pattern_value(config.get("rank_pattern"), module, config["r"])
+        if r_config != r:
+            raise CatalogError(f"{weights}: {module} has rank {r} but the config says r={r_config}")
+        alpha = _pattern_value(config.get("alpha_pattern"), module, config["lora_alpha"])
+        scale = alpha / math.sqrt(r) if rslora else alpha / r
+        target = module + ".weight"
+        pairs[target] = LoraPair(target, a, b, float(scale))
+    if not pairs:
+        raise CatalogError(f"{weights}: the adapter holds no LoRA weights")
+    return LoraAdapter(root, ckpt, config, pairs)
+
+
+def base_mismatches(adapter: LoraAdapter, base: Checkpoint, limit: int = 20) -> list[str]:
+    """Targets the base does not have, or whose shape does not match B @ A."""
+    problems = []
+    for target, pair in adapter.pairs.items():
+        info = base.tensors.get(target)
+        if info is None:
+            problems.append(f"targets {target}, which the base does not have")
+        elif len(info.shape) != 2 or tuple(info.shape) != (pair.b.shape[0], pair.a.shape[1]):
+            problems.append(f"{target}: B @ A is {[pair.b.shape[0], pair.a.shape[1]]} but the base tensor is "
+                            f"{list(info.shape)}")
+        elif info.dtype not in FLOAT_DTYPES:
+            problems.append(f"{target}: base tensor is {info.dtype}, not a float type")
+    if len(problems) > limit:
+        problems = problems[:limit] + [f"... and {len(problems) - limit} more"]
+    return problems

@@ -1,0 +1,99 @@
+"""Output shards: the layout of the merged checkpoint (shards of at most a given size, headers built up
+front), a writer that fills a pre-sized shard with positioned writes in order while hashing it, and the
+files that complete a snapshot (the shard index, the base's config and tokenizer files)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from mergepipe.errors import ExecutionError
+from mergepipe.storage.safetensors import INDEX_NAME, Checkpoint, TensorInfo
+
+COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                "chat_template.jinja")
+
+
+@dataclass
+class OutShard:
+    fname: str
+    header: bytes
+    offsets: dict[str, int]  # tensor -> absolute offset of its data in the file
+    size: int
+
+
+def plan_shards(tensors: list[TensorInfo], shard_bytes: int) -> list[OutShard]:
+    """Split tensors (in order) into shards of at most ``shard_bytes`` of data; build each header."""
+    groups: list[list[TensorInfo]] = [[]]
+    size = 0
+    for t in tensors:
+        if groups[-1] and size + t.nbytes > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.nbytes
+    shards = []
+    for i, group in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" if len(groups) > 1 else "model.safetensors"
+        header: dict = {"__metadata__": {"format": "pt"}}
+        pos = 0
+        rel = {}
+        for t in group:
+            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
+            rel[t.name] = pos
+            pos += t.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        start = 8 + len(raw)
+        shards.append(OutShard(fname, len(raw).to_bytes(8, "little") + raw,
+                               {n: start + r for n, r in rel.items()}, start + pos))
+    return shards
+
+
+class ShardWriter:
+    """Pre-sized output file written with positioned writes, hashed in write order."""
+
+    def __init__(self, directory: Path, shard: OutShard):
+        import hashlib
+        self.shard = shard
+        self.path = directory / shard.fname
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.ftruncate(self.fd, shard.size)
+        self.hash = hashlib.sha256()
+        self.pos = 0
+        self.write(0, shard.header)
+
+    def write(self, offset: int, data) -> None:
+        if offset != self.pos:
+            raise ExecutionError(f"{self.path.name}: out-of-order write at {offset} (expected {self.pos})")
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], offset + done)
+        self.hash.update(view)
+        self.pos += len(view)
+
+    def close(self) -> dict:
+        if self.pos != self.shard.size:
+            raise ExecutionError(f"{self.path.name}: wrote {self.pos} of {self.shard.size} bytes")
+        os.fsync(self.fd)
+        os.close(self.fd)
+        return {"sha256": "sha256:" + self.hash.hexdigest(), "bytes": self.pos}
+
+
+
+def finish_files(base_ck: Checkpoint, staging: Path, shards: list[OutShard]) -> None:
+    """Write the index of a sharded output and copy the base's config and tokenizer files."""
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(s.size - len(s.header) for s in shards)},
+                 "weight_map": {n: s.fname for s in shards for n in s.offsets}}
+        (staging / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
+    if base_ck.root.is_dir():
+        for name in COPIED_FILES:
+            src = base_ck.root / name
+            if src.is_file():
+                shutil.copyfile(src, staging / name)

@@ -1,0 +1,323 @@
+"""End-to-end: the dashboard in a real browser (Debian chromium driven by Playwright).
+
+Starts the app through mergepipe.dashboard.server.run_dashboard on 127.0.0.1 with a free port and a fresh
+catalog, then: registers and analyzes a generated family on the Models page (and registers a PEFT LoRA
+adapter, refused without a base), moves the budget slider
+on the Plan page and sees the estimated expert I/O and the access mask change, loads a mergekit YAML
+that sets the operator, experts, weights and density, saves the plan, launches
+the merge on the Run page and watches it complete, finds the snapshot in Snapshots and in Lineage and
+opens its manifest. A screenshot of each page goes to test-artifacts/ (and to assets/, shown by the docs, when
+MERGEPIPE_UPDATE_SCREENSHOTS=1).
+Nothing is installed at run time: chromium comes from apt, playwright from PyPI (never
+`playwright install`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from dashboard_helpers import REPO, free_port, wait_for_health
+from mergepipe.catalog.db import Catalog
+from mergepipe.dashboard.server import run_dashboard
+from mergepipe.research.family import make_family
+
+pytestmark = pytest.mark.e2e
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+IDLE = "[data-testid='stApp'][data-test-script-state='notRunning']"
+ASSETS = REPO / "assets"
+ARTIFACTS = REPO / "test-artifacts"
+EXPERTS = ("expert_1", "expert_2", "expert_3")
+
+import playwright.sync_api as playwright_sync  # noqa: E402  (installed by scripts/setup.sh: the [test] extra)
+
+if not Path(CHROMIUM).exists():  # a missing browser fails the suite: the e2e test is never skipped
+    pytest.fail(f"{CHROMIUM} is missing: run scripts/setup.sh (apt-get install -y chromium)", pytrace=False)
+expect = playwright_sync.expect
+expect.set_options(timeout=20_000)  # a loaded 2-core machine: page reruns can take seconds
+
+
+@pytest.fixture
+def server(tmp_path):
+    fam = tmp_path / "family"
+    make_family(fam, experts=len(EXPERTS), size="tiny", dtype="fp32")
+    db = tmp_path / "catalog.sqlite"
+    port = free_port()
+    log = open(tmp_path / "server.log", "wb")
+    # what `mergepipe dashboard` runs, minus the wait
+    proc = run_dashboard(db, port=port, allowed_roots=[tmp_path], wait=False, stdout=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_health(url, timeout=90, proc=proc)
+        yield {"url": url, "db": db, "family": fam, "tmp": tmp_path, "proc": proc}
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+
+
+@pytest.fixture
+def page(tmp_path):
+    with playwright_sync.sync_playwright() as p:
+        ctx = p.chromium.launch_persistent_context(str(tmp_path / "chromium-profile"), executable_path=CHROMIUM,
+                                                   headless=True, args=CHROMIUM_ARGS,
+                                                   viewport={"width": 1400, "height": 1000})
+        ctx.set_default_timeout(30_000)
+        pg = ctx.pages[0] if ctx.pages else ctx.new_page()
+        try:
+            yield pg
+        finally:
+            ctx.close()
+
+
+# --- helpers ----------------------------------------------------------------------------------------------
+def idle(page, timeout=60_000):
+    page.wait_for_selector(IDLE, timeout=timeout)
+
+
+def nav(page, title: str, heading: str | None = None):
+    page.locator("[data-testid='stSidebarNav'] a", has_text=title).first.click()
+    expect(page.locator("h1", has_text=heading or title)).to_be_visible()
+    idle(page)
+
+
+def shot(page, name: str):
+    idle(page)
+    page.wait_for_timeout(400)  # let charts finish drawing
+    ARTIFACTS.mkdir(exist_ok=True)
+    path = ARTIFACTS / f"dashboard-{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    if os.environ.get("MERGEPIPE_UPDATE_SCREENSHOTS"):  # refresh the README's screenshots on request only
+        shutil.copyfile(path, ASSETS / f"dashboard-{name}.png")
+
+
+def no_exception(page):
+    assert page.locator("[data-testid='stException']").count() == 0
+
+
+def choose(page, label: str, option: str):
+    """Pick an option of a selectbox by typing it into its combobox and pressing Enter."""
+    box = page.get_by_role("combobox", name=label)
+    box.click()
+    box.fill(option)
+    page.get_by_role("option", name=option, exact=True).click()
+    idle(page)
+
+
+def metric(page, label: str) -> str:
+    return page.locator("[data-testid='stMetric']", has_text=label).locator("[data-testid='stMetricValue']").inner_text()
+
+
+MASK_COUNT = """() => {
+    // the Plan page's only heatmap (Streamlit draws chart titles itself, outside the Plotly layout)
+    const el = [...document.querySelectorAll('.js-plotly-plot')]
+        .find(e => e._fullData && e._fullData.length && e._fullData[0].type === 'heatmap');
+    if (!el || !el._fullData || !el._fullData.length) return null;
+    let n = 0;
+    for (const row of el._fullData[0].z) for (const v of row) if (v === 1) n++;
+    return String(n);
+}"""
+
+
+def mask_selected(page) -> int:
+    """Blocks selected in the drawn access-mask heatmap; waits until it agrees with the caption's count."""
+    caption = page.locator("[data-testid='stCaptionContainer']", has_text="mask:").inner_text()
+    want = int(re.search(r"mask: (\d+) of", caption).group(1))
+    page.wait_for_function(f"() => ({MASK_COUNT})() === '{want}'", timeout=15_000)
+    return want
+
+
+def register(page, path: Path, model_id: str, base: str | None, kind: str | None = None):
+    page.get_by_role("textbox", name="Checkpoint path (directory or .safetensors file)").fill(str(path))
+    page.get_by_role("textbox", name="Model id (default: the folder's name)").fill(model_id)
+    if base:
+        choose(page, "Base", base)
+    if kind:
+        choose(page, "Kind", kind)
+    page.get_by_role("button", name="Register").click()
+    expect(page.get_by_text(f"registered: {model_id}")).to_be_visible()
+    idle(page)
+
+
+def write_lora_adapter(base_dir: Path, out: Path, r: int = 4) -> None:
+    """A PEFT-format LoRA adapter on q_proj/v_proj of a generated family's base."""
+    import torch
+    from safetensors.torch import save_file
+    from mergepipe.storage.safetensors import open_checkpoint
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for name, info in open_checkpoint(base_dir).tensors.items():
+        if name.endswith(("q_proj.weight", "v_proj.weight")):
+            module = name.removesuffix(".weight")
+            tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(r, info.shape[1], generator=gen)
+            tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(info.shape[0], r, generator=gen) * 0.01
+    out.mkdir()
+    save_file(tensors, out / "adapter_model.safetensors")
+    (out / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": 8,
+                                                         "target_modules": ["q_proj", "v_proj"]}))
+
+
+def test_dashboard_end_to_end(server, page):
+    t0 = time.monotonic()
+    page.goto(server["url"] + "/")
+    expect(page.locator("h1", has_text="MergePipe")).to_be_visible(timeout=60_000)
+    expect(page.get_by_text("The catalog is empty")).to_be_visible()
+
+    # --- Models: register base + experts, a refused path, then ANALYZE with live progress ---------------
+    nav(page, "Models")
+    page.get_by_role("textbox", name="Checkpoint path (directory or .safetensors file)").fill("/etc")
+    page.get_by_role("button", name="Register").click()
+    expect(page.get_by_text("is outside the allowed folders")).to_be_visible()
+    no_exception(page)
+    fam = server["family"]
+    register(page, fam / "base", "base", None)
+    for e in EXPERTS:
+        register(page, fam / e, e, "base")
+    expect(page.get_by_text("Not analyzed yet: expert_1, expert_2, expert_3")).to_be_visible()
+    kib = page.get_by_role("spinbutton", name="Block size (KiB)")
+    kib.fill("4")
+    kib.press("Enter")
+    idle(page)
+    page.get_by_role("button", name="Analyze", exact=True).click()
+    expect(page.get_by_text(re.compile(r"run \d+ succeeded: analyze expert_1,expert_2,expert_3: 100%"))).to_be_visible(
+        timeout=90_000)
+    idle(page)
+    expect(page.get_by_text("Not analyzed yet")).to_have_count(0)
+    cat = Catalog(server["db"])
+    assert all(cat.is_analyzed(e) for e in EXPERTS) and cat.grid_block_bytes("base") == 4096
+    shot(page, "models")
+    # a PEFT LoRA adapter: refused without a base, registered with one
+    write_lora_adapter(fam / "base", server["tmp"] / "adapter")
+    register_form = page.get_by_role("textbox", name="Checkpoint path (directory or .safetensors file)")
+    register_form.fill(str(server["tmp"] / "adapter"))
+    page.get_by_role("textbox", name="Model id (default: the folder's name)").fill("chat-lora")
+    choose(page, "Base", "(none: this is a base model)")
+    choose(page, "Kind", "lora")
+    page.get_by_role("button", name="Register").click()
+    expect(page.get_by_text("needs a base")).to_be_visible()
+    register(page, server["tmp"] / "adapter", "chat-lora", "base", "lora")
+    assert cat.model("chat-lora")["kind"] == "lora"
+    expect(page.get_by_text("Not analyzed yet: chat-lora")).to_be_visible()
+    no_exception(page)
+
+    # --- Catalog: the heatmap, and a click on a layer cell drills down to its blocks ---------------------
+    nav(page, "Catalog")
+    expect(page.locator(".js-plotly-plot")).to_have_count(1)
+    shot(page, "catalog")
+    x, y = page.evaluate("""() => {
+        const el = document.querySelector('.js-plotly-plot');
+        const L = el._fullLayout, r = el.getBoundingClientRect();
+        return [r.left + L.xaxis._offset + L.xaxis.l2p(1), r.top + L.yaxis._offset + L.yaxis.l2p(2)];
+    }""")  # the cell (layer 1, expert_2)
+    page.mouse.click(x, y)
+    expect(page.get_by_role("combobox", name="Layer")).to_have_value("layer 1")
+    idle(page)
+    expect(page.get_by_text("||delta||_2 per block of layer 1")).to_be_visible()
+    no_exception(page)
+
+    # --- Plan: move the budget slider; the estimated expert I/O and the mask follow ----------------------
+    nav(page, "Plan")
+    caption = page.locator("[data-testid='stCaptionContainer']", has_text="mask:")
+    expect(caption).to_be_visible()
+    before_read, before_mask = metric(page, "Estimated expert read"), mask_selected(page)
+    slider = page.locator("[data-testid='stSlider'] input[type='range']")
+    expect(slider).to_have_value("25")
+    slider.focus()
+    for _ in range(10):
+        slider.press("ArrowRight")
+    expect(slider).to_have_value("35")
+    idle(page)
+    expect(caption).to_contain_text("(35%)")
+    after_read, after_mask = metric(page, "Estimated expert read"), mask_selected(page)
+    assert after_read != before_read and after_mask > before_mask, (before_read, after_read, before_mask, after_mask)
+    slider.focus()
+    slider.press("ArrowLeft")
+    expect(slider).to_have_value("34")
+    idle(page)
+    expect(caption).to_contain_text("(34%)")
+    assert mask_selected(page) <= after_mask
+    assert "budget=34" in page.url  # the settings are in the URL
+    no_exception(page)
+    shot(page, "plan")
+    # load a mergekit YAML: the settings follow it
+    page.get_by_text("Load a mergekit YAML").click()
+    yml = server["tmp"] / "merge.yml"
+    yml.write_text("merge_method: ties\nbase_model: base\nmodels:\n  - model: expert_1\n"
+                   "    parameters: {weight: 0.5}\n  - model: expert_2\n    parameters: {weight: 1.5}\n"
+                   "parameters: {density: 0.4}\n")
+    page.locator("[data-testid='stFileUploaderDropzoneInput']").set_input_files(str(yml))
+    idle(page)
+    page.get_by_role("button", name="Load settings").click()
+    expect(page.get_by_text("Loaded merge.yml: ties of expert_1, expert_2 on base.")).to_be_visible()
+    idle(page)
+    expect(page.get_by_role("combobox", name="Operator")).to_have_value("ties")
+    expect(page.get_by_role("spinbutton", name="Density")).to_have_value("0.40")
+    mask_selected(page)
+    no_exception(page)
+    page.get_by_role("button", name="Save plan").click()
+    expect(page.get_by_text(re.compile(r"Saved plan-[0-9a-f]{16}\."))).to_be_visible()
+    plan_id = re.search(r"plan-[0-9a-f]{16}", page.get_by_text(re.compile(r"Saved plan-")).inner_text()).group(0)
+    assert cat.query("SELECT budget_bytes FROM plans WHERE id = ?", [plan_id])
+    saved = json.loads(cat.query("SELECT json FROM plans WHERE id = ?", [plan_id])[0]["json"])
+    assert saved["operator"] == "ties" and [(e["id"], e["weight"], e["density"]) for e in saved["experts"]] == [
+        ("expert_1", 0.5, 0.4), ("expert_2", 1.5, 0.4)]
+
+    # --- Run: launch the saved plan as a separate process and watch it complete --------------------------
+    nav(page, "Run")
+    expect(page.get_by_role("combobox", name="Saved plan")).to_have_value(re.compile(plan_id))
+    page.get_by_role("textbox", name="Model id of the merged model").fill("merged-e2e")
+    page.get_by_role("textbox", name="Model id of the merged model").press("Enter")
+    idle(page)
+    page.get_by_role("button", name="Launch merge").click()
+    expect(page.get_by_text(re.compile(r"Published snap-[0-9a-f]+ as model merged-e2e"))).to_be_visible(timeout=90_000)
+    expect(page.get_by_role("combobox", name="Run")).to_have_value(re.compile(r"run \d+ · merged-e2e"))
+    expect(page.locator("[data-testid='stMetric']", has_text="Status")).to_contain_text("succeeded")
+    idle(page)
+    snap = re.search(r"snap-[0-9a-f]+", page.get_by_text(re.compile("Published snap-")).inner_text()).group(0)
+    row = cat.query("SELECT status, snapshot_id FROM runs WHERE kind = 'merge'")[0]
+    assert row == {"status": "succeeded", "snapshot_id": snap}
+    shot(page, "run")
+
+    # --- Snapshots: the snapshot, its manifest, verify -------------------------------------------------------
+    nav(page, "Snapshots")
+    expect(page.get_by_role("combobox", name="Snapshot")).to_have_value(re.compile(snap))
+    page.get_by_role("button", name="Verify").click()
+    expect(page.get_by_text(f"OK: {snap}")).to_be_visible()
+    shot(page, "snapshots")
+
+    # --- Lineage: the merged node, then open its manifest -------------------------------------------------
+    nav(page, "Lineage")
+    expect(page.locator("[data-testid='stGraphVizChart'] svg")).to_contain_text("merged-e2e")
+    choose(page, "Node", "merged-e2e")
+    shot(page, "lineage")
+    page.get_by_role("button", name=f"Open the manifest of {snap}").click()
+    expect(page.locator("h1", has_text="Snapshots")).to_be_visible()
+    idle(page)
+    expect(page.get_by_role("combobox", name="Snapshot")).to_have_value(re.compile(snap))
+    page.get_by_text("Raw manifest (JSON)").click()
+    manifest = json.loads(cat.query("SELECT json FROM manifests WHERE snapshot_id = ?", [snap])[0]["json"])
+    expect(page.locator("[data-testid='stJson']")).to_contain_text(manifest["manifest_hash"])
+    no_exception(page)
+
+    # --- Home: totals and the last runs ---------------------------------------------------------------------
+    nav(page, "Home", "MergePipe")
+    assert metric(page, "Snapshots") == "1" and metric(page, "Experts analyzed") == "3"
+    shot(page, "home")
+    cat.close()
+    assert time.monotonic() - t0 < 180

@@ -1,0 +1,73 @@
+"""The package layout keeps its shape: import-linter's contracts (pyproject.toml) hold, every SQL
+statement lives in mergepipe/catalog/, and app.py imports only the dashboard's public doors."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "mergepipe"
+
+# SQL keywords followed by a space, sqlite_utils table access, and execute() on a connection or with a
+# statement literal. (Engine(...).execute(plan, ...) runs a merge, not SQL, and is not matched.)
+SQL = re.compile(r"\b(SELECT|INSERT|UPDATE|DELETE) |\.db\[|\bconn\.execute\(|\.execute\(\s*f?[\"']")
+
+
+def _lint_imports() -> list[str]:
+    exe = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
+    if not Path(exe).exists():
+        pytest.fail("lint-imports is not installed (pip install -e '.[test]')")
+    return [exe]
+
+
+def test_import_contracts_kept():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    res = subprocess.run([*_lint_imports(), "--no-cache"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    kept = re.search(r"Contracts: (\d+) kept, (\d+) broken", out)
+    assert kept, out
+    assert int(kept.group(1)) >= 5 and kept.group(2) == "0", out
+    assert " BROKEN" not in out
+
+
+def test_sql_only_in_catalog():
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if (PACKAGE / "catalog") in path.parents:
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if SQL.search(line):
+                offenders.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not offenders, "SQL outside mergepipe/catalog/:\n" + "\n".join(offenders)
+
+
+ALLOWED = ("mergepipe.api", "mergepipe.dashboard", "mergepipe.errors")
+
+
+def _mergepipe_imports(path: Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "mergepipe":
+            if node.module == "mergepipe":
+                names += [f"mergepipe.{a.name}" for a in node.names]
+            else:
+                names.append(node.module)
+        elif isinstance(node, ast.Import):
+            names += [a.name for a in node.names if a.name.split(".")[0] == "mergepipe"]
+    return names
+
+
+@pytest.mark.parametrize("path", [ROOT / "app.py", *sorted((ROOT / "pages").glob("*.py"))], ids=lambda p: p.name)
+def test_app_and_pages_use_only_the_public_doors(path):
+    bad = [m for m in _mergepipe_imports(path) if not any(m == a or m.startswith(a + ".") for a in ALLOWED)]
+    assert not bad, f"{path.name} imports {bad}"
