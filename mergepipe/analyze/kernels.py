@@ -60,10 +60,12 @@ def _delta(e, b, i):
 
 
 @njit(**_C)
-def block_stats(e, b, hist):
+def block_stats(e, b, hist, keys, pos):
     """(sum d^2, sum |d|, max |d|, non-zeros, entries whose low 16 bits are not all zero) of one
     block's delta; counts the top 16 bits of each |d| (its float32 pattern) in ``hist`` [4, 65536]
-    (lane i % 4; zeros land in bin 0).
+    (lane i % 4; zeros land in bin 0). While ``keys`` has room, the float32 pattern of every |d| whose
+    low 16 bits are not all zero is appended at ``pos`` (returned advanced; fewer than the count of
+    such entries when room ran out), so that the radix select needs no second pass over the tensor.
 
     Unrolled by four with independent float64 sums and four histogram lanes: the latency of a
     running sum and of back-to-back increments of one hot bin (quantised bf16 deltas fill few
@@ -90,7 +92,13 @@ def block_stats(e, b, hist):
         a3 += x3
         mx = max(mx, max(max(x0, x1), max(x2, x3)))
         nnz += _count(x0, hist, 0) + _count(x1, hist, 1) + _count(x2, hist, 2) + _count(x3, hist, 3)
-        low += _low(x0) + _low(x1) + _low(x2) + _low(x3)
+        l0, l1, l2, l3 = _low(x0), _low(x1), _low(x2), _low(x3)
+        if l0 | l1 | l2 | l3:
+            pos = _keep(keys, pos, x0, l0)
+            pos = _keep(keys, pos, x1, l1)
+            pos = _keep(keys, pos, x2, l2)
+            pos = _keep(keys, pos, x3, l3)
+        low += l0 + l1 + l2 + l3
     for i in range(n - n % 4, n):
         d0 = _delta(e, b, i)
         x0 = abs(d0)
@@ -98,8 +106,18 @@ def block_stats(e, b, hist):
         a0 += x0
         mx = max(mx, x0)
         nnz += _count(x0, hist, 0)
-        low += _low(x0)
-    return (s0 + s1) + (s2 + s3), (a0 + a1) + (a2 + a3), mx, nnz, low
+        l0 = _low(x0)
+        pos = _keep(keys, pos, x0, l0)
+        low += l0
+    return (s0 + s1) + (s2 + s3), (a0 + a1) + (a2 + a3), mx, nnz, low, pos
+
+
+@njit(inline="always", **_C)
+def _keep(keys, pos, x, low):
+    if low and pos < keys.size:
+        keys[pos] = np.float32(x).view(np.uint32)
+        return pos + 1
+    return pos
 
 
 @njit(inline="always", **_C)
@@ -111,7 +129,18 @@ def _count(x, hist, lane):
 
 @njit(inline="always", **_C)
 def _low(x):
-    return (np.float32(x).view(np.uint32) & np.uint32(0xFFFF)) != 0
+    return np.int64((np.float32(x).view(np.uint32) & np.uint32(0xFFFF)) != 0)
+
+
+@njit(**_C)
+def collect_low_patterns(e, b, keys, pos):
+    """block_stats' key collection alone: the |d| patterns with non-zero low 16 bits, from ``pos``."""
+    for i in range(e.size):
+        bits = np.float32(abs(_delta(e, b, i))).view(np.uint32)
+        if bits & np.uint32(0xFFFF):
+            keys[pos] = bits
+            pos += 1
+    return pos
 
 
 @njit(**_C)

@@ -40,6 +40,9 @@ from mergepipe.storage.sources import open_source
 # Top-k fractions with stored thresholds: every percent, plus two below 1 %.
 DEFAULT_DENSITIES = (0.001, 0.005) + tuple(round(i / 100, 2) for i in range(1, 100))
 IN_MEMORY_TENSOR_BYTES = 64 << 20
+KEY_CAP = 4 << 20  # most |d| patterns kept per (expert, tensor) for the select (16 MiB)
+_NO_KEYS = np.empty(0, dtype=np.uint32)  # the first pass ran out of room: the select reads again
+PREFETCH_BLOCKS = 8  # blocks read ahead of the one being analyzed, per file
 KEEP_TASK_BYTES = 512 << 20  # base and expert bytes of one tensor kept for the second pass, all experts
 # numpy views of raw bytes the kernels accept (bf16 and fp16 need distinct 16-bit types)
 RAW_VIEW = {"BF16": np.uint16, "F16": np.int16, "F32": np.float32, "F64": np.float64}
@@ -163,6 +166,18 @@ def analyze_tensor(jobs: list[ExpertAnalysis], binfo: TensorInfo) -> None:
                   (time.perf_counter() - t0) / len(jobs))
 
 
+def _prefetch(base_reader: RangeReader | None, passes: list["_TensorPass"], binfo: TensorInfo,
+              span: BlockSpan) -> None:
+    """Start reading a block that comes PREFETCH_BLOCKS later, in every file: a task then finds its
+    blocks in the page cache instead of waiting for each 1 MiB read in turn."""
+    if base_reader is not None:
+        base_reader.prefetch(binfo.file, binfo.offset + span.rel_offset, span.nbytes)
+    for p in passes:
+        if p.source.kind != "lora":
+            (rng,) = p.source.block_ranges(binfo.name, span)
+            p.job.re.prefetch(*rng)
+
+
 def _first_pass(passes: list["_TensorPass"], binfo: TensorInfo) -> None:
     spans = passes[0].spans
     needs_base = any(p.source.needs_base for p in passes)
@@ -171,7 +186,9 @@ def _first_pass(passes: list["_TensorPass"], binfo: TensorInfo) -> None:
     keep = binfo.numel * 4 <= IN_MEMORY_TENSOR_BYTES and sum(per_span) <= KEEP_TASK_BYTES
     arena = _Arena(sum(per_span) if keep else max(per_span))
     with RangeReader(passes[0].job.base_ck, sequential=True) as base_reader:
-        for span in spans:
+        for i, span in enumerate(spans):
+            for ahead in spans[i + PREFETCH_BLOCKS:i + PREFETCH_BLOCKS + 1] if i else spans[:PREFETCH_BLOCKS + 1]:
+                _prefetch(base_reader if needs_base else None, passes, binfo, ahead)
             if not keep:
                 arena.pos = 0
             base = None
@@ -197,6 +214,21 @@ class _TensorPass:
         self.cached: list[tuple] = []  # (expert, base) arrays of every block, when the tensor is kept
         self.l2sq = self.l1 = self.mx = 0.0
         self.nnz = self.nonzero_low = 0
+        # |d| bit patterns with non-zero low 16 bits, collected by the first pass up to a cap
+        self.keys, self.nkeys = np.empty(0, dtype=np.uint32), 0
+        self.key_cap = min(binfo.numel, KEY_CAP)
+
+    def _collect_rest(self, e, b, before: int, low: int) -> None:
+        """The key buffer was too small for this block: grow it (doubling, up to the cap) and collect
+        the block's keys again; past the cap, give up on keys (the select then reads a second time)."""
+        need = before + low
+        if self.keys is _NO_KEYS or need > self.key_cap:
+            self.keys, self.nkeys = _NO_KEYS, 0
+            return
+        grown = np.empty(min(self.key_cap, max(2 * self.keys.size, need, 1 << 16)), dtype=np.uint32)
+        grown[:before] = self.keys[:before]
+        self.keys = grown
+        self.nkeys = kernels.collect_low_patterns(e, b, self.keys, before)
 
     def expert_bytes(self, span: BlockSpan) -> int:
         return 0 if self.source.kind == "lora" else self.source.block_ranges(self.binfo.name, span)[0][2]
@@ -224,7 +256,10 @@ class _TensorPass:
         b = base if self.source.needs_base else None
         if b is not None:
             self.job.base_read += b.nbytes
-        s2, s1, m, n, low = kernels.block_stats(e, b, self.hist)
+        before = self.nkeys
+        s2, s1, m, n, low, self.nkeys = kernels.block_stats(e, b, self.hist, self.keys, before)
+        if self.nkeys - before < low:
+            self._collect_rest(e, b, before, low)
         m = float(m)
         positions = sample_positions(e.size, self.job.sketch_size).numpy()
         (rng,) = self.source.block_ranges(self.binfo.name, span)
@@ -249,7 +284,7 @@ class _TensorPass:
                  "delta_l1": self.l1, "delta_max_abs": self.mx, "delta_nnz": self.nnz,
                  "thresholds": json.dumps({str(k): v for k, v in thresholds.items()}),
                  "fixed_bytes": self.fixed_bytes if self.nnz else 0}
-        self.cached = []
+        self.cached, self.keys = [], _NO_KEYS
         return self.rows, stats
 
     def select(self, bins: list[int]):
@@ -260,6 +295,12 @@ class _TensorPass:
         have low bits set, only those are collected; otherwise every entry of the bins is counted."""
         slot_of = np.full(1 << 16, len(bins), dtype=np.int32)  # unselected bins map past the last slot
         slot_of[np.array(bins)] = np.arange(len(bins), dtype=np.int32)
+        if self.keys is not _NO_KEYS:  # all collected by the first pass
+            bits = self.keys[:self.nkeys]
+            slots = slot_of[bits >> 16]
+            chosen = slots < len(bins)
+            keys = (slots[chosen].astype(np.int64) << 16) | (bits[chosen] & 0xFFFF).astype(np.int64)
+            return KeySelection(np.sort(keys))
         blocks = self.cached if self.keep else (self.reread(s) for s in self.spans)
         if self.nonzero_low * 8 < self.binfo.numel:
             keys = np.empty(self.nonzero_low, dtype=np.int64)

@@ -70,6 +70,12 @@ class RangeReader:
             self._fds[fname] = fd
         return fd
 
+    def prefetch(self, fname: str, offset: int, nbytes: int) -> None:
+        """Ask the kernel to start reading a range that will be read soon (``POSIX_FADV_WILLNEED``,
+        asynchronous); nothing is counted until it is read."""
+        if nbytes > 0:
+            os.posix_fadvise(self._fd(fname), offset, nbytes, os.POSIX_FADV_WILLNEED)
+
     def read_into(self, fname: str, offset: int, buf) -> None:
         """Fill ``buf`` (a writable buffer) from ``fname`` at absolute ``offset``."""
         view = memoryview(buf).cast("B")
