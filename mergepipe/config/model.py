@@ -82,26 +82,35 @@ class MergekitConfig:
     seed: int | None = None
     plan_id: str | None = None  # informational (written by export)
 
-    def with_overrides(self, operator=None, weights=None, density=None, lam=None, normalize=None, rescale=None,
-                       gamma=None, epsilon=None, budget=None, target_bound=None, strategy=None,
-                       seed=None) -> MergekitConfig:
+    def with_overrides(self, operator=None, budget=None, target_bound=None, strategy=None, seed=None,
+                       **params) -> MergekitConfig:
         """The config with command-line settings replacing its own (None: keep the config's value).
 
+        ``params`` are operator parameters by their request keyword (ops/spec.py declarations:
+        ``weights``, ``density``, ``lam``, ``normalize``, ``rescale``, ``gamma``, ``epsilon``):
         ``density`` replaces every model's density; ``weights`` lists one weight per model in config
         order; a budget or target bound replaces both of the config's budget settings."""
         changes: dict = {}
         if operator is not None:
             changes["method"] = get_op(operator).name
+        unknown = sorted(set(params) - {p.key for p in PARAMS.values()})
+        if unknown:
+            raise ConfigError(f"unknown parameter {', '.join(unknown)}")
         models = list(self.models)
-        if weights is not None:
-            if len(weights) != len(models):
-                raise ConfigError(f"{len(weights)} weights given for the {len(models)} models of {self.source}")
-            models = [dataclasses.replace(m, weight=float(w)) for m, w in zip(models, weights)]
-        if density is not None:
-            models = [dataclasses.replace(m, density=float(density)) for m in models]
+        for p in PARAMS.values():
+            value = params.get(p.key)
+            if value is None:
+                continue
+            if p.name == "weight":
+                if len(value) != len(models):
+                    raise ConfigError(f"{len(value)} weights given for the {len(models)} models of {self.source}")
+                models = [dataclasses.replace(m, weight=float(w)) for m, w in zip(models, value)]
+            elif p.per_tensor:
+                models = [dataclasses.replace(m, **{p.name: float(value)}) for m in models]
+            else:
+                changes[p.key] = value
         changes["models"] = tuple(models)
-        for name, value in (("lam", lam), ("normalize", normalize), ("rescale", rescale), ("gamma", gamma),
-                            ("epsilon", epsilon), ("strategy", strategy), ("seed", seed)):
+        for name, value in (("strategy", strategy), ("seed", seed)):
             if value is not None:
                 changes[name] = value
         if budget is not None or target_bound is not None:

@@ -12,31 +12,15 @@ from pathlib import Path
 import pytest
 
 import mergepipe
-from merge_helpers import copy_catalog, shared_family
+from merge_helpers import copy_catalog, probe_cli, shared_family
 
 REPO = Path(mergepipe.__file__).resolve().parents[1]
-# Runs the CLI as `python -m mergepipe.cli` does, then reports whether torch got imported.
-PROBE = """
-import runpy, sys
-sys.argv = ["mergepipe", *sys.argv[1:]]
-code = 0
-try:
-    runpy.run_module("mergepipe.cli", run_name="__main__", alter_sys=True)
-except SystemExit as exc:
-    code = exc.code
-print("TORCH:" + str("torch" in sys.modules), file=sys.stderr)
-sys.exit(code)
-"""
 
 
 def probe(*args, cwd: Path) -> tuple[int, str, bool]:
-    env = {k: v for k, v in os.environ.items() if k != "MERGEPIPE_DB"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    p = subprocess.run([sys.executable, "-c", PROBE, *map(str, args)], capture_output=True, text=True,
-                       cwd=cwd, env=env, timeout=120)
-    last = p.stderr.splitlines()[-1]
-    assert last.startswith("TORCH:") and "Traceback" not in p.stderr, p.stderr
-    return p.returncode, p.stdout, last == "TORCH:True"
+    """(exit code, stdout, whether torch got imported) of one CLI command in a fresh interpreter."""
+    rc, out, heavy = probe_cli(*args, cwd=cwd, modules=("torch",))
+    return rc, out, heavy == ["torch"]
 
 
 @pytest.fixture(scope="module")

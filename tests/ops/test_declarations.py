@@ -102,3 +102,14 @@ def test_plan_page_widgets_come_from_the_declarations():
 def test_api_exposes_the_declarations():
     assert [s.name for s in api.operators()] == list(OPERATORS)
     assert api.parameters() == all_parameters()
+
+
+def test_config_overrides_take_the_declared_parameters():
+    cfg = parse_config("merge_method: breadcrumbs\nbase_model: b\nmodels:\n  - model: e1\n  - model: e2\n", "c.yaml")
+    new = cfg.with_overrides(weights=[2, 1], density=0.3, lam=0.5, normalize=True, gamma=0.02, budget="10%")
+    assert [(m.weight, m.density) for m in new.models] == [(2.0, 0.3), (1.0, 0.3)]
+    assert (new.lam, new.normalize, new.gamma, new.budget) == (0.5, True, 0.02, "10%")
+    with pytest.raises(ConfigError, match="unknown parameter temperature"):
+        cfg.with_overrides(temperature=1.0)
+    with pytest.raises(ConfigError, match="3 weights given for the 2 models"):
+        cfg.with_overrides(weights=[1, 2, 3])
