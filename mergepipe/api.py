@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.models import register, register_many
+from mergepipe.catalog.models import has_tensor, named_by_path, register, register_many, schema_version  # noqa: F401
 from mergepipe.catalog.plans import find_plan_id, has_plan
-from mergepipe.catalog.snapshots import snapshot_rows
-from mergepipe.engine.runs import cancel_run, get_run, launch_analyze, launch_run, log_tail
+from mergepipe.catalog.snapshots import snapshot_count, snapshot_rows  # noqa: F401
+from mergepipe.engine.runs import RunProgress, cancel_run, get_run, launch_analyze, launch_run, log_tail  # noqa: F401
 from mergepipe.engine.txn import check_output_path, recover
 from mergepipe.errors import ExecutionError, MergePipeError
 from mergepipe.manifest.lineage import lineage, lineage_dot  # noqa: F401  (lineage_dot: for the CLI)
@@ -25,8 +25,9 @@ if TYPE_CHECKING:
     from mergepipe.config.model import MergekitConfig
     from mergepipe.planner.plan import Plan
     from mergepipe.planner.context import Planner
+    from mergepipe.planner.request import MergeRequest
 
-__all__ = ["Catalog", "Planner", "Engine", "Plan", "merge", "plan_merge", "snapshots", "lineage", "verify",
+__all__ = ["Catalog", "Planner", "Engine", "Plan", "MergeRequest", "Budget", "merge_request", "plan", "run", "merge", "plan_merge", "snapshots", "lineage", "verify",
            "recover", "explain", "load_plan", "load_manifest", "save_plan", "merge_config", "plan_config",
            "export_mergekit", "load_config", "parse_config", "register", "register_many",
            "launch_run", "launch_analyze", "get_run", "cancel_run", "log_tail", "STRATEGIES"]
@@ -39,6 +40,9 @@ _LAZY = {
     "MergekitConfig": "mergepipe.config.model", "export_mergekit": "mergepipe.config.export",
     "load_config": "mergepipe.config.parse", "parse_config": "mergepipe.config.parse",
     "plan_from_config": "mergepipe.config.resolve",
+    "DEFAULT_DENSITIES": "mergepipe.analyze.stats", "DEFAULT_SKETCH_SIZE": "mergepipe.catalog.sketch",
+    "MergeRequest": "mergepipe.planner.request", "Budget": "mergepipe.planner.budget",
+    "human_bytes": "mergepipe.planner.budget", "OPERATORS": "mergepipe.ops.core",
 }
 
 
@@ -50,29 +54,75 @@ def __getattr__(name: str):
     return value
 
 
-def _execute(catalog: Catalog, plan: Plan, out, model_id, out_shard_bytes: int | None, progress):
+def _execute(catalog: Catalog, plan: Plan, out, model_id, out_shard_bytes: int | None, progress, run_id=None):
     from mergepipe.engine.engine import DEFAULT_SHARD_BYTES, Engine
     if out_shard_bytes is None:
         out_shard_bytes = DEFAULT_SHARD_BYTES
     return Engine(catalog).execute(plan, out=out, model_id=model_id, out_shard_bytes=out_shard_bytes,
-                                   progress=progress)
+                                   progress=progress, **({"run_id": run_id} if run_id is not None else {}))
 
 
-def plan_merge(catalog: Catalog, base: str, experts, operator: str = "linear", budget=None, budget_mb=None,
-               target_bound=None, save: bool = True, **kw) -> Plan:
+def execute(catalog: Catalog, plan: Plan | str, out, model_id: str | None = None, out_shard_bytes: int | None = None,
+            progress=None, run_id: int | None = None):
+    """Execute a plan (or a stored plan's id); returns (snapshot_id, manifest)."""
+    return _execute(catalog, plan, out, model_id, out_shard_bytes, progress, run_id)
+
+
+def analyze(catalog: Catalog, model_ids=None, progress=None, **kw):
+    """ANALYZE experts (default: every registered model with a base); see analyze.runner.analyze."""
+    from mergepipe.analyze.runner import analyze as run_analyze
+    return run_analyze(catalog, model_ids, progress=progress, **kw)
+
+
+def operators() -> list:
+    """The operators' declarations (OpSpec: name, aliases, reference, parameters), in listing order."""
+    from mergepipe.ops.core import OPERATORS
+    return list(OPERATORS.values())
+
+
+def parameters() -> tuple:
+    """Every operator parameter declared (ops/spec.py Param: name, default, range, help, per tensor)."""
+    from mergepipe.ops.core import all_parameters
+    return all_parameters()
+
+
+def merge_request(base: str, experts, operator: str = "linear", **settings) -> MergeRequest:
+    """A validated :class:`MergeRequest` from keyword settings (``weights``, ``density``, ``lam``,
+    ``normalize``, ``rescale``, ``gamma``, ``epsilon``, ``budget``, ``budget_mb``, ``target_bound``,
+    ``strategy``, ``seed``, ``out``, ``model_id``); ``run(catalog, merge_request(...))`` merges it."""
+    from mergepipe.planner.request import MergeRequest
+    return MergeRequest.build(base, experts, operator, **settings)
+
+
+def plan(catalog: Catalog, request: MergeRequest, save: bool = True) -> Plan:
+    """Plan a merge request (reads no expert byte); stored in the catalog unless ``save=False``."""
     from mergepipe.planner.context import Planner
-    return Planner(catalog).plan(base, experts, operator, budget=budget, budget_mb=budget_mb,
-                                 target_bound=target_bound, save=save, **kw)
+    return Planner(catalog).plan(request, save=save)
+
+
+def run(catalog: Catalog, request: MergeRequest, out=None, model_id: str | None = None,
+        out_shard_bytes: int | None = None, progress=None):
+    """Plan and execute a merge request (``out``/``model_id``: the request's unless given); returns
+    (plan, snapshot_id, manifest)."""
+    # The engine stores the plan after its own checks (output path, model id): a refused merge
+    # changes nothing in the catalog.
+    out = request.out if out is None else out
+    if out is None:
+        raise ExecutionError("a merge needs an output directory")
+    p = plan(catalog, request, save=False)
+    snapshot_id, manifest = _execute(catalog, p, out, model_id or request.model_id, out_shard_bytes, progress)
+    return p, snapshot_id, manifest
+
+
+def plan_merge(catalog: Catalog, base: str, experts, operator: str = "linear", save: bool = True, **settings) -> Plan:
+    """``plan(catalog, request(base, experts, operator, **settings))``."""
+    return plan(catalog, merge_request(base, experts, operator, **settings), save=save)
 
 
 def merge(catalog: Catalog, base: str, experts, out, operator: str = "linear", model_id: str | None = None,
-          out_shard_bytes: int | None = None, progress=None, **plan_kw):
-    """Plan and execute; returns (plan, snapshot_id, manifest)."""
-    # The engine stores the plan after its own checks (output path, model id): a refused merge
-    # changes nothing in the catalog.
-    plan = plan_merge(catalog, base, experts, operator, save=False, **plan_kw)
-    snapshot_id, manifest = _execute(catalog, plan, out, model_id, out_shard_bytes, progress)
-    return plan, snapshot_id, manifest
+          out_shard_bytes: int | None = None, progress=None, **settings):
+    """Plan and execute; returns (plan, snapshot_id, manifest). ``run`` with a request built from the settings."""
+    return run(catalog, merge_request(base, experts, operator, **settings), out, model_id, out_shard_bytes, progress)
 
 
 def _config(config) -> MergekitConfig:

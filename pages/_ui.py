@@ -124,13 +124,11 @@ def conflict(db_path: str, version: str, experts: tuple, tensors: tuple, metric:
 
 
 @st.cache_resource(max_entries=8, show_spinner="Loading block statistics...")
-def plan_context(db_path: str, version: str, base: str, experts: tuple, operator: str, weights: tuple,
-                 density, lam, normalize, rescale, seed: int, strategy: str, gamma, epsilon):
-    """One PlanContext per settings (its own long-lived connection): moving the budget only re-plans."""
+def plan_context(db_path: str, version: str, key: str, _request):
+    """One PlanContext per merge request (``key``: its text; its own long-lived connection): moving the
+    budget only re-plans."""
     cat = Catalog(db_path)
-    return views.plan_context(cat, base, list(experts), operator, weights=list(weights), density=density, lam=lam,
-                              normalize=normalize, rescale=rescale, seed=seed, strategy=strategy, gamma=gamma,
-                              epsilon=epsilon)
+    return views.plan_context(cat, _request)
 
 
 @st.cache_data(max_entries=64, show_spinner=False)

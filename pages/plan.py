@@ -5,7 +5,6 @@ Every setting is bound to the URL, so a plan view can be shared as a link."""
 import streamlit as st
 
 from mergepipe.dashboard import views
-from mergepipe.errors import PlanError
 from mergepipe.api import STRATEGIES, save_plan
 from pages import _ui as ui
 
@@ -64,26 +63,29 @@ with ui.user_errors(), ui.catalog() as cat:
         op = st.selectbox("Operator", views.operators(), index=views.operators().index("linear"), key="op",
                           bind="query-params")
         info = views.op_info(op)
-        density = gamma = epsilon = None
-        if info["uses_density"]:
-            density = round(st.number_input("Density", min_value=0.01, max_value=1.0, value=0.5, step=0.01,
-                                            format="%.2f", key="density", bind="query-params"), 2)
-        if "gamma" in info["extra"]:
-            gamma = st.number_input("gamma (largest magnitudes dropped)", min_value=0.0, max_value=0.5,
-                                    value=float(info["extra"]["gamma"]), step=0.01, format="%.2f", key="gamma",
-                                    bind="query-params")
-        if "epsilon" in info["extra"]:
-            epsilon = st.number_input("epsilon (spread of keep probabilities)", min_value=0.0, max_value=0.5,
-                                      value=float(info["extra"]["epsilon"]), step=0.01, format="%.2f", key="epsilon",
-                                      bind="query-params")
+        # The operator's parameters, as it declares them (mergepipe/ops/): the ones only some operators
+        # take here, the per-expert weights and the common ones in the expander.
+        values = {}
+
+        def widget(p, key=None, label=None):
+            if p["kind"] == "bool":
+                default = "on" if p["declared_default"] else "off"
+                return TRI[st.selectbox(p["label"], list(TRI), key=p["key"], bind="query-params",
+                                        help=f"default for {op}: {default}. {p['help']}")]
+            v = st.number_input(label or p["label"], min_value=p["min"], max_value=p["max"], value=float(p["default"]),
+                                step=p["step"], format="%.2f" if p["step"] < 0.1 else None, key=key or p["key"],
+                                bind="query-params", help=p["help"])
+            return round(v, p["decimals"]) if p["decimals"] is not None else v
+
+        for p in info["params"]:
+            if p["place"] == "main":
+                values[p["key"]] = widget(p)
         with st.expander("Weights and parameters"):
-            weights = tuple(float(st.number_input(f"weight of {e}", value=1.0, step=0.1, key=f"w_{e}",
-                                                  bind="query-params")) for e in experts)
-            lam = st.number_input("lambda", value=1.0, step=0.1, key="lam", bind="query-params")
-            normalize = TRI[st.selectbox("normalize", list(TRI), key="normalize", bind="query-params",
-                                         help=f"default for {op}: {'on' if info['normalize'] else 'off'}")]
-            rescale = TRI[st.selectbox("rescale", list(TRI), key="rescale", bind="query-params",
-                                       help=f"default for {op}: {'on' if info['rescale'] else 'off'}")]
+            weight = next(p for p in info["params"] if p["place"] == "weights")
+            weights = tuple(float(widget(weight, key=f"w_{e}", label=f"weight of {e}")) for e in experts)
+            for p in info["params"]:
+                if p["place"] == "more":
+                    values[p["key"]] = widget(p)
             seed = int(st.number_input("seed", value=0, step=1, key="seed", bind="query-params"))
             strategy = st.selectbox("strategy", list(STRATEGIES), key="strategy", bind="query-params",
                                     help="norm: greedy by |c|*||delta|| per byte; conflict: also down-weights "
@@ -100,10 +102,9 @@ with ui.user_errors(), ui.catalog() as cat:
             budget = None
 
     with result, ui.user_errors():
-        ctx = ui.plan_context(ui.db(), version, base, tuple(experts), op, weights, density, lam, normalize, rescale,
-                              seed, strategy, gamma, epsilon) if experts else None
-        if ctx is None:
-            raise PlanError("choose at least one expert")
+        request = views.plan_request(base, experts, op, weights=list(weights), seed=seed, strategy=strategy,
+                                     **values)
+        ctx = ui.plan_context(ui.db(), version, views.request_key(request), request)
         plan = views.make_plan(ctx, budget_pct=budget, target_rel=target)
         s = views.plan_summary(plan)
         if s["first_merge"]:

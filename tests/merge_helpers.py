@@ -244,3 +244,33 @@ def fsync_dirs(*paths: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
+
+# --- start-up probes ------------------------------------------------------------------------------
+REPO_ROOT = Path(__file__).resolve().parents[1]
+HEAVY_MODULES = ("torch", "numpy", "pandas")
+# Runs the CLI as `python -m mergepipe.cli` does, then reports which of MODULES got imported.
+PROBE = """
+import runpy, sys
+MODULES = sys.argv.pop(1).split(",")
+sys.argv = ["mergepipe", *sys.argv[1:]]
+code = 0
+try:
+    runpy.run_module("mergepipe.cli", run_name="__main__", alter_sys=True)
+except SystemExit as exc:
+    code = exc.code
+print("HEAVY:" + ",".join(m for m in MODULES if m in sys.modules), file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def probe_cli(*args, cwd: Path, modules=HEAVY_MODULES) -> tuple[int, str, list[str]]:
+    """(exit code, stdout, which of ``modules`` got imported) of one CLI command in a fresh interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "MERGEPIPE_DB"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, "-c", PROBE, ",".join(modules), *map(str, args)], capture_output=True,
+                       text=True, cwd=cwd, env=env, timeout=120)
+    *errors, last = p.stderr.splitlines()
+    assert last.startswith("HEAVY:"), p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+    return p.returncode, p.stdout, [m for m in last[len("HEAVY:"):].split(",") if m]

@@ -71,3 +71,24 @@ def _mergepipe_imports(path: Path) -> list[str]:
 def test_app_and_pages_use_only_the_public_doors(path):
     bad = [m for m in _mergepipe_imports(path) if not any(m == a or m.startswith(a + ".") for a in ALLOWED)]
     assert not bad, f"{path.name} imports {bad}"
+
+
+CLI_ALLOWED = ("mergepipe.api", "mergepipe.errors", "mergepipe.cli", "mergepipe.dashboard.server",
+               "mergepipe.research", "mergepipe.version")
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "cli").glob("*.py")), ids=lambda p: p.name)
+def test_cli_goes_through_the_api(path):
+    """Like sqlite-utils' CLI: each command shapes its arguments and makes one API call; the cli imports
+    no planner, engine, analyze, catalog, manifest, ops, storage or config module (import-linter checks
+    the same as a contract)."""
+    bad = [m for m in _mergepipe_imports(path) if not any(m == a or m.startswith(a + ".") for a in CLI_ALLOWED)]
+    assert not bad, f"cli/{path.name} imports {bad}"
+
+
+def test_cli_contract_is_declared():
+    text = (ROOT / "pyproject.toml").read_text()
+    assert 'source_modules = ["mergepipe.cli"]' in text
+    block = text.split('source_modules = ["mergepipe.cli"]')[1].split("[[")[0]
+    for m in ("config", "engine", "planner", "analyze", "manifest", "ops", "catalog", "storage"):
+        assert f'"mergepipe.{m}"' in block, m

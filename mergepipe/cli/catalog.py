@@ -7,13 +7,12 @@ from pathlib import Path
 
 from mergepipe.cli.common import command, emit, open_catalog, progress_bar, table
 from mergepipe.errors import MergePipeError
-from mergepipe.planner.budget import human_bytes
 
 
 # --- catalog commands ----------------------------------------------------------------------------
 @command("init-db", "create (or migrate) a catalog")
 def cmd_init_db(args):
-    from mergepipe.catalog.models import schema_version
+    from mergepipe.api import schema_version
     cat = open_catalog(args, create=True)
     print(f"catalog ready: {cat.path} (schema v{schema_version(cat)})")
 
@@ -32,7 +31,7 @@ def _add_register(p):
 
 def _register_items(args) -> list[tuple[str, str]]:
     """(model id, path) pairs from `--model-id ID --uri PATH` or from positional paths."""
-    from mergepipe.catalog.models import named_by_path
+    from mergepipe.api import named_by_path
     paths = ([args.uri] if args.uri is not None else []) + list(args.paths)
     if not paths:
         raise MergePipeError("give the checkpoints to register: PATH [PATH ...] or --model-id ID --uri PATH")
@@ -48,7 +47,7 @@ def _register_items(args) -> list[tuple[str, str]]:
 
 @command("register", "register checkpoints (reads headers only)")
 def cmd_register(args):
-    from mergepipe.catalog.models import register_many
+    from mergepipe.api import register_many
     items = _register_items(args)
     cat = open_catalog(args, create=True)
     results = register_many(cat, items, base_id=args.base_id, kind=args.kind,
@@ -70,9 +69,7 @@ def _add_analyze(p):
 
 @command("analyze", "compute per-block delta statistics of experts against their base")
 def cmd_analyze(args):
-    from mergepipe.analyze.stats import DEFAULT_DENSITIES
-    from mergepipe.analyze.runner import analyze
-    from mergepipe.catalog.sketch import DEFAULT_SKETCH_SIZE
+    from mergepipe.api import DEFAULT_DENSITIES, DEFAULT_SKETCH_SIZE, analyze, human_bytes
     cat = open_catalog(args)
     if args.ids:
         args.model_ids = [*(args.model_ids or []), *args.ids]
@@ -83,7 +80,7 @@ def cmd_analyze(args):
     prog, cb = progress_bar("analyze")
     run = None
     if args.run_id is not None:
-        from mergepipe.engine.runs import RunProgress
+        from mergepipe.api import RunProgress
         run = RunProgress(cat, args.run_id)
     total_models = max(1, len(args.model_ids or [m for m in cat.models() if m["base_id"]]))
     finished = []
@@ -118,6 +115,7 @@ def cmd_analyze(args):
 
 @command("models", "list registered models")
 def cmd_models(args):
+    from mergepipe.api import human_bytes
     cat = open_catalog(args)
     rows = [{k: v for k, v in m.items() if k != "config"} for m in cat.models()]
     for r in rows:
@@ -129,7 +127,7 @@ def cmd_models(args):
 
 @command("blocks", "per-block statistics of an analyzed expert")
 def cmd_blocks(args):
-    from mergepipe.catalog.models import has_tensor
+    from mergepipe.api import has_tensor
     cat = open_catalog(args)
     cat.model(args.model_id)
     if args.tensor is not None and not has_tensor(cat, args.model_id, args.tensor):

@@ -22,7 +22,7 @@ def default_db() -> str:
 
 
 def open_catalog(args, create: bool = False):
-    from mergepipe.catalog.db import Catalog
+    from mergepipe.api import Catalog
     return Catalog(args.db, create=create)
 
 

@@ -6,11 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from mergepipe.analyze.runner import analyze
-from mergepipe.api import merge, merge_summary
-from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.models import register, register_many
-from mergepipe.catalog.snapshots import snapshot_count
+from mergepipe.api import Catalog, analyze, merge, merge_summary, register, register_many, snapshot_count
 from mergepipe.research.family import make_family
 
 DEMO_EXPERTS = 4

@@ -7,28 +7,55 @@ from pathlib import Path
 
 from mergepipe.cli.common import command, emit, open_catalog, progress_bar
 from mergepipe.errors import MergePipeError
-from mergepipe.planner.budget import human_bytes
 
 
 # --- plan / merge / execute ---------------------------------------------------------------------
+def _operator_help(api) -> str:
+    names = ", ".join(s.name + (f" ({', '.join(a.upper() for a in s.aliases)})" if s.aliases else "")
+                      for s in api.operators())
+    return f"{names} (default linear, or the config's merge_method)"
+
+
+def _param_help(api, p) -> str:
+    """A declared parameter's help: what it does, its range and default, and which operators take it."""
+    takers = [s.name for s in api.operators() if any(q.name == p.name for q in s.parameters)]
+    every = len(takers) == len(api.operators())
+    parts = [p.help]
+    if p.range_text():
+        parts.append(f"range {p.range_text()}")
+    defaults = {next(q for q in s.parameters if q.name == p.name).default for s in api.operators() if s.name in takers}
+    if len(defaults) == 1:
+        parts.append(f"default {defaults.pop():g}" if p.kind is float else f"default {'on' if defaults.pop() else 'off'}")
+    elif p.kind is bool:
+        parts.append("default on for " + ", ".join(s.name for s in api.operators() if s.name in takers and
+                                                    next(q for q in s.parameters if q.name == p.name).default))
+    else:
+        parts.append("default per operator")
+    if not every:
+        parts.append("operators: " + ", ".join(takers))
+    return "; ".join(parts).replace("%", "%%")
+
+
+def _add_param(p, api, param) -> None:
+    """The flags of one declared operator parameter (ops/spec.py)."""
+    text = _param_help(api, param)
+    if param.kind is bool:
+        p.add_argument(param.option, dest=param.key, action="store_true", default=None, help=text)
+        p.add_argument(f"--no-{param.name}", dest=param.key, action="store_false", help=f"turn {param.name} off")
+    else:
+        p.add_argument(param.option, dest=param.key, type=float, nargs=param.nargs, help=text)
+
+
 def _add_plan_args(p, with_out: bool):
+    from mergepipe import api
     p.add_argument("--config", help="a mergekit YAML config (models, base_model, merge_method, parameters); "
                                     "paths in it are registered and analyzed on the fly; flags given here "
                                     "override its values")
     p.add_argument("--base", help="base model id (required without --config)")
     p.add_argument("--experts", nargs="+", help="expert model ids (required without --config)")
-    p.add_argument("--op", "--operator", dest="op", default=None,
-                   help="linear (AVG), task_arithmetic, ties, dare_linear, dare_ties (DARE), breadcrumbs, "
-                        "breadcrumbs_ties, della, della_linear (default linear, or the config's merge_method)")
-    p.add_argument("--weights", nargs="+", type=float)
-    p.add_argument("--density", type=float)
-    p.add_argument("--lambda", dest="lam", type=float)
-    p.add_argument("--gamma", type=float, help="breadcrumbs: fraction of largest magnitudes dropped (0.01)")
-    p.add_argument("--epsilon", type=float, help="della: spread of keep probabilities (0.1)")
-    p.add_argument("--normalize", dest="normalize", action="store_true", default=None)
-    p.add_argument("--no-normalize", dest="normalize", action="store_false")
-    p.add_argument("--rescale", dest="rescale", action="store_true", default=None)
-    p.add_argument("--no-rescale", dest="rescale", action="store_false")
+    p.add_argument("--op", "--operator", dest="op", default=None, help=_operator_help(api))
+    for param in api.parameters():  # generated from the operators' declarations
+        _add_param(p, api, param)
     p.add_argument("--budget", help="expert-read budget: 10%%, 0.1, 512MiB, 8GB (default 100%%)")
     p.add_argument("--io-budget-mb", type=float, help="expert-read budget in MiB")
     p.add_argument("--target-bound", type=float, help="smallest budget whose relative error bound <= this")
@@ -45,37 +72,53 @@ def _add_out_args(p):
     p.add_argument("--out-shard-size", type=int, default=2 << 30, help="bytes per output shard (default 2 GiB)")
 
 
-def _make_plan(args, cat, save=True, reserved_ids=()):
-    from mergepipe.planner.context import Planner
+def _settings(args) -> dict:
+    """The operator parameters given on the command line (None: not given), by request keyword."""
+    from mergepipe import api
+    return {p.key: getattr(args, p.key, None) for p in api.parameters()}
+
+
+def _budget(args):
+    from mergepipe import api
     if args.budget is not None and args.io_budget_mb is not None:
         raise MergePipeError("give either --budget or --io-budget-mb, not both")
-    if args.config is not None:
-        return _config_plan(args, cat, save, reserved_ids)
+    if args.budget is None and args.io_budget_mb is None and args.target_bound is None:
+        return None
+    return api.Budget.of(args.budget, mb=args.io_budget_mb, target_bound=args.target_bound)
+
+
+def _request(args):
+    """The MergeRequest of the command line's flags (without --config)."""
+    from mergepipe import api
+    budget = _budget(args)
     if not args.base or not args.experts:
         raise MergePipeError("--base and --experts are required (or give a mergekit YAML with --config)")
-    return Planner(cat).plan(
-        args.base, args.experts, args.op or "linear", budget=args.budget, budget_mb=args.io_budget_mb,
-        target_bound=args.target_bound, save=save, weights=args.weights, density=args.density, lam=args.lam,
-        normalize=args.normalize, rescale=args.rescale, seed=0 if args.seed is None else args.seed,
-        strategy=args.strategy or "norm", gamma=args.gamma, epsilon=args.epsilon)
+    return api.merge_request(args.base, args.experts, args.op or "linear", budget=budget, seed=args.seed,
+                             strategy=args.strategy, out=getattr(args, "out", None),
+                             model_id=getattr(args, "model_id", None), **_settings(args))
+
+
+def _make_plan(args, cat, save=True, reserved_ids=()):
+    from mergepipe import api
+    if args.config is not None:
+        return _config_plan(args, cat, save, reserved_ids)
+    return api.plan(cat, _request(args), save=save)
 
 
 def _load_config(args):
     """The --config file, parsed and validated, with the command line's flags applied over it."""
-    from mergepipe.planner.budget import mib
-    from mergepipe.config.parse import load_config
+    from mergepipe import api
+    budget = _budget(args)
     if args.base or args.experts:
         raise MergePipeError("--base/--experts cannot be combined with --config (the config names the models)")
-    budget = mib(args.io_budget_mb) if args.io_budget_mb is not None else args.budget
-    return load_config(args.config).with_overrides(
-        operator=args.op, weights=args.weights, density=args.density, lam=args.lam, normalize=args.normalize,
-        rescale=args.rescale, gamma=args.gamma, epsilon=args.epsilon, budget=budget,
-        target_bound=args.target_bound, strategy=args.strategy, seed=args.seed)
+    return api.load_config(args.config).with_overrides(
+        operator=args.op, budget=None if budget is None or budget.is_target else budget,
+        target_bound=args.target_bound, strategy=args.strategy, seed=args.seed, **_settings(args))
 
 
 def _config_plan(args, cat, save, reserved_ids):
-    from mergepipe.config.resolve import plan_from_config
-    plan, resolved = plan_from_config(cat, args.config_parsed, save=save, reserved_ids=reserved_ids)
+    from mergepipe import api
+    plan, resolved = api.plan_from_config(cat, args.config_parsed, save=save, reserved_ids=reserved_ids)
     for kw in resolved.to_register:
         print(f"registered {kw['model_id']} ({kw['kind']}) from {kw['uri']}", file=sys.stderr)
     return plan
@@ -105,10 +148,8 @@ def cmd_plan(args):
 
 
 def _execute(args, cat, plan):
-    from mergepipe.api import merge_summary
-    from mergepipe.engine.engine import Engine
-    from mergepipe.engine.runs import RunProgress
-    run = RunProgress(cat, args.run_id) if getattr(args, "run_id", None) is not None else None
+    from mergepipe import api
+    run = api.RunProgress(cat, args.run_id) if getattr(args, "run_id", None) is not None else None
     prog, cb = progress_bar("merge")
 
     def progress(done, total, nbytes):
@@ -117,9 +158,9 @@ def _execute(args, cat, plan):
             run(done, total, nbytes)
     try:
         with prog:
-            _, manifest = Engine(cat).execute(plan, out=args.out, model_id=args.model_id,
-                                              out_shard_bytes=args.out_shard_size, progress=progress,
-                                              run_id=getattr(args, "run_id", None))
+            _, manifest = api.execute(cat, plan, out=args.out, model_id=args.model_id,
+                                      out_shard_bytes=args.out_shard_size, progress=progress,
+                                      run_id=getattr(args, "run_id", None))
     except KeyboardInterrupt:
         if run:
             run.fail("cancelled", "cancelled by the user")
@@ -132,13 +173,13 @@ def _execute(args, cat, plan):
         if run:
             run.fail("failed", f"{type(exc).__name__}: {exc}")
         raise
-    summary = merge_summary(plan, manifest)
+    summary = api.merge_summary(plan, manifest)
     emit(args, summary, lambda s: print(
         f"published {s['snapshot_id']} as model {s['model_id']} at {s['out']}\n"
         f"  manifest {s['manifest_hash']}\n"
-        f"  expert read {human_bytes(s['realized']['expert_read'])} of {human_bytes(s['full_expert_bytes'])} "
-        f"(budget {human_bytes(s['budget_bytes'])}), base read {human_bytes(s['realized']['base_read'])}, "
-        f"wrote {human_bytes(s['realized']['output_write'])} in {s['seconds']:.2f} s"
+        f"  expert read {api.human_bytes(s['realized']['expert_read'])} of {api.human_bytes(s['full_expert_bytes'])} "
+        f"(budget {api.human_bytes(s['budget_bytes'])}), base read {api.human_bytes(s['realized']['base_read'])}, "
+        f"wrote {api.human_bytes(s['realized']['output_write'])} in {s['seconds']:.2f} s"
         + (f"\n  error bound {s['error_bound']['absolute']:.4g} (relative {s['error_bound']['relative']:.3e})"
            if s["error_bound"] else "")))
 
@@ -158,22 +199,20 @@ def cmd_merge(args):
 
 @command("execute", "execute a stored plan")
 def cmd_execute(args):
-    from mergepipe.planner.plan import load_plan
+    from mergepipe import api
     cat = open_catalog(args)
     try:
-        plan = load_plan(cat, args.plan_id)
+        plan = api.load_plan(cat, args.plan_id)
     except MergePipeError as exc:
         if args.run_id is not None:
-            from mergepipe.engine.runs import RunProgress
-            RunProgress(cat, args.run_id).fail("failed", str(exc))
+            api.RunProgress(cat, args.run_id).fail("failed", str(exc))
         raise
     _execute(args, cat, plan)
 
 
 @command("explain", "print a plan or a snapshot, per expert and per tensor")
 def cmd_explain(args):
-    from mergepipe.api import explain, load_manifest, load_plan
-    from mergepipe.catalog.plans import find_plan_id
+    from mergepipe.api import explain, find_plan_id, load_manifest, load_plan
     if args.as_mergekit:
         return _explain_mergekit(args)
     if args.out is not None:
@@ -189,7 +228,7 @@ def cmd_explain(args):
 
 
 def _explain_mergekit(args):
-    from mergepipe.config.export import export_mergekit
+    from mergepipe.api import export_mergekit
     cat = open_catalog(args) if (Path(args.db).exists() or not Path(args.ref).is_dir()) else None
     text = export_mergekit(cat, args.ref)
     if args.out is None:

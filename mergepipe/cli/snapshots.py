@@ -10,7 +10,7 @@ from mergepipe.cli.common import command, emit, open_catalog, table
 @command("verify", "re-hash a snapshot against its manifest (exit 1 on mismatch)")
 def cmd_verify(args):
     from mergepipe.errors import VerifyError
-    from mergepipe.manifest.verify import verify
+    from mergepipe.api import verify
     cat = open_catalog(args) if (Path(args.db).exists() or not Path(args.ref).is_dir()) else None
     res = verify(cat, args.ref)
     emit(args, res, lambda r: print(
@@ -43,7 +43,7 @@ def cmd_lineage(args):
 
 @command("recover", "roll back unfinished merges and clean up their leftovers")
 def cmd_recover(args):
-    from mergepipe.engine.txn import recover
+    from mergepipe.api import recover
     cat = open_catalog(args)
     res = recover(cat)
     emit(args, res, lambda r: print(f"rolled back {len(r['rolled_back'])} transaction(s), removed "

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from mergepipe.errors import MergePipeError
 from mergepipe.ops.core import get_op
+from mergepipe.ops.spec import all_parameters
+from mergepipe.planner.budget import Budget
 
 
 MAX_CONFIG_BYTES = 1 << 20  # a merge config is a few hundred bytes; refuse to parse anything huge
@@ -24,9 +26,15 @@ REFUSED_TOP_KEYS = {
     "chat_template": "`chat_template` is not supported: MergePipe copies the base's tokenizer and chat "
                      "template files as they are",
 }
-GLOBAL_PARAMS = ("weight", "density", "normalize", "rescale", "lambda", "gamma", "epsilon", "int8_mask")
-MODEL_PARAMS = ("weight", "density", "gamma", "epsilon", "lambda")
-SHARED_PARAMS = ("lambda", "gamma", "epsilon")  # per-model in some mergekit versions, one value in MergePipe
+# The parameters a config may give, from the operators' declarations (ops/spec.py): merge-wide, all
+# of them (plus mergekit's int8_mask, accepted and ignored); per model, those that may vary per tensor
+# (weight, density) and the numbers that some mergekit versions take per model but MergePipe applies
+# once (lambda, gamma, epsilon: they must agree between models).
+PARAMS = {p.name: p for p in all_parameters()}
+PER_TENSOR = tuple(n for n, p in PARAMS.items() if p.per_tensor)
+SHARED_PARAMS = tuple(n for n, p in PARAMS.items() if not p.per_tensor and p.kind is float)
+GLOBAL_PARAMS = tuple(PARAMS) + ("int8_mask",)
+MODEL_PARAMS = PER_TENSOR + SHARED_PARAMS
 EXTENSION_KEYS = ("budget", "target_bound", "strategy", "seed", "plan")
 # mergekit methods MergePipe does not implement (named so that the refusal says so).
 MERGEKIT_ONLY_METHODS = ("slerp", "nuslerp", "multislerp", "model_stock", "passthrough", "karcher", "sce",
@@ -68,35 +76,44 @@ class MergekitConfig:
     epsilon: float | None = None
     dtype: str | None = None  # safetensors names (F32, BF16, ...)
     out_dtype: str | None = None
-    budget: str | None = None
+    budget: Budget | None = None
     target_bound: float | None = None
     strategy: str | None = None
     seed: int | None = None
     plan_id: str | None = None  # informational (written by export)
 
-    def with_overrides(self, operator=None, weights=None, density=None, lam=None, normalize=None, rescale=None,
-                       gamma=None, epsilon=None, budget=None, target_bound=None, strategy=None,
-                       seed=None) -> MergekitConfig:
+    def with_overrides(self, operator=None, budget=None, target_bound=None, strategy=None, seed=None,
+                       **params) -> MergekitConfig:
         """The config with command-line settings replacing its own (None: keep the config's value).
 
+        ``params`` are operator parameters by their request keyword (ops/spec.py declarations:
+        ``weights``, ``density``, ``lam``, ``normalize``, ``rescale``, ``gamma``, ``epsilon``):
         ``density`` replaces every model's density; ``weights`` lists one weight per model in config
         order; a budget or target bound replaces both of the config's budget settings."""
         changes: dict = {}
         if operator is not None:
             changes["method"] = get_op(operator).name
+        unknown = sorted(set(params) - {p.key for p in PARAMS.values()})
+        if unknown:
+            raise ConfigError(f"unknown parameter {', '.join(unknown)}")
         models = list(self.models)
-        if weights is not None:
-            if len(weights) != len(models):
-                raise ConfigError(f"{len(weights)} weights given for the {len(models)} models of {self.source}")
-            models = [dataclasses.replace(m, weight=float(w)) for m, w in zip(models, weights)]
-        if density is not None:
-            models = [dataclasses.replace(m, density=float(density)) for m in models]
+        for p in PARAMS.values():
+            value = params.get(p.key)
+            if value is None:
+                continue
+            if p.name == "weight":
+                if len(value) != len(models):
+                    raise ConfigError(f"{len(value)} weights given for the {len(models)} models of {self.source}")
+                models = [dataclasses.replace(m, weight=float(w)) for m, w in zip(models, value)]
+            elif p.per_tensor:
+                models = [dataclasses.replace(m, **{p.name: float(value)}) for m in models]
+            else:
+                changes[p.key] = value
         changes["models"] = tuple(models)
-        for name, value in (("lam", lam), ("normalize", normalize), ("rescale", rescale), ("gamma", gamma),
-                            ("epsilon", epsilon), ("strategy", strategy), ("seed", seed)):
+        for name, value in (("strategy", strategy), ("seed", seed)):
             if value is not None:
                 changes[name] = value
         if budget is not None or target_bound is not None:
-            changes["budget"] = None if budget is None else str(budget)
+            changes["budget"] = None if budget is None else Budget.of(budget)
             changes["target_bound"] = target_bound
         return dataclasses.replace(self, **changes)

@@ -13,9 +13,12 @@ import yaml
 
 from mergepipe.config.model import (
     ConfigError, ConfigModel, DTYPE_NAMES, EXTENSION_KEYS, GLOBAL_PARAMS, MAX_CONFIG_BYTES,
-    MERGEKIT_ONLY_METHODS, MODEL_PARAMS, MergekitConfig, REFUSED_TOP_KEYS, SHARED_PARAMS, TOP_KEYS,
+    MERGEKIT_ONLY_METHODS, MODEL_PARAMS, MergekitConfig, PARAMS, PER_TENSOR, REFUSED_TOP_KEYS, SHARED_PARAMS,
+    TOP_KEYS,
 )
+from mergepipe.errors import PlanError
 from mergepipe.ops.core import OPERATORS
+from mergepipe.planner.budget import Budget
 from mergepipe.planner.settings import check_setting
 from mergepipe.planner.strategies import STRATEGIES
 
@@ -222,7 +225,10 @@ def _extension(doc: dict):
     if budget is not None:
         if isinstance(budget, bool) or not isinstance(budget, (str, int, float)):
             raise ConfigError(f"mergepipe.budget must be like 25%, 0.25 or 512MiB, not {budget!r}")
-        budget = str(budget)
+        try:
+            budget = Budget.parse(budget)
+        except PlanError as exc:
+            raise ConfigError(f"mergepipe.budget: {exc}") from None
     target = ext.get("target_bound")
     if target is not None:
         target = _number(target, "mergepipe.target_bound")
@@ -255,9 +261,6 @@ def _ref(value, where: str) -> str:
     return value.strip()
 
 
-PER_TENSOR = ("weight", "density")  # may vary per tensor (filters, gradients); the others are one value
-
-
 def _param(value, where: str, name: str):
     """One parameter value. ``weight`` and ``density`` may be mergekit settings: a number, a gradient
     (a list of numbers over the layers) or a list of ``{filter, value}`` conditions; the other
@@ -272,9 +275,9 @@ def _param(value, where: str, name: str):
             else "a gradient across layers"
         raise ConfigError(f"{where} is {kind}: not supported for {name}; MergePipe applies one {name} to every "
                           f"tensor (filters and gradients work for weight and density)")
-    if name in ("normalize", "rescale", "int8_mask"):
+    if name == "int8_mask" or PARAMS[name].kind is bool:
         return _flag(value, where)
-    return _number(value, where)
+    return PARAMS[name].check(_number(value, where), where, ConfigError)
 
 
 def _setting(value, where: str):

@@ -19,6 +19,7 @@ from mergepipe.config.parse import _exists
 from mergepipe.ops.core import get_op, resolve_params
 from mergepipe.planner.context import Planner
 from mergepipe.planner.plan import Plan
+from mergepipe.planner.request import MergeRequest
 from mergepipe.storage.safetensors import open_checkpoint
 
 
@@ -37,13 +38,12 @@ class Resolved:
     def pending(self) -> bool:
         return bool(self.to_register)
 
-    def plan_kwargs(self) -> dict:
-        """Keyword arguments for ``Planner.plan`` (and ``api.plan_merge``) without ``save``."""
+    def request(self) -> MergeRequest:
+        """The merge request this config makes (its models as catalog ids)."""
         c = self.config
-        return {"base_model": self.base, "experts": self.experts, "operator": c.method, "budget": c.budget,
-                "target_bound": c.target_bound, "lam": c.lam, "normalize": c.normalize, "rescale": c.rescale,
-                "gamma": c.gamma, "epsilon": c.epsilon, "seed": 0 if c.seed is None else c.seed,
-                "strategy": c.strategy or "norm"}
+        return MergeRequest.build(self.base, self.experts, c.method, budget=c.budget, target_bound=c.target_bound,
+                                  lam=c.lam, normalize=c.normalize, rescale=c.rescale, gamma=c.gamma,
+                                  epsilon=c.epsilon, seed=c.seed, strategy=c.strategy)
 
 
 PathCheck = Callable[[str], Path]
@@ -231,8 +231,8 @@ def plan_from_config(cat: Catalog, cfg: MergekitConfig, save: bool = True, reser
     resolved = prepare(cat, cfg, register_paths=register_paths, check_path=check_path, reserved_ids=reserved_ids)
     planner = Planner(cat)
     if not resolved.pending:
-        return planner.plan(save=save, **resolved.plan_kwargs()), resolved
+        return planner.plan(resolved.request(), save=save), resolved
     with cat.transaction():
         apply(cat, resolved)
-        plan = planner.plan(save=save, **resolved.plan_kwargs())
+        plan = planner.plan(resolved.request(), save=save)
     return plan, resolved

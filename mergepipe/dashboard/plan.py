@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,8 +17,10 @@ from mergepipe.dashboard.formatting import fmt_bound, fmt_bytes, fmt_pct
 from mergepipe.dashboard.paths import check_path
 from mergepipe.errors import MergePipeError, PlanError
 from mergepipe.ops.core import get_op, OPERATORS
+from mergepipe.planner.budget import Budget
 from mergepipe.planner.context import PlanContext
 from mergepipe.planner.plan import Plan
+from mergepipe.planner.request import MergeRequest
 
 
 # --- plans ---------------------------------------------------------------------------------------------
@@ -26,23 +29,45 @@ def operators() -> list[str]:
 
 
 def op_info(name: str) -> dict:
-    """What the Plan page needs to know about an operator's parameters."""
+    """What the Plan page needs to know about an operator and its parameters. ``params`` are the
+    operator's declared parameters as widgets (ops/spec.py): ``place`` is ``main`` for those only some
+    operators take (density, gamma, epsilon), ``more`` for lambda, normalize and rescale, ``weights``
+    for the per-expert weight."""
     spec = get_op(name)
+    common = set.intersection(*({p.name for p in s.parameters} for s in OPERATORS.values()))
+    params = []
+    for p in spec.parameters:
+        place = "weights" if p.name == "weight" else ("more" if p.name in common else "main")
+        params.append({
+            "name": p.name, "key": p.key, "label": p.label or p.name, "kind": p.kind.__name__, "place": place,
+            "default": p.default if p.page_default is None else p.page_default, "declared_default": p.default,
+            "min": p.low if p.page_low is None else p.page_low, "max": p.high, "step": p.step,
+            "decimals": p.decimals, "help": p.help + (f" (range {p.range_text()})" if p.range_text() else ""),
+            "per_tensor": p.per_tensor})
     return {"name": spec.name, "uses_density": spec.uses_density, "additive": spec.additive,
             "normalize": spec.normalize, "rescale": spec.rescale, "random": spec.random,
-            "extra": dict(spec.params)}
+            "extra": dict(spec.params), "reference": spec.reference, "params": params}
 
 
-def plan_context(cat: Catalog, base: str, experts: list[str], operator: str = "linear", weights=None, density=None,
-                 lam=None, normalize=None, rescale=None, seed: int = 0, strategy: str = "norm", gamma=None,
-                 epsilon=None) -> PlanContext:
-    """A PlanContext ready for fast re-planning (the sketch-based norm estimate is computed now, so
-    that moving the budget touches no catalog row)."""
+def plan_request(base: str, experts, operator: str = "linear", **settings) -> MergeRequest:
+    """The merge request of the Plan page's settings (keyword names as in :meth:`MergeRequest.build`)."""
     if not experts:
         raise PlanError("choose at least one expert")
-    ctx = PlanContext(cat, base, list(experts), operator, weights=list(weights) if weights is not None else None,
-                      density=density, lam=lam, normalize=normalize, rescale=rescale, seed=seed, strategy=strategy,
-                      gamma=gamma, epsilon=epsilon)
+    return MergeRequest.build(base, list(experts), operator, **settings)
+
+
+def request_key(request: MergeRequest) -> str:
+    """A stable text key of a request (the page caches one PlanContext per key)."""
+    return json.dumps(dataclasses.asdict(request), sort_keys=True, default=str)
+
+
+def plan_context(cat: Catalog, base: MergeRequest | str, experts: list[str] | None = None, operator: str = "linear",
+                 weights=None, **settings) -> PlanContext:
+    """A PlanContext ready for fast re-planning (the sketch-based norm estimate is computed now, so
+    that moving the budget touches no catalog row). Takes a MergeRequest, or builds one from settings."""
+    request = base if isinstance(base, MergeRequest) else plan_request(
+        base, experts, operator, weights=list(weights) if weights is not None else None, **settings)
+    ctx = PlanContext(cat, request)
     if ctx.op.additive:
         ctx.full_norm_estimate()
     ctx.layout = layout_of(ctx.tensors, ctx.block_bytes)
@@ -52,12 +77,10 @@ def plan_context(cat: Catalog, base: str, experts: list[str], operator: str = "l
 def make_plan(ctx: PlanContext, budget_pct: float | None = None, target_rel: float | None = None) -> Plan:
     """The plan at a budget in percent of the full expert read, or the smallest one meeting a relative bound."""
     if target_rel is not None:
-        return ctx.plan(target_bound=float(target_rel))
+        return ctx.plan(Budget.target(target_rel))
     if budget_pct is None:
         raise PlanError("give a budget")
-    if not budget_pct > 0:
-        raise PlanError("the budget must be positive: move the slider above 0%")
-    return ctx.plan(budget=f"{float(budget_pct):g}%")
+    return ctx.plan(Budget.percent(budget_pct))
 
 
 PLAN_PAGE_TRI = {None: "default", True: "on", False: "off"}
@@ -110,12 +133,12 @@ def mergekit_plan_settings(cat: Catalog, text: str | bytes, source: str, roots: 
         if not (0.01 <= d <= 1.0 and abs(round(d, 2) - d) < 1e-9):
             raise PlanError(f"{source}: density {d:g} is not one the Plan page offers (0.01 to 1 in steps of 0.01)")
         settings["density"] = round(d, 2)
-    for name, value in (("gamma", cfg.gamma), ("epsilon", cfg.epsilon)):
-        if name in spec.params:
-            value = spec.params[name] if value is None else value
-            if not 0 <= value <= 0.5:
-                raise PlanError(f"{source}: {name} {value:g} is outside the Plan page's range (0 to 0.5)")
-            settings[name] = float(value)
+    for p in spec.extras:
+        value = getattr(cfg, p.key)
+        value = p.default if value is None else value
+        if not p.in_range(value):
+            raise PlanError(f"{source}: {p.name} {value:g} is outside the Plan page's range {p.range_text()}")
+        settings[p.name] = float(value)
     if cfg.target_bound is not None:
         if not spec.additive:
             raise PlanError(f"{source}: a target bound needs an additive operator (linear, task_arithmetic)")
@@ -125,14 +148,10 @@ def mergekit_plan_settings(cat: Catalog, text: str | bytes, source: str, roots: 
     return settings
 
 
-def _whole_percent(spec: str, source: str) -> int:
-    text = spec.strip()
-    try:
-        pct = float(text[:-1]) if text.endswith("%") else float(text) * 100
-    except ValueError:
-        pct = None
+def _whole_percent(budget: Budget, source: str) -> int:
+    pct = None if budget.fraction is None else budget.fraction * 100
     if pct is None or not 0 <= pct <= 100 or abs(pct - round(pct)) > 1e-9:
-        raise PlanError(f"{source}: budget {spec} is not a whole percentage, which the Plan page's slider needs "
+        raise PlanError(f"{source}: budget {budget.spec} is not a whole percentage, which the Plan page's slider needs "
                         f"(use `mergepipe merge --config` for other budgets)")
     return round(pct)
 

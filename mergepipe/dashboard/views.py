@@ -39,7 +39,7 @@ from mergepipe.dashboard.catalog import (  # noqa: F401
 from mergepipe.dashboard.plan import (  # noqa: F401
     block_labels, current_point, first_merge_note, frontier_df, frontier_figure, make_plan, mask_heatmap,
     mask_matrix, mergekit_plan_settings, omitted_term, op_info, operators, plan_context, plan_experts_df,
-    PLAN_PAGE_TRI, plan_summary, plans_df, read_config_source,
+    PLAN_PAGE_TRI, plan_request, plan_summary, plans_df, read_config_source, request_key,
 )
 from mergepipe.dashboard.snapshots import (  # noqa: F401
     bytes_by_expert_df, bytes_by_tensor_df, bytes_figure, load_manifest, manifest_plan, manifest_summary,

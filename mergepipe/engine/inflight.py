@@ -77,7 +77,7 @@ class InflightAnalysis:
 
         eid = expert["id"]
         thr = None
-        if stats["delta_nnz"] and self.op.sparsify in ("magnitude", "magnitude_outliers"):
+        if stats["delta_nnz"] and self.op.thresholded:
             fracs = threshold_fractions(self.op, tensor_density(expert, name) or 1.0, self.params)
             thr = lookup_thresholds(json.loads(stats["thresholds"]), fracs)
             self.thresholds[eid][name] = thr

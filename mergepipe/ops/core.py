@@ -22,16 +22,26 @@ Deliberate differences from mergekit, all forced by streaming block by block:
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from mergepipe.errors import PlanError
 from mergepipe.ops import breadcrumbs, dare, della, linear, ties
-from mergepipe.ops.spec import OPERATORS, OpSpec, register_op
+from mergepipe.ops.spec import OPERATORS, Consensus, OpSpec, Param, Sparsify, all_parameters, register_op  # noqa: F401
 
+if TYPE_CHECKING:
+    import torch
+
+FAMILIES = (linear, ties, dare, breadcrumbs, della)
 # Registration order is the order operators are listed in (the CLI, the dashboard, error messages).
-for _family in (linear, ties, dare, breadcrumbs, della):
+# A family declares SPECS, and for the sparsify kinds it implements SPARSIFY (kind -> block function
+# (delta, density, params, thresholds, seed)) and THRESHOLDS (kind -> top-k fractions (density, params)).
+SPARSIFY: dict = {}
+THRESHOLDS: dict = {}
+for _family in FAMILIES:
     for _spec in _family.SPECS:
         register_op(_spec)
+    SPARSIFY.update(getattr(_family, "SPARSIFY", {}))
+    THRESHOLDS.update(getattr(_family, "THRESHOLDS", {}))
 
 
 def get_op(name: str) -> OpSpec:
@@ -60,12 +70,8 @@ def resolve_params(spec: OpSpec, normalize=None, rescale=None, lam=None, **extra
 
 def threshold_fractions(spec: OpSpec, density: float, params: dict) -> list[float]:
     """The top-k fractions whose |delta| thresholds the operator needs per (expert, tensor)."""
-    if spec.sparsify == "magnitude":
-        return [density]
-    if spec.sparsify == "magnitude_outliers":
-        gamma = params["gamma"]
-        return [round(gamma, 10), round(min(1.0, gamma + density), 10)]
-    return []
+    fractions = THRESHOLDS.get(spec.sparsify)
+    return fractions(density, params) if fractions else []
 
 
 def lookup_thresholds(table: dict, fractions: list[float]) -> list[float] | None:
@@ -90,10 +96,8 @@ def useful_blocks(spec: OpSpec, thresholds: list[float] | None, max_abs):
     threshold a block whose largest entry is below it contributes nothing (numpy arrays)."""
     import numpy as np
 
-    if spec.sparsify == "magnitude":
-        return max_abs >= thresholds[0] if thresholds else np.zeros_like(max_abs, dtype=bool)
-    if spec.sparsify == "magnitude_outliers":
-        return max_abs >= thresholds[1] if thresholds else np.zeros_like(max_abs, dtype=bool)
+    if spec.thresholded:  # the smallest kept magnitude is the last threshold
+        return max_abs >= thresholds[-1] if thresholds else np.zeros_like(max_abs, dtype=bool)
     return np.ones_like(max_abs, dtype=bool)
 
 
@@ -101,17 +105,9 @@ def sparsify(spec: OpSpec, delta: torch.Tensor, density: float, params: dict, th
              seed: int) -> torch.Tensor:
     """Sparsify one expert's delta block (float32, block shape)."""
     kind = spec.sparsify
-    if kind is None or (density >= 1.0 and kind != "magnitude_outliers"):
+    if kind is None or (density >= 1.0 and kind is not Sparsify.OUTLIERS):
         return delta
-    if kind == "magnitude":
-        return ties.magnitude(delta, thresholds)
-    if kind == "magnitude_outliers":
-        return breadcrumbs.outliers(delta, params, thresholds)
-    if kind == "random":
-        return dare.random_drop(delta, density, params, seed)
-    if kind == "della":
-        return della.della_block(delta, density, params["epsilon"], params["rescale"], seed)
-    raise AssertionError(kind)
+    return SPARSIFY[kind](delta, density, params, thresholds, seed)
 
 
 def combine(spec: OpSpec, base: torch.Tensor, deltas: list[tuple[float, torch.Tensor]],

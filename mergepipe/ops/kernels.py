@@ -27,6 +27,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from llvmlite import ir
 
+from mergepipe.ops.spec import Sparsify
+
 CHUNK = 2048  # elements per chunk; divides 2**32
 LANES = 256  # float64 partial sums of abs_sum64: element i goes to lane i % LANES; divides CHUNK
 
@@ -355,7 +357,7 @@ def merge_block(base_addr, base_code, out_addr, out_code, n, addrs, codes, is_de
 
 
 # --- the Python entry point ------------------------------------------------------------------------------
-FUSED_SPARSIFY = (None, "magnitude", "random")
+FUSED_SPARSIFY = (None, Sparsify.MAGNITUDE, Sparsify.RANDOM)
 _ITEMSIZE = {BF16: 2, F32: 4}
 
 
@@ -407,7 +409,7 @@ def fused_merge(spec, params: dict, base_raw, base_dtype: str, n: int, contribut
         weights[k] = np.float32(weight)  # torch rounds a Python scalar to the tensor's dtype
         if spec.sparsify is None or density >= 1.0:
             kinds[k] = KEEP_ALL
-        elif spec.sparsify == "magnitude":
+        elif spec.sparsify is Sparsify.MAGNITUDE:
             if not thresholds:
                 return None
             kinds[k] = MAGNITUDE
@@ -416,7 +418,7 @@ def fused_merge(spec, params: dict, base_raw, base_dtype: str, n: int, contribut
             kinds[k] = RANDOM
             denss[k] = np.float32(density)
             k1s[k], k2s[k] = seed_keys(seed)
-    if spec.sparsify == "random" and params["rescale"] and (kinds == RANDOM).any():
+    if spec.sparsify is Sparsify.RANDOM and params["rescale"] and (kinds == RANDOM).any():
         orgs, news = random_l1(base_addr, base_code, n, addrs, codes, is_delta, kinds, denss, k1s, k2s)
         for k in range(K):
             org, new = float(orgs[k]), float(news[k])

@@ -3,13 +3,18 @@ additive operators, for which the planner's error bound holds."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from mergepipe.ops.spec import OpSpec
+from mergepipe.ops.spec import Consensus, OpSpec
+
+if TYPE_CHECKING:
+    import torch
 
 SPECS = (
-    OpSpec("linear", None, False, True, False, aliases=("avg",), whole_models=True),
-    OpSpec("task_arithmetic", None, False, False, False),
+    OpSpec("linear", None, Consensus.NONE, True, False, aliases=("avg",), whole_models=True,
+           reference="model soups, Wortsman et al. 2022, https://arxiv.org/abs/2203.05482"),
+    OpSpec("task_arithmetic", None, Consensus.NONE, False, False,
+           reference="task arithmetic, Ilharco et al. 2023, https://arxiv.org/abs/2212.04089"),
 )
 
 
@@ -17,6 +22,7 @@ def combine_additive(spec: OpSpec, base: torch.Tensor, deltas: list[tuple[float,
                      weight_sum: float, params: dict) -> torch.Tensor:
     """base + lambda * sum_i w_i delta_i [/ sum of all weights when normalize]; whole-model operators
     without normalize scale the base by the weight sum (sum_i w_i x_i)."""
+    import torch
     lam = params["lambda"]
     mixed = torch.zeros_like(base)
     for w, d in deltas:

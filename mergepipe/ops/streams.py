@@ -4,8 +4,10 @@ traversal order) and the L1-preserving rescale of a sparsified delta."""
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def block_seed(seed: int, expert: int, tensor: str, block: int) -> int:
@@ -18,6 +20,8 @@ def uniform(seed: int, shape) -> torch.Tensor:
     """The random stream of one block: float32 in [0, 1), element i (C order) a hash of (seed, i)
     (counter-based, see kernels._u01), so any part of it can be drawn without the rest: the fused
     kernel draws it element by element, the torch path and the reference as whole blocks."""
+    import torch
+
     from mergepipe.ops import kernels  # numba: imported on first use, not by every importer of ops (planner, CLI)
     shape = tuple(shape)
     n = 1

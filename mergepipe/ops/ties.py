@@ -4,11 +4,20 @@ and della)."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from mergepipe.ops.spec import OpSpec
+from mergepipe.ops.spec import Consensus, OpSpec, Sparsify
 
-SPECS = (OpSpec("ties", "magnitude", True, True, False),)
+if TYPE_CHECKING:
+    import torch
+
+SPECS = (OpSpec("ties", Sparsify.MAGNITUDE, Consensus.SIGN, True, False,
+                reference="TIES-merging, Yadav et al. 2023, https://arxiv.org/abs/2306.01708"),)
+
+
+
+def _thresholds(density: float, params: dict) -> list[float]:
+    return [density]
 
 
 def magnitude(delta: torch.Tensor, thresholds: list[float]) -> torch.Tensor:
@@ -16,9 +25,15 @@ def magnitude(delta: torch.Tensor, thresholds: list[float]) -> torch.Tensor:
     return delta * (delta.abs() >= thresholds[0])
 
 
+
+SPARSIFY = {Sparsify.MAGNITUDE: lambda delta, density, params, thresholds, seed: magnitude(delta, thresholds)}
+THRESHOLDS = {Sparsify.MAGNITUDE: _thresholds}
+
+
 def combine_consensus(base: torch.Tensor, deltas: list[tuple[float, torch.Tensor]], params: dict) -> torch.Tensor:
     """Sign election: sum the weighted deltas that agree with the elected sign of their sum
     [/ the weights of the agreeing entries when normalize]."""
+    import torch
     lam = params["lambda"]
     if not deltas:
         return base

@@ -1,8 +1,14 @@
-"""Budget strings: ``10%``, ``0.1`` (fractions of the full expert read), ``512MiB``, ``8GB``, ``1e9B``."""
+"""Budgets: ``10%``, ``0.1`` (fractions of the full expert read), ``512MiB``, ``8GB``, ``1e9B``, a number
+of MiB (``--io-budget-mb``, ``budget_mb=``), a slider percentage, or a target error bound.
+
+:class:`Budget` parses every spelling once, into a fraction of the full expert read or a number of
+bytes (or a target bound), and keeps the text that plans record as their budget spec; the full
+expert read is only known to the planner, which asks :meth:`Budget.bytes_of`."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from mergepipe.errors import PlanError
 
@@ -11,14 +17,89 @@ UNITS = {"": None, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000*
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(%|[a-z]*)\s*$", re.IGNORECASE)
 
 
+@dataclass(frozen=True, eq=False)
+class Budget:
+    """An expert-read budget, parsed once. ``spec`` is the text a plan records (``100%``, ``10%``,
+    ``0.1``, ``512MiB``, ``target-bound 0.05``); exactly one of ``fraction`` (of the full expert
+    read), ``nbytes`` and ``target_bound`` is set."""
+
+    spec: str = "100%"
+    fraction: float | None = 1.0
+    nbytes: float | None = None
+    target_bound: float | None = None
+
+    @classmethod
+    def of(cls, value=None, mb: float | None = None, target_bound: float | None = None) -> Budget:
+        """Every spelling: a Budget, None (100%), a string or number (``parse``), ``mb`` MiB, or a
+        target bound (which wins over a budget, as the planner always did)."""
+        if target_bound is not None:
+            return cls.target(target_bound)
+        if isinstance(value, Budget):
+            return value
+        if mb is not None:  # MiB wins over a budget given too (the API always did so)
+            return cls.parse(mib(mb))
+        return cls() if value is None else cls.parse(value)
+
+    @classmethod
+    def parse(cls, value) -> Budget:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            text, spec = repr(value), str(value)
+        elif isinstance(value, str):
+            text = spec = value
+        else:
+            raise PlanError(f"budget must be a string or number, not {type(value).__name__}")
+        kind, amount = _parse(text)
+        return cls(spec, amount if kind == "fraction" else None, amount if kind == "bytes" else None)
+
+    @classmethod
+    def percent(cls, pct: float) -> Budget:
+        """A slider's value, in percent of the full expert read."""
+        if not pct > 0:
+            raise PlanError("the budget must be positive: move the slider above 0%")
+        return cls.parse(f"{float(pct):g}%")
+
+    @classmethod
+    def target(cls, bound: float) -> Budget:
+        """The smallest budget whose relative error bound is at most ``bound`` (additive operators)."""
+        bound = float(bound)
+        if not bound >= 0:
+            raise PlanError("--target-bound must be a non-negative number")
+        return cls(f"target-bound {bound:g}", None, None, bound)
+
+    @property
+    def is_target(self) -> bool:
+        return self.target_bound is not None
+
+    def bytes_of(self, full_bytes: int) -> int:
+        """Bytes of expert reads allowed out of ``full_bytes``; capped at ``full_bytes``."""
+        if self.is_target:
+            raise PlanError("a target bound has no fixed byte budget")
+        nbytes = self.fraction * full_bytes if self.fraction is not None else self.nbytes
+        return min(int(nbytes), full_bytes)
+
+    def __str__(self) -> str:
+        return self.spec
+
+    def _key(self) -> tuple:
+        return (self.spec, self.fraction, self.nbytes, self.target_bound)
+
+    def __eq__(self, other) -> bool:
+        """Equal to a Budget with the same value and spec, and to its spec text (``cfg.budget == "25%"``)."""
+        if isinstance(other, str):
+            return self.spec == other
+        return isinstance(other, Budget) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self.spec)
+
+
 def parse_budget(spec, full_bytes: int) -> int:
     """Bytes of expert reads allowed by ``spec``; capped at ``full_bytes``."""
-    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
-        text = repr(spec)
-    elif isinstance(spec, str):
-        text = spec
-    else:
-        raise PlanError(f"budget must be a string or number, not {type(spec).__name__}")
+    return Budget.parse(spec).bytes_of(full_bytes)
+
+
+def _parse(text: str) -> tuple[str, float]:
+    """("fraction", f) or ("bytes", n) for a budget string."""
     m = _PATTERN.match(text)
     if not m:
         raise PlanError(
@@ -27,18 +108,18 @@ def parse_budget(spec, full_bytes: int) -> int:
     if unit == "%":
         if value > 100:
             raise PlanError(f"bad budget {text!r}: a percentage must be at most 100%")
-        nbytes = value / 100 * full_bytes
+        result = ("fraction", value / 100)
     elif unit == "":
         if value > 1:
             raise PlanError(f"bad budget {text!r}: a bare number is a fraction in (0, 1]; add a unit for bytes (e.g. {text}MiB)")
-        nbytes = value * full_bytes
+        result = ("fraction", value)
     elif unit in UNITS:
-        nbytes = value * UNITS[unit]
+        result = ("bytes", value * UNITS[unit])
     else:
         raise PlanError(f"bad budget {text!r}: unknown unit {m.group(2)!r} (B, KB, MB, GB, KiB, MiB, GiB)")
     if value <= 0:
         raise PlanError(f"bad budget {text!r}: the budget must be positive")
-    return min(int(nbytes), full_bytes)
+    return result
 
 
 def mib(n: float) -> str:

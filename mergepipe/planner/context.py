@@ -19,18 +19,17 @@ from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.models import check_unchanged
 from mergepipe.errors import PlanError
 from mergepipe.manifest.build import canonical
-from mergepipe.ops.core import (
-    coefficient, get_op, lookup_thresholds, resolve_params, threshold_fractions, useful_blocks,
-)
-from mergepipe.ops.spec import OpSpec
+from mergepipe.ops.core import coefficient, lookup_thresholds, threshold_fractions, useful_blocks
+from mergepipe.ops.spec import OpSpec, Sparsify
 from mergepipe.planner.bounds import Bounds
-from mergepipe.planner.budget import mib, parse_budget
+from mergepipe.planner.budget import Budget
 from mergepipe.planner.candidates import Candidates
 from mergepipe.planner.plan import PLAN_FORMAT, Plan, compact_ranges, save_plan
+from mergepipe.planner.request import MergeRequest
 from mergepipe.planner.settings import (
     check_setting, is_scalar, layer_t, num_layers, resolve, tensor_density, tensor_weight,
 )
-from mergepipe.planner.strategies import STRATEGIES, StrategyScores, _uniform_priority
+from mergepipe.planner.strategies import StrategyScores, _uniform_priority
 from mergepipe.storage.grid import DEFAULT_BLOCK_BYTES, tensor_grid
 from mergepipe.storage.safetensors import FLOAT_DTYPES, TensorInfo
 from mergepipe.storage.sources import fixed_bytes, open_source
@@ -40,21 +39,17 @@ from mergepipe.version import __version__
 class PlanContext(StrategyScores, Bounds):
     """Everything about a merge request except the budget: reusable while a user drags a slider."""
 
-    def __init__(self, catalog: Catalog, base_model: str, experts, operator: str = "ties",
-                 weights=None, density=None, lam=None, normalize=None, rescale=None, seed: int = 0,
-                 strategy: str = "norm", gamma=None, epsilon=None, weight=None):
+    def __init__(self, catalog: Catalog, request: MergeRequest):
         self.catalog = catalog
-        self.op: OpSpec = get_op(operator)
-        self.params = resolve_params(self.op, normalize=normalize, rescale=rescale, lam=lam,
-                                     gamma=gamma, epsilon=epsilon)
-        self.seed = int(seed)
-        if strategy not in STRATEGIES:
-            raise PlanError(f"unknown strategy {strategy!r} (choose from {', '.join(STRATEGIES)})")
-        self.strategy = strategy
-        self.base = catalog.model(base_model)
+        self.request = request = request.validated()
+        self.op: OpSpec = request.op
+        self.params = request.resolved_params(self.op)
+        self.seed = int(request.seed)
+        self.strategy = request.strategy
+        self.base = catalog.model(request.base)
         self.tensors = [t for t in catalog.tensors(self.base["id"])]
         self.tensor_index = {t["name"]: i for i, t in enumerate(self.tensors)}
-        self.experts = self._expert_specs(experts, weights, density, weight)
+        self.experts = self._expert_specs(request.experts, request.density, request.weight)
         self.block_bytes = catalog.grid_block_bytes(self.base["id"]) or DEFAULT_BLOCK_BYTES
         names = [t["name"] for t in self.tensors]
         # [K, T] weight of each expert on each tensor, and its coefficient in the merged delta
@@ -66,23 +61,13 @@ class PlanContext(StrategyScores, Bounds):
         self.thresholds = self._thresholds()
         self.candidates = self._candidates()
 
-    def _expert_specs(self, experts, weights, density, weight=None) -> list[dict]:
+    def _expert_specs(self, experts, density, weight=None) -> list[dict]:
         if not experts:
             raise PlanError("no experts given")
-        specs = []
-        for i, e in enumerate(experts):
-            spec = {"model": e} if isinstance(e, str) else dict(e)
-            if "model" not in spec:
-                raise PlanError(f"expert {e!r} has no model id")
-            specs.append(spec)
+        specs = [dict(e) for e in experts]
         ids = [s["model"] for s in specs]
         if len(set(ids)) != len(ids):
             raise PlanError(f"an expert is listed twice: {', '.join(sorted({i for i in ids if ids.count(i) > 1}))}")
-        if weights is not None:
-            if len(weights) != len(specs):
-                raise PlanError(f"{len(weights)} weights given for {len(specs)} experts")
-            for s, w in zip(specs, weights):
-                s["weight"] = w
         global_w = None if weight is None else check_setting(weight, "weight")
         global_d = None if density is None else check_setting(density, "density")
         check_unchanged(self.base)
@@ -110,7 +95,7 @@ class PlanContext(StrategyScores, Bounds):
     def _check_density(self, expert_id: str, d: float, where: str = "") -> None:
         if self.op.uses_density and not 0 < d <= 1:
             raise PlanError(f"density {d:g} of {expert_id}{where} is outside (0, 1]")
-        if self.op.sparsify == "della":
+        if self.op.sparsify is Sparsify.DELLA:
             eps = self.params["epsilon"]
             if d < 1 and not (0 < eps and d - eps > 0 and d + eps <= 1):
                 raise PlanError(f"della needs 0 < density - epsilon and density + epsilon <= 1 "
@@ -137,7 +122,7 @@ class PlanContext(StrategyScores, Bounds):
         """Magnitude thresholds per (expert, tensor) from the catalog. An expert lacking one for a
         density this merge needs is marked to be analyzed on the way (the merge reads it in full)."""
         out: dict[str, dict[str, list[float]]] = {}
-        if self.op.sparsify not in ("magnitude", "magnitude_outliers"):
+        if not self.op.thresholded:
             return out
         for e in self.experts:
             if e.get("analyze"):
@@ -219,28 +204,24 @@ class PlanContext(StrategyScores, Bounds):
         return sum(t["nbytes"] for t in self.tensors)
 
     def plan(self, budget=None, budget_mb=None, target_bound: float | None = None) -> Plan:
+        """The plan at ``budget`` (a :class:`Budget` or any spelling it takes; default the request's)."""
+        if budget is None and budget_mb is None and target_bound is None:
+            budget = self.request.budget
+        budget = Budget.of(budget, mb=budget_mb, target_bound=target_bound)
         cands = self.candidates
         full = cands.full_bytes
-        if budget_mb is not None:
-            budget = mib(budget_mb)
-        budget_spec = f"target-bound {target_bound:g}" if target_bound is not None else (
-            "100%" if budget is None else str(budget))
-        if target_bound is not None and not target_bound >= 0:
-            raise PlanError("--target-bound must be a non-negative number")
-        if target_bound is not None and not self.op.additive:
+        target_bound = budget.target_bound
+        if budget.is_target and not self.op.additive:
             raise PlanError(f"--target-bound needs an additive operator (linear, task_arithmetic), not {self.op.name}")
-        if target_bound is None and full:
-            parse_budget(budget_spec, full)  # a bad budget is refused, first merge or not
         if self.to_analyze:  # a first merge: the budget applies from the next merge on
-            return self._build(cands.order, budget_spec, full, target_bound, first_merge=True)
-        if target_bound is not None:
+            return self._build(cands.order, budget.spec, full, target_bound, first_merge=True)
+        if budget.is_target:
             norm = self.full_norm_estimate()
             budget_bytes = cands.smallest_budget_for(target_bound * norm) if full else 0
         else:
-            budget_bytes = parse_budget(budget_spec, full) if full else 0
+            budget_bytes = budget.bytes_of(full) if full else 0
         chosen = cands.select(budget_bytes) if full else np.zeros(0, dtype=np.int64)
-        return self._build(chosen, budget_spec, budget_bytes, target_bound)
-
+        return self._build(chosen, budget.spec, budget_bytes, target_bound)
 
     def _build(self, chosen: np.ndarray, budget_spec: str, budget_bytes: int, target_bound,
                first_merge: bool = False) -> Plan:
@@ -308,17 +289,28 @@ def _info(row: dict) -> TensorInfo:
 
 
 class Planner:
-    """``Planner(catalog).plan(base_model=..., experts=[...], operator="TIES", budget_mb=8192)``."""
+    """``Planner(catalog).plan(request)``, a :class:`MergeRequest`; or, for scripts,
+    ``Planner(catalog).plan(base_model=..., experts=[...], operator="TIES", budget_mb=8192)``, which
+    builds one."""
 
     def __init__(self, catalog: Catalog):
         self.catalog = catalog
 
-    def context(self, base_model: str, experts, operator: str = "ties", **kw) -> PlanContext:
-        return PlanContext(self.catalog, base_model, experts, operator, **kw)
+    def context(self, request: MergeRequest | str, experts=None, operator: str = "ties", **kw) -> PlanContext:
+        return PlanContext(self.catalog, _request(request, experts, operator, kw))
 
-    def plan(self, base_model: str, experts, operator: str = "ties", budget=None, budget_mb=None,
-             target_bound=None, save: bool = True, **kw) -> Plan:
-        plan = self.context(base_model, experts, operator, **kw).plan(budget, budget_mb, target_bound)
+    def plan(self, request: MergeRequest | str | None = None, experts=None, operator: str = "ties",
+             save: bool = True, base_model: str | None = None, **kw) -> Plan:
+        plan = PlanContext(self.catalog, _request(request if request is not None else base_model,
+                                                  experts, operator, kw)).plan()
         if save:
             save_plan(self.catalog, plan)
         return plan
+
+
+def _request(request, experts, operator, kw) -> MergeRequest:
+    if isinstance(request, MergeRequest):
+        if experts is not None or kw:
+            raise PlanError("give either a MergeRequest or keyword settings, not both")
+        return request
+    return MergeRequest.build(request, experts, operator, **kw)

@@ -9,6 +9,7 @@ import numpy as np
 
 from mergepipe.catalog import analyses
 from mergepipe.catalog.sketch import decode
+from mergepipe.ops.spec import Sparsify
 
 
 # How candidate blocks are ranked (greedy takes the highest priority per byte first):
@@ -73,7 +74,7 @@ class StrategyScores:
 
         Estimated from the block's sketch (a fixed sample of delta). Operators without a magnitude
         threshold keep everything (share 1)."""
-        if self.op.sparsify not in ("magnitude", "magnitude_outliers"):
+        if not self.op.thresholded:
             return np.ones(len(arr["expert"]))
         keys, mat = self._sketch_matrix()
         names = [t["name"] for t in self.tensors]
@@ -84,7 +85,7 @@ class StrategyScores:
             if idx is None or not thr:
                 continue
             v = mat[idx, ei]
-            lo, hi = (thr[0], math.inf) if self.op.sparsify == "magnitude" else (thr[1], thr[0])
+            lo, hi = (thr[0], math.inf) if self.op.sparsify is Sparsify.MAGNITUDE else (thr[1], thr[0])
             energy = float((v * v).sum())
             if energy > 0:
                 a = np.abs(v)

@@ -18,6 +18,7 @@ import pytest
 import mergepipe
 import mergepipe.catalog.models as registry
 from conftest import dump_catalog, dump_catalog_file, load_checkpoint_tensors
+from merge_helpers import HEAVY_MODULES, probe_cli
 from mergepipe.catalog.db import Catalog
 from mergepipe.cli.app import main
 from mergepipe.errors import CatalogError
@@ -26,31 +27,12 @@ from mergepipe.catalog.models import named_by_path, register, register_many
 from mergepipe.storage.safetensors import open_checkpoint
 
 REPO = Path(mergepipe.__file__).resolve().parents[1]
-HEAVY = ("torch", "numpy", "pandas")
-# Runs the CLI as `python -m mergepipe.cli` does, then reports which heavy modules got imported.
-PROBE = """
-import runpy, sys
-sys.argv = ["mergepipe", *sys.argv[1:]]
-code = 0
-try:
-    runpy.run_module("mergepipe.cli", run_name="__main__", alter_sys=True)
-except SystemExit as exc:
-    code = exc.code
-print("HEAVY:" + ",".join(m for m in %r if m in sys.modules), file=sys.stderr)
-sys.exit(code)
-""" % (HEAVY,)
+HEAVY = HEAVY_MODULES
 
 
 def probe(*args, cwd: Path) -> tuple[int, str, list[str]]:
     """(exit code, stdout, heavy modules imported) of one CLI command in a fresh interpreter."""
-    env = {k: v for k, v in os.environ.items() if k != "MERGEPIPE_DB"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    p = subprocess.run([sys.executable, "-c", PROBE, *map(str, args)], capture_output=True, text=True,
-                       cwd=cwd, env=env, timeout=120)
-    *errors, last = p.stderr.splitlines()
-    assert last.startswith("HEAVY:"), p.stderr
-    assert "Traceback" not in p.stderr, p.stderr
-    return p.returncode, p.stdout, [m for m in last[len("HEAVY:"):].split(",") if m]
+    return probe_cli(*args, cwd=cwd, modules=HEAVY)
 
 
 def cli(capsys, *args) -> tuple[int, str, str]:

@@ -258,6 +258,26 @@ def test_plan_slider_save_and_errors(env):
     c.close()
 
 
+def test_plan_widgets_come_from_the_operator_declarations(env):
+    """The Plan page draws each operator's declared parameters (ops/spec.py): label, range, default."""
+    from mergepipe.api import operators
+    at = open_page("plan")
+    for spec in operators():
+        at.selectbox(key="op").select(spec.name).run()
+        assert not at.exception
+        keys = {w.key for w in at.number_input} | {w.key for w in at.selectbox}
+        for p in views.op_info(spec.name)["params"]:
+            if p["place"] == "weights":
+                assert all(f"w_{e}" in keys for e in at.multiselect(key="experts").value)
+                continue
+            assert p["key"] in keys, (spec.name, p["name"])
+            if p["kind"] == "float":
+                w = at.number_input(key=p["key"])
+                assert (w.label, w.min, w.max) == (p["label"], p["min"], p["max"]), (spec.name, p["name"])
+        extra = {"density", "gamma", "epsilon"} - {p.name for p in spec.parameters}
+        assert not extra & keys, (spec.name, extra & keys)
+
+
 def test_plan_operator_params_and_target(env):
     at = open_page("plan")
     at.selectbox(key="op").select("ties").run()
