@@ -17,7 +17,7 @@ from mergepipe.catalog.models import check_unchanged
 from mergepipe.catalog.sketch import DEFAULT_SKETCH_SIZE
 from mergepipe.errors import CatalogError
 from mergepipe.storage.grid import DEFAULT_BLOCK_BYTES
-from mergepipe.storage.safetensors import open_checkpoint
+from mergepipe.storage.registry import open_checkpoint
 
 
 Progress = Callable[[str, int, int], None]

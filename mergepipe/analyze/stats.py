@@ -32,7 +32,7 @@ from mergepipe.analyze.thresholds import DenseSelection, HIST_BINS, KeySelection
 from mergepipe.catalog.db import now
 from mergepipe.catalog.sketch import DEFAULT_SKETCH_SIZE, sample_positions, sketch_bytes
 from mergepipe.storage.grid import BlockSpan, tensor_grid
-from mergepipe.storage.local import RangeReader
+from mergepipe.storage.base import Reader
 from mergepipe.storage.safetensors import Checkpoint, FLOAT_DTYPES, TensorInfo
 from mergepipe.storage.sources import open_source
 
@@ -60,7 +60,7 @@ def _arena(nbytes: int) -> np.ndarray:
     return buf
 
 
-def _read(reader: RangeReader, rng: tuple[str, int, int], dtype: str, into: np.ndarray) -> np.ndarray:
+def _read(reader: Reader, rng: tuple[str, int, int], dtype: str, into: np.ndarray) -> np.ndarray:
     """One byte range as the kernels' array type, read into ``into`` (a slice of the arena)."""
     buf = into[:rng[2]]
     assert buf.size == rng[2]
@@ -93,8 +93,8 @@ class ExpertAnalysis:
         self.block_bytes = block_bytes
         self.sketch_size = sketch_size
         self.densities = tuple(sorted(set(float(d) for d in densities)))
-        self.rb = RangeReader(base_ck, sequential=True)
-        self.re = RangeReader(self.source.checkpoint, sequential=True)
+        self.rb = base_ck.reader(sequential=True)
+        self.re = self.source.checkpoint.reader(sequential=True)
         self.results: dict[str, tuple[list[dict], dict]] = {}
         self.seconds = 0.0
         self.base_read = 0  # base bytes this expert's statistics used (a shared read counts for each)
@@ -166,7 +166,7 @@ def analyze_tensor(jobs: list[ExpertAnalysis], binfo: TensorInfo) -> None:
                   (time.perf_counter() - t0) / len(jobs))
 
 
-def _prefetch(base_reader: RangeReader | None, passes: list["_TensorPass"], binfo: TensorInfo,
+def _prefetch(base_reader: Reader | None, passes: list["_TensorPass"], binfo: TensorInfo,
               span: BlockSpan) -> None:
     """Start reading a block that comes PREFETCH_BLOCKS later, in every file: a task then finds its
     blocks in the page cache instead of waiting for each 1 MiB read in turn."""
@@ -185,7 +185,7 @@ def _first_pass(passes: list["_TensorPass"], binfo: TensorInfo) -> None:
                 for span in spans]
     keep = binfo.numel * 4 <= IN_MEMORY_TENSOR_BYTES and sum(per_span) <= KEEP_TASK_BYTES
     arena = _Arena(sum(per_span) if keep else max(per_span))
-    with RangeReader(passes[0].job.base_ck, sequential=True) as base_reader:
+    with passes[0].job.base_ck.reader(sequential=True) as base_reader:
         for i, span in enumerate(spans):
             for ahead in spans[i + PREFETCH_BLOCKS:i + PREFETCH_BLOCKS + 1] if i else spans[:PREFETCH_BLOCKS + 1]:
                 _prefetch(base_reader if needs_base else None, passes, binfo, ahead)

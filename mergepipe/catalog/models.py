@@ -14,9 +14,9 @@ from pathlib import Path
 
 from mergepipe.catalog.db import Catalog, now
 from mergepipe.errors import CatalogError
-from mergepipe.storage.local import fingerprint
-from mergepipe.storage.lora import ADAPTER_CONFIG, base_mismatches, open_adapter
-from mergepipe.storage.safetensors import FLOAT_DTYPES, Checkpoint, open_checkpoint
+from mergepipe.storage.lora import base_mismatches
+from mergepipe.storage.registry import canonical_uri, open_adapter, open_checkpoint, storage_for
+from mergepipe.storage.safetensors import FLOAT_DTYPES, Checkpoint
 
 KINDS = ("full", "delta", "lora")
 
@@ -28,18 +28,12 @@ def open_files(kind: str, uri: str) -> Checkpoint:
 
 def current_fingerprint(row: dict) -> str:
     """Fingerprint of the files a registered model points at, as they are now."""
-    return fingerprint(open_files(row["kind"], row["uri"]))
+    return open_files(row["kind"], row["uri"]).fingerprint()
 
 
 def file_stats(uri: str) -> str | None:
-    """(name, size, mtime) of a checkpoint's weight and index files, from stat() alone."""
-    root = Path(uri)
-    try:
-        files = [root] if root.is_file() else sorted(
-            [*root.glob("*.safetensors"), *root.glob("*.safetensors.index.json"), *root.glob(ADAPTER_CONFIG)])
-        return json.dumps([[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files])
-    except OSError:
-        return None
+    """The storage's cheap change stamp of a checkpoint's files (local: names, sizes, mtimes)."""
+    return storage_for(uri).stamp(uri)
 
 
 def check_unchanged(row: dict) -> None:
@@ -59,10 +53,11 @@ def check_unchanged(row: dict) -> None:
 def content_hash(ckpt: Checkpoint) -> str:
     """sha256 over every byte of every file (opt-in: reads the whole checkpoint)."""
     h = hashlib.sha256()
-    for f in ckpt.files:
-        with open(f, "rb") as fh:
-            while chunk := fh.read(16 << 20):
-                h.update(chunk)
+    with ckpt.reader(sequential=True) as reader:
+        for fname in ckpt.file_sizes:
+            size = ckpt.storage.size(ckpt, fname)
+            for offset in range(0, size, 16 << 20):
+                h.update(reader.read(fname, offset, min(16 << 20, size - offset)))
     return "sha256:" + h.hexdigest()
 
 
@@ -210,7 +205,7 @@ def _check_one(catalog: Catalog, model_id: str, uri: str, kind: str, base_id: st
                     else layout_mismatches(base_ckpt, ckpt, any_float=kind == "delta"))
         if problems:
             raise CatalogError(f"{model_id} does not match base {base_id}: " + "; ".join(problems))
-    checked = Checked(model_id, uri, kind, base_id, ckpt, fingerprint(ckpt), existing=False)
+    checked = Checked(model_id, uri, kind, base_id, ckpt, ckpt.fingerprint(), existing=False)
     existing = catalog.query("SELECT * FROM models WHERE id = ?", [model_id])
     if existing:
         checked.existing = True
@@ -225,7 +220,7 @@ def _same_registration(old: dict, new: Checked) -> bool:
         old["fingerprint"] == new.fingerprint
         and old["base_id"] == new.base_id
         and old["kind"] == new.kind
-        and str(Path(old["uri"]).resolve()) == str(Path(new.uri).resolve())
+        and canonical_uri(old["uri"]) == canonical_uri(new.uri)
     )
 
 
@@ -244,7 +239,7 @@ def _model_row(c: Checked, with_content_hash: bool, snapshot_id: str | None) -> 
     dtypes = sorted({t.dtype for t in ckpt.tensors.values()})
     return {
         "id": c.model_id,
-        "uri": str(Path(c.uri).resolve()),
+        "uri": canonical_uri(c.uri),
         "kind": c.kind,
         "base_id": c.base_id,
         "fingerprint": c.fingerprint,

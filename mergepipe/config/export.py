@@ -10,7 +10,7 @@ from mergepipe.catalog.plans import find_plan_id
 from mergepipe.config.model import MERGEKIT_DTYPE
 from mergepipe.errors import MergePipeError
 from mergepipe.ops.core import get_op
-from mergepipe.storage.safetensors import open_checkpoint
+from mergepipe.storage.registry import open_checkpoint
 
 
 # --- export -------------------------------------------------------------------------------------------

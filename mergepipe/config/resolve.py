@@ -20,7 +20,7 @@ from mergepipe.ops.core import get_op, resolve_params
 from mergepipe.planner.context import Planner
 from mergepipe.planner.plan import Plan
 from mergepipe.planner.request import MergeRequest
-from mergepipe.storage.safetensors import open_checkpoint
+from mergepipe.storage.registry import open_checkpoint
 
 
 # --- resolving references against the catalog ---------------------------------------------------------

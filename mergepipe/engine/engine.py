@@ -48,7 +48,7 @@ GROUP_READ_BYTES = 16 << 20
 class Engine:
     """``Engine(catalog).execute(plan, out=DIR)`` -> ``(snapshot_id, manifest)``."""
 
-    def __init__(self, catalog: Catalog, storage=None, transaction_manager=None,
+    def __init__(self, catalog: Catalog, transaction_manager=None,
                  readahead: int = READAHEAD, group_bytes: int = GROUP_BYTES, threads: int = 1,
                  workers: int | None = None, fused: bool = True, inflight_bytes: int = INFLIGHT_BYTES,
                  group_read_bytes: int = GROUP_READ_BYTES, executor=None):

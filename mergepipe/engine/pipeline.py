@@ -25,8 +25,8 @@ from mergepipe.ops.core import get_op
 from mergepipe.planner.plan import Plan, compact_ranges, expand_ranges
 from mergepipe.planner.settings import tensor_weight
 from mergepipe.storage.grid import BlockSpan, tensor_grid
-from mergepipe.storage.local import RangeReader
-from mergepipe.storage.safetensors import FLOAT_DTYPES, TensorInfo, open_checkpoint
+from mergepipe.storage.registry import open_checkpoint
+from mergepipe.storage.safetensors import FLOAT_DTYPES, TensorInfo
 from mergepipe.storage.sources import open_source
 from mergepipe.storage.writers import ShardWriter, finish_files, plan_shards
 
@@ -79,9 +79,9 @@ class MergePipeline:
         self.work = block_groups(order, plan["grid"]["block_bytes"], engine.group_bytes, self.span_cost,
                                  engine.group_read_bytes)
         self.total_blocks = sum(len(g) for _, g in self.work)
-        self.readers = [RangeReader(src.checkpoint) for src in self.sources]
+        self.readers = [src.checkpoint.reader() for src in self.sources]
         self.fixed_cache: list[tuple[str, list] | None] = [None] * len(experts)  # LoRA A of the current tensor
-        self.base_reader = RangeReader(base_ck, sequential=True)
+        self.base_reader = base_ck.reader(sequential=True)
         self.writers = {s.fname: ShardWriter(staging, s) for s in self.shards}
         self.by_tensor: dict[str, int] = {}
         self.touched: dict[str, dict[str, list[int]]] = {e["id"]: {} for e in experts}

@@ -8,6 +8,7 @@ asked for (see shared/notes/io-and-compute.md). ``evict`` and ``proc_io`` serve 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import threading
 from pathlib import Path
@@ -143,7 +144,9 @@ class LocalStorage(Storage):
     """Checkpoints as local files: headers parsed by hand, tensor bytes read with ``os.preadv``."""
 
     def open(self, uri: str | os.PathLike) -> Checkpoint:
-        return open_checkpoint(uri)
+        checkpoint = open_checkpoint(uri)
+        checkpoint.storage = self
+        return checkpoint
 
     def size(self, checkpoint: Checkpoint, fname: str) -> int:
         path = checkpoint.root / fname if checkpoint.root.is_dir() else checkpoint.root
@@ -154,6 +157,16 @@ class LocalStorage(Storage):
 
     def fingerprint(self, checkpoint: Checkpoint) -> str:
         return fingerprint(checkpoint)
+
+    def stamp(self, uri: str | os.PathLike) -> str | None:
+        """(name, size, mtime) of the weight, index and adapter-config files, from stat() alone."""
+        root = Path(uri)
+        try:
+            files = [root] if root.is_file() else sorted(
+                [*root.glob("*.safetensors"), *root.glob("*.safetensors.index.json"), *root.glob(ADAPTER_CONFIG)])
+            return json.dumps([[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files])
+        except OSError:
+            return None
 
 
 def evict(paths) -> None:

@@ -22,6 +22,8 @@ from mergepipe.errors import StorageError
 if TYPE_CHECKING:
     import torch
 
+    from mergepipe.storage.base import Reader, Storage
+
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -98,6 +100,20 @@ class Checkpoint:
     tensors: dict[str, TensorInfo]
     file_sizes: dict[str, int]
     config: dict = field(default_factory=dict)
+    # the Storage it was opened with (mergepipe.storage.registry); it reads and fingerprints the files
+    storage: Storage | None = field(default=None, repr=False, compare=False)
+
+    def reader(self, sequential: bool = False) -> Reader:
+        """Exact range reads of this checkpoint's files, through the storage it was opened with."""
+        return self._storage().reader(self, sequential)
+
+    def fingerprint(self) -> str:
+        return self._storage().fingerprint(self)
+
+    def _storage(self) -> Storage:
+        if self.storage is None:
+            raise StorageError(f"{self.root}: opened without a storage backend (use mergepipe.storage.registry)")
+        return self.storage
 
     @property
     def nbytes(self) -> int:

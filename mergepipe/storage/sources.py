@@ -13,10 +13,9 @@ once per tensor (LoRA's A), and how to turn those bytes into the float32 delta o
 from __future__ import annotations
 
 from mergepipe.storage.grid import BlockSpan
-from mergepipe.storage.lora import LoraAdapter, open_adapter
-from mergepipe.storage.safetensors import (
-    Checkpoint, TensorInfo, bytes_to_tensor, open_checkpoint, row_nbytes, rows_shape,
-)
+from mergepipe.storage.lora import LoraAdapter
+from mergepipe.storage.registry import open_adapter, open_checkpoint
+from mergepipe.storage.safetensors import Checkpoint, TensorInfo, bytes_to_tensor, row_nbytes, rows_shape
 
 Range = tuple[str, int, int]  # (file, absolute offset, nbytes)
 
