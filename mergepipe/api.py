@@ -19,6 +19,7 @@ from mergepipe.engine.txn import check_output_path, recover
 from mergepipe.errors import ExecutionError, MergePipeError
 from mergepipe.manifest.lineage import lineage, lineage_dot  # noqa: F401  (lineage_dot: for the CLI)
 from mergepipe.manifest.verify import load_manifest, verify
+from mergepipe.storage.paths import check_output
 
 if TYPE_CHECKING:
     from mergepipe.engine.engine import Engine
@@ -134,7 +135,7 @@ def _config(config) -> MergekitConfig:
 def check_target(catalog: Catalog, out, model_id: str | None = None) -> tuple[Path, str]:
     """The output directory and merged model id a merge would use, refused now if either is taken
     (the engine checks again; checking first spares registering and analyzing for nothing)."""
-    out = Path(out).absolute()
+    out = check_output(out)
     model_id = model_id or out.name
     if catalog.has_model(model_id):
         raise ExecutionError(f"model id {model_id!r} is already registered; choose another --model-id")

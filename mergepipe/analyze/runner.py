@@ -52,7 +52,8 @@ def _prepare(catalog: Catalog, expert_id: str, block_bytes, sketch_size, densiti
         and prev["sketch_size"] == sketch_size and set(json.loads(prev["densities"])) >= set(densities)
     ):
         return None
-    return ExpertAnalysis(expert, base, open_checkpoint(base["uri"]), block_bytes, sketch_size, densities)
+    return ExpertAnalysis(expert, base, open_checkpoint(base["uri"]), block_bytes, sketch_size, densities,
+                          grid_seen=grid_bytes)
 
 
 def run_analyses(jobs: list[ExpertAnalysis], progress: Progress | None = None) -> None:

@@ -86,8 +86,9 @@ class ExpertAnalysis:
     its settings, and the rows of every tensor analyzed so far. Tensors may be analyzed concurrently."""
 
     def __init__(self, expert: dict, base: dict, base_ck: Checkpoint, block_bytes: int,
-                 sketch_size: int = DEFAULT_SKETCH_SIZE, densities=DEFAULT_DENSITIES):
+                 sketch_size: int = DEFAULT_SKETCH_SIZE, densities=DEFAULT_DENSITIES, grid_seen: int | None = None):
         self.expert, self.base = expert, base
+        self.grid_seen = grid_seen  # the base's grid when the job was made (compare-and-set on store)
         self.base_ck = base_ck
         self.source = open_source(expert["kind"], expert["uri"])
         self.block_bytes = block_bytes

@@ -7,13 +7,21 @@ Functions that return a cursor leave it to the caller to iterate (rows come as t
 from __future__ import annotations
 
 from mergepipe.catalog.db import Catalog, now
+from mergepipe.errors import CatalogError
 
 
 def replace_analyses(catalog: Catalog, jobs, seconds: dict | None = None) -> None:
     """Replace the statistics of these experts (and their base's grid); the caller holds the transaction.
 
-    ``jobs`` are ANALYZE jobs: ``base``, ``expert_id``, ``block_bytes``, ``n_blocks``, ``results`` and
-    ``record(seconds)`` (the analyses row)."""
+    ``jobs`` are ANALYZE jobs: ``base``, ``expert``, ``expert_id``, ``block_bytes``, ``grid_seen``,
+    ``n_blocks``, ``results`` and ``record(seconds)`` (the analyses row).
+
+    Compare-and-set: statistics are stored only if what they were computed from is still what the
+    catalog holds -- the expert's and the base's fingerprints, and the base's grid as it was when the
+    job started (or already the job's own): a concurrent ANALYZE that re-gridded the base, or a
+    re-registration, makes this one store nothing and say so."""
+    for job in jobs:
+        _check_still_current(catalog, job)
     for job in jobs:
         if catalog.grid_block_bytes(job.base["id"]) != job.block_bytes:
             catalog.db["grids"].upsert(
@@ -24,6 +32,19 @@ def replace_analyses(catalog: Catalog, jobs, seconds: dict | None = None) -> Non
         catalog.db["blocks"].insert_all((r for rows, _ in job.results.values() for r in rows), batch_size=2000)
         catalog.db["tensor_stats"].insert_all((s for _, s in job.results.values()), batch_size=2000)
         catalog.db["analyses"].upsert(job.record((seconds or {}).get(job.expert_id)), pk="model_id")
+
+
+def _check_still_current(catalog: Catalog, job) -> None:
+    for model in (job.expert, job.base):
+        row = catalog.conn.execute("SELECT fingerprint FROM models WHERE id = ?", [model["id"]]).fetchone()
+        if row is None or row[0] != model["fingerprint"]:
+            raise CatalogError(f"{model['id']} was re-registered or removed while {job.expert_id} was being "
+                               f"analyzed; nothing was stored (run analyze again)")
+    grid = catalog.grid_block_bytes(job.base["id"])
+    if grid not in (None, job.block_bytes, job.grid_seen):
+        raise CatalogError(f"the block grid of {job.base['id']} changed to {grid} bytes while {job.expert_id} was "
+                           f"being analyzed with {job.block_bytes}-byte blocks (another analyze stored it); nothing "
+                           f"was stored (run analyze again)")
 
 
 # --- planner reads (cursors of tuples, changed tensors/blocks only) ---------------------------------

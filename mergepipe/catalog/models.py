@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mergepipe.catalog.db import Catalog, now
-from mergepipe.errors import CatalogError
+from mergepipe.errors import CatalogError, MergePipeError
 from mergepipe.storage.lora import base_mismatches
 from mergepipe.storage.registry import canonical_uri, open_adapter, open_checkpoint, storage_for
 from mergepipe.storage.safetensors import FLOAT_DTYPES, Checkpoint
@@ -48,6 +48,31 @@ def check_unchanged(row: dict) -> None:
             f"the files of {row['id']!r} ({row['uri']}) changed since registration; "
             f"re-register it with --replace"
         )
+
+
+def input_change(inp: dict) -> str | None:
+    """Why a merge input (a plan's ``{id, uri, fingerprint, kind}``) is no longer what was planned, or None.
+
+    Re-parses the headers and re-fingerprints the files as they are now (no stamp shortcut)."""
+    try:
+        now_fp = open_files(inp.get("kind", "full"), inp["uri"]).fingerprint()
+    except MergePipeError as exc:
+        return f"{inp['id']} ({inp['uri']}) is no longer readable: {exc}"
+    if now_fp != inp["fingerprint"]:
+        return f"{inp['id']} ({inp['uri']}) changed: its files were rewritten"
+    return None
+
+
+def check_content_hash(row: dict) -> int:
+    """Re-hash a model registered with a content hash (every byte of its files); returns the bytes
+    hashed, 0 when none was registered."""
+    if not row.get("content_hash"):
+        return 0
+    ckpt = open_files(row["kind"], row["uri"])
+    if content_hash(ckpt) != row["content_hash"]:
+        raise CatalogError(f"the content of {row['id']!r} ({row['uri']}) no longer matches the hash registered "
+                           f"with --content-hash; re-register it with --replace")
+    return sum(ckpt.file_sizes.values())
 
 
 def content_hash(ckpt: Checkpoint) -> str:
@@ -101,6 +126,7 @@ class Checked:
     fingerprint: str
     existing: bool  # another registration of this id is replaced
     unchanged: bool = False
+    old_content_hash: str | None = None
 
     def result(self) -> dict:
         if self.unchanged:
@@ -143,11 +169,15 @@ def register_many(
     base_ckpt = _open_base(catalog, base_id)
     checked = [_check_one(catalog, model_id, uri, kind, base_id, base_ckpt, replace) for model_id, uri in items]
     to_write = [c for c in checked if not c.unchanged]
-    if to_write:
+    # --content-hash on an unchanged registration adds the hash and keeps its statistics
+    to_hash = [c for c in checked if c.unchanged and with_content_hash and not c.old_content_hash]
+    if to_write or to_hash:
         rows = [(c, _model_row(c, with_content_hash, snapshot_id)) for c in to_write]
+        hashes = [(content_hash(c.ckpt), c.model_id) for c in to_hash]
         with catalog.transaction():
             for c, row in rows:
                 _write(catalog, c, row)
+            catalog.conn.executemany("UPDATE models SET content_hash = ? WHERE id = ?", hashes)
     return [c.result() for c in checked]
 
 
@@ -209,6 +239,7 @@ def _check_one(catalog: Catalog, model_id: str, uri: str, kind: str, base_id: st
     existing = catalog.query("SELECT * FROM models WHERE id = ?", [model_id])
     if existing:
         checked.existing = True
+        checked.old_content_hash = existing[0]["content_hash"]
         checked.unchanged = _same_registration(existing[0], checked)
         if not checked.unchanged:
             _check_replaceable(existing[0], replace)

@@ -49,12 +49,18 @@ def build_parser() -> argparse.ArgumentParser:
     parsers["execute"].add_argument("--run-id", type=int, help=argparse.SUPPRESS)
     for name in ("explain", "verify"):
         parsers[name].add_argument("ref", help="plan id, snapshot id, merged model id or snapshot directory")
+    parsers["verify"].add_argument("--outputs-only", action="store_true",
+                                   help="check the snapshot's files only, not whether its inputs are unchanged")
     parsers["explain"].add_argument("--as-mergekit", action="store_true",
                                     help="print the equivalent mergekit YAML config instead")
     parsers["explain"].add_argument("--out", help="with --as-mergekit: write the YAML to this file")
     parsers["lineage"].add_argument("model_id", nargs="?")
     parsers["lineage"].add_argument("--dot", action="store_true", help="print Graphviz DOT")
     parsers["dashboard"].add_argument("--port", type=int, default=8501)
+    parsers["dashboard"].add_argument(
+        "--allow-root", action="append", metavar="DIR",
+        help="also let the dashboard read checkpoints from and write merges into DIR (repeatable); added to "
+             "$MERGEPIPE_ALLOWED_ROOTS when set, else to the working directory and the catalog's folder")
     return parser
 
 

@@ -46,5 +46,5 @@ def run_demo(root: Path, dashboard: bool = True, port: int = 8501) -> dict:
     res = build_demo(root)
     if dashboard:
         from mergepipe.dashboard.server import run_dashboard
-        run_dashboard(res["db"], port=port, allowed_roots=[str(Path(root).absolute())])
+        run_dashboard(res["db"], port=port, extra_roots=[str(Path(root).absolute())])
     return res

@@ -12,9 +12,10 @@ def cmd_verify(args):
     from mergepipe.errors import VerifyError
     from mergepipe.api import verify
     cat = open_catalog(args) if (Path(args.db).exists() or not Path(args.ref).is_dir()) else None
-    res = verify(cat, args.ref)
+    res = verify(cat, args.ref, check_inputs=not args.outputs_only)
     emit(args, res, lambda r: print(
-        f"{'OK' if r['ok'] else 'MISMATCH'} {r['snapshot_id']} ({r['files_checked']} files) {r['out']}"
+        f"{'OK' if r['ok'] else 'MISMATCH'} {r['snapshot_id']} ({r['files_checked']} files, "
+        f"{r['inputs_checked']} inputs) {r['out']}"
         + "".join(f"\n  {p}" for p in r["problems"])))
     if not res["ok"]:
         raise VerifyError(f"{res['snapshot_id']}: " + "; ".join(res["problems"]))
@@ -53,4 +54,4 @@ def cmd_recover(args):
 @command("dashboard", "start the Streamlit dashboard on 127.0.0.1")
 def cmd_dashboard(args):
     from mergepipe.dashboard.server import run_dashboard
-    run_dashboard(args.db, port=args.port)
+    run_dashboard(args.db, port=args.port, extra_roots=args.allow_root)

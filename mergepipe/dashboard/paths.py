@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from mergepipe.errors import MergePipeError
+from mergepipe.storage.paths import ROOTS_ENV, allowed_roots as storage_roots
 
 
 # --- paths -----------------------------------------------------------------------------------------
@@ -19,20 +20,17 @@ def allowed_roots(db, env=None, cwd=None) -> list[Path]:
     """Folders the dashboard may read checkpoints from and write outputs into.
 
     ``$MERGEPIPE_ALLOWED_ROOTS`` (os.pathsep-separated) when set, else the working directory and the
-    catalog's directory. Returned resolved (symlinks followed) and without duplicates.
+    catalog's directory. Returned resolved (symlinks followed) and without duplicates. When the
+    variable is unset in this process (the app started by hand), it is set to these defaults, so that
+    the storage layer holds every file the app opens -- symlinks included -- to the same folders.
     """
     env = os.environ if env is None else env
-    raw = env.get("MERGEPIPE_ALLOWED_ROOTS")
-    if raw:
-        items = [p for p in raw.split(os.pathsep) if p.strip()]
-    else:
-        items = [str(cwd or os.getcwd()), str(Path(db).expanduser().absolute().parent)]
-    out: list[Path] = []
-    for p in items:
-        r = Path(p).expanduser().resolve()
-        if r not in out:
-            out.append(r)
-    return out
+    roots = storage_roots(env)
+    if roots is None:
+        roots = storage_roots({ROOTS_ENV: os.pathsep.join(
+            [str(cwd or os.getcwd()), str(Path(db).expanduser().absolute().parent)])})
+        env[ROOTS_ENV] = os.pathsep.join(map(str, roots))
+    return roots
 
 
 def _inside(path: Path, roots: list[Path]) -> bool:

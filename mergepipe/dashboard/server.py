@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from mergepipe.errors import MergePipeError
+from mergepipe.storage.paths import ROOTS_ENV, allowed_roots
 
 APP = Path(__file__).resolve().parents[2] / "app.py"
 
@@ -23,18 +24,26 @@ def dashboard_command(port: int = 8501, app: Path = APP) -> list[str]:
             "--server.address", "127.0.0.1", "--server.headless", "true"]
 
 
-def dashboard_env(db_path, allowed_roots=None, base_env=None) -> dict[str, str]:
+def dashboard_env(db_path, extra_roots=None, base_env=None) -> dict[str, str]:
+    """The app's environment: the caller's, with MERGEPIPE_DB set and MERGEPIPE_ALLOWED_ROOTS always
+    set -- the caller's own roots when it has them (never replaced), else its working directory and
+    the catalog's folder -- plus ``extra_roots`` (``--allow-root``, the demo's folder)."""
     env = dict(os.environ if base_env is None else base_env)
-    env["MERGEPIPE_DB"] = str(Path(db_path).expanduser().absolute())
-    if allowed_roots:
-        env["MERGEPIPE_ALLOWED_ROOTS"] = os.pathsep.join(str(Path(r).expanduser().absolute()) for r in allowed_roots)
+    db = Path(db_path).expanduser().absolute()
+    env["MERGEPIPE_DB"] = str(db)
+    roots = allowed_roots(env) or [Path.cwd(), db.parent]
+    for r in extra_roots or []:
+        roots.append(Path(r).expanduser().resolve())
+    env[ROOTS_ENV] = os.pathsep.join(dict.fromkeys(str(Path(r).resolve()) for r in roots))
     return env
 
 
-def run_dashboard(db_path, port: int = 8501, allowed_roots=None, wait: bool = True, stdout=None):
+def run_dashboard(db_path, port: int = 8501, extra_roots=None, wait: bool = True, stdout=None):
     """Start ``python -m streamlit run app.py`` on 127.0.0.1:port for the catalog at ``db_path``,
     print the URL and wait for it (Ctrl-C stops it). With ``wait=False`` return the Popen (the
-    server's output goes to ``stdout``, a file, when given)."""
+    server's output goes to ``stdout``, a file, when given). The app may read and write under the
+    caller's MERGEPIPE_ALLOWED_ROOTS (default: working directory and catalog folder) plus
+    ``extra_roots``."""
     if not APP.exists():
         raise MergePipeError(f"{APP}: the dashboard app is missing (install MergePipe from a source checkout)")
     if not 0 < int(port) < 65536:
@@ -42,11 +51,9 @@ def run_dashboard(db_path, port: int = 8501, allowed_roots=None, wait: bool = Tr
     db = Path(db_path).expanduser().absolute()
     if not db.parent.is_dir():
         raise MergePipeError(f"{db.parent}: directory does not exist")
-    if allowed_roots is None:  # the caller's working directory and the catalog's folder
-        allowed_roots = [Path.cwd(), db.parent]
     # Run from the app's folder: Streamlit reads .streamlit/config.toml (the security settings) from
     # its working directory, and puts that directory first on the import path.
-    proc = subprocess.Popen(dashboard_command(port), env=dashboard_env(db, allowed_roots), stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen(dashboard_command(port), env=dashboard_env(db, extra_roots), stdin=subprocess.DEVNULL,
                             stdout=stdout, stderr=subprocess.STDOUT if stdout is not None else None, cwd=APP.parent)
     print(f"MergePipe dashboard for {db}: http://127.0.0.1:{int(port)}/  (Ctrl-C to stop)", flush=True)
     if not wait:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from mergepipe.catalog.db import Catalog, now
-from mergepipe.catalog.models import check_unchanged, register
+from mergepipe.catalog.models import check_content_hash, check_unchanged, input_change, register
 from mergepipe.catalog.plans import has_plan
 from mergepipe.catalog.runs import mark_run_published
 from mergepipe.catalog.snapshots import record_snapshot
@@ -33,6 +33,7 @@ from mergepipe.errors import ExecutionError
 from mergepipe.manifest.build import Manifest
 from mergepipe.planner.plan import Plan, load_plan
 from mergepipe.storage.grid import DEFAULT_BLOCK_BYTES
+from mergepipe.storage.paths import check_output
 from mergepipe.version import __version__
 
 DEFAULT_SHARD_BYTES = 2 << 30
@@ -76,14 +77,27 @@ class Engine:
         return LocalExecutor(self.workers, self.threads)
 
     # --- validation ------------------------------------------------------------------------------
-    def _check_inputs(self, plan: Plan) -> None:
+    def _check_inputs(self, plan: Plan) -> dict[str, int]:
+        """Inputs as planned (fingerprints; content hashes where registered: returns bytes hashed)."""
+        hashed = {}
         for inp in [plan["base"], *plan["experts"]]:
             row = self.catalog.model(inp["id"])
             if row["fingerprint"] != inp["fingerprint"]:
                 raise ExecutionError(f"{inp['id']} was re-registered since plan {plan.id} was made; plan again")
             check_unchanged(row)
+            if row.get("content_hash"):
+                hashed[inp["id"]] = check_content_hash(row)
         if (self.catalog.grid_block_bytes(plan["base"]["id"]) or DEFAULT_BLOCK_BYTES) != plan["grid"]["block_bytes"]:
             raise ExecutionError(f"the block grid of {plan['base']['id']} changed since plan {plan.id}; plan again")
+        return hashed
+
+    @staticmethod
+    def _check_inputs_after_reads(plan: Plan) -> None:
+        """An input rewritten while the merge read it must not be published as planned."""
+        for inp in [plan["base"], *plan["experts"]]:
+            why = input_change(inp)
+            if why:
+                raise ExecutionError(f"{why} while the merge ran; nothing was published (merge again)")
 
     def execute(self, plan: Plan | str, out: str | Path | None = None, model_id: str | None = None,
                 out_shard_bytes: int = DEFAULT_SHARD_BYTES, progress=None, run_id: int | None = None):
@@ -91,14 +105,14 @@ class Engine:
             plan = load_plan(self.catalog, plan)
         if out is None:
             raise ExecutionError("an output directory is required (--out)")
-        out = Path(out).absolute()
+        out = check_output(out)
         model_id = model_id or out.name
         if self.catalog.has_model(model_id):
             raise ExecutionError(f"model id {model_id!r} is already registered; choose another --model-id")
         if out_shard_bytes <= 0:
             raise ExecutionError("--out-shard-size must be positive")
         check_output_path(out)
-        self._check_inputs(plan)
+        hashed = self._check_inputs(plan)
         from mergepipe.planner.plan import save_plan
         if not has_plan(self.catalog, plan.id):
             save_plan(self.catalog, plan)
@@ -112,6 +126,8 @@ class Engine:
             staging = txn.begin()
             t0 = time.perf_counter()
             result = self._run(plan, staging, out_shard_bytes, progress)
+            self._check_inputs_after_reads(plan)
+            result["content_hashed"] = hashed
             manifest = self._manifest(plan, result, model_id, out, time.perf_counter() - t0)
             manifest.write(staging)
             txn.publish()
@@ -152,6 +168,8 @@ class Engine:
             "parents": [{"id": plan["base"]["id"], "role": "base", "weight": None}]
             + [{"id": e["id"], "role": "expert", "weight": e["weight"]} for e in plan["experts"]],
         }
+        if result["content_hashed"]:
+            core["content_verified"] = {e: {"bytes_hashed": n} for e, n in sorted(result["content_hashed"].items())}
         if result["analysis_read"]:
             core["analyzed_on_the_way"] = {e: {"bytes_read": n} for e, n in sorted(result["analysis_read"].items())}
         snapshot_id = "snap-" + os.urandom(6).hex()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from mergepipe.catalog import snapshots
 from mergepipe.catalog.db import Catalog
+from mergepipe.catalog.models import input_change
 from mergepipe.errors import MergePipeError, VerifyError
 from mergepipe.manifest.build import MANIFEST_NAME, Manifest, file_sha256
 
@@ -31,8 +32,9 @@ def load_manifest(catalog: Catalog | None, ref: str) -> Manifest:
     return Manifest.from_dict(json.loads(text))
 
 
-def verify(catalog: Catalog | None, ref: str) -> dict:
-    """Re-hash a snapshot's files against its manifest (and the catalog's manifest hash)."""
+def verify(catalog: Catalog | None, ref: str, check_inputs: bool = True) -> dict:
+    """Re-hash a snapshot's files against its manifest (and the catalog's manifest hash), and check
+    that its inputs' files are still those it was merged from (their fingerprints; ``check_inputs``)."""
     manifest = load_manifest(catalog, ref)
     out = Path(ref) if Path(ref).is_dir() else Path(manifest.run["out"])
     problems = []
@@ -59,6 +61,11 @@ def verify(catalog: Catalog | None, ref: str) -> dict:
         checked += 1
         if digest != info["sha256"]:
             problems.append(f"{name}: sha256 {digest[:23]}... != manifest {info['sha256'][:23]}...")
+    inputs = manifest.core["inputs"]
+    changed = [] if not check_inputs else \
+        [why for why in map(input_change, [inputs["base"], *inputs["experts"]]) if why]
+    problems += [f"input {why} since the merge (the snapshot cannot be reproduced from it)" for why in changed]
     result = {"snapshot_id": manifest.snapshot_id, "out": str(out), "manifest_hash": manifest.manifest_hash,
-              "files_checked": checked, "ok": not problems, "problems": problems}
+              "files_checked": checked, "inputs_checked": len(inputs["experts"]) + 1 if check_inputs else 0,
+              "ok": not problems, "problems": problems}
     return result

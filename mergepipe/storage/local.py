@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from mergepipe.errors import StorageError
 from mergepipe.storage.base import Storage
 from mergepipe.storage.lora import ADAPTER_CONFIG
+from mergepipe.storage.paths import open_regular, read_regular
 from mergepipe.storage.safetensors import (
     Checkpoint, TensorInfo, bytes_to_tensor, open_checkpoint, row_nbytes, rows_shape,
 )
@@ -36,7 +37,7 @@ def fingerprint(ckpt: Checkpoint) -> str:
         h.update(f"{f.name}:{f.stat().st_mtime_ns}".encode())
     adapter_config = ckpt.root / ADAPTER_CONFIG
     if ckpt.root.is_dir() and adapter_config.is_file():  # a LoRA's alpha and r change its delta
-        h.update(adapter_config.read_bytes())
+        h.update(read_regular(adapter_config))
     return "sha256:" + h.hexdigest()
 
 
@@ -62,10 +63,7 @@ class RangeReader:
         fd = self._fds.get(fname)
         if fd is None:
             path = self.checkpoint.root / fname if self.checkpoint.root.is_dir() else self.checkpoint.root
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError as exc:
-                raise StorageError(f"{path}: cannot open ({exc.strerror})") from None
+            fd = open_regular(path)
             advice = os.POSIX_FADV_SEQUENTIAL if self.sequential else os.POSIX_FADV_RANDOM
             os.posix_fadvise(fd, 0, 0, advice)
             self._fds[fname] = fd

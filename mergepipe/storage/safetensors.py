@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mergepipe.errors import StorageError
+from mergepipe.storage.paths import open_regular, read_regular
 
 if TYPE_CHECKING:
     import torch
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from mergepipe.storage.base import Reader, Storage
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_JSON_BYTES = 64 * 1024 * 1024  # config.json, shard indexes, adapter configs
 INDEX_NAME = "model.safetensors.index.json"
 
 # safetensors dtype code -> item size in bytes. Header parsing needs nothing else, so registering a
@@ -139,7 +141,7 @@ def parse_header(path: Path, display_name: str | None = None) -> dict[str, Tenso
         size = path.stat().st_size
         # pread on a descriptor advised RANDOM: a buffered read would let kernel read-ahead pull in
         # tensor bytes after the header (measured: ~16 KiB per file on a cold cache).
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             raw_len = os.pread(fd, 8, 0)
@@ -266,7 +268,7 @@ def _check_index(root: Path, tensors: dict[str, TensorInfo]) -> None:
 def read_json_object(path: Path) -> dict:
     """A JSON file that must hold an object; one clear error otherwise."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_regular(path, MAX_JSON_BYTES))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise StorageError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(data, dict):

@@ -56,7 +56,7 @@ def server(tmp_path):
     port = free_port()
     log = open(tmp_path / "server.log", "wb")
     # what `mergepipe dashboard` runs, minus the wait
-    proc = run_dashboard(db, port=port, allowed_roots=[tmp_path], wait=False, stdout=log)
+    proc = run_dashboard(db, port=port, extra_roots=[tmp_path], wait=False, stdout=log)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for_health(url, timeout=90, proc=proc)

@@ -545,9 +545,22 @@ def test_dashboard_command_and_env(tmp_path):
     assert cmd[5:] == ["--server.port", "8600", "--server.address", "127.0.0.1", "--server.headless", "true"]
     env = dashboard.dashboard_env("rel.sqlite", [tmp_path / "a", tmp_path / "b"], base_env={"KEEP": "1"})
     assert env["MERGEPIPE_DB"] == str(Path("rel.sqlite").absolute())
-    assert env["MERGEPIPE_ALLOWED_ROOTS"] == os.pathsep.join([str(tmp_path / "a"), str(tmp_path / "b")])
+    # no roots of the caller's: its working directory (also the catalog's folder) plus the extra ones
+    assert env["MERGEPIPE_ALLOWED_ROOTS"] == os.pathsep.join([str(Path.cwd().resolve()), str(tmp_path / "a"),
+                                                              str(tmp_path / "b")])
     assert env["KEEP"] == "1"
-    assert "MERGEPIPE_ALLOWED_ROOTS" not in dashboard.dashboard_env("x.sqlite", None, base_env={})
+    assert dashboard.dashboard_env(tmp_path / "d" / "x.sqlite", None, base_env={})["MERGEPIPE_ALLOWED_ROOTS"] == \
+        os.pathsep.join([str(Path.cwd().resolve()), str(tmp_path / "d")])
+
+
+def test_dashboard_inherits_the_callers_allowed_roots(tmp_path):
+    mine = os.pathsep.join([str(tmp_path / "models"), str(tmp_path / "out")])
+    env = dashboard.dashboard_env(tmp_path / "x.sqlite", None, base_env={"MERGEPIPE_ALLOWED_ROOTS": mine})
+    assert env["MERGEPIPE_ALLOWED_ROOTS"] == mine  # honoured, not replaced nor widened
+    env = dashboard.dashboard_env(tmp_path / "x.sqlite", [tmp_path / "extra"], base_env={"MERGEPIPE_ALLOWED_ROOTS": mine})
+    assert env["MERGEPIPE_ALLOWED_ROOTS"] == mine + os.pathsep + str(tmp_path / "extra")  # added only when asked
+    out = subprocess.run([sys.executable, "-m", "mergepipe.cli", "dashboard", "--help"], capture_output=True, text=True)
+    assert "--allow-root DIR" in out.stdout
     with pytest.raises(MergePipeError, match="bad port"):
         dashboard.run_dashboard(tmp_path / "x.sqlite", port=0)
     with pytest.raises(MergePipeError, match="does not exist"):
