@@ -43,6 +43,12 @@ Combination (w_i the expert's weight, W = Σ_i w_i over all experts, omitted one
     σ = +1 where t >= 0 else −1; agreeing: w_i δ_i' σ > 0; m = Σ_agreeing w_i δ_i'; with ``normalize``
     m /= Σ_agreeing w_i (0 → 1); out = base + λ·m.
 Everything here is float64; rounding to the output dtype is left to the comparison.
+
+Where MergePipe's semantics (followed here) differ from mergekit's current code, beyond the deliberate
+differences ops/core.py lists: breadcrumbs at density >= 1 (above); DELLA's keep probability spreads
+over (d - eps) + 2·eps·r/n (the DELLA paper's MAGPRUNE) where mergekit uses r/(n - 1), and its
+rescale divides by p where mergekit restores the tensor's L1 norm; linear with ``normalize`` and
+weights summing to 0 is not refused: the divisor becomes 1 (mergekit divides by 0).
 """
 
 from __future__ import annotations

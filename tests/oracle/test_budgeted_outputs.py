@@ -146,9 +146,9 @@ def catalogs(fams, tmp_path_factory):
 
 
 # --- running a merge and the oracle ------------------------------------------------------------------------
-def run_merge(cat, out: Path, op: str, budget: str, weights, density, **kw):
+def run_merge(cat, out: Path, op: str, budget: str, weights, density, experts=EXPERTS, **kw):
     from mergepipe.api import merge
-    plan, _, manifest = merge(cat, "base", list(EXPERTS), out, operator=op, model_id=out.name, weights=weights,
+    plan, _, manifest = merge(cat, "base", list(experts), out, operator=op, model_id=out.name, weights=weights,
                               density=density if op not in ("linear", "task_arithmetic") else None,
                               lam=LAM, seed=SEED, budget=budget, **kw)
     return plan.data, manifest
@@ -180,9 +180,10 @@ def check_thresholds(fam, plan, result: ref.Result) -> int:
                 else:
                     assert got == pytest.approx(want, rel=1e-6, abs=1e-12), (e["id"], tensor, planned, mine)
                 n += 1
-            if plan["operator"] == "ties" and e["density"] < 1:
+            dens = ref.setting(e, "density", tensor)
+            if plan["operator"] == "ties" and dens < 1:
                 s = stored[tensor]
-                key = next(k for k in s if abs(float(k) - e["density"]) < 1e-9)
+                key = next(k for k in s if abs(float(k) - dens) < 1e-9)
                 assert s[key] == planned[0]
     return n
 
@@ -211,9 +212,9 @@ def compare(out_dir: Path, result: ref.Result, base_dir: Path, flips_ok: bool) -
     return {"off": bad, "total": total, "worst_ratio": worst}
 
 
-def check(fam, cat, tmp_path, op, budget, weights=WEIGHTS, density=DENSITY, tag="m"):
+def check(fam, cat, tmp_path, op, budget, weights=WEIGHTS, density=DENSITY, tag="m", experts=EXPERTS):
     out = tmp_path / f"{tag}-{fam['dtype']}-{op}-{budget.rstrip('%')}"
-    plan, manifest = run_merge(cat, out, op, budget, weights, density)
+    plan, manifest = run_merge(cat, out, op, budget, weights, density, experts)
     assert not plan["budget"].get("first_merge")
     core = manifest.core
     assert core["realized"]["expert_read"] == plan["estimate"]["expert_read"] <= plan["budget"]["bytes"]
@@ -269,6 +270,24 @@ def test_weights_summing_to_zero_equal_oracle(fams, catalogs, tmp_path, op, dtyp
     """Weights summing to exactly 0: normalize is not refused; the divisor 0 is replaced by 1 (linear:
     base + lambda * sum w_i delta_i; TIES-like: where all experts agree)."""
     check(fams[dtype], catalogs[dtype], tmp_path, op, budget, weights=ZERO_SUM, tag="z")
+
+
+PER_TENSOR = [  # mergekit's filters and gradients: weights and densities that vary per tensor
+    {"model": "e1", "weight": [{"filter": "mlp", "value": -0.625}, {"value": 0.75}], "density": [0.3, 0.7]},
+    {"model": "e2", "density": [{"filter": "self_attn", "value": 0.37}, {"value": 0.81}]},
+    {"model": "dl", "weight": [1.25, 0.5]},
+    {"model": "lo", "weight": 0.875, "density": 0.63},
+]
+
+
+@pytest.mark.parametrize("op", ["task_arithmetic", "ties", "dare_ties", "breadcrumbs", "della_linear"])
+def test_per_tensor_settings_equal_oracle(fams, catalogs, tmp_path, op):
+    """Per-tensor weights and densities (the plan's ``tensors`` table) at a 50 % budget, fp32: other
+    densities than 0.5 (float32(density) != density for DARE's comparison) and per-tensor weight sums."""
+    plan, _, _ = check(fams["fp32"], catalogs["fp32"], tmp_path, op, "50%", weights=None, density=0.4,
+                       tag="pt", experts=PER_TENSOR)
+    per = [e.get("tensors") for e in plan["experts"]]
+    assert per[0] and len({tuple(v) for v in per[0].values()}) > 1
 
 
 # --- bytes read, counted by the kernel -----------------------------------------------------------------------
