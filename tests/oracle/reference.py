@@ -48,7 +48,8 @@ Where MergePipe's semantics (followed here) differ from mergekit's current code,
 differences ops/core.py lists: breadcrumbs at density >= 1 (above); DELLA's keep probability spreads
 over (d - eps) + 2·eps·r/n (the DELLA paper's MAGPRUNE) where mergekit uses r/(n - 1), and its
 rescale divides by p where mergekit restores the tensor's L1 norm; linear with ``normalize`` and
-weights summing to 0 is not refused: the divisor becomes 1 (mergekit divides by 0).
+weights summing to 0 is not refused: the divisor becomes 1 (mergekit's linear divides by 0; its
+task-arithmetic family also uses 1 below 1e-8).
 """
 
 from __future__ import annotations
