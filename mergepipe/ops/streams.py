@@ -1,5 +1,23 @@
 """Block math shared by the operator families: per-block random streams (counter-based, independent of
-traversal order) and the L1-preserving rescale of a sparsified delta."""
+traversal order) and the L1-preserving rescale of a sparsified delta.
+
+The random stream, exactly (enough to re-derive it without this code; tests/oracle/reference.py does):
+
+* Block seed: ``s = int.from_bytes(blake2b(f"{seed}|{expert_id}|{tensor}|{block}".encode(),
+  digest_size=8).digest(), "little") & (2**63 - 1)``, where ``seed`` is the plan's seed (decimal),
+  ``expert_id`` the expert's catalog id (a string, not its position), ``tensor`` the base tensor's name
+  and ``block`` the block's index in the base's grid (rows of dim 0, elements of a 1-D tensor).
+* Keys: ``k1 = (s mod 2**32) | 1`` (odd), ``k2 = s >> 32``.
+* Element ``i`` of the block (0-based, C order of the block's rows; the i-th element of the block's
+  bytes), all arithmetic mod 2**32: ``x = (i mod 2**32) * k1 + k2 + (i >> 32) * 0x9E3779B9``, then
+  mix32 (Chris Wellons' "lowbias32"): ``x ^= x >> 16; x *= 0x21F0AAAD; x ^= x >> 15; x *= 0x735A2D97;
+  x ^= x >> 15``; the value is ``u = (x >> 8) * 2**-24``: a float32 in [0, 1), a multiple of 2**-24.
+* DARE keeps element i iff ``u < float32(density)``; DELLA iff ``u < p`` with its keep probability ``p``
+  computed in float32.
+
+The L1 rescale of a block (DARE, breadcrumbs with ``rescale``): ``kept * (||delta||_1 / ||kept||_1)`` when
+both norms are >= 1e-8, else ``kept``; the norms are summed in float64 over the float32 values.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +28,9 @@ if TYPE_CHECKING:
     import torch
 
 
-def block_seed(seed: int, expert: int, tensor: str, block: int) -> int:
-    """Seed of the random stream for one (expert, tensor, block): independent of traversal order."""
+def block_seed(seed: int, expert: str, tensor: str, block: int) -> int:
+    """Seed of the random stream for one (expert id, tensor, block): independent of traversal order
+    (see the module docstring)."""
     h = hashlib.blake2b(f"{seed}|{expert}|{tensor}|{block}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") & ((1 << 63) - 1)
 

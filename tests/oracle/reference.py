@@ -1,0 +1,399 @@
+"""An independent reference for budgeted merges: numpy, float64, read straight from the safetensors files.
+
+Nothing here imports MergePipe (no kernel, no engine, no storage module, no torch): the files are parsed
+with ``json`` + ``struct`` + ``numpy.frombuffer``, the plan is a plain dict (its ``experts``, ``operator``,
+``params``, ``seed``, ``grid`` and ``access`` keys), and every operator is written from its documented
+semantics (shared/BRIEF.md "Operator semantics"; the deliberate differences listed in the docstring of
+mergepipe/ops/core.py; the random stream defined in the docstring of mergepipe/ops/streams.py):
+
+Per tensor and expert i, the delta δ_i is
+  * full checkpoint: x_i − base;  * delta checkpoint: the stored tensor;
+  * PEFT LoRA adapter: scale · B @ A (scale = alpha/r, alpha/√r with use_rslora; rank_pattern /
+    alpha_pattern keys match a module name ending in them); tensors the adapter does not target: 0.
+The access set: δ_i is kept on the rows of the blocks the plan reads, and set to 0 elsewhere ("blocks
+left out contribute Δ = 0", coefficients unchanged). The block grid cuts dim 0 (elements of 1-D
+tensors) into runs of max(1, block_bytes // row_bytes) rows, row_bytes of the *base* tensor.
+
+Sparsification (density d of expert i on this tensor; ``d >= 1`` keeps δ as it is, except breadcrumbs,
+which MergePipe still applies at d = 1: it drops the top gamma, where mergekit's magnitude_outliers
+returns the delta unchanged for d >= 1 -- an undocumented difference, followed here as MergePipe does):
+  * magnitude (ties):  thr = k-th largest |δ| with k = int(d·numel) over the *whole* tensor (the full
+    delta, not the access set: ANALYZE computes it once per (expert, tensor)); k = 0 → thr = +inf. The
+    magnitudes are those of the float32 delta MergePipe computes in (exact for full and delta
+    checkpoints: fl32(x − base) is the correctly rounded float64 difference). Keep |δ| >= thr (ties at
+    the threshold all kept).
+  * outliers (breadcrumbs): thr_hi at k = int(gamma·n), thr_lo at k = int(min(1, gamma + d)·n); keep
+    thr_lo <= |δ| < thr_hi; with ``rescale``, the block's L1-preserving rescale (below).
+  * random (DARE): per block, keep iff u < float32(d), u the block's random stream (below), element i of
+    the block (C order of the block's rows) getting u[i]; with ``rescale`` (default on), kept values
+    times ||δ_block||₁ / ||kept_block||₁ when both are >= 1e-8 (per block, not per tensor).
+  * della (MAGPRUNE): per row of dim 0 within the block (a 1-D block is one row) of n entries, rank
+    r = 0..n−1 of |δ| ascending (equal magnitudes by position), p = clip((d − eps) + 2·eps·r/n, 1e-6, 1)
+    (p = d when n = 1); keep iff u < p; kept values divided by p when ``rescale``.
+The block's random stream: block seed s = blake2b(f"{seed}|{expert_id}|{tensor}|{block}", 8 bytes)
+read little-endian, masked to 63 bits; k1 = (s mod 2³²) | 1, k2 = s >> 32; element i:
+h = mix32((i mod 2³²)·k1 + k2 + (i >> 32)·0x9E3779B9 mod 2³²), u = (h >> 8) / 2²⁴, with mix32 the
+"lowbias32" hash x ^= x>>16; x *= 0x21F0AAAD; x ^= x>>15; x *= 0x735A2D97; x ^= x>>15 (mod 2³²).
+
+Combination (w_i the expert's weight, W = Σ_i w_i over all experts, omitted ones included, λ = lambda):
+  * additive (linear, task_arithmetic, dare_linear, breadcrumbs, della_linear):
+    m = Σ_i w_i δ_i'; with ``normalize`` m /= W (W → 1 when |W| < 1e-8); out = base + λ·m, except
+    linear without normalize: out = W·base + λ·m (= Σ w_i x_i).
+  * sign consensus (ties, dare_ties, breadcrumbs_ties, della): t = Σ_i w_i δ_i', elected sign
+    σ = +1 where t >= 0 else −1; agreeing: w_i δ_i' σ > 0; m = Σ_agreeing w_i δ_i'; with ``normalize``
+    m /= Σ_agreeing w_i (0 → 1); out = base + λ·m.
+Everything here is float64; rounding to the output dtype is left to the comparison.
+
+Where MergePipe's semantics (followed here) differ from mergekit's current code, beyond the deliberate
+differences ops/core.py lists: breadcrumbs at density >= 1 (above); DELLA's keep probability spreads
+over (d - eps) + 2·eps·r/n (the DELLA paper's MAGPRUNE) where mergekit uses r/(n - 1), and its
+rescale divides by p where mergekit restores the tensor's L1 norm; linear with ``normalize`` and
+weights summing to 0 is not refused: the divisor becomes 1 (mergekit's linear divides by 0; its
+task-arithmetic family also uses 1 below 1e-8).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# --- safetensors, by hand --------------------------------------------------------------------------------
+_NP = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
+       "U8": "u1", "BOOL": "?"}
+ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+FLOATS = ("F64", "F32", "F16", "BF16")
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    dtype: str
+    shape: tuple
+    data: bytes
+    file: Path
+    offset: int  # absolute offset of the first byte in ``file``
+
+    def values(self) -> np.ndarray:
+        """float64 values (bf16: the 16 bits are the top half of a float32)."""
+        if self.dtype == "BF16":
+            bits = np.frombuffer(self.data, dtype="<u2").astype(np.uint32) << 16
+            arr = bits.view(np.float32)
+        else:
+            arr = np.frombuffer(self.data, dtype=_NP[self.dtype])
+        return arr.astype(np.float64).reshape(self.shape)
+
+
+def read_header(path: Path) -> tuple[int, dict]:
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        return n, json.loads(fh.read(n))
+
+
+def read_file(path: Path) -> dict[str, RawTensor]:
+    raw = Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    out = {}
+    for name, h in header.items():
+        if name == "__metadata__":
+            continue
+        b, e = h["data_offsets"]
+        out[name] = RawTensor(h["dtype"], tuple(h["shape"]), raw[8 + n + b: 8 + n + e], Path(path), 8 + n + b)
+    return out
+
+
+def read_dir(path: Path) -> dict[str, RawTensor]:
+    """Every tensor of a checkpoint directory (all its *.safetensors files) or of one file."""
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    out: dict[str, RawTensor] = {}
+    for f in files:
+        for k, v in read_file(f).items():
+            assert k not in out, f"{k} twice in {path}"
+            out[k] = v
+    return out
+
+
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    """float64 -> the nearest bf16 (round to nearest even, through float32 as a cast does), as float64."""
+    bits = np.asarray(x, dtype=np.float64).astype(np.float32).view(np.uint32)
+    r = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16) << 16
+    return r.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def ulp(x: np.ndarray, dtype: str) -> np.ndarray:
+    """The spacing of ``dtype`` floats at |x| (bf16: 8 significant bits, fp32: 24)."""
+    bits = {"BF16": 8, "F32": 24, "F16": 11}[dtype]
+    tiny = {"BF16": 2.0 ** -133, "F32": 2.0 ** -149, "F16": 2.0 ** -24}[dtype]
+    m = np.maximum(np.abs(x), np.finfo(np.float64).tiny)
+    return np.maximum(2.0 ** (np.floor(np.log2(m)) - (bits - 1)), tiny)
+
+
+# --- expert deltas -----------------------------------------------------------------------------------------
+LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
+
+
+def _pattern(patterns: dict | None, module: str, default):
+    for key, value in (patterns or {}).items():
+        if re.fullmatch(rf"(.*\.)?{key}", module):
+            return value
+    return default
+
+
+@dataclass
+class Expert:
+    """One expert's full float64 delta per base tensor (zeros where it has none), and a bound on the
+    float32 rounding error of the delta MergePipe computes (0 for full and delta checkpoints, whose
+    float32 delta is the correctly rounded exact one; LoRA's float32 matmul: rank-term sums)."""
+
+    id: str
+    kind: str
+    deltas: dict[str, np.ndarray]
+    err: dict[str, np.ndarray]  # absolute error bound of the float32 delta, per entry (LoRA only)
+
+
+def load_expert(kind: str, uri: str, eid: str, base: dict[str, np.ndarray]) -> Expert:
+    deltas, err = {}, {}
+    if kind in ("full", "delta"):
+        tensors = read_dir(Path(uri))
+        for name, b in base.items():
+            x = tensors[name].values()
+            deltas[name] = x - b if kind == "full" else x
+    elif kind == "lora":
+        root = Path(uri)
+        cfg = json.loads((root / "adapter_config.json").read_text())
+        halves: dict[str, dict[str, np.ndarray]] = {}
+        for key, t in read_file(root / "adapter_model.safetensors").items():
+            m = LORA_KEY.match(key)
+            assert m, key
+            halves.setdefault(m["module"], {})[m["ab"]] = t.values()
+        for module, ab in halves.items():
+            a, bm = ab["A"], ab["B"]
+            r = a.shape[0]
+            alpha = _pattern(cfg.get("alpha_pattern"), module, cfg["lora_alpha"])
+            scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+            target = module + ".weight"
+            deltas[target] = scale * (bm @ a)
+            # float32 matmul: |fl(B@A) - B@A| <= r u |B|@|A| (u = 2^-24), then times scale (+ u)
+            err[target] = (r + 2) * 2.0 ** -24 * scale * (np.abs(bm) @ np.abs(a))
+        for name, b in base.items():
+            deltas.setdefault(name, np.zeros_like(b))
+    else:
+        raise ValueError(kind)
+    return Expert(eid, kind, deltas, err)
+
+
+# --- the grid and the access set ------------------------------------------------------------------------
+def rows_per_block(shape: tuple, dtype: str, block_bytes: int) -> int:
+    row_bytes = (math.prod(shape[1:]) if len(shape) >= 2 else 1) * ITEMSIZE[dtype]
+    return max(1, block_bytes // row_bytes)
+
+
+def block_rows(shape: tuple, dtype: str, block_bytes: int) -> list[tuple[int, int]]:
+    rows = shape[0] if len(shape) else 1
+    per = rows_per_block(shape, dtype, block_bytes)
+    return [(s, min(rows, s + per)) for s in range(0, rows, per)]
+
+
+def expand(ranges) -> list[int]:
+    return [i for a, b in ranges for i in range(a, b)]
+
+
+# --- the random stream ------------------------------------------------------------------------------------
+M32 = np.uint64(0xFFFFFFFF)
+
+
+def block_seed(seed: int, expert_id: str, tensor: str, block: int) -> int:
+    h = hashlib.blake2b(f"{seed}|{expert_id}|{tensor}|{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+def _mix32(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.uint64)
+    x ^= x >> np.uint64(16)
+    x = (x * np.uint64(0x21F0AAAD)) & M32
+    x ^= x >> np.uint64(15)
+    x = (x * np.uint64(0x735A2D97)) & M32
+    x ^= x >> np.uint64(15)
+    return x
+
+
+def uniform(seed: int, n: int) -> np.ndarray:
+    """The first n values of a block's stream, float64 (exact multiples of 2**-24 in [0, 1))."""
+    k1 = np.uint64((seed & 0xFFFFFFFF) | 1)
+    k2 = np.uint64(seed >> 32)
+    i = np.arange(n, dtype=np.uint64)
+    x = ((i & M32) * k1 + k2 + (i >> np.uint64(32)) * np.uint64(0x9E3779B9)) & M32
+    return (_mix32(x) >> np.uint64(8)).astype(np.float64) / float(1 << 24)
+
+
+# --- sparsification -----------------------------------------------------------------------------------------
+def f32_abs(d: np.ndarray) -> np.ndarray:
+    """|delta| of the float32 delta MergePipe computes in."""
+    return np.abs(d.astype(np.float32)).astype(np.float64)
+
+
+def kth_largest(a: np.ndarray, fraction: float) -> float:
+    """Top-``fraction`` magnitude threshold of a whole tensor: the k-th largest, k = int(fraction·numel)."""
+    if fraction >= 1:
+        return 0.0  # keep everything (the smallest |delta| would do as well)
+    k = int(fraction * a.size)
+    if k <= 0:
+        return math.inf
+    return float(np.sort(a.ravel())[::-1][k - 1])
+
+
+def l1_rescale(d: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    org, new = float(np.abs(d).sum()), float(np.abs(kept).sum())
+    return kept * (org / new) if org >= 1e-8 and new >= 1e-8 else kept
+
+
+def magnitude(d: np.ndarray, thr: float) -> np.ndarray:
+    """TIES trim: keep |δ| >= the tensor's top-density threshold."""
+    return np.where(f32_abs(d) >= thr, d, 0.0)
+
+
+def outliers(d: np.ndarray, hi: float, lo: float, rescale: bool) -> np.ndarray:
+    """Breadcrumbs: keep lo <= |δ| < hi (hi: top gamma, lo: top gamma + density); per block rescale."""
+    a = f32_abs(d)
+    kept = np.where((a >= lo) & (a < hi), d, 0.0)
+    return l1_rescale(d, kept) if rescale else kept
+
+
+def random_drop(d: np.ndarray, density: float, rescale: bool, seed: int) -> np.ndarray:
+    """DARE: Bernoulli(density) keep mask from the block's stream, L1 rescale per block."""
+    u = uniform(seed, d.size).reshape(d.shape)
+    kept = np.where(u < float(np.float32(density)), d, 0.0)
+    return l1_rescale(d, kept) if rescale else kept
+
+
+def della(d: np.ndarray, density: float, eps: float, rescale: bool, seed: int) -> np.ndarray:
+    """DELLA MAGPRUNE: keep probability linear in the magnitude rank within each row of the block."""
+    rows = d.reshape(d.shape[0], -1) if d.ndim >= 2 else d.reshape(1, -1)
+    n = rows.shape[1]
+    if n > 1:
+        ranks = np.argsort(np.argsort(f32_abs(rows), axis=1, kind="stable"), axis=1, kind="stable")
+        p = np.clip((density - eps) + (2 * eps / n) * ranks, 1e-6, 1.0)
+    else:
+        p = np.full(rows.shape, density)
+    u = uniform(seed, rows.size).reshape(rows.shape)
+    kept = np.where(u < p, rows / p if rescale else rows, 0.0)
+    return kept.reshape(d.shape)
+
+
+# --- the merge ----------------------------------------------------------------------------------------------
+SPARSIFY = {"linear": None, "task_arithmetic": None, "ties": "magnitude", "dare_linear": "random",
+            "dare_ties": "random", "breadcrumbs": "outliers", "breadcrumbs_ties": "outliers",
+            "della": "della", "della_linear": "della"}
+CONSENSUS = {"ties", "dare_ties", "breadcrumbs_ties", "della"}
+WHOLE_MODELS = {"linear"}
+
+
+def setting(expert: dict, key: str, tensor: str):
+    """An expert's weight or density on one tensor, as the plan records it (per-tensor table or single)."""
+    per = expert.get("tensors")
+    if per and tensor in per:
+        return per[tensor][0 if key == "weight" else 1]
+    return expert[key]
+
+
+def thresholds(op: str, delta: np.ndarray, density: float, params: dict) -> list[float]:
+    """The per-tensor magnitude thresholds an operator needs, from the full delta."""
+    kind = SPARSIFY[op]
+    a = f32_abs(delta)
+    if kind == "magnitude":
+        return [kth_largest(a, density)] if density < 1 else [0.0]
+    if kind == "outliers":
+        gamma = params["gamma"]
+        return [kth_largest(a, gamma), kth_largest(a, min(1.0, gamma + density))]
+    return []
+
+
+@dataclass
+class Result:
+    """Per tensor: the merged value (float64), a bound on the float32 arithmetic error of a correct
+    float32 implementation (before rounding to the output dtype), and the thresholds used."""
+
+    values: dict[str, np.ndarray]
+    err: dict[str, np.ndarray]
+    thresholds: dict[str, dict[str, list[float]]]  # expert -> tensor -> thresholds
+
+
+def merge(plan: dict, base_dir: Path) -> Result:
+    """Merge ``plan`` (a stored plan's dict) from the files, reading its access set only."""
+    op = plan["operator"]
+    params = plan["params"]
+    lam = float(params["lambda"])
+    normalize = bool(params["normalize"])
+    rescale = bool(params["rescale"])
+    block_bytes = plan["grid"]["block_bytes"]
+    seed = int(plan["seed"])
+    base_raw = read_dir(base_dir)
+    base = {n: t.values() for n, t in base_raw.items() if t.dtype in FLOATS}
+    experts = [load_expert(e["kind"], e["uri"], e["id"], base) for e in plan["experts"]]
+    kind = SPARSIFY[op]
+    u = 2.0 ** -24
+    values, errs, thr_all = {}, {}, {e.id: {} for e in experts}
+    for name, b in base.items():
+        info = base_raw[name]
+        spans = block_rows(info.shape, info.dtype, block_bytes)
+        ws = [float(setting(pe, "weight", name)) for pe in plan["experts"]]
+        W = sum(ws)
+        contribs = []  # (w, sparsified delta restricted to the access set, delta error bound)
+        for e, pe, w in zip(experts, plan["experts"], ws):
+            full = e.deltas[name]
+            dens = setting(pe, "density", name)
+            dens = 1.0 if dens is None else float(dens)
+            thr = thresholds(op, full, dens, params)
+            if thr and full.any():  # an all-zero delta contributes nothing and needs no threshold
+                thr_all[e.id][name] = thr
+            out = np.zeros_like(full)
+            for bi in expand(plan["access"][pe["id"]].get(name, [])):
+                r0, r1 = spans[bi]
+                d = full[r0:r1]
+                bseed = block_seed(seed, pe["id"], name, bi)
+                if kind is None or (dens >= 1 and kind != "outliers"):
+                    s = d
+                elif kind == "magnitude":
+                    s = magnitude(d, thr[0])
+                elif kind == "outliers":
+                    s = outliers(d, thr[0], thr[1], rescale)
+                elif kind == "random":
+                    s = random_drop(d, dens, rescale, bseed)
+                else:
+                    s = della(d, dens, float(params["epsilon"]), rescale, bseed)
+                out[r0:r1] = s
+            derr = e.err.get(name)
+            contribs.append((w, out, np.zeros_like(b) if derr is None else derr * (out != 0)))
+        wd = [w * s for w, s, _ in contribs]
+        if op in CONSENSUS:
+            total = sum(wd) if wd else np.zeros_like(b)
+            sign = np.where(total >= 0, 1.0, -1.0)
+            agree = [x * sign > 0 for x in wd]
+            mixed = sum(np.where(a, x, 0.0) for a, x in zip(agree, wd))
+            divisor = np.ones_like(b)
+            if normalize:
+                divisor = sum(np.where(a, w, 0.0) for a, (w, _, _) in zip(agree, contribs))
+                divisor = np.where(divisor == 0, 1.0, divisor)
+            base_term = b
+        else:
+            mixed = sum(wd)
+            divisor = np.full_like(b, W if (normalize and abs(W) >= 1e-8) else 1.0)
+            base_term = b * W if (op in WHOLE_MODELS and not normalize) else b
+        merged = base_term + lam * mixed / divisor
+        # float32 arithmetic error of an implementation that computes δ, w·δ, the sum over K experts, the
+        # rescale or 1/p, the division, λ and the final addition in float32: each step at most u relative
+        # to the magnitudes it combines (K + 6 steps), plus the error of the float32 delta itself (LoRA).
+        K = len(contribs)
+        mags = sum(np.abs(x) for x in wd) if wd else np.zeros_like(b)
+        derrs = sum(abs(w) * de for w, _, de in contribs) if contribs else np.zeros_like(b)
+        scale = abs(lam) / np.abs(divisor)
+        errs[name] = (K + 6) * u * (scale * mags + np.abs(base_term) + np.abs(merged)) + scale * derrs * 1.01
+        values[name] = merged
+    return Result(values, errs, thr_all)
