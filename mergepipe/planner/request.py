@@ -96,8 +96,9 @@ class MergeRequest:
                 (f" of {e['model']}", e.get("weight"), e.get("density")) for e in self.experts]:
             if weight is not None:
                 check_setting(weight, "weight" + where)
-            if density is not None:
-                for d in _numbers(check_setting(density, "density" + where)):
+            if density is not None:  # a per-tensor setting is checked per tensor by the planner (naming it)
+                d = check_setting(density, "density" + where)
+                if is_scalar(d):
                     check_density(op, params, d, where)
         if self.weight is not None or any(e.get("weight") is not None for e in self.experts):
             ws = [e["weight"] if e.get("weight") is not None else self.weight for e in self.experts]
@@ -132,18 +133,6 @@ def _expert_list(experts) -> list[dict]:
             raise PlanError(f"expert {e!r} has no model id")
         out.append(spec)
     return out
-
-
-def _numbers(setting):
-    """Every number in a checked setting (a number, a gradient, or conditions with settings)."""
-    if is_scalar(setting):
-        yield setting
-    elif isinstance(setting, list):
-        for v in setting:
-            if isinstance(v, dict):
-                yield from _numbers(v["value"])
-            else:
-                yield v
 
 
 def check_density(op: OpSpec, params: dict, d: float, where: str = "") -> None:
