@@ -39,7 +39,7 @@ def check_finite(data, info, span) -> None:
     if not kernels.nonfinite_count(data, info.dtype):
         return
     nan, inf, largest = kernels.nonfinite_kinds(data, info.dtype)
-    dtype = info.dtype.lower()
+    dtype = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64"}.get(info.dtype, info.dtype.lower())
     why = (f"merged values beyond the largest {dtype} number ({largest:.6g}) overflow to Inf: lower the weights "
            f"or lambda, or merge into a wider dtype" if inf and not nan else
            "an input or a parameter made them (check the experts' and the base's values, the weights and lambda)")
