@@ -92,14 +92,17 @@ class MergeRequest:
     def _check_settings(self, op: OpSpec, params: dict) -> None:
         """Weights and densities (merge-wide and per expert): finite, densities in range for ``op``; with
         one weight per expert, their sum under normalize."""
-        for where, weight, density in [("", self.weight, self.density)] + [
-                (f" of {e['model']}", e.get("weight"), e.get("density")) for e in self.experts]:
+        # the merge-wide density is named after the first expert that takes it, as the planner does
+        users = [e["model"] for e in self.experts if e.get("density") is None]
+        settings = [("", f" of {users[0]}" if users else "", self.weight, self.density)]
+        settings += [(f" of {e['model']}",) * 2 + (e.get("weight"), e.get("density")) for e in self.experts]
+        for weight_where, density_where, weight, density in settings:
             if weight is not None:
-                check_setting(weight, "weight" + where)
+                check_setting(weight, "weight" + weight_where)
             if density is not None:  # a per-tensor setting is checked per tensor by the planner (naming it)
-                d = check_setting(density, "density" + where)
+                d = check_setting(density, "density" + density_where)
                 if is_scalar(d):
-                    check_density(op, params, d, where)
+                    check_density(op, params, d, density_where)
         if self.weight is not None or any(e.get("weight") is not None for e in self.experts):
             ws = [e["weight"] if e.get("weight") is not None else self.weight for e in self.experts]
             ws = [1.0 if w is None else w for w in ws]
