@@ -6,6 +6,11 @@ fp32 as float32, fp64 as float64 (computed in float32). ``base`` is None for a d
 directly (a delta checkpoint, or a LoRA block delta computed as float32). The delta is formed exactly
 as torch does (both sides widened to float32, one subtraction), so statistics equal the torch
 reference bit for bit where they are exact (max, nnz, thresholds, sketches).
+
+Non-finite deltas (NaN/Inf in the expert or the base) cost nothing extra: |d| of such an entry has an
+all-ones exponent, so block_stats' histogram already counts them in its top bins
+(:func:`nonfinite_in_hist`, 4 x 128 counters read per block); only a block that has some is looked
+at again (:func:`count_nonfinite`, to tell how many of them the base holds).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from numba import njit, types
 from numba.extending import overload
 
 HIST_BINS = 1 << 16
+NONFINITE_BIN = 0x7F80  # top 16 bits of +inf; every |d| pattern at or above it is Inf or NaN
 _C = dict(nogil=True, cache=True)
 
 
@@ -189,3 +195,19 @@ def kth_from_top(dense, slots, ranks):
             if slots[q] == row:
                 out[q] = dense.shape[1] - 1 - np.searchsorted(desc, ranks[q])
     return out
+
+
+def nonfinite_in_hist(hist) -> int:
+    """Entries counted in ``hist`` [lanes, 65536] whose |d| is Inf or NaN (exponent all ones; both
+    signs, although |d| has its sign bit clear)."""
+    return int(hist[:, NONFINITE_BIN:0x8000].sum(dtype=np.int64) + hist[:, 0x8000 | NONFINITE_BIN:].sum(dtype=np.int64))
+
+
+@njit(**_C)
+def count_nonfinite(x):
+    """Entries of a raw block (the kernels' array types) that are Inf or NaN."""
+    n = 0
+    for i in range(x.size):
+        v = to_f32(x[i])
+        n += not (abs(v) <= np.float32(3.4028235e38))
+    return n

@@ -36,12 +36,6 @@ def _prepare(catalog: Catalog, expert_id: str, block_bytes, sketch_size, densiti
     grid_bytes = catalog.grid_block_bytes(base["id"])
     if block_bytes is None:
         block_bytes = grid_bytes or DEFAULT_BLOCK_BYTES
-    if block_bytes <= 0:
-        raise CatalogError("--block-bytes must be positive")
-    if sketch_size <= 0:
-        raise CatalogError("--sketch-size must be positive")
-    if not all(0 < float(d) <= 1 for d in densities):
-        raise CatalogError("--densities must lie in (0, 1]")
     densities = tuple(sorted(set(float(d) for d in densities)))
     # Headers only: a model whose files changed since registration must never be skipped as unchanged.
     check_unchanged(base)
@@ -54,6 +48,28 @@ def _prepare(catalog: Catalog, expert_id: str, block_bytes, sketch_size, densiti
         return None
     return ExpertAnalysis(expert, base, open_checkpoint(base["uri"]), block_bytes, sketch_size, densities,
                           grid_seen=grid_bytes)
+
+
+def check_settings(block_bytes, sketch_size, densities) -> tuple:
+    """ANALYZE's settings, checked before anything is read: ``block_bytes`` (None: the base's grid) and
+    ``sketch_size`` positive integers, every density a number in (0, 1] (NaN refused)."""
+    for name, value in (("--block-bytes", block_bytes), ("--sketch-size", sketch_size)):
+        if value is None and name == "--block-bytes":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            if not (isinstance(value, float) and value.is_integer()):
+                raise CatalogError(f"{name} must be a positive integer, not {value!r}")
+            value = int(value)
+        if not (value >= 1):
+            raise CatalogError(f"{name} must be positive: {value} is outside the range [1, inf) of {name[2:]}")
+    for d in densities:
+        try:
+            v = float(d)
+        except (TypeError, ValueError):
+            raise CatalogError(f"--densities: {d!r} is not a number") from None
+        if isinstance(d, bool) or not (0 < v <= 1):
+            raise CatalogError(f"--densities: {d!r} is outside the range (0, 1] of densities")
+    return (None if block_bytes is None else int(block_bytes)), int(sketch_size), tuple(float(d) for d in densities)
 
 
 def run_analyses(jobs: list[ExpertAnalysis], progress: Progress | None = None) -> None:
@@ -89,6 +105,7 @@ def analyze(catalog: Catalog, model_ids=None, progress: Progress | None = None, 
             force: bool = False) -> list[AnalyzeResult]:
     """Analyze the given experts (default: every registered model that has a base) in one pass;
     experts whose statistics are current are skipped. All statistics are stored in one transaction."""
+    block_bytes, sketch_size, densities = check_settings(block_bytes, sketch_size, densities)
     if not model_ids:
         model_ids = [m["id"] for m in catalog.models() if m["base_id"]]
     for mid in model_ids:

@@ -1,7 +1,8 @@
 """ANALYZE: one pass over base and experts computing per-block statistics of each expert's delta.
 
-Per block of delta = expert - base: L2 and L1 norms, max |delta|, non-zero count and a sketch
-(see catalog/sketch.py). Per (expert, tensor): the same totals and exact top-k magnitude thresholds for a
+Per block of delta = expert - base: L2 and L1 norms, max |delta|, non-zero count, a sketch
+(see catalog/sketch.py) and the count of non-finite deltas (NaN/Inf in the expert or the base; of them,
+how many entries of the base block are NaN/Inf). Per (expert, tensor): the same totals and exact top-k magnitude thresholds for a
 grid of densities (what TIES/breadcrumbs need), so a budgeted merge never reads a whole tensor to
 learn them. Thresholds are found by a radix select on the float32 bit pattern of |delta|: pass one
 histograms the top 16 bits; pass two counts the low 16 bits of only the bins that hold a k-th largest
@@ -11,6 +12,11 @@ Both passes are compiled loops over the checkpoints' raw bytes (analyze/kernels.
 tasks run on a pool of threads, one per core plus one so that a read never leaves a core idle, in
 tensor-major order so that the experts of one base share its pages in the page cache. The engine
 runs the same :class:`ExpertAnalysis` during a first merge (analysis on the way).
+
+Non-finite values are recorded, not refused, here: ANALYZE stores the counts (read from the first
+pass's histogram, so healthy data costs no extra pass) and the planner refuses to merge an expert whose
+delta has any (``planner/context.py``); a first merge refuses them as its analysis on the way finds
+them (``engine/inflight.py``).
 
 This module holds one expert's analysis and the per-tensor passes; thresholds.py the radix select,
 runner.py what ANALYZE runs (preparing jobs, the task pool, storing the results).
@@ -215,6 +221,7 @@ class _TensorPass:
         self.cached: list[tuple] = []  # (expert, base) arrays of every block, when the tensor is kept
         self.l2sq = self.l1 = self.mx = 0.0
         self.nnz = self.nonzero_low = 0
+        self.nonfinite = self.base_nonfinite = 0
         # |d| bit patterns with non-zero low 16 bits, collected by the first pass up to a cap
         self.keys, self.nkeys = np.empty(0, dtype=np.uint32), 0
         self.key_cap = min(binfo.numel, KEY_CAP)
@@ -262,11 +269,17 @@ class _TensorPass:
         if self.nkeys - before < low:
             self._collect_rest(e, b, before, low)
         m = float(m)
+        nonfinite = kernels.nonfinite_in_hist(self.hist) - self.nonfinite  # this block's (a histogram read)
+        base_nonfinite = kernels.count_nonfinite(b) if nonfinite and b is not None else 0  # bad blocks only
+        self.nonfinite += nonfinite
+        self.base_nonfinite += base_nonfinite
         positions = sample_positions(e.size, self.job.sketch_size).numpy()
         (rng,) = self.source.block_ranges(self.binfo.name, span)
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf deltas (recorded, refused by the planner)
+            sketch = sketch_bytes(kernels.gather_delta(e, b, positions), m)
         self.rows.append(_row(self.job.expert_id, self.binfo.name, span, rng, delta_l2=math.sqrt(s2), delta_l1=s1,
-                              delta_max_abs=m, delta_nnz=n,
-                              sketch=sketch_bytes(kernels.gather_delta(e, b, positions), m)))
+                              delta_max_abs=m, delta_nnz=n, nonfinite=nonfinite, base_nonfinite=base_nonfinite,
+                              sketch=sketch))
         self.l2sq, self.l1, self.mx = self.l2sq + s2, self.l1 + s1, max(self.mx, m)
         self.nnz, self.nonzero_low = self.nnz + n, self.nonzero_low + low
         if keep:
@@ -284,7 +297,8 @@ class _TensorPass:
         stats = {"model_id": job.expert_id, "tensor": binfo.name, "numel": binfo.numel, "delta_l2": self.l2sq ** 0.5,
                  "delta_l1": self.l1, "delta_max_abs": self.mx, "delta_nnz": self.nnz,
                  "thresholds": json.dumps({str(k): v for k, v in thresholds.items()}),
-                 "fixed_bytes": self.fixed_bytes if self.nnz else 0}
+                 "fixed_bytes": self.fixed_bytes if self.nnz else 0,
+                 "nonfinite": self.nonfinite, "base_nonfinite": self.base_nonfinite}
         self.cached, self.keys = [], _NO_KEYS
         return self.rows, stats
 
@@ -319,7 +333,7 @@ class _TensorPass:
 def _row(expert_id: str, tensor: str, span: BlockSpan, rng, **stats) -> dict:
     row = {"model_id": expert_id, "tensor": tensor, "block": span.index, "row_start": span.row_start,
            "row_end": span.row_end, "offset": rng[1], "nbytes": rng[2], "delta_l2": 0.0, "delta_l1": 0.0,
-           "delta_max_abs": 0.0, "delta_nnz": 0, "sketch": b""}
+           "delta_max_abs": 0.0, "delta_nnz": 0, "sketch": b"", "nonfinite": 0, "base_nonfinite": 0}
     row.update(stats)
     return row
 
@@ -332,7 +346,9 @@ def _zero_tensor(binfo: TensorInfo, block_bytes: int, expert_id: str):
     """Rows for a tensor the expert does not change (untargeted by a LoRA adapter): nothing to read."""
     rows = [{"model_id": expert_id, "tensor": binfo.name, "block": s.index, "row_start": s.row_start,
              "row_end": s.row_end, "offset": None, "nbytes": 0, "delta_l2": 0.0, "delta_l1": 0.0,
-             "delta_max_abs": 0.0, "delta_nnz": 0, "sketch": b""} for s in tensor_grid(binfo, block_bytes)]
+             "delta_max_abs": 0.0, "delta_nnz": 0, "sketch": b"", "nonfinite": 0, "base_nonfinite": 0}
+            for s in tensor_grid(binfo, block_bytes)]
     stats = {"model_id": expert_id, "tensor": binfo.name, "numel": binfo.numel, "delta_l2": 0.0, "delta_l1": 0.0,
-             "delta_max_abs": 0.0, "delta_nnz": 0, "thresholds": "{}", "fixed_bytes": 0}
+             "delta_max_abs": 0.0, "delta_nnz": 0, "thresholds": "{}", "fixed_bytes": 0, "nonfinite": 0,
+             "base_nonfinite": 0}
     return rows, stats

@@ -79,6 +79,43 @@ def changed_block_l2(catalog: Catalog, model_id: str):
         "SELECT tensor, block, delta_l2 FROM blocks WHERE model_id = ? AND delta_nnz > 0", [model_id])
 
 
+def nonfinite_blocks(catalog: Catalog, model_id: str) -> list[tuple]:
+    """(tensor, block, nonfinite, base_nonfinite) of the blocks whose delta holds NaN/Inf, in order."""
+    return catalog.conn.execute(
+        "SELECT tensor, block, nonfinite, base_nonfinite FROM blocks WHERE model_id = ? AND nonfinite > 0 "
+        "ORDER BY tensor, block", [model_id]).fetchall()
+
+
+def changed_tensors(catalog: Catalog, model_id: str) -> list[str]:
+    """The tensors whose stored delta is not zero everywhere (non-zero or non-finite entries)."""
+    return [r[0] for r in catalog.conn.execute(
+        "SELECT tensor FROM tensor_stats WHERE model_id = ? AND (delta_nnz > 0 OR COALESCE(nonfinite, 0) > 0)",
+        [model_id])]
+
+
+def nonfinite_message(expert_id: str, base_id: str, rows) -> str:
+    """The refusal of an expert whose delta holds NaN/Inf: which model holds them (the base when its own
+    entries are non-finite), in which tensors (the first three named, with their counts and blocks)."""
+    by_tensor: dict[str, list] = {}
+    for tensor, block, n, nb in rows:
+        by_tensor.setdefault(tensor, []).append((block, n, nb or 0))
+    in_base = sum(nb for bs in by_tensor.values() for _, _, nb in bs)
+    parts = []
+    for tensor, bs in list(by_tensor.items())[:3]:
+        n = sum(b[1] for b in bs)
+        nb = sum(b[2] for b in bs)
+        blocks = ",".join(str(b[0]) for b in bs[:8]) + (",..." if len(bs) > 8 else "")
+        base_part = f", {nb} NaN/Inf in the base" if nb else ""
+        parts.append(f"{tensor}: {n} (block{'s' if len(bs) > 1 else ''} {blocks}{base_part})")
+    more = f" and {len(by_tensor) - 3} more tensors" if len(by_tensor) > 3 else ""
+    total = sum(b[1] for bs in by_tensor.values() for b in bs)
+    who = (f"base {base_id!r} holds non-finite values (NaN/Inf) under expert {expert_id!r}" if in_base
+           else f"expert {expert_id!r} holds non-finite values (NaN/Inf)")
+    return (f"{who}: {total} NaN/Inf delta entr{'y' if total == 1 else 'ies'}, by tensor: "
+            f"{'; '.join(parts)}{more}; a merge would publish NaN/Inf, so it is refused "
+            f"(fix or drop the checkpoint, then register and analyze it again)")
+
+
 # --- dashboard reads ---------------------------------------------------------------------------------
 def _in(seq) -> str:
     return ",".join("?" * len(seq))

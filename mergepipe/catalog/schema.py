@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)""",
@@ -24,10 +24,12 @@ SCHEMA = [
         model_id TEXT NOT NULL, tensor TEXT NOT NULL, block INTEGER NOT NULL,
         row_start INTEGER, row_end INTEGER, offset INTEGER, nbytes INTEGER,
         delta_l2 REAL, delta_l1 REAL, delta_max_abs REAL, delta_nnz INTEGER, sketch BLOB,
+        nonfinite INTEGER DEFAULT 0, base_nonfinite INTEGER DEFAULT 0,
         PRIMARY KEY (model_id, tensor, block))""",
     """CREATE TABLE IF NOT EXISTS tensor_stats (
         model_id TEXT NOT NULL, tensor TEXT NOT NULL, numel INTEGER, delta_l2 REAL, delta_l1 REAL,
         delta_max_abs REAL, delta_nnz INTEGER, thresholds TEXT, fixed_bytes INTEGER DEFAULT 0,
+        nonfinite INTEGER DEFAULT 0, base_nonfinite INTEGER DEFAULT 0,
         PRIMARY KEY (model_id, tensor))""",
     """CREATE TABLE IF NOT EXISTS plans (
         id TEXT PRIMARY KEY, created_at TEXT, base_id TEXT, operator TEXT, budget_bytes INTEGER,
@@ -59,4 +61,8 @@ MIGRATIONS: dict[int, list[str]] = {
     2: ["ALTER TABLE models ADD COLUMN file_stats TEXT"],  # (name, size, mtime) of the files, for cheap change checks
     # bytes read once per tensor when any of its blocks is read (a LoRA adapter's A matrix)
     3: ["ALTER TABLE tensor_stats ADD COLUMN fixed_bytes INTEGER DEFAULT 0"],
+    # non-finite (NaN/Inf) delta entries per block and tensor, and how many of them the base holds;
+    # statistics stored before v4 count as finite (the engine still refuses a non-finite output)
+    4: [f"ALTER TABLE {t} ADD COLUMN {c} INTEGER DEFAULT 0" for t in ("blocks", "tensor_stats")
+        for c in ("nonfinite", "base_nonfinite")],
 }

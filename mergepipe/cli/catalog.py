@@ -73,7 +73,7 @@ def cmd_analyze(args):
     cat = open_catalog(args)
     if args.ids:
         args.model_ids = [*(args.model_ids or []), *args.ids]
-    kw = {"force": args.force, "sketch_size": args.sketch_size or DEFAULT_SKETCH_SIZE,
+    kw = {"force": args.force, "sketch_size": DEFAULT_SKETCH_SIZE if args.sketch_size is None else args.sketch_size,
           "densities": tuple(DEFAULT_DENSITIES) + tuple(args.densities or ())}
     if args.block_bytes is not None:
         kw["block_bytes"] = args.block_bytes

@@ -128,7 +128,8 @@ def _plan_summary(plan) -> dict:
     return {"plan_id": plan.id, "digest": plan.digest, "operator": plan["operator"],
             "budget_bytes": plan["budget"]["bytes"], "full_expert_bytes": plan["full_expert_bytes"],
             "estimated": plan["estimate"], "blocks_selected": plan["blocks_selected"],
-            "expert_read_by_expert": plan["expert_read_by_expert"], "error_bound": plan["error_bound"]}
+            "expert_read_by_expert": plan["expert_read_by_expert"], "error_bound": plan["error_bound"],
+            **({"warnings": plan.data["warnings"]} if plan.data.get("warnings") else {})}
 
 
 def _open_for_plan(args):
@@ -194,7 +195,10 @@ def cmd_merge(args):
         from mergepipe.api import check_target
         _, model_id = check_target(cat, args.out, args.model_id)
         reserved = (model_id,)
-    _execute(args, cat, _make_plan(args, cat, save=False, reserved_ids=reserved))
+    plan = _make_plan(args, cat, save=False, reserved_ids=reserved)
+    for warning in plan.data.get("warnings", ()):
+        print(f"warning: {warning}", file=sys.stderr)
+    _execute(args, cat, plan)
 
 
 @command("execute", "execute a stored plan")

@@ -1,5 +1,11 @@
 """Merging one block: the fused numba kernels where they apply, else the torch path of the operators
-(sparsify each contributing expert's delta, then combine). Both give bit-identical bytes."""
+(sparsify each contributing expert's delta, then combine). Both give bit-identical bytes.
+
+Every merged block is checked for NaN/Inf in its final bytes (after the rounding to the base's dtype, so
+a finite float32 value that overflows bf16 or fp16 is caught as well): one fails the merge with an
+ExecutionError naming the tensor and block, and nothing is published. Blocks copied from the base
+unmerged are not checked (a merge never adds what its inputs did not have there).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import math
 
 import torch
 
+from mergepipe.errors import ExecutionError
 from mergepipe.ops.core import combine, sparsify
 from mergepipe.ops.streams import block_seed
 from mergepipe.planner.settings import tensor_density, tensor_weight
@@ -18,7 +25,29 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def merge_block(fused, op, params, seed, experts, sources, weight_sum, info, span, raw, contributors, thresholds):
-    """The merged bytes of one block (``raw``: its base bytes; ``contributors``: (expert index, buffers))."""
+    """The merged bytes of one block (``raw``: its base bytes; ``contributors``: (expert index, buffers)),
+    refused when they hold NaN or Inf."""
+    data = _merged_bytes(fused, op, params, seed, experts, sources, weight_sum, info, span, raw, contributors,
+                         thresholds)
+    check_finite(data, info, span)
+    return data
+
+
+def check_finite(data, info, span) -> None:
+    """Raise ExecutionError when a merged block's bytes hold NaN or Inf."""
+    from mergepipe.ops import kernels
+    if not kernels.nonfinite_count(data, info.dtype):
+        return
+    nan, inf, largest = kernels.nonfinite_kinds(data, info.dtype)
+    dtype = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64"}.get(info.dtype, info.dtype.lower())
+    why = (f"merged values beyond the largest {dtype} number ({largest:.6g}) overflow to Inf: lower the weights "
+           f"or lambda, or merge into a wider dtype" if inf and not nan else
+           "an input or a parameter made them (check the experts' and the base's values, the weights and lambda)")
+    raise ExecutionError(f"the merge of tensor {info.name} (block {span.index}) gives {nan + inf} non-finite "
+                         f"values ({nan} NaN, {inf} Inf) in {dtype}; {why}; nothing was published")
+
+
+def _merged_bytes(fused, op, params, seed, experts, sources, weight_sum, info, span, raw, contributors, thresholds):
     shape = rows_shape(info, span.row_end - span.row_start)
     if fused:
         data = fused_block(op, params, seed, experts, sources, weight_sum, info, span, shape, raw,

@@ -11,6 +11,10 @@ blocks then come from the page cache.
 The statistics are committed in the catalog transaction that registers the snapshot: a merge that fails
 or is cancelled stores none of them (the catalog is exactly as before), and a published snapshot always
 comes with the statistics of its experts.
+
+An expert whose delta holds NaN/Inf (its own values or the base's) is refused here as the planner
+refuses an analyzed one: the merge fails with the same message when the analysis of the first such
+tensor arrives, before that tensor is merged, so nothing is published and no statistics are stored.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import numpy as np
 
 from mergepipe.analyze.runner import store_analyses
 from mergepipe.analyze.stats import DEFAULT_DENSITIES, ExpertAnalysis, analysis_workers, analyze_tensor
+from mergepipe.catalog.analyses import nonfinite_message
 from mergepipe.catalog.db import Catalog
+from mergepipe.errors import ExecutionError
 from mergepipe.ops.core import get_op, lookup_thresholds, threshold_fractions, useful_blocks
 from mergepipe.planner.settings import tensor_density
 from mergepipe.storage.safetensors import FLOAT_DTYPES, Checkpoint, TensorInfo
@@ -36,6 +42,7 @@ class InflightAnalysis:
     def __init__(self, plan, base_ck: Checkpoint, order: list[TensorInfo], lookahead: int = LOOKAHEAD_BYTES):
         self.op = get_op(plan["operator"])
         self.params = plan["params"]
+        self.base_id = plan["base"]["id"]
         self.experts = [e for e in plan["experts"] if e.get("analyze")]
         self.order = order
         self.index = {t.name: i for i, t in enumerate(order)}
@@ -76,6 +83,9 @@ class InflightAnalysis:
         import json
 
         eid = expert["id"]
+        bad = [(name, r["block"], r["nonfinite"], r["base_nonfinite"]) for r in rows if r.get("nonfinite")]
+        if bad:
+            raise ExecutionError(nonfinite_message(eid, self.base_id, bad))
         thr = None
         if stats["delta_nnz"] and self.op.thresholded:
             fracs = threshold_fractions(self.op, tensor_density(expert, name) or 1.0, self.params)

@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING
 
 from mergepipe.errors import PlanError
 from mergepipe.ops import breadcrumbs, dare, della, linear, ties
-from mergepipe.ops.spec import OPERATORS, Consensus, OpSpec, Param, Sparsify, all_parameters, register_op  # noqa: F401
+from mergepipe.ops.spec import (  # noqa: F401
+    LAMBDA, OPERATORS, Consensus, OpSpec, Param, Sparsify, all_parameters, register_op,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -54,18 +56,28 @@ def get_op(name: str) -> OpSpec:
 
 
 def resolve_params(spec: OpSpec, normalize=None, rescale=None, lam=None, **extra) -> dict:
-    """The operator's full parameter set: declared defaults overridden by what the user gave."""
-    params = {
-        "normalize": spec.normalize if normalize is None else bool(normalize),
-        "rescale": spec.rescale if rescale is None else bool(rescale),
-        "lambda": 1.0 if lam is None else float(lam),
-    }
-    for key, default in spec.params.items():
-        params[key] = float(extra[key]) if extra.get(key) is not None else default
+    """The operator's full parameter set: declared defaults overridden by what the user gave, each
+    checked against its declaration (a finite number within the declared range; NaN is refused)."""
     unknown = [k for k, v in extra.items() if v is not None and k not in spec.params]
     if unknown:
         raise PlanError(f"operator {spec.name} takes no parameter {', '.join(unknown)}")
+    params = {
+        "normalize": spec.normalize if normalize is None else bool(normalize),
+        "rescale": spec.rescale if rescale is None else bool(rescale),
+        "lambda": 1.0 if lam is None else LAMBDA.check(_float(lam, LAMBDA)),
+    }
+    for p in spec.extras:
+        params[p.name] = p.check(_float(extra[p.name], p)) if extra.get(p.name) is not None else p.default
     return params
+
+
+def _float(value, param: Param) -> float:
+    if isinstance(value, bool):
+        raise PlanError(f"{param.name} must be a number, not {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise PlanError(f"{param.name} must be a number, not {value!r}") from None
 
 
 def threshold_fractions(spec: OpSpec, density: float, params: dict) -> list[float]:

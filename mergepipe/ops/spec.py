@@ -109,6 +109,8 @@ class Param:
             from mergepipe.errors import PlanError
             error = PlanError
         if not self.in_range(value):
+            if not self.range_text():
+                raise error(f"{where or self.name} must be a finite number, not {value:g}")
             raise error(f"{where or self.name} {value:g} is outside the range {self.range_text()} of {self.name}")
         return value
 

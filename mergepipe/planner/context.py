@@ -5,6 +5,13 @@ Greedy by score per byte (default score |c_i| * ||delta_{i,t,b}||_2, which minim
 bound), deterministic tie-break (expert order, tensor order, block index), budget-sound by
 construction. ``PlanContext`` holds everything about a merge request except the budget; ``Planner``
 is the front door.
+
+Numeric guards, from the statistics ANALYZE stored: an expert whose delta holds NaN/Inf (in its own
+values or in the base's) in any tensor is refused (a PlanError naming the model, the tensors, their
+blocks and counts): every tensor of the base is merged, and NaN or Inf times any weight stays non-finite.
+An expert whose delta is zero everywhere (identical to its base), or zero in every tensor this merge
+gives it a non-zero weight, is merged but flagged: the plan's ``warnings`` (shown by EXPLAIN and
+``plan``). Experts analyzed on the way are checked by the engine as their statistics arrive.
 """
 
 from __future__ import annotations
@@ -20,12 +27,12 @@ from mergepipe.catalog.models import check_unchanged
 from mergepipe.errors import PlanError
 from mergepipe.manifest.build import canonical
 from mergepipe.ops.core import coefficient, lookup_thresholds, threshold_fractions, useful_blocks
-from mergepipe.ops.spec import OpSpec, Sparsify
+from mergepipe.ops.spec import OpSpec
 from mergepipe.planner.bounds import Bounds
 from mergepipe.planner.budget import Budget
 from mergepipe.planner.candidates import Candidates
 from mergepipe.planner.plan import PLAN_FORMAT, Plan, compact_ranges, save_plan
-from mergepipe.planner.request import MergeRequest
+from mergepipe.planner.request import MergeRequest, check_density, check_weight_sum
 from mergepipe.planner.settings import (
     check_setting, is_scalar, layer_t, num_layers, resolve, tensor_density, tensor_weight,
 )
@@ -50,12 +57,15 @@ class PlanContext(StrategyScores, Bounds):
         self.tensors = [t for t in catalog.tensors(self.base["id"])]
         self.tensor_index = {t["name"]: i for i, t in enumerate(self.tensors)}
         self.experts = self._expert_specs(request.experts, request.density, request.weight)
+        self._check_finite()
         self.block_bytes = catalog.grid_block_bytes(self.base["id"]) or DEFAULT_BLOCK_BYTES
         names = [t["name"] for t in self.tensors]
         # [K, T] weight of each expert on each tensor, and its coefficient in the merged delta
         self.weight_matrix = np.array([[tensor_weight(e, n) or 0.0 for n in names] for e in self.experts],
                                       dtype=np.float64).reshape(len(self.experts), len(names))
         self.weight_sums = self.weight_matrix.sum(axis=0)
+        self._check_normalize(names)
+        self.warnings = self._zero_delta_warnings(names)
         self.coef_matrix = np.array([[coefficient(self.op, w, ws, self.params) for w, ws in zip(row, self.weight_sums)]
                                      for row in self.weight_matrix]).reshape(self.weight_matrix.shape)
         self.thresholds = self._thresholds()
@@ -92,14 +102,45 @@ class PlanContext(StrategyScores, Bounds):
             out.append(spec)
         return out
 
+    def _check_finite(self) -> None:
+        """Refuse an analyzed expert whose delta holds NaN/Inf in any tensor (see the module docstring)."""
+        for e in self.experts:
+            if e.get("analyze"):
+                continue
+            rows = [r for r in analyses.nonfinite_blocks(self.catalog, e["id"]) if r[0] in self.tensor_index]
+            if rows:
+                raise PlanError(analyses.nonfinite_message(e["id"], self.base["id"], rows))
+
+    def _check_normalize(self, names: list[str]) -> None:
+        """Under normalize the weights are divided by their sum: refuse a sum of (about) zero, per tensor."""
+        floats = [i for i, t in enumerate(self.tensors) if t["dtype"] in FLOAT_DTYPES]
+        seen = set()
+        for i in floats:
+            column = tuple(float(w) for w in self.weight_matrix[:, i])
+            if column not in seen:
+                seen.add(column)
+                check_weight_sum(self.op, self.params, column, f" on {names[i]}" if len(self.tensors) > 1 and any(
+                    e.get("weight") is None for e in self.experts) else "")
+
+    def _zero_delta_warnings(self, names: list[str]) -> list[str]:
+        """A warning per analyzed expert whose delta is zero everywhere or in every tensor it is weighted in."""
+        out = []
+        floats = [i for i, t in enumerate(self.tensors) if t["dtype"] in FLOAT_DTYPES]
+        for ei, e in enumerate(self.experts):
+            if e.get("analyze"):
+                continue
+            changed = set(analyses.changed_tensors(self.catalog, e["id"]))
+            weighted = {names[i] for i in floats if self.weight_matrix[ei, i] != 0}
+            if not changed:
+                out.append(f"expert {e['id']!r} has a zero delta everywhere: it is identical to its base "
+                           f"{self.base['id']!r} and changes nothing in this merge")
+            elif weighted and not changed & weighted:
+                out.append(f"expert {e['id']!r} has a zero delta in every tensor this merge gives it a non-zero "
+                           f"weight: it changes nothing in this merge")
+        return out
+
     def _check_density(self, expert_id: str, d: float, where: str = "") -> None:
-        if self.op.uses_density and not 0 < d <= 1:
-            raise PlanError(f"density {d:g} of {expert_id}{where} is outside (0, 1]")
-        if self.op.sparsify is Sparsify.DELLA:
-            eps = self.params["epsilon"]
-            if d < 1 and not (0 < eps and d - eps > 0 and d + eps <= 1):
-                raise PlanError(f"della needs 0 < density - epsilon and density + epsilon <= 1 "
-                                f"(density {d:g}{where}, epsilon {eps})")
+        check_density(self.op, self.params, d, f" of {expert_id}{where}")
 
     def _per_tensor(self, expert_id: str, weight_settings, density_settings) -> dict:
         """Weight and density of one expert for every float tensor, from filters and gradients."""
@@ -281,6 +322,8 @@ class PlanContext(StrategyScores, Bounds):
             "target_bound": target_bound,
             "software": {"mergepipe": __version__},
         })
+        if self.warnings:  # outside the digest: they follow from the catalog, like the estimates
+            data["warnings"] = list(self.warnings)
         return Plan(data)
 
 

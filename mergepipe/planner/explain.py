@@ -37,6 +37,8 @@ def explain_plan(p: dict) -> str:
                      f"{p['blocks_candidate'][eid]}  read {human_bytes(p['expert_read_by_expert'][eid])}")
         if e.get("analyze"):
             lines.append(f"    {'':<20} {e['analyze']}: read in full and analyzed on the way")
+    for w in p.get("warnings", ()):  # e.g. an expert identical to its base (planner/context.py)
+        lines.append(f"  warning    {w}")
     lines.append("  tensors (blocks read per expert)")
     tensors = sorted({t for ts in p["access"].values() for t in ts})
     for t in tensors:

@@ -5,20 +5,34 @@ What can be checked without the catalog is checked here (the operator and its pa
 strategy, the seed, the budget, the number of weights); what needs the catalog (the models, their
 settings per tensor, densities against the operator) is checked by the planner's ``PlanContext``.
 The plan records the request exactly as the planner always did, so plan ids and digests do not
-depend on how the request was spelled."""
+depend on how the request was spelled.
+
+Every parameter is range-checked here, NaN included (comparisons are written ``not (low <= x)`` so that
+NaN fails them): lambda, weights finite; densities in (0, 1]; gamma in [0, 1] and, for breadcrumbs,
+gamma + density <= 1 (density 1, the default, keeps everything but the top gamma); della's epsilon in
+[0, 0.5] with density - epsilon > 0 and density + epsilon <= 1; under normalize (without sign
+consensus) a sum of the weights that is not (about) zero; the seed a non-negative integer. Each refusal
+is a PlanError naming the parameter, its value and the allowed range. Weights that vary per tensor are
+summed per tensor by the planner."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import math
+
 from mergepipe.errors import PlanError
 from mergepipe.ops.core import get_op, resolve_params
-from mergepipe.ops.spec import OpSpec
+from mergepipe.ops.spec import OpSpec, Sparsify
 from mergepipe.planner.budget import Budget
+from mergepipe.planner.settings import check_setting, is_scalar
 from mergepipe.planner.strategies import STRATEGIES
 
 # The operator parameters a request carries (None: the operator's default).
 PARAM_KEYS = ("lam", "normalize", "rescale", "gamma", "epsilon")
+# Under normalize: |sum of the weights| must exceed this fraction of the sum of their magnitudes.
+WEIGHT_SUM_EPS = 1e-12
+MAX_SEED = 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -66,16 +80,34 @@ class MergeRequest:
     def validated(self) -> MergeRequest:
         """The request with its operator's canonical name, after every catalog-free check."""
         op = get_op(self.operator)
-        self.resolved_params(op)
+        params = self.resolved_params(op)
+        self._check_settings(op, params)
         if self.strategy not in STRATEGIES:
             raise PlanError(f"unknown strategy {self.strategy!r} (choose from {', '.join(STRATEGIES)})")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            try:
-                seed = int(self.seed)
-            except (TypeError, ValueError):
-                raise PlanError(f"seed must be an integer, not {self.seed!r}") from None
+        seed = check_seed(self.seed)
+        if seed is not self.seed:
             return replace(self, operator=op.name, seed=seed)
         return replace(self, operator=op.name) if op.name != self.operator else self
+
+    def _check_settings(self, op: OpSpec, params: dict) -> None:
+        """Weights and densities (merge-wide and per expert): finite, densities in range for ``op``; with
+        one weight per expert, their sum under normalize."""
+        # the merge-wide density is named after the first expert that takes it, as the planner does
+        users = [e["model"] for e in self.experts if e.get("density") is None]
+        settings = [("", f" of {users[0]}" if users else "", self.weight, self.density)]
+        settings += [(f" of {e['model']}",) * 2 + (e.get("weight"), e.get("density")) for e in self.experts]
+        for weight_where, density_where, weight, density in settings:
+            if weight is not None:
+                check_setting(weight, "weight" + weight_where)
+            if density is not None:  # a per-tensor setting is checked per tensor by the planner (naming it)
+                d = check_setting(density, "density" + density_where)
+                if is_scalar(d):
+                    check_density(op, params, d, density_where)
+        if self.weight is not None or any(e.get("weight") is not None for e in self.experts):
+            ws = [e["weight"] if e.get("weight") is not None else self.weight for e in self.experts]
+            ws = [1.0 if w is None else w for w in ws]
+            if all(is_scalar(w) for w in ws):
+                check_weight_sum(op, params, [float(w) for w in ws])
 
     @property
     def op(self) -> OpSpec:
@@ -104,3 +136,50 @@ def _expert_list(experts) -> list[dict]:
             raise PlanError(f"expert {e!r} has no model id")
         out.append(spec)
     return out
+
+
+def check_density(op: OpSpec, params: dict, d: float, where: str = "") -> None:
+    """A density of ``op`` (``where``: of which expert, on which tensor): in (0, 1], and within the
+    ranges its sparsification needs with gamma (breadcrumbs) or epsilon (della)."""
+    if not op.uses_density:
+        return
+    if not (0 < d <= 1):
+        raise PlanError(f"density {d:g}{where} is outside (0, 1], the range of density")
+    if op.sparsify is Sparsify.OUTLIERS and d < 1 and not (params["gamma"] + d <= 1 + 1e-12):
+        raise PlanError(f"breadcrumbs needs gamma + density <= 1 (gamma {params['gamma']:g} + density {d:g}{where} "
+                        f"= {params['gamma'] + d:g}): lower gamma or the density")
+    if op.sparsify is Sparsify.DELLA:
+        eps = params["epsilon"]
+        if d < 1 and not (0 < eps and d - eps > 0 and d + eps <= 1):
+            raise PlanError(f"della needs 0 < density - epsilon and density + epsilon <= 1 "
+                            f"(density {d:g}{where}, epsilon {eps:g}): keep density in ({eps:g}, {1 - eps:g}]")
+
+
+def check_weight_sum(op: OpSpec, params: dict, weights, where: str = "") -> None:
+    """Under normalize (without sign consensus, whose divisor is the weight of agreeing entries, 0 -> 1)
+    the merged delta is divided by the sum of the weights: refuse a sum of (about) zero."""
+    if not params.get("normalize") or op.consensus or not weights:
+        return
+    total = math.fsum(weights)
+    scale = math.fsum(abs(w) for w in weights)
+    if not (abs(total) > WEIGHT_SUM_EPS * scale):  # all-zero weights included
+        raise PlanError(f"the weights sum to {total:g}{where}; normalize divides by their sum, which must be "
+                        f"non-zero (|sum| > {WEIGHT_SUM_EPS:g} x the sum of |weight|): change the weights or "
+                        f"turn normalize off (--no-normalize)")
+
+
+def check_seed(seed) -> int:
+    """The seed as an int: an integer (or an integral number) in [0, 2**64 - 1]."""
+    if isinstance(seed, bool):
+        raise PlanError(f"seed must be an integer in [0, {MAX_SEED}], not {seed!r}")
+    value = seed
+    if not isinstance(seed, int):
+        try:
+            value = int(seed) if not isinstance(seed, float) or seed.is_integer() else None
+        except (TypeError, ValueError, OverflowError):
+            value = None
+        if value is None:
+            raise PlanError(f"seed must be an integer in [0, {MAX_SEED}], not {seed!r}")
+    if not (0 <= value <= MAX_SEED):
+        raise PlanError(f"seed {value} is outside the range [0, {MAX_SEED}] of seed")
+    return value

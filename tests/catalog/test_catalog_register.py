@@ -337,6 +337,9 @@ def test_v1_catalog_is_migrated_in_place(tmp_path, fam_fp32):
     register(cat, "base", str(fam_fp32.base))
     cat.conn.execute("ALTER TABLE models DROP COLUMN file_stats")
     cat.conn.execute("ALTER TABLE tensor_stats DROP COLUMN fixed_bytes")
+    for table in ("blocks", "tensor_stats"):  # v4: non-finite counts
+        for col in ("nonfinite", "base_nonfinite"):
+            cat.conn.execute(f"ALTER TABLE {table} DROP COLUMN {col}")
     cat.conn.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
     cat.close()
     cat = Catalog(db)
