@@ -47,9 +47,10 @@ Everything here is float64; rounding to the output dtype is left to the comparis
 Where MergePipe's semantics (followed here) differ from mergekit's current code, beyond the deliberate
 differences ops/core.py lists: breadcrumbs at density >= 1 (above); DELLA's keep probability spreads
 over (d - eps) + 2·eps·r/n (the DELLA paper's MAGPRUNE) where mergekit uses r/(n - 1), and its
-rescale divides by p where mergekit restores the tensor's L1 norm; linear with ``normalize`` and
-weights summing to 0 is not refused: the divisor becomes 1 (mergekit's linear divides by 0; its
-task-arithmetic family also uses 1 below 1e-8).
+rescale divides by p where mergekit restores the tensor's L1 norm. Weights summing to 0 under
+``normalize`` (linear) are refused by the planner (|sum| must exceed 1e-12 x sum |w|); the divisor
+rule below (1 when |sum| < 1e-8) only matters for sums between the two (mergekit's linear divides by
+0; its task-arithmetic family also uses 1 below 1e-8).
 """
 
 from __future__ import annotations

@@ -33,6 +33,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mergepipe.errors import PlanError
+
 import reference as ref
 
 OPS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs", "breadcrumbs_ties",
@@ -267,8 +269,13 @@ def test_density_one_equals_oracle(fams, catalogs, tmp_path, op, dtype, budget):
 @pytest.mark.parametrize("dtype,budget", [("bf16", "10%"), ("fp32", "100%")])
 @pytest.mark.parametrize("op", OPS)
 def test_weights_summing_to_zero_equal_oracle(fams, catalogs, tmp_path, op, dtype, budget):
-    """Weights summing to exactly 0: normalize is not refused; the divisor 0 is replaced by 1 (linear:
-    base + lambda * sum w_i delta_i; TIES-like: where all experts agree)."""
+    """Weights summing to exactly 0: linear (normalize on) refuses to divide by the zero sum; the others
+    do not divide by the total (TIES-like: by the agreeing weights, 0 replaced by 1) and equal the oracle."""
+    if op == "linear":
+        with pytest.raises(PlanError, match="the weights sum to 0; normalize divides by their sum, which must be "
+                                            "non-zero"):
+            check(fams[dtype], catalogs[dtype], tmp_path, op, budget, weights=ZERO_SUM, tag="z")
+        return
     check(fams[dtype], catalogs[dtype], tmp_path, op, budget, weights=ZERO_SUM, tag="z")
 
 
