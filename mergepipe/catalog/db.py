@@ -237,7 +237,12 @@ class Catalog:
             raise
 
     def _quick_check(self, conn) -> None:
-        rows = [r[0] for r in conn.execute("PRAGMA quick_check(5)").fetchall()]
+        try:
+            rows = [r[0] for r in conn.execute("PRAGMA quick_check(5)").fetchall()]
+        except CatalogError as exc:
+            if not isinstance(exc.__cause__, sqlite3.DatabaseError) or "malformed" not in str(exc.__cause__):
+                raise
+            rows = [str(exc.__cause__)]
         if rows != ["ok"]:
             first = " ".join(rows[0].replace("*** in database main ***", "").split())
             raise CatalogError(f"catalog {self.path} is corrupted (quick_check: {first}): run "
