@@ -173,6 +173,38 @@ def test_io_faults_during_merge(tiny, tmp_path, name, text, where):
     assert_nothing_published(db, parent, out, before)
 
 
+FSYNC_FAULT = textwrap.dedent("""
+    import errno, os
+    _real = os.fsync
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".safetensors"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return _real(fd)
+    os.fsync = fsync
+""")
+
+
+def test_io_error_at_fsync(tiny, tmp_path):
+    """EIO from fsync (a write the disk could not complete): the same one line, nothing published."""
+    db, before = planned(tiny, tmp_path)
+    parent = tmp_path / "outs"
+    parent.mkdir()
+    out = parent / "merged"
+    p = run_mergepipe(["--db", db, *MERGE, "--out", out], FSYNC_FAULT)
+    line = one_error_line(p, "input/output error (EIO)", "nothing was published")
+    assert line.startswith("error: flushing (fsync) ") and ".safetensors" in line
+    assert_nothing_published(db, parent, out, before)
+
+
+def fill(disk: Path, leave: int) -> None:
+    """Fill the filesystem at ``disk`` until about ``leave`` bytes are free."""
+    st = os.statvfs(disk)
+    free = st.f_bavail * st.f_frsize
+    if free > leave:
+        with open(disk / "filler", "wb") as fh:
+            fh.write(b"\0" * (free - leave))
+
+
 def registered_catalog(tiny, db: Path) -> Path:
     cat = Catalog(db)
     try:
@@ -199,6 +231,20 @@ def test_catalog_disk_full_during_analyze(tiny, tmp_path):
         assert "free space" in line
         assert dump_db(db) == before
         assert not rows(db, "SELECT 1 FROM analyses")
+
+
+@pytest.mark.skipif(not MOUNT, reason="needs root to mount a tmpfs (the catalog must fill a real disk)")
+def test_catalog_disk_full_during_register(tiny, tmp_path):
+    """The catalog's disk fills while `register` writes: one line, nothing registered (one transaction)."""
+    src = registered_catalog(tiny, tmp_path / "src.sqlite")
+    with tmpfs(tmp_path / "catdisk", "2m") as disk:
+        db = disk / "c.sqlite"
+        shutil.copyfile(src, db)
+        before = dump_db(db)
+        fill(disk, 48 << 10)  # room for the WAL index (-shm, 32 KiB), not for the registration
+        p = run_mergepipe(["--db", db, "register", "--base", "base", "--model-id", "e3", "--uri", tiny.experts[2]])
+        one_error_line(p, f"catalog {db}: database or disk is full (SQLITE_FULL)")
+        assert dump_db(db) == before
 
 
 @pytest.mark.skipif(not MOUNT, reason="needs root to mount a tmpfs (root ignores permission bits)")
