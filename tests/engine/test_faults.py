@@ -205,6 +205,19 @@ def fill(disk: Path, leave: int) -> None:
             fh.write(b"\0" * (free - leave))
 
 
+@pytest.mark.skipif(not MOUNT, reason="needs root to mount a tmpfs (root ignores permission bits)")
+def test_output_on_read_only_filesystem(tiny, tmp_path):
+    """--out on a read-only filesystem (a real EROFS): refused before anything is staged or stored."""
+    db = copy_catalog(tiny, tmp_path / "c.sqlite")
+    before = dump_db(db)
+    with tmpfs(tmp_path / "rodisk", "1m") as disk:
+        remount_ro(disk)
+        p = run_mergepipe(["--db", db, *MERGE, "--out", disk / "merged"])
+        one_error_line(p, f"{disk}: cannot write there (read-only directory or filesystem)")
+        assert not (disk / "merged").exists() and not list(disk.iterdir())
+    assert dump_db(db) == before
+
+
 def registered_catalog(tiny, db: Path) -> Path:
     cat = Catalog(db)
     try:
