@@ -54,6 +54,7 @@ def now() -> str:
 # ~20 ms warm (~0.6 s cold); a catalog of registered models is ~1 MiB, an analyzed K=4 family ~5-25 MiB.
 # Bigger catalogs are checked in full by `mergepipe doctor` (PRAGMA integrity_check).
 QUICK_CHECK_MAX_BYTES = 32 << 20
+_CHECKED: set[tuple] = set()  # (path, device, inode, size, mtime) of the files that passed, in this process
 
 # SQLite primary result codes that are faults of the catalog file or its disk, not of the request.
 _SQLITE_FAULTS = {
@@ -216,7 +217,7 @@ class Catalog:
         try:
             if not self.read_only:
                 conn.execute("PRAGMA journal_mode=WAL")
-            if check and self.path.stat().st_size <= QUICK_CHECK_MAX_BYTES:
+            if check:
                 self._quick_check(conn)
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute("PRAGMA foreign_keys=ON")
@@ -237,6 +238,12 @@ class Catalog:
             raise
 
     def _quick_check(self, conn) -> None:
+        """PRAGMA quick_check, when the file is at most QUICK_CHECK_MAX_BYTES and this process has not
+        checked it as it is now (the dashboard opens a catalog per page render)."""
+        st = self.path.stat()
+        key = (str(self.path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if st.st_size > QUICK_CHECK_MAX_BYTES or key in _CHECKED:
+            return
         try:
             rows = [r[0] for r in conn.execute("PRAGMA quick_check(5)").fetchall()]
         except CatalogError as exc:
@@ -247,6 +254,7 @@ class Catalog:
             first = " ".join(rows[0].replace("*** in database main ***", "").split())
             raise CatalogError(f"catalog {self.path} is corrupted (quick_check: {first}): run "
                                f"`mergepipe doctor --db {self.path}` and restore it from a backup")
+        _CHECKED.add(key)
 
     def _check_version(self) -> None:
         """Read-only: the schema must be current (it cannot be migrated)."""
