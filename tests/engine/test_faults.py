@@ -247,6 +247,27 @@ def test_catalog_disk_full_during_analyze(tiny, tmp_path):
 
 
 @pytest.mark.skipif(not MOUNT, reason="needs root to mount a tmpfs (the catalog must fill a real disk)")
+def test_catalog_disk_full_during_analyze_run(tiny, tmp_path):
+    """An analyze run (the dashboard's, `--run-id`) whose catalog fills: the run is recorded as failed,
+    with the reason, not left running; no statistics are stored."""
+    src = registered_catalog(tiny, tmp_path / "src.sqlite")
+    cat = Catalog(src)
+    with cat.transaction():
+        from mergepipe.catalog.runs import insert_analyze_run
+        run_id = insert_analyze_run(cat, ["e1", "e2"])
+    cat.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    cat.close()
+    with tmpfs(tmp_path / "catdisk", f"{(src.stat().st_size // 1024) + 96}k") as disk:
+        db = disk / "c.sqlite"
+        shutil.copyfile(src, db)
+        p = run_mergepipe(["--db", db, "analyze", "--run-id", run_id, "--block-bytes", 4096])
+        one_error_line(p, "database or disk is full")
+        (run,) = rows(db, "SELECT * FROM runs WHERE id = ?", [run_id])
+        assert run["status"] == "failed" and "database or disk is full" in run["error"], run
+        assert not rows(db, "SELECT 1 FROM analyses") and not rows(db, "SELECT 1 FROM blocks")
+
+
+@pytest.mark.skipif(not MOUNT, reason="needs root to mount a tmpfs (the catalog must fill a real disk)")
 def test_catalog_disk_full_during_register(tiny, tmp_path):
     """The catalog's disk fills while `register` writes: one line, nothing registered (one transaction)."""
     src = registered_catalog(tiny, tmp_path / "src.sqlite")
