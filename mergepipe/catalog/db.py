@@ -280,7 +280,19 @@ class Catalog:
     def conn(self) -> sqlite3.Connection:
         return self.db.conn
 
+    def _current(self) -> bool:
+        """The catalog is initialized at this schema version (opening it needs no write)."""
+        try:
+            keys = dict(self.conn.execute(
+                "SELECT key, value FROM meta WHERE key IN ('schema_version', 'change_counter')").fetchall())
+        except sqlite3.OperationalError:  # no meta table yet
+            return False
+        return keys.get("schema_version") == str(SCHEMA_VERSION) and "change_counter" in keys
+
     def _migrate(self) -> None:
+        # A current catalog opens without writing (a full disk or a busy writer does not stop reading).
+        if self._current():
+            return
         # Opening a catalog is not a change: no change-counter bump (the dashboard polls the counter).
         with self.transaction(bump=False):
             for stmt in SCHEMA:

@@ -279,6 +279,8 @@ def test_catalog_disk_full_during_register(tiny, tmp_path):
         p = run_mergepipe(["--db", db, "register", "--base", "base", "--model-id", "e3", "--uri", tiny.experts[2]])
         one_error_line(p, f"catalog {db}: database or disk is full (SQLITE_FULL)")
         assert dump_db(db) == before
+        p = run_mergepipe(["--db", db, "models", "--json"])  # reading needs no space
+        assert p.returncode == 0 and '"e2"' in p.stdout, p.stderr
 
 
 @pytest.mark.skipif(not MOUNT, reason="needs root to mount a tmpfs (root ignores permission bits)")
