@@ -10,13 +10,13 @@ import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.models import has_tensor, named_by_path, register, register_many, schema_version  # noqa: F401
+from mergepipe.catalog.db import Catalog, integrity_findings
+from mergepipe.catalog.models import check_unchanged, has_tensor, named_by_path, register, register_many, schema_version  # noqa: F401
 from mergepipe.catalog.plans import find_plan_id, has_plan
 from mergepipe.catalog.snapshots import snapshot_count, snapshot_rows  # noqa: F401
 from mergepipe.engine.runs import RunProgress, cancel_run, get_run, launch_analyze, launch_run, log_tail  # noqa: F401
-from mergepipe.engine.txn import check_output_path, recover
-from mergepipe.errors import ExecutionError, MergePipeError
+from mergepipe.engine.txn import check_output_path, recover, recovery_findings
+from mergepipe.errors import CatalogError, ExecutionError, MergePipeError
 from mergepipe.manifest.lineage import lineage, lineage_dot  # noqa: F401  (lineage_dot: for the CLI)
 from mergepipe.manifest.verify import load_manifest, verify
 from mergepipe.storage.paths import check_output
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from mergepipe.planner.request import MergeRequest
 
 __all__ = ["Catalog", "Planner", "Engine", "Plan", "MergeRequest", "Budget", "merge_request", "plan", "run", "merge", "plan_merge", "snapshots", "lineage", "verify",
-           "recover", "explain", "load_plan", "load_manifest", "save_plan", "merge_config", "plan_config",
+           "recover", "doctor", "explain", "load_plan", "load_manifest", "save_plan", "merge_config", "plan_config",
            "export_mergekit", "load_config", "parse_config", "register", "register_many",
            "launch_run", "launch_analyze", "get_run", "cancel_run", "log_tail", "STRATEGIES"]
 
@@ -177,6 +177,34 @@ def merge_summary(plan: Plan, manifest) -> dict:
 
 def snapshots(catalog: Catalog) -> list[dict]:
     return snapshot_rows(catalog)
+
+
+def doctor(db_path) -> dict:
+    """Check a catalog without changing anything: the file (``PRAGMA integrity_check``,
+    ``foreign_key_check``, schema version), what `recover` would do (uncommitted transactions, runs whose
+    process died, stale staging directories), and that every registered model's files still exist and
+    are unchanged. Returns ``{"catalog", "findings": [line, ...], "checked": {...}, "healthy"}``; a
+    missing catalog is a CatalogError. The model and transaction checks need a readable catalog: they
+    are skipped (``checked`` says so) when the file itself has findings."""
+    path = Path(db_path)
+    if not path.is_file():
+        raise CatalogError(f"{path}: no catalog here (run `mergepipe init-db --db {path}`)")
+    findings = integrity_findings(path)
+    checked = {"file": True, "transactions": False, "models": 0}
+    if not findings:
+        catalog = Catalog(path, create=False, check=False, read_only=True)
+        try:
+            findings += recovery_findings(catalog)
+            checked["transactions"] = True
+            for row in catalog.models():
+                try:
+                    check_unchanged(row)
+                except (MergePipeError, OSError) as exc:
+                    findings.append(f"model {row['id']}: {exc}")
+                checked["models"] += 1
+        finally:
+            catalog.close()
+    return {"catalog": str(path), "findings": findings, "checked": checked, "healthy": not findings}
 
 
 def explain(catalog: Catalog, ref: str) -> str:

@@ -101,3 +101,7 @@ def set_txn_status(catalog: Catalog, txn_id: str, status: str, finished: bool = 
 
 def unfinished_txns(catalog: Catalog) -> list[dict]:
     return catalog.query("SELECT * FROM txns WHERE status IN ('staging', 'renamed')")
+
+
+def txn_rows(catalog: Catalog) -> list[dict]:
+    return catalog.query("SELECT * FROM txns ORDER BY started_at, id")

@@ -13,7 +13,7 @@ from mergepipe.errors import MergePipeError
 @command("init-db", "create (or migrate) a catalog")
 def cmd_init_db(args):
     from mergepipe.api import schema_version
-    cat = open_catalog(args, create=True)
+    cat = open_catalog(args, create=True, write=True)
     print(f"catalog ready: {cat.path} (schema v{schema_version(cat)})")
 
 
@@ -49,7 +49,7 @@ def _register_items(args) -> list[tuple[str, str]]:
 def cmd_register(args):
     from mergepipe.api import register_many
     items = _register_items(args)
-    cat = open_catalog(args, create=True)
+    cat = open_catalog(args, create=True, write=True)
     results = register_many(cat, items, base_id=args.base_id, kind=args.kind,
                             with_content_hash=args.content_hash, replace=args.replace)
     out = results[0] if args.uri is not None else results  # the single --uri form prints one object
@@ -70,7 +70,7 @@ def _add_analyze(p):
 @command("analyze", "compute per-block delta statistics of experts against their base")
 def cmd_analyze(args):
     from mergepipe.api import DEFAULT_DENSITIES, DEFAULT_SKETCH_SIZE, analyze, human_bytes
-    cat = open_catalog(args)
+    cat = open_catalog(args, write=True)
     if args.ids:
         args.model_ids = [*(args.model_ids or []), *args.ids]
     kw = {"force": args.force, "sketch_size": DEFAULT_SKETCH_SIZE if args.sketch_size is None else args.sketch_size,

@@ -21,9 +21,13 @@ def default_db() -> str:
     return os.environ.get("MERGEPIPE_DB", "mergepipe.sqlite")
 
 
-def open_catalog(args, create: bool = False):
+def open_catalog(args, create: bool = False, write: bool = False):
+    """The catalog at --db; ``write``: the command writes to it, so a read-only one is an error now."""
     from mergepipe.api import Catalog
-    return Catalog(args.db, create=create)
+    cat = Catalog(args.db, create=create)
+    if write:
+        cat.require_writable()
+    return cat
 
 
 def emit(args, data, render=None) -> None:

@@ -137,8 +137,8 @@ def _open_for_plan(args):
     and a missing catalog is created, since the config's paths get registered into it."""
     if args.config is not None:
         args.config_parsed = _load_config(args)
-        return open_catalog(args, create=True)
-    return open_catalog(args)
+        return open_catalog(args, create=True, write=True)
+    return open_catalog(args, write=True)
 
 
 @command("plan", "make and store a plan (reads no expert bytes)")
@@ -204,7 +204,7 @@ def cmd_merge(args):
 @command("execute", "execute a stored plan")
 def cmd_execute(args):
     from mergepipe import api
-    cat = open_catalog(args)
+    cat = open_catalog(args, write=True)
     try:
         plan = api.load_plan(cat, args.plan_id)
     except MergePipeError as exc:

@@ -45,10 +45,30 @@ def cmd_lineage(args):
 @command("recover", "roll back unfinished merges and clean up their leftovers")
 def cmd_recover(args):
     from mergepipe.api import recover
-    cat = open_catalog(args)
+    cat = open_catalog(args, write=True)
     res = recover(cat)
     emit(args, res, lambda r: print(f"rolled back {len(r['rolled_back'])} transaction(s), removed "
                                     f"{len(r['removed'])} path(s), marked {len(r['failed_runs'])} run(s) failed"))
+
+
+@command("doctor", "check the catalog: file integrity, unfinished merges, registered models' files "
+                   "(exit 0 healthy, 1 findings)")
+def cmd_doctor(args):
+    from mergepipe.api import doctor
+    report = doctor(args.db)
+    checked = report["checked"]
+
+    def render(r):
+        for line in r["findings"]:
+            print(line)
+        if r["healthy"]:
+            print(f"catalog {r['catalog']} is healthy: integrity_check ok, schema current, nothing to recover, "
+                  f"{checked['models']} model(s) unchanged")
+        else:
+            skipped = "" if checked["transactions"] else " (transactions and models not checked: fix the file first)"
+            print(f"{len(r['findings'])} finding(s){skipped}")
+    emit(args, report, render)
+    return 0 if report["healthy"] else 1
 
 
 @command("dashboard", "start the Streamlit dashboard on 127.0.0.1")

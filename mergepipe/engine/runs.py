@@ -109,8 +109,14 @@ class RunProgress:
             runs_table.mark_run_succeeded(self.catalog, self.run_id)
 
     def fail(self, status: str, message: str) -> None:
-        with self.catalog.transaction():
-            runs_table.mark_run_ended(self.catalog, self.run_id, status, message)
+        """Record why the run ended. Called while its error propagates, so it never raises: when the
+        catalog cannot be written now (full, read-only), the row stays 'running' with this process's pid
+        and `recover` marks it failed once the process is gone."""
+        try:
+            with self.catalog.transaction():
+                runs_table.mark_run_ended(self.catalog, self.run_id, status, message)
+        except Exception:  # noqa: BLE001  (the error being propagated is the one to report)
+            pass
 
 
 def get_run(catalog: Catalog, run_id: int) -> dict:

@@ -19,6 +19,7 @@ from mergepipe.catalog import runs as runs_table
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.snapshots import snapshot_at
 from mergepipe.errors import ExecutionError
+from mergepipe.storage.writers import write_failure
 
 STAGING_MARK = ".mergepipe-staging-"
 ACTIVE: set[str] = set()  # ids of this process's transactions still in flight
@@ -37,6 +38,14 @@ def fsync_tree(root: Path) -> None:
         if p.is_file():
             fsync_path(p)
     fsync_path(root)
+
+
+def fsync_or_fail(fn, path: Path) -> None:
+    """``fn(path)``; a failing fsync (a full disk, an I/O error) is a one-line ExecutionError."""
+    try:
+        fn(path)
+    except OSError as exc:
+        raise write_failure(exc, "flushing (fsync)", exc.filename or path) from exc
 
 
 def pid_alive(pid: int | None) -> bool:
@@ -60,6 +69,9 @@ def check_output_path(out: Path) -> None:
         raise ExecutionError(f"{out}: output path already exists; published snapshots are never overwritten")
     if not out.parent.is_dir():
         raise ExecutionError(f"{out.parent}: parent directory does not exist")
+    if not os.access(out.parent, os.W_OK):  # a read-only filesystem (even for root), or no permission
+        raise ExecutionError(f"{out.parent}: cannot write there (read-only directory or filesystem); "
+                             "choose another --out")
 
 
 class Transaction:
@@ -76,20 +88,27 @@ class Transaction:
         check_output_path(self.out)
         with self.catalog.transaction():
             runs_table.insert_txn(self.catalog, self.id, str(self.staging), str(self.out), os.getpid())
-        self.staging.mkdir()
         ACTIVE.add(self.id)
+        self.state = "recorded"
+        try:
+            self.staging.mkdir()
+        except OSError as exc:
+            raise write_failure(exc, "creating the staging directory", self.staging) from exc
         self.state = "staging"
         return self.staging
 
     def publish(self) -> None:
         """fsync everything staged, then rename it onto the output path."""
-        fsync_tree(self.staging)
+        fsync_or_fail(fsync_tree, self.staging)
         check_output_path(self.out)
         with self.catalog.transaction():
             runs_table.set_txn_status(self.catalog, self.id, "renamed", finished=False)
-        os.rename(self.staging, self.out)
-        fsync_path(self.out.parent)
-        self.state = "renamed"
+        try:
+            os.rename(self.staging, self.out)
+        except OSError as exc:
+            raise write_failure(exc, f"publishing {self.staging} as", self.out) from exc
+        self.state = "renamed"  # from here on an abort removes the output
+        fsync_or_fail(fsync_path, self.out.parent)
 
     def commit(self, register_fn) -> None:
         """Run ``register_fn`` and mark the txn committed in one catalog transaction."""
@@ -100,30 +119,45 @@ class Transaction:
         self.state = "committed"
 
     def abort(self) -> None:
+        """Remove what was staged or renamed and mark the txn aborted. Runs while an error propagates, so
+        it never raises: a catalog that cannot be written now (full, read-only) keeps the txn row
+        unfinished, and `recover` (or `doctor`) finds it once this process is gone."""
         if self.state == "staging":
             shutil.rmtree(self.staging, ignore_errors=True)
         elif self.state == "renamed":
             shutil.rmtree(self.out, ignore_errors=True)
-        if self.state in ("staging", "renamed"):
-            with self.catalog.transaction():
-                runs_table.set_txn_status(self.catalog, self.id, "aborted")
+        if self.state in ("recorded", "staging", "renamed"):
+            try:
+                with self.catalog.transaction():
+                    runs_table.set_txn_status(self.catalog, self.id, "aborted")
+            except Exception:  # noqa: BLE001  (the error being propagated is the one to report)
+                pass
         ACTIVE.discard(self.id)
         self.state = "aborted"
+
+
+def _stale_txns(catalog: Catalog) -> list[dict]:
+    """Unfinished transactions whose process is gone (a live one, here or elsewhere, is still running)."""
+    return [t for t in runs_table.unfinished_txns(catalog)
+            if not (t["id"] in ACTIVE or (t["pid"] != os.getpid() and pid_alive(t["pid"])))]
+
+
+def _leftovers(catalog: Catalog, t: dict) -> list[Path]:
+    """What recovering txn ``t`` removes: its staging directory, or its renamed but uncommitted output."""
+    staging, out = Path(t["staging"]), Path(t["out"])
+    paths = [staging] if staging.exists() else []
+    if t["status"] == "renamed" and out.exists() and not snapshot_at(catalog, str(out)):
+        paths.append(out)
+    return paths
 
 
 def recover(catalog: Catalog) -> dict:
     """Roll back every unfinished transaction whose process is gone; fail runs that died."""
     removed, rolled_back = [], []
-    for t in runs_table.unfinished_txns(catalog):
-        if t["id"] in ACTIVE or (t["pid"] != os.getpid() and pid_alive(t["pid"])):
-            continue  # still running (here or in another live process)
-        staging, out = Path(t["staging"]), Path(t["out"])
-        if staging.exists():
-            shutil.rmtree(staging)
-            removed.append(str(staging))
-        if t["status"] == "renamed" and out.exists() and not snapshot_at(catalog, str(out)):
-            shutil.rmtree(out)
-            removed.append(str(out))
+    for t in _stale_txns(catalog):
+        for path in _leftovers(catalog, t):
+            shutil.rmtree(path)
+            removed.append(str(path))
         with catalog.transaction():
             runs_table.set_txn_status(catalog, t["id"], "rolled_back")
         rolled_back.append(t["id"])
@@ -134,3 +168,26 @@ def recover(catalog: Catalog) -> dict:
                 runs_table.mark_run_died(catalog, r["id"])
             failed_runs.append(r["id"])
     return {"rolled_back": rolled_back, "removed": removed, "failed_runs": failed_runs}
+
+
+def recovery_findings(catalog: Catalog) -> list[str]:
+    """What `recover` would do now, and staging directories nobody will clean up, one line each; changes
+    nothing. Transactions and runs of live processes are not findings (they are in progress)."""
+    findings = []
+    for t in _stale_txns(catalog):
+        what = ", ".join(f"remove {p}" for p in _leftovers(catalog, t)) or "nothing left on disk"
+        findings.append(f"transaction {t['id']} ({t['status']}, writing {t['out']}) was never committed: "
+                        f"`mergepipe recover` rolls it back ({what})")
+    for r in runs_table.unfinished_runs(catalog):
+        if not pid_alive(r["pid"]):
+            findings.append(f"run {r['id']} is recorded as running but its process is gone: "
+                            "`mergepipe recover` marks it failed")
+    txns = runs_table.txn_rows(catalog)
+    unfinished = {t["staging"] for t in txns if t["status"] in ("staging", "renamed")}
+    parents = {Path(t["out"]).parent for t in txns}
+    for parent in sorted(p for p in parents if p.is_dir()):
+        for entry in sorted(parent.iterdir()):
+            if STAGING_MARK in entry.name and str(entry) not in unfinished:
+                findings.append(f"stale staging directory {entry} belongs to no unfinished transaction: "
+                                "nothing will publish it; delete it")
+    return findings

@@ -56,8 +56,9 @@ class Manifest:
         return m
 
     def write(self, directory: Path) -> Path:
+        from mergepipe.storage.writers import write_text
         path = Path(directory) / MANIFEST_NAME
-        path.write_text(self.to_json())
+        write_text(path, self.to_json())
         return path
 
 

@@ -4,9 +4,11 @@ files that complete a snapshot (the shard index, the base's config and tokenizer
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +18,15 @@ from mergepipe.storage.safetensors import INDEX_NAME, Checkpoint, TensorInfo
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                 "chat_template.jinja")
+
+
+def write_failure(exc: OSError, action: str, path) -> ExecutionError:
+    """The one-line error for a failed file operation of a merge's output (a full disk, an I/O error,
+    a read-only filesystem): what was being done to which file, and that nothing was published."""
+    name = errno.errorcode.get(exc.errno or 0, "")
+    reason = (exc.strerror or str(exc)).rstrip(".")
+    reason = reason[:1].lower() + reason[1:]
+    return ExecutionError(f"{action} {path}: {reason}{f' ({name})' if name else ''}; nothing was published")
 
 
 @dataclass
@@ -61,8 +72,15 @@ class ShardWriter:
         import hashlib
         self.shard = shard
         self.path = directory / shard.fname
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        os.ftruncate(self.fd, shard.size)
+        self.fd = -1
+        try:
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            os.ftruncate(self.fd, shard.size)
+        except OSError as exc:
+            self.discard()
+            raise write_failure(exc, "creating", self.path) from exc
+        # A merge that fails leaves its writers behind: their descriptors close when they are collected.
+        self._closer = weakref.finalize(self, _close_fd, self.fd)
         self.hash = hashlib.sha256()
         self.pos = 0
         self.write(0, shard.header)
@@ -72,17 +90,41 @@ class ShardWriter:
             raise ExecutionError(f"{self.path.name}: out-of-order write at {offset} (expected {self.pos})")
         view = memoryview(data).cast("B")
         done = 0
-        while done < len(view):
-            done += os.pwrite(self.fd, view[done:], offset + done)
+        try:
+            while done < len(view):
+                done += os.pwrite(self.fd, view[done:], offset + done)
+        except OSError as exc:
+            self.discard()
+            raise write_failure(exc, "writing", self.path) from exc
         self.hash.update(view)
         self.pos += len(view)
 
     def close(self) -> dict:
         if self.pos != self.shard.size:
             raise ExecutionError(f"{self.path.name}: wrote {self.pos} of {self.shard.size} bytes")
-        os.fsync(self.fd)
-        os.close(self.fd)
+        try:
+            os.fsync(self.fd)
+        except OSError as exc:
+            self.discard()
+            raise write_failure(exc, "flushing (fsync)", self.path) from exc
+        self.discard()
         return {"sha256": "sha256:" + self.hash.hexdigest(), "bytes": self.pos}
+
+    def discard(self) -> None:
+        """Close the file (after a failure: the transaction removes the staging directory)."""
+        closer = getattr(self, "_closer", None)
+        if closer is not None:
+            closer()
+        elif self.fd >= 0:
+            _close_fd(self.fd)
+        self.fd = -1
+
+
+def _close_fd(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 
@@ -91,9 +133,21 @@ def finish_files(base_ck: Checkpoint, staging: Path, shards: list[OutShard]) -> 
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(s.size - len(s.header) for s in shards)},
                  "weight_map": {n: s.fname for s in shards for n in s.offsets}}
-        (staging / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
+        write_text(staging / INDEX_NAME, json.dumps(index, indent=2, sort_keys=True))
     if base_ck.root.is_dir():
         for name in COPIED_FILES:
             src = base_ck.root / name
             if src.is_file():
-                shutil.copyfile(src, staging / name)
+                try:
+                    shutil.copyfile(src, staging / name)
+                except OSError as exc:
+                    failed = staging / name if exc.filename != str(src) else src
+                    raise write_failure(exc, "copying" if failed == src else "writing", failed) from exc
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write one small file of an output (index, manifest); failures are one-line ExecutionErrors."""
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        raise write_failure(exc, "writing", path) from exc
