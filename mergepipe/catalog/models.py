@@ -16,6 +16,7 @@ from mergepipe.catalog.db import Catalog, now
 from mergepipe.errors import CatalogError, MergePipeError
 from mergepipe.storage.lora import base_mismatches
 from mergepipe.storage.registry import canonical_uri, open_adapter, open_checkpoint, storage_for
+from mergepipe.storage.dtypes import dtype_label
 from mergepipe.storage.safetensors import FLOAT_DTYPES, Checkpoint
 
 KINDS = ("full", "delta", "lora")
@@ -267,7 +268,6 @@ def _check_replaceable(old: dict, replace: bool) -> None:
 
 def _model_row(c: Checked, with_content_hash: bool, snapshot_id: str | None) -> dict:
     ckpt = c.ckpt
-    dtypes = sorted({t.dtype for t in ckpt.tensors.values()})
     return {
         "id": c.model_id,
         "uri": canonical_uri(c.uri),
@@ -276,7 +276,7 @@ def _model_row(c: Checked, with_content_hash: bool, snapshot_id: str | None) -> 
         "fingerprint": c.fingerprint,
         "content_hash": content_hash(ckpt) if with_content_hash else None,
         "architecture": _architecture(c.kind, ckpt.config),
-        "dtype": dtypes[0] if len(dtypes) == 1 else "mixed:" + ",".join(dtypes),
+        "dtype": dtype_label(t.dtype for t in ckpt.tensors.values()),  # e.g. "F32 (+I64 buffers)"
         "params": sum(math.prod(t.shape) for t in ckpt.tensors.values()),
         "bytes": ckpt.nbytes,
         "n_tensors": len(ckpt.tensors),

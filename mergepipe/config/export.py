@@ -10,6 +10,7 @@ from mergepipe.catalog.plans import find_plan_id
 from mergepipe.config.model import MERGEKIT_DTYPE
 from mergepipe.errors import MergePipeError
 from mergepipe.ops.core import get_op
+from mergepipe.storage.dtypes import float_dtype, label_float_dtype
 from mergepipe.storage.registry import open_checkpoint
 
 
@@ -39,13 +40,13 @@ def _record(cat: Catalog | None, ref: str) -> dict:
 
 
 def _base_dtype(cat: Catalog | None, base: dict) -> str | None:
+    """The base's one float dtype (non-float buffers aside), or None."""
     if cat is not None and cat.has_model(base["id"]):
-        return cat.model(base["id"])["dtype"]
+        return label_float_dtype(cat.model(base["id"])["dtype"])
     try:
-        dtypes = sorted({t.dtype for t in open_checkpoint(base["uri"]).tensors.values()})
+        return float_dtype(t.dtype for t in open_checkpoint(base["uri"]).tensors.values())
     except MergePipeError:
         return None
-    return dtypes[0] if len(dtypes) == 1 else None
 
 
 def _expert_setting(e: dict, key: str):

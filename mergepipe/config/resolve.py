@@ -20,6 +20,7 @@ from mergepipe.ops.core import get_op, resolve_params
 from mergepipe.planner.context import Planner
 from mergepipe.planner.plan import Plan
 from mergepipe.planner.request import MergeRequest
+from mergepipe.storage.dtypes import dtype_label, split_dtypes
 from mergepipe.storage.registry import open_checkpoint
 
 
@@ -198,21 +199,33 @@ def prepare(cat: Catalog, cfg: MergekitConfig, register_paths: bool = True, chec
 
 
 def _check_out_dtype(cat: Catalog, cfg: MergekitConfig, base_id: str, base_path: Path | None) -> None:
-    # mergekit writes out_dtype, or else dtype; MergePipe always writes the base's own dtype.
+    """mergekit writes out_dtype, or else dtype; MergePipe writes each tensor in the base's own dtype.
+
+    The dtypes asked for apply to the float tensors: non-float buffers (a BERT's int64 ``position_ids``)
+    are copied from the base as they are, by mergekit as by MergePipe, so ``dtype: float32`` on an fp32
+    base with int64 buffers is honoured."""
     want = cfg.out_dtype or cfg.dtype
     if want is None:
         return
     if cat.has_model(base_id):
-        have = cat.model(base_id)["dtype"]
+        codes = [t["dtype"] for t in cat.tensors(base_id)]
     else:
-        dtypes = sorted({t.dtype for t in open_checkpoint(base_path).tensors.values()})
-        have = dtypes[0] if len(dtypes) == 1 else "mixed:" + ",".join(dtypes)
-    if want != have:
-        key = "out_dtype" if cfg.out_dtype else "dtype (which mergekit also uses as the output dtype)"
-        fix = (f"set `out_dtype: {MERGEKIT_DTYPE[have]}`" if have in MERGEKIT_DTYPE
-               else "leave out_dtype out")
-        raise ConfigError(f"{cfg.source}: {key}: {MERGEKIT_DTYPE.get(want, want)} cannot be honoured: MergePipe "
-                          f"writes the base's dtype ({MERGEKIT_DTYPE.get(have, have)}); {fix}")
+        codes = [t.dtype for t in open_checkpoint(base_path).tensors.values()]
+    floats, others = split_dtypes(codes)
+    if floats == [want]:
+        return
+    key = "out_dtype" if cfg.out_dtype else "dtype (which mergekit also uses as the output dtype)"
+    label = dtype_label(codes)
+    buffers = f"; its {','.join(others)} buffers are copied as they are" if others else ""
+    if len(floats) == 1:
+        fix = f"set `out_dtype: {MERGEKIT_DTYPE[floats[0]]}`{buffers}"
+    elif floats:
+        fix = (f"remove `out_dtype` and `dtype` (the base's float tensors mix {', '.join(floats)}, and MergePipe "
+               f"keeps each tensor's dtype)")
+    else:
+        fix = "the base holds no float tensor to merge"
+    raise ConfigError(f"{cfg.source}: {key}: {MERGEKIT_DTYPE.get(want, want)} cannot be honoured: MergePipe "
+                      f"writes the base's dtype ({label}); {fix}")
 
 
 def apply(cat: Catalog, resolved: Resolved) -> None:
