@@ -25,7 +25,7 @@ def _record(cat: Catalog | None, ref: str) -> dict:
         return {"plan_id": p["id"], "digest": p["digest"], "base": p["base"], "experts": p["experts"],
                 "operator": p["operator"], "params": p["params"], "seed": p["seed"], "strategy": p["strategy"],
                 "budget": p["budget"], "target_bound": p.get("target_bound"), "snapshot_id": None,
-                "full_expert_bytes": p["full_expert_bytes"]}
+                "full_expert_bytes": p["full_expert_bytes"], "tokenizer": p.get("tokenizer")}
     try:
         m = load_manifest(cat, ref)
     except MergePipeError:
@@ -36,7 +36,7 @@ def _record(cat: Catalog | None, ref: str) -> dict:
     return {"plan_id": c["plan_id"], "digest": c["plan_digest"], "base": c["inputs"]["base"],
             "experts": c["inputs"]["experts"], "operator": c["operator"], "params": c["params"], "seed": c["seed"],
             "strategy": c["strategy"], "budget": c["budget"], "target_bound": target,
-            "snapshot_id": m.snapshot_id, "full_expert_bytes": c["full_expert_bytes"]}
+            "snapshot_id": m.snapshot_id, "full_expert_bytes": c["full_expert_bytes"], "tokenizer": c.get("tokenizer")}
 
 
 def _base_dtype(cat: Catalog | None, base: dict) -> str | None:
@@ -100,7 +100,10 @@ def export_mergekit(cat: Catalog | None, ref: str) -> str:
     base_dtype = _base_dtype(cat, base)
     if base_dtype in MERGEKIT_DTYPE:
         doc["out_dtype"] = MERGEKIT_DTYPE[base_dtype]
-    doc["tokenizer_source"] = "base"
+    tok = r["tokenizer"] or {}
+    doc["tokenizer_source"] = tok.get("source_uri", "base")
+    if tok.get("chat_template"):
+        doc["chat_template"] = tok["chat_template"]
     ext: dict = {}
     if r["target_bound"] is not None:
         ext["target_bound"] = r["target_bound"]

@@ -8,6 +8,7 @@ a config that fails anywhere before the merge starts leaves the catalog unchange
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,9 @@ from mergepipe.planner.context import Planner
 from mergepipe.planner.plan import Plan
 from mergepipe.planner.request import MergeRequest
 from mergepipe.storage.dtypes import dtype_label, split_dtypes
+from mergepipe.config.templates import CHAT_TEMPLATES
 from mergepipe.storage.registry import open_checkpoint
+from mergepipe.storage.tokenizer_files import has_tokenizer, read_chat_template, vocab_difference, vocabulary
 
 
 # --- resolving references against the catalog ---------------------------------------------------------
@@ -34,6 +37,7 @@ class Resolved:
     experts: list[dict]  # {"model": id, "weight"?: w, "density"?: d}
     to_register: list[dict] = field(default_factory=list)  # register() keyword arguments, in order
     reused: dict[str, str] = field(default_factory=dict)  # reference as written -> registered id it matched
+    tokenizer: dict | None = None  # {"source", "source_uri", "chat_template"}: None = the base's tokenizer
 
     @property
     def pending(self) -> bool:
@@ -44,7 +48,7 @@ class Resolved:
         c = self.config
         return MergeRequest.build(self.base, self.experts, c.method, budget=c.budget, target_bound=c.target_bound,
                                   lam=c.lam, normalize=c.normalize, rescale=c.rescale, gamma=c.gamma,
-                                  epsilon=c.epsilon, seed=c.seed, strategy=c.strategy)
+                                  epsilon=c.epsilon, seed=c.seed, strategy=c.strategy, tokenizer=self.tokenizer)
 
 
 PathCheck = Callable[[str], Path]
@@ -195,7 +199,72 @@ def prepare(cat: Catalog, cfg: MergekitConfig, register_paths: bool = True, chec
         r.out.experts.append(spec)
     if not r.out.experts:
         raise ConfigError(f"{cfg.source}: `models:` lists no model other than the base")
+    r.out.tokenizer = _tokenizer(r, base_id, base_path)
     return r.out
+
+
+def _tokenizer(r: _Resolver, base_id: str, base_path: Path | None) -> dict | None:
+    """The output tokenizer a config asks for: None (the base's files, as they are), or the tokenizer
+    source's folder and/or a chat template. A model as tokenizer source is taken when every model's
+    vocabulary equals it (then mergekit's permutation of embedding rows is the identity); otherwise
+    refused: re-ordering rows (mergekit's union/permutations) is not supported yet."""
+    cfg, cat = r.cfg, r.cat
+    if cfg.tokenizer_source is None and cfg.chat_template is None:
+        return None
+    base_root = base_path or Path(cat.model(base_id)["uri"])
+    uris = {base_id: base_root}
+    for kw in r.out.to_register:
+        uris[kw["model_id"]] = Path(kw["uri"])
+    models = [(base_id, base_root)]
+    for e in r.out.experts:
+        mid = e["model"]
+        row = cat.model(mid) if cat.has_model(mid) else None
+        if row is not None and row["kind"] == "lora":
+            continue  # an adapter has the base's vocabulary (embedding LoRA is refused)
+        models.append((mid, uris.get(mid) or Path(row["uri"])))
+    out: dict = {}
+    where = "tokenizer_source"
+    source_id, source_root = base_id, base_root
+    if cfg.tokenizer_source is not None:
+        ref = cfg.tokenizer_source
+        if ref in (cfg.base, base_id):
+            pass
+        elif cat.has_model(ref):
+            if cat.model(ref)["kind"] == "lora":
+                r.fail(where, f"{ref!r}: a LoRA adapter has no tokenizer of its own; name the base or a model")
+            source_id, source_root = ref, Path(cat.model(ref)["uri"])
+        else:
+            path = r._path(ref, where)
+            if path is None:
+                r.fail(where, f"{ref!r} is neither `base`, `union`, a registered model id nor an existing path")
+            source_id = next((m for m, p in models if p == path), ref)
+            source_root = path
+        if source_root != base_root:
+            if not has_tokenizer(source_root):
+                r.fail(where, f"{ref} has no tokenizer files (tokenizer.json, tokenizer_config.json, vocab.txt, ...)")
+            want = vocabulary(source_root)
+            for mid, root in models:
+                if not has_tokenizer(root):
+                    continue  # mergekit too assumes the base's vocabulary for a model without a tokenizer
+                have = vocabulary(root)
+                if have != want:
+                    r.fail(where, f"the vocabulary of {ref} differs from that of {mid} "
+                                  f"({vocab_difference(want, have)}): using it needs the embed_tokens/lm_head rows "
+                                  f"of every model re-ordered to it, which MergePipe does not do yet; use "
+                                  f"`tokenizer_source: base` or a model whose vocabulary every model shares")
+            out.update({"source": source_id, "source_uri": str(source_root)})
+    if cfg.chat_template is not None:
+        if not has_tokenizer(source_root):
+            r.fail("chat_template", f"the tokenizer source ({source_id}) has no tokenizer files to attach it to")
+        template = cfg.chat_template
+        if template == "auto":  # mergekit: the most common template among the models (none: leave it)
+            found = [t.strip() for t in (read_chat_template(root) for _, root in models) if t]
+            template = Counter(found).most_common(1)[0][0] if found else None
+        else:
+            template = CHAT_TEMPLATES.get(template, template)
+        if template is not None:
+            out["chat_template"] = template
+    return out or None
 
 
 def _check_out_dtype(cat: Catalog, cfg: MergekitConfig, base_id: str, base_path: Path | None) -> None:

@@ -103,3 +103,35 @@ def write_chat_template(staging: Path, template: str) -> None:
     tj = staging / "chat_template.json"
     if tj.is_file():
         tj.write_text(json.dumps({"chat_template": template}, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def vocabulary(root: Path) -> dict[str, int]:
+    """A tokenizer folder's vocabulary (token -> id, added tokens included), as transformers loads it
+    (``AutoTokenizer.from_pretrained(root, local_files_only=True).get_vocab()``, what mergekit compares)."""
+    try:
+        import transformers
+    except ImportError:  # pragma: no cover - transformers is a dependency of the test and eval extras
+        raise StorageError("comparing tokenizers needs the `transformers` package") from None
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+        return dict(tok.get_vocab())
+    except Exception as exc:  # noqa: BLE001 - any loading failure is one clear message
+        raise StorageError(f"{root}: cannot load its tokenizer with transformers ({type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+
+
+def vocab_difference(want: dict[str, int], have: dict[str, int]) -> str:
+    """A short description of how two vocabularies differ."""
+    if len(want) != len(have):
+        extra = sorted(set(have) - set(want))[:3]
+        missing = sorted(set(want) - set(have))[:3]
+        bits = [f"{len(have)} tokens vs {len(want)}"]
+        if extra:
+            bits.append("its own: " + ", ".join(map(repr, extra)))
+        if missing:
+            bits.append("lacking: " + ", ".join(map(repr, missing)))
+        return "; ".join(bits)
+    for tok in sorted(want):
+        if have.get(tok) != want[tok]:
+            return f"token {tok!r} has id {have.get(tok)} vs {want[tok]}"
+    return "same tokens"

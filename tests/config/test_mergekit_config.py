@@ -340,8 +340,8 @@ def _bad(fam):
          ["unknown dtype 'int4'"]),
         ("tokenizer union", f"merge_method: linear\nbase_model: {base}\n{ok_models}tokenizer_source: union\n",
          ["tokenizer_source"]),
-        ("tokenizer config", f"merge_method: linear\nbase_model: {base}\n{ok_models}tokenizer: {{source: base}}\n",
-         ["tokenizer"]),
+        ("tokenizer config", (f"merge_method: linear\nbase_model: {base}\n{ok_models}"
+                              f"tokenizer: {{source: base, pad_to_multiple_of: 64}}\n"), ["tokenizer.pad_to_multiple_of"]),
         ("gamma differs", (f"merge_method: breadcrumbs\nbase_model: {base}\nmodels:\n"
                           f"  - model: {e1}\n    parameters: {{weight: 1, gamma: 0.01}}\n"
                           f"  - model: {e2}\n    parameters: {{weight: 1, gamma: 0.02}}\n"), ["`gamma` differs"]),
