@@ -125,3 +125,32 @@ def test_config_other_dtype_names_the_real_fix(family):
     msg = str(exc.value)
     assert "F32 (+I64 buffers)" in msg and "set `out_dtype: float32`" in msg and "I64 buffers are copied" in msg
     assert "leave out_dtype out" not in msg
+
+
+def test_pretrained_bert_as_people_have_it_merges_from_a_config(tmp_path):
+    """The case of the issue, end to end through the command line: a BERT saved with torch.save
+    (pytorch_model.bin: fp32 weights + an int64 position_ids buffer, vocab.txt next to it), experts
+    likewise, merged by a mergekit config that says `dtype: float32`."""
+    from merge_helpers import run_cli
+
+    base = bert_tensors(0)
+    dirs = []
+    for i in range(3):
+        d = tmp_path / ("base" if i == 0 else f"ft{i}")
+        d.mkdir()
+        t = base if i == 0 else {n: v + 0.01 * i if v.is_floating_point() else v for n, v in base.items()}
+        torch.save(t, d / "pytorch_model.bin")
+        (d / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"], "model_type": "bert"}))
+        (d / "vocab.txt").write_text("[PAD]\n[UNK]\nhello\n")
+        (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer"}))
+        dirs.append(d)
+    (tmp_path / "m.yml").write_text(config(tmp_path, dirs[1:], "dtype: float32\ntokenizer_source: base\n"))
+    res = run_cli(["--db", tmp_path / "c.sqlite", "merge", "--config", tmp_path / "m.yml", "--out", tmp_path / "out"])
+    assert res.returncode == 0, res.stderr
+    out = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert torch.equal(out["bert.embeddings.position_ids"], base["bert.embeddings.position_ids"])
+    name = "bert.encoder.layer.0.output.dense.weight"
+    assert torch.allclose(out[name], base[name] + 0.015, atol=1e-6)
+    assert (tmp_path / "out" / "vocab.txt").read_text() == "[PAD]\n[UNK]\nhello\n"
+    res = run_cli(["--db", tmp_path / "c.sqlite", "--json", "models"])
+    assert '"F32 (+I64 buffers)"' in res.stdout
