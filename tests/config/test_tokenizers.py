@@ -135,8 +135,11 @@ def test_tokenizer_source_model_copies_its_files(fam, tmp_path):
         assert (out / "added_tokens.json").exists()
         assert manifest.core["outputs"]["tokenizer_config.json"]["sha256"] == sha(e0 / "tokenizer_config.json")
         assert manifest.core["tokenizer"]["source"] == "e0"
+        assert "tokenizer  e0's files" in plan.explain()
         exported = api.export_mergekit(cat, plan.id)
         assert f"tokenizer_source: {e0}" in exported
+        again, _ = plan_from_config(cat, parse_config(exported, "exported.yml"), save=False)
+        assert again["tokenizer"] == plan["tokenizer"]  # the export names the same tokenizer
     # a plan of the base's tokenizer has no tokenizer key (its digest is as before)
     cat, plan, _, _ = merge_config(tmp_path, cfg(base, [e0, experts[1]], "tokenizer: {source: base}\n"))
     assert "tokenizer" not in plan.data
