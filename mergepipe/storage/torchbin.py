@@ -100,6 +100,9 @@ class _LayoutUnpickler(pickle.Unpickler):
             return fn
         if module == "torch" and name in STORAGE_DTYPES:
             return _StorageType(STORAGE_DTYPES[name])
+        if module == "torch" or module.startswith("torch."):
+            raise StorageError(f"{self.label}: refused to load: its pickle uses {module}.{name}; MergePipe reads "
+                               f"dense tensors of the standard dtypes only (convert it to safetensors)")
         raise StorageError(f"{self.label}: refused to load: its pickle asks for {module}.{name}, which a "
                            f"checkpoint of tensors never needs (MergePipe never executes a checkpoint's "
                            f"pickle; convert it to safetensors with a tool you trust)")

@@ -208,3 +208,9 @@ def test_tied_weights_are_two_names_for_the_same_bytes(tmp_path):
     r = ck.reader()
     assert torch.equal(bytes_to_tensor(r.read(a.file, a.offset, a.nbytes), "F32", a.shape), emb)
     assert ck.tensors["pos"].dtype == "I64"
+
+
+def test_quantized_or_sparse_tensors_are_refused(tmp_path):
+    torch.save({"w": torch.eye(3).to_sparse()}, tmp_path / "sparse.bin")
+    with pytest.raises(StorageError, match="dense tensors of the standard dtypes only"):
+        open_checkpoint(tmp_path / "sparse.bin")
