@@ -87,6 +87,15 @@ def content_hash(ckpt: Checkpoint) -> str:
     return "sha256:" + h.hexdigest()
 
 
+VOCAB_TENSOR_SUFFIXES = ("embed_tokens.weight", "lm_head.weight", "wte.weight", "word_embeddings.weight",
+                         "embed_out.weight", "embed_in.weight", "shared.weight")
+
+
+def _is_vocab_tensor(name: str) -> bool:
+    """An embedding or output tensor whose rows are the vocabulary (by name)."""
+    return name.endswith(VOCAB_TENSOR_SUFFIXES)
+
+
 def layout_mismatches(base: Checkpoint, expert: Checkpoint, limit: int = 20, any_float: bool = False) -> list[str]:
     """Differences in tensor names, shapes and dtypes between an expert and its base.
 
@@ -99,7 +108,12 @@ def layout_mismatches(base: Checkpoint, expert: Checkpoint, limit: int = 20, any
     for name in sorted(set(base.tensors) & set(expert.tensors)):
         b, e = base.tensors[name], expert.tensors[name]
         if b.shape != e.shape:
-            problems.append(f"{name}: shape {list(e.shape)} != base {list(b.shape)}")
+            hint = ""
+            if len(b.shape) == 2 and b.shape[1:] == e.shape[1:] and _is_vocab_tensor(name):
+                hint = (" (another vocabulary size: merging models with different vocabularies needs their "
+                        "embedding rows re-ordered to one tokenizer, mergekit's tokenizer_source: union, which "
+                        "MergePipe does not do yet)")
+            problems.append(f"{name}: shape {list(e.shape)} != base {list(b.shape)}{hint}")
         if b.dtype != e.dtype and not (any_float and {b.dtype, e.dtype} <= FLOAT_DTYPES):
             problems.append(f"{name}: dtype {e.dtype} != base {b.dtype}")
     if len(problems) > limit:

@@ -210,3 +210,20 @@ def test_parity_with_mergekit_tokenizer_source_and_chat_template(fam, tmp_path):
     b = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "mk"), local_files_only=True)
     assert a.get_vocab() == b.get_vocab()
     assert a.chat_template == b.chat_template == CHATML
+
+
+def test_expert_with_added_tokens_refused_naming_the_vocabulary(fam, tmp_path):
+    """An expert fine-tuned with added tokens has more embedding rows than its base: registering it
+    against the base says why it cannot be merged (a union tokenizer is not supported yet)."""
+    from safetensors.torch import save_file
+
+    _, base, experts = fam
+    e0 = copy_model(experts[0], tmp_path / "e0")
+    t = load_file(str(e0 / "model.safetensors"))
+    for name in [n for n in t if n.endswith(("embed_tokens.weight", "lm_head.weight"))]:
+        t[name] = torch.cat([t[name], torch.zeros(2, t[name].shape[1])])
+    save_file(t, str(e0 / "model.safetensors"))
+    cat = Catalog(tmp_path / "c.sqlite")
+    register(cat, "base", str(base))
+    with pytest.raises(Exception, match=r"embed_tokens.weight: shape .* \(another vocabulary size: .*union"):
+        register(cat, "e0", str(e0), base_id="base")
