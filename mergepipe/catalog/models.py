@@ -91,7 +91,7 @@ VOCAB_TENSOR_SUFFIXES = ("embed_tokens.weight", "lm_head.weight", "wte.weight", 
                          "embed_out.weight", "embed_in.weight", "shared.weight")
 
 
-def _is_vocab_tensor(name: str) -> bool:
+def is_vocab_tensor(name: str) -> bool:
     """An embedding or output tensor whose rows are the vocabulary (by name)."""
     return name.endswith(VOCAB_TENSOR_SUFFIXES)
 
@@ -109,7 +109,7 @@ def layout_mismatches(base: Checkpoint, expert: Checkpoint, limit: int = 20, any
         b, e = base.tensors[name], expert.tensors[name]
         if b.shape != e.shape:
             hint = ""
-            if len(b.shape) == 2 and b.shape[1:] == e.shape[1:] and _is_vocab_tensor(name):
+            if len(b.shape) == 2 and b.shape[1:] == e.shape[1:] and is_vocab_tensor(name):
                 hint = (" (another vocabulary size: merging models with different vocabularies needs their "
                         "embedding rows re-ordered to one tokenizer, mergekit's tokenizer_source: union, which "
                         "MergePipe does not do yet)")

@@ -22,12 +22,13 @@ REFUSED_TOP_KEYS = {
               "tensors; use `models:`",
     "modules": "per-module definitions (`modules:`) are not supported; use one `models:` list",
 }
-# mergekit's `tokenizer:` block: `source` is read; `tokens` and `pad_to_multiple_of` change embedding rows
+# mergekit's `tokenizer:` block
 TOKENIZER_KEYS = ("source", "tokens", "pad_to_multiple_of")
-UNION_REFUSAL = ("a union tokenizer is not supported yet: it builds a vocabulary from every model's and "
-                 "re-orders and extends the embed_tokens/lm_head rows of each model to it. MergePipe copies one "
-                 "tokenizer: the base's (`tokenizer_source: base`, the default) or a model's whose vocabulary "
-                 "every model shares (`tokenizer_source: <model>`)")
+UNION_REFUSAL = ("a union of different vocabularies is not supported yet: it re-orders and extends the "
+                 "embed_tokens/lm_head rows of each model to the union. MergePipe merges models that share one "
+                 "vocabulary (then a union, or any model's tokenizer, is that vocabulary and no row moves)")
+
+
 # The parameters a config may give, from the operators' declarations (ops/spec.py): merge-wide, all
 # of them (plus mergekit's int8_mask, accepted and ignored); per model, those that may vary per tensor
 # (weight, density) and the numbers that some mergekit versions take per model but MergePipe applies
@@ -83,7 +84,9 @@ class MergekitConfig:
     strategy: str | None = None
     seed: int | None = None
     plan_id: str | None = None  # informational (written by export)
-    tokenizer_source: str | None = None  # a model reference as written; None: the base
+    tokenizer_source: str | None = None  # "union", a model reference as written; None: the base
+    tokenizer_tokens: tuple = ()  # mergekit's tokenizer.tokens as ((token, force), ...)
+    pad_to_multiple_of: int | None = None
     chat_template: str | None = None  # "auto", a template name or the template text
 
     def with_overrides(self, operator=None, budget=None, target_bound=None, strategy=None, seed=None,

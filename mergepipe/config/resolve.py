@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.models import check_unchanged, model_ids, models_at, register
-from mergepipe.config.model import ConfigError, ConfigModel, MERGEKIT_DTYPE, MergekitConfig
+from mergepipe.catalog.models import check_unchanged, is_vocab_tensor, model_ids, models_at, register
+from mergepipe.config.model import ConfigError, ConfigModel, MERGEKIT_DTYPE, MergekitConfig, UNION_REFUSAL
 from mergepipe.config.parse import _exists
 from mergepipe.ops.core import get_op, resolve_params
 from mergepipe.planner.context import Planner
@@ -205,11 +205,17 @@ def prepare(cat: Catalog, cfg: MergekitConfig, register_paths: bool = True, chec
 
 def _tokenizer(r: _Resolver, base_id: str, base_path: Path | None) -> dict | None:
     """The output tokenizer a config asks for: None (the base's files, as they are), or the tokenizer
-    source's folder and/or a chat template. A model as tokenizer source is taken when every model's
-    vocabulary equals it (then mergekit's permutation of embedding rows is the identity); otherwise
-    refused: re-ordering rows (mergekit's union/permutations) is not supported yet."""
+    source's folder and/or a chat template.
+
+    mergekit builds the output vocabulary (the base's, a model's, or the union of every model's, plus
+    ``tokens``), then re-orders each model's embed_tokens/lm_head rows to it, with ``len(vocabulary)``
+    rows (padded to ``pad_to_multiple_of``). When every model has the source's vocabulary and the
+    embeddings have that many rows, every re-ordering is the identity: MergePipe then merges as it is
+    and copies the source's tokenizer files (a union's is the base's). Anything else moves rows and is
+    refused, naming the models and tokens that differ."""
     cfg, cat = r.cfg, r.cat
-    if cfg.tokenizer_source is None and cfg.chat_template is None:
+    vocab_asked = cfg.tokenizer_source is not None or cfg.tokenizer_tokens or cfg.pad_to_multiple_of is not None
+    if not vocab_asked and cfg.chat_template is None:
         return None
     base_root = base_path or Path(cat.model(base_id)["uri"])
     uris = {base_id: base_root}
@@ -224,12 +230,10 @@ def _tokenizer(r: _Resolver, base_id: str, base_path: Path | None) -> dict | Non
         models.append((mid, uris.get(mid) or Path(row["uri"])))
     out: dict = {}
     where = "tokenizer_source"
+    ref = cfg.tokenizer_source
     source_id, source_root = base_id, base_root
-    if cfg.tokenizer_source is not None:
-        ref = cfg.tokenizer_source
-        if ref in (cfg.base, base_id):
-            pass
-        elif cat.has_model(ref):
+    if ref not in (None, "union", cfg.base, base_id):
+        if cat.has_model(ref):
             if cat.model(ref)["kind"] == "lora":
                 r.fail(where, f"{ref!r}: a LoRA adapter has no tokenizer of its own; name the base or a model")
             source_id, source_root = ref, Path(cat.model(ref)["uri"])
@@ -239,19 +243,31 @@ def _tokenizer(r: _Resolver, base_id: str, base_path: Path | None) -> dict | Non
                 r.fail(where, f"{ref!r} is neither `base`, `union`, a registered model id nor an existing path")
             source_id = next((m for m, p in models if p == path), ref)
             source_root = path
+    if vocab_asked:
+        if not has_tokenizer(source_root):
+            r.fail(where, f"{source_id} has no tokenizer files (tokenizer.json, tokenizer_config.json, vocab.txt, ...)")
+        want = vocabulary(source_root)
+        for mid, root in models:
+            if not has_tokenizer(root) or root == source_root:
+                continue  # mergekit too assumes the base's vocabulary for a model without a tokenizer
+            have = vocabulary(root)
+            if have != want:
+                if ref == "union":
+                    r.fail(where, f"union: the vocabulary of {mid} differs from that of {base_id} "
+                                  f"({vocab_difference(want, have)}): {UNION_REFUSAL}")
+                r.fail(where, f"the vocabulary of {ref} differs from that of {mid} "
+                              f"({vocab_difference(want, have)}): using it needs the embed_tokens/lm_head rows "
+                              f"of every model re-ordered to it, which MergePipe does not do yet; use "
+                              f"`tokenizer_source: base` or a model whose vocabulary every model shares")
+        for tok, force in cfg.tokenizer_tokens:
+            if tok not in want:
+                r.fail("tokenizer.tokens", f"{tok!r} is not in the vocabulary: adding it needs new embed_tokens/"
+                                           f"lm_head rows, which MergePipe does not make yet")
+            if force:
+                r.fail("tokenizer.tokens", f"{tok!r}: force: true replaces its embedding rows, which MergePipe "
+                                           f"does not do yet")
+        _check_vocab_rows(r, base_id, base_root, len(want), cfg.pad_to_multiple_of)
         if source_root != base_root:
-            if not has_tokenizer(source_root):
-                r.fail(where, f"{ref} has no tokenizer files (tokenizer.json, tokenizer_config.json, vocab.txt, ...)")
-            want = vocabulary(source_root)
-            for mid, root in models:
-                if not has_tokenizer(root):
-                    continue  # mergekit too assumes the base's vocabulary for a model without a tokenizer
-                have = vocabulary(root)
-                if have != want:
-                    r.fail(where, f"the vocabulary of {ref} differs from that of {mid} "
-                                  f"({vocab_difference(want, have)}): using it needs the embed_tokens/lm_head rows "
-                                  f"of every model re-ordered to it, which MergePipe does not do yet; use "
-                                  f"`tokenizer_source: base` or a model whose vocabulary every model shares")
             out.update({"source": source_id, "source_uri": str(source_root)})
     if cfg.chat_template is not None:
         if not has_tokenizer(source_root):
@@ -265,6 +281,22 @@ def _tokenizer(r: _Resolver, base_id: str, base_path: Path | None) -> dict | Non
         if template is not None:
             out["chat_template"] = template
     return out or None
+
+
+def _check_vocab_rows(r: _Resolver, base_id: str, base_root: Path, n_tokens: int, pad: int | None) -> None:
+    """mergekit writes embed_tokens/lm_head with one row per token (padded): refuse when that is not
+    the base's shape (MergePipe keeps the base's shapes)."""
+    rows = n_tokens if not pad else -(-n_tokens // pad) * pad
+    if r.cat.has_model(base_id):
+        shapes = {t["name"]: tuple(t["shape"]) for t in r.cat.tensors(base_id)}
+    else:
+        shapes = {n: t.shape for n, t in open_checkpoint(base_root).tensors.items()}
+    for name, shape in sorted(shapes.items()):
+        if is_vocab_tensor(name) and len(shape) == 2 and shape[0] != rows:
+            padded = f" padded to a multiple of {pad}" if pad else ""
+            r.fail("tokenizer", f"mergekit writes {name} with one row per token of the output vocabulary "
+                                f"({rows}{padded}); the base's has {shape[0]} rows, and MergePipe keeps the base's "
+                                f"shapes: leave the tokenizer settings out (the base's tokenizer files are copied)")
 
 
 def _check_out_dtype(cat: Catalog, cfg: MergekitConfig, base_id: str, base_path: Path | None) -> None:

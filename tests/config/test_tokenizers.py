@@ -158,19 +158,52 @@ def test_tokenizer_source_with_another_vocabulary_is_refused(fam, tmp_path):
 
 
 @pytest.mark.parametrize("extra, words", [
-    ("tokenizer_source: union\n", ["tokenizer_source: union", "union tokenizer is not supported yet"]),
-    ("tokenizer: {}\n", ["tokenizer.source: union"]),  # mergekit's default source in the block
-    ("tokenizer:\n  source: base\n  tokens:\n    <tool>: {source: base}\n", ["tokenizer.tokens"]),
-    ("tokenizer: {source: base, pad_to_multiple_of: 64}\n", ["pad_to_multiple_of"]),
+    ("tokenizer:\n  source: base\n  tokens:\n    <tool>: {force: maybe}\n", ["tokenizer.tokens.<tool>.force"]),
+    ("tokenizer: {source: base, pad_to_multiple_of: 0}\n", ["pad_to_multiple_of must be a positive integer"]),
     ("tokenizer_source: base\ntokenizer: {source: base}\n", ["not both"]),
     ("chat_template: vicuna_v9\n", ["chat_template", "chatml"]),
 ])
-def test_refusals(fam, extra, words):
+def test_parse_refusals(fam, extra, words):
     _, base, experts = fam
     with pytest.raises(ConfigError) as exc:
         parse_config(cfg(base, experts, extra), "tok.yml")
     for w in words:
         assert w in str(exc.value), (w, str(exc.value))
+
+
+@pytest.mark.parametrize("extra, words", [
+    ("tokenizer:\n  source: union\n  tokens:\n    <tool>: {source: base}\n",
+     ["tokenizer.tokens", "'<tool>' is not in the vocabulary"]),
+    ("tokenizer:\n  source: union\n  tokens:\n    t5: {source: base, force: true}\n", ["'t5': force: true"]),
+    ("tokenizer: {source: base, pad_to_multiple_of: 100}\n", ["(300 padded to a multiple of 100)", "256 rows"]),
+])
+def test_resolve_refusals(fam, tmp_path, extra, words):
+    _, base, experts = fam
+    cat = Catalog(tmp_path / "c.sqlite")
+    with pytest.raises(ConfigError) as exc:
+        prepare(cat, parse_config(cfg(base, experts, extra), "tok.yml"))
+    for w in words:
+        assert w in str(exc.value), (w, str(exc.value))
+
+
+def test_union_of_one_shared_vocabulary_is_the_base_tokenizer(fam, tmp_path):
+    """mergekit's default in the tokenizer block is union; models sharing one vocabulary (the usual
+    case) make it the base's vocabulary: accepted, rows unchanged, the base's files copied. A union of
+    different vocabularies is refused naming the model and the tokens."""
+    _, base, experts = fam
+    text = cfg(base, experts, "tokenizer:\n  source: union\n  tokens:\n    t7: {source: base}\n"
+                              "  pad_to_multiple_of: 64\n")
+    cat, plan, manifest, out = merge_config(tmp_path, text)
+    assert "tokenizer" not in plan.data
+    assert (out / "tokenizer.json").read_bytes() == (base / "tokenizer.json").read_bytes()
+    e0 = copy_model(experts[0], tmp_path / "e0")
+    tj = json.loads((e0 / "tokenizer.json").read_text())
+    tj["model"]["vocab"]["<extra>"] = len(tj["model"]["vocab"])
+    (e0 / "tokenizer.json").write_text(json.dumps(tj))
+    with pytest.raises(ConfigError, match=r"union: the vocabulary of e0 differs from that of base .*'<extra>'.*"
+                                          r"not supported yet"):
+        prepare(Catalog(tmp_path / "d.sqlite"), parse_config(cfg(base, [e0, experts[1]], "tokenizer_source: union\n"),
+                                                             "tok.yml"))
 
 
 def test_chat_template_named_and_auto(fam, tmp_path):
@@ -192,14 +225,16 @@ def test_chat_template_named_and_auto(fam, tmp_path):
     assert (out / "chat_template.jinja").read_text() == "{{ 'B' }}{% for m in x %}{% endfor %}"
 
 
-def test_parity_with_mergekit_tokenizer_source_and_chat_template(fam, tmp_path):
+@pytest.mark.parametrize("source", ["expert", "union"])
+def test_parity_with_mergekit_tokenizer_source_and_chat_template(fam, tmp_path, source):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parity"))
     pytest.importorskip("mergekit")
     from mergekit_runner import mergekit_merge
 
     _, base, experts = fam
     # task_arithmetic: mergekit's linear with a tokenizer source also averages the base in (it asks for its weight)
-    text = cfg(base, experts, f"tokenizer_source: {experts[0]}\nchat_template: chatml\n", "task_arithmetic")
+    src = experts[0] if source == "expert" else "union"
+    text = cfg(base, experts, f"tokenizer_source: {src}\nchat_template: chatml\n", "task_arithmetic")
     mk = mergekit_merge(text, tmp_path / "mk", copy_tokenizer=True)
     _, _, _, out = merge_config(tmp_path, text, "mp")
     mp = load_file(str(out / "model.safetensors"))
