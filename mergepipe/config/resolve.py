@@ -17,12 +17,12 @@ from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.models import check_unchanged, is_vocab_tensor, model_ids, models_at, register
 from mergepipe.config.model import ConfigError, ConfigModel, MERGEKIT_DTYPE, MergekitConfig, UNION_REFUSAL
 from mergepipe.config.parse import _exists
+from mergepipe.config.templates import CHAT_TEMPLATES
 from mergepipe.ops.core import get_op, resolve_params
 from mergepipe.planner.context import Planner
 from mergepipe.planner.plan import Plan
 from mergepipe.planner.request import MergeRequest
 from mergepipe.storage.dtypes import dtype_label, split_dtypes
-from mergepipe.config.templates import CHAT_TEMPLATES
 from mergepipe.storage.registry import open_checkpoint
 from mergepipe.storage.tokenizer_files import has_tokenizer, read_chat_template, vocab_difference, vocabulary
 
