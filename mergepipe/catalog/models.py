@@ -16,6 +16,7 @@ from mergepipe.catalog.db import Catalog, now
 from mergepipe.errors import CatalogError, MergePipeError
 from mergepipe.storage.lora import base_mismatches
 from mergepipe.storage.registry import canonical_uri, open_adapter, open_checkpoint, storage_for
+from mergepipe.storage.dtypes import dtype_label
 from mergepipe.storage.safetensors import FLOAT_DTYPES, Checkpoint
 
 KINDS = ("full", "delta", "lora")
@@ -86,6 +87,15 @@ def content_hash(ckpt: Checkpoint) -> str:
     return "sha256:" + h.hexdigest()
 
 
+VOCAB_TENSOR_SUFFIXES = ("embed_tokens.weight", "lm_head.weight", "wte.weight", "word_embeddings.weight",
+                         "embed_out.weight", "embed_in.weight", "shared.weight")
+
+
+def is_vocab_tensor(name: str) -> bool:
+    """An embedding or output tensor whose rows are the vocabulary (by name)."""
+    return name.endswith(VOCAB_TENSOR_SUFFIXES)
+
+
 def layout_mismatches(base: Checkpoint, expert: Checkpoint, limit: int = 20, any_float: bool = False) -> list[str]:
     """Differences in tensor names, shapes and dtypes between an expert and its base.
 
@@ -98,7 +108,12 @@ def layout_mismatches(base: Checkpoint, expert: Checkpoint, limit: int = 20, any
     for name in sorted(set(base.tensors) & set(expert.tensors)):
         b, e = base.tensors[name], expert.tensors[name]
         if b.shape != e.shape:
-            problems.append(f"{name}: shape {list(e.shape)} != base {list(b.shape)}")
+            hint = ""
+            if len(b.shape) == 2 and b.shape[1:] == e.shape[1:] and is_vocab_tensor(name):
+                hint = (" (another vocabulary size: merging models with different vocabularies needs their "
+                        "embedding rows re-ordered to one tokenizer, mergekit's tokenizer_source: union, which "
+                        "MergePipe does not do yet)")
+            problems.append(f"{name}: shape {list(e.shape)} != base {list(b.shape)}{hint}")
         if b.dtype != e.dtype and not (any_float and {b.dtype, e.dtype} <= FLOAT_DTYPES):
             problems.append(f"{name}: dtype {e.dtype} != base {b.dtype}")
     if len(problems) > limit:
@@ -267,7 +282,6 @@ def _check_replaceable(old: dict, replace: bool) -> None:
 
 def _model_row(c: Checked, with_content_hash: bool, snapshot_id: str | None) -> dict:
     ckpt = c.ckpt
-    dtypes = sorted({t.dtype for t in ckpt.tensors.values()})
     return {
         "id": c.model_id,
         "uri": canonical_uri(c.uri),
@@ -276,7 +290,7 @@ def _model_row(c: Checked, with_content_hash: bool, snapshot_id: str | None) -> 
         "fingerprint": c.fingerprint,
         "content_hash": content_hash(ckpt) if with_content_hash else None,
         "architecture": _architecture(c.kind, ckpt.config),
-        "dtype": dtypes[0] if len(dtypes) == 1 else "mixed:" + ",".join(dtypes),
+        "dtype": dtype_label(t.dtype for t in ckpt.tensors.values()),  # e.g. "F32 (+I64 buffers)"
         "params": sum(math.prod(t.shape) for t in ckpt.tensors.values()),
         "bytes": ckpt.nbytes,
         "n_tensors": len(ckpt.tensors),

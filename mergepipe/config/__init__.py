@@ -1,7 +1,8 @@
 """mergekit YAML configs: read one into planner arguments, and write a stored plan back as one.
 
 mergekit users describe a merge in YAML (``models:`` with per-model ``parameters``, ``base_model``,
-``merge_method``, global ``parameters``, ``dtype``/``out_dtype``, ``tokenizer_source``). This module
+``merge_method``, global ``parameters``, ``dtype``/``out_dtype``, ``tokenizer_source`` or ``tokenizer:``,
+``chat_template``). This module
 lets them keep doing so:
 
 * :func:`parse_config` (parse.py) validates the YAML without touching a catalog. ``weight`` and ``density`` may be
@@ -9,7 +10,8 @@ lets them keep doing so:
   mergekit's precedence (a model's own value, else the global one) by the planner. Everything
   MergePipe cannot do exactly is refused with one message naming the key (``slices``, filters or
   gradients of the other parameters, unknown merge methods and parameters, an output dtype other than
-  the base's); nothing is silently approximated. The compute ``dtype`` may be any float type: MergePipe
+  the base's float dtype, tokenizer settings that would move embedding rows); nothing is silently
+  approximated. Tokenizer settings are resolved against the models' vocabularies by resolve.py. The compute ``dtype`` may be any float type: MergePipe
   computes in float32 whatever it says, which is at least as precise.
 * :func:`prepare` (resolve.py) maps each model reference to a catalog model: a registered id is used as is; a path
   is matched to a registered model by uri and fingerprint, or else registered under an id derived

@@ -10,6 +10,7 @@ from mergepipe.catalog.plans import find_plan_id
 from mergepipe.config.model import MERGEKIT_DTYPE
 from mergepipe.errors import MergePipeError
 from mergepipe.ops.core import get_op
+from mergepipe.storage.dtypes import float_dtype, label_float_dtype
 from mergepipe.storage.registry import open_checkpoint
 
 
@@ -24,7 +25,7 @@ def _record(cat: Catalog | None, ref: str) -> dict:
         return {"plan_id": p["id"], "digest": p["digest"], "base": p["base"], "experts": p["experts"],
                 "operator": p["operator"], "params": p["params"], "seed": p["seed"], "strategy": p["strategy"],
                 "budget": p["budget"], "target_bound": p.get("target_bound"), "snapshot_id": None,
-                "full_expert_bytes": p["full_expert_bytes"]}
+                "full_expert_bytes": p["full_expert_bytes"], "tokenizer": p.get("tokenizer")}
     try:
         m = load_manifest(cat, ref)
     except MergePipeError:
@@ -35,17 +36,17 @@ def _record(cat: Catalog | None, ref: str) -> dict:
     return {"plan_id": c["plan_id"], "digest": c["plan_digest"], "base": c["inputs"]["base"],
             "experts": c["inputs"]["experts"], "operator": c["operator"], "params": c["params"], "seed": c["seed"],
             "strategy": c["strategy"], "budget": c["budget"], "target_bound": target,
-            "snapshot_id": m.snapshot_id, "full_expert_bytes": c["full_expert_bytes"]}
+            "snapshot_id": m.snapshot_id, "full_expert_bytes": c["full_expert_bytes"], "tokenizer": c.get("tokenizer")}
 
 
 def _base_dtype(cat: Catalog | None, base: dict) -> str | None:
+    """The base's one float dtype (non-float buffers aside), or None."""
     if cat is not None and cat.has_model(base["id"]):
-        return cat.model(base["id"])["dtype"]
+        return label_float_dtype(cat.model(base["id"])["dtype"])
     try:
-        dtypes = sorted({t.dtype for t in open_checkpoint(base["uri"]).tensors.values()})
+        return float_dtype(t.dtype for t in open_checkpoint(base["uri"]).tensors.values())
     except MergePipeError:
         return None
-    return dtypes[0] if len(dtypes) == 1 else None
 
 
 def _expert_setting(e: dict, key: str):
@@ -99,7 +100,10 @@ def export_mergekit(cat: Catalog | None, ref: str) -> str:
     base_dtype = _base_dtype(cat, base)
     if base_dtype in MERGEKIT_DTYPE:
         doc["out_dtype"] = MERGEKIT_DTYPE[base_dtype]
-    doc["tokenizer_source"] = "base"
+    tok = r["tokenizer"] or {}
+    doc["tokenizer_source"] = tok.get("source_uri", "base")
+    if tok.get("chat_template"):
+        doc["chat_template"] = tok["chat_template"]
     ext: dict = {}
     if r["target_bound"] is not None:
         ext["target_bound"] = r["target_bound"]

@@ -16,16 +16,19 @@ from mergepipe.planner.budget import Budget
 MAX_CONFIG_BYTES = 1 << 20  # a merge config is a few hundred bytes; refuse to parse anything huge
 
 TOP_KEYS = ("models", "base_model", "merge_method", "parameters", "dtype", "out_dtype", "tokenizer_source",
-            "mergepipe")
+            "tokenizer", "chat_template", "mergepipe")
 REFUSED_TOP_KEYS = {
     "slices": "layer slices (`slices:`) are not supported: MergePipe merges whole models with the same "
               "tensors; use `models:`",
     "modules": "per-module definitions (`modules:`) are not supported; use one `models:` list",
-    "tokenizer": "tokenizer merging (`tokenizer:`) is not supported: MergePipe copies the base's tokenizer "
-                 "files (`tokenizer_source: base`)",
-    "chat_template": "`chat_template` is not supported: MergePipe copies the base's tokenizer and chat "
-                     "template files as they are",
 }
+# mergekit's `tokenizer:` block
+TOKENIZER_KEYS = ("source", "tokens", "pad_to_multiple_of")
+UNION_REFUSAL = ("a union of different vocabularies is not supported yet: it re-orders and extends the "
+                 "embed_tokens/lm_head rows of each model to the union. MergePipe merges models that share one "
+                 "vocabulary (then a union, or any model's tokenizer, is that vocabulary and no row moves)")
+
+
 # The parameters a config may give, from the operators' declarations (ops/spec.py): merge-wide, all
 # of them (plus mergekit's int8_mask, accepted and ignored); per model, those that may vary per tensor
 # (weight, density) and the numbers that some mergekit versions take per model but MergePipe applies
@@ -81,6 +84,10 @@ class MergekitConfig:
     strategy: str | None = None
     seed: int | None = None
     plan_id: str | None = None  # informational (written by export)
+    tokenizer_source: str | None = None  # "union", a model reference as written; None: the base
+    tokenizer_tokens: tuple = ()  # mergekit's tokenizer.tokens as ((token, force), ...)
+    pad_to_multiple_of: int | None = None
+    chat_template: str | None = None  # "auto", a template name or the template text
 
     def with_overrides(self, operator=None, budget=None, target_bound=None, strategy=None, seed=None,
                        **params) -> MergekitConfig:

@@ -14,8 +14,9 @@ import yaml
 from mergepipe.config.model import (
     ConfigError, ConfigModel, DTYPE_NAMES, EXTENSION_KEYS, GLOBAL_PARAMS, MAX_CONFIG_BYTES,
     MERGEKIT_ONLY_METHODS, MODEL_PARAMS, MergekitConfig, PARAMS, PER_TENSOR, REFUSED_TOP_KEYS, SHARED_PARAMS,
-    TOP_KEYS,
+    TOKENIZER_KEYS, TOP_KEYS,
 )
+from mergepipe.config.templates import CHAT_TEMPLATES
 from mergepipe.errors import PlanError
 from mergepipe.ops.core import OPERATORS
 from mergepipe.planner.budget import Budget
@@ -77,7 +78,7 @@ def _parse(text, source: str) -> MergekitConfig:
     # asked for (outputs may differ from mergekit's bf16/fp16 arithmetic by that dtype's rounding).
     dtype = _dtype(doc.get("dtype"), "dtype")
     out_dtype = _dtype(doc.get("out_dtype"), "out_dtype")
-    _check_tokenizer(doc)
+    tokenizer_source, tokens, pad, chat_template = _tokenizer(doc)
     budget, target, strategy, seed, plan_id = _extension(doc)
 
     return MergekitConfig(
@@ -86,7 +87,8 @@ def _parse(text, source: str) -> MergekitConfig:
         rescale=_flag(globals_.get("rescale"), "parameters.rescale"),
         lam=values["lambda"], gamma=values["gamma"], epsilon=values["epsilon"],
         dtype=dtype, out_dtype=out_dtype, budget=budget, target_bound=target, strategy=strategy, seed=seed,
-        plan_id=plan_id)
+        plan_id=plan_id, tokenizer_source=tokenizer_source, tokenizer_tokens=tokens,
+        pad_to_multiple_of=pad, chat_template=chat_template)
 
 
 def _load(text) -> dict:
@@ -205,12 +207,58 @@ def _models(entries, globals_: dict) -> tuple[list[ConfigModel], dict]:
     return models, values
 
 
-def _check_tokenizer(doc: dict) -> None:
-    """MergePipe copies the base's tokenizer files; nothing else is accepted."""
-    tok = doc.get("tokenizer_source")
-    if tok is not None and tok != "base":
-        raise ConfigError(f"tokenizer_source: {tok!r} is not supported: MergePipe copies the base's tokenizer "
-                          f"files (use `tokenizer_source: base` or leave it out)")
+def _tokenizer(doc: dict) -> tuple:
+    """(tokenizer source: ``union``, a model reference, or None for the base; the ``tokens`` settings as
+    ((token, force), ...); ``pad_to_multiple_of``; chat_template as written).
+
+    ``tokenizer_source`` or the ``tokenizer:`` block's ``source`` (mergekit's default there: union).
+    Whether a union, a model's tokenizer, tokens or padding can be honoured depends on the models'
+    vocabularies: the resolver checks (mergepipe.config.resolve)."""
+    src = doc.get("tokenizer_source")
+    block = doc.get("tokenizer")
+    tokens: tuple = ()
+    pad = None
+    if block is not None:
+        if src is not None:
+            raise ConfigError("give either `tokenizer_source` or a `tokenizer:` block, not both")
+        if not isinstance(block, dict):
+            raise ConfigError("`tokenizer` must be a mapping (source, tokens, pad_to_multiple_of)")
+        unknown = sorted(set(map(str, block)) - set(TOKENIZER_KEYS))
+        if unknown:
+            raise ConfigError(f"unsupported key `{unknown[0]}` in tokenizer (mergekit's are "
+                              f"{', '.join(TOKENIZER_KEYS)})")
+        raw_tokens = block.get("tokens") or {}
+        if not isinstance(raw_tokens, dict):
+            raise ConfigError("tokenizer.tokens must map tokens to their settings (source, force)")
+        out = []
+        for tok, setting in raw_tokens.items():
+            setting = setting or {}
+            if not isinstance(tok, str) or not isinstance(setting, dict) or set(setting) - {"source", "force"}:
+                raise ConfigError(f"tokenizer.tokens.{tok}: settings are `source` and `force`")
+            force = setting.get("force", False)
+            if not isinstance(force, bool):
+                raise ConfigError(f"tokenizer.tokens.{tok}.force must be true or false")
+            out.append((tok, force))
+        tokens = tuple(out)
+        pad = block.get("pad_to_multiple_of")
+        if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or pad < 1):
+            raise ConfigError("tokenizer.pad_to_multiple_of must be a positive integer")
+        src = block.get("source", "union")
+        where = "tokenizer.source"
+    else:
+        where = "tokenizer_source"
+    if src is not None and not isinstance(src, str):
+        raise ConfigError(f"{where} must be `base`, `union` or a model (a path or a catalog id)")
+    template = doc.get("chat_template")
+    if template is not None:
+        if not isinstance(template, str) or not template.strip():
+            raise ConfigError("chat_template must be `auto`, a template name or the template text")
+        if template != "auto" and "{" not in template and template not in CHAT_TEMPLATES:
+            raise ConfigError(f"chat_template: {template!r} is neither `auto`, a known template name "
+                              f"({', '.join(sorted(CHAT_TEMPLATES))}) nor a Jinja template (paste its text)")
+        if "{" in template and len(template) < 20:
+            raise ConfigError(f"chat_template: {template!r} is too short to be a Jinja chat template")
+    return (None if src in (None, "base") else src), tokens, pad, template
 
 
 def _extension(doc: dict):

@@ -8,19 +8,23 @@ a config that fails anywhere before the merge starts leaves the catalog unchange
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.models import check_unchanged, model_ids, models_at, register
-from mergepipe.config.model import ConfigError, ConfigModel, MERGEKIT_DTYPE, MergekitConfig
+from mergepipe.catalog.models import check_unchanged, is_vocab_tensor, model_ids, models_at, register
+from mergepipe.config.model import ConfigError, ConfigModel, MERGEKIT_DTYPE, MergekitConfig, UNION_REFUSAL
 from mergepipe.config.parse import _exists
+from mergepipe.config.templates import CHAT_TEMPLATES
 from mergepipe.ops.core import get_op, resolve_params
 from mergepipe.planner.context import Planner
 from mergepipe.planner.plan import Plan
 from mergepipe.planner.request import MergeRequest
+from mergepipe.storage.dtypes import dtype_label, split_dtypes
 from mergepipe.storage.registry import open_checkpoint
+from mergepipe.storage.tokenizer_files import has_tokenizer, read_chat_template, vocab_difference, vocabulary
 
 
 # --- resolving references against the catalog ---------------------------------------------------------
@@ -33,6 +37,7 @@ class Resolved:
     experts: list[dict]  # {"model": id, "weight"?: w, "density"?: d}
     to_register: list[dict] = field(default_factory=list)  # register() keyword arguments, in order
     reused: dict[str, str] = field(default_factory=dict)  # reference as written -> registered id it matched
+    tokenizer: dict | None = None  # {"source", "source_uri", "chat_template"}: None = the base's tokenizer
 
     @property
     def pending(self) -> bool:
@@ -43,7 +48,7 @@ class Resolved:
         c = self.config
         return MergeRequest.build(self.base, self.experts, c.method, budget=c.budget, target_bound=c.target_bound,
                                   lam=c.lam, normalize=c.normalize, rescale=c.rescale, gamma=c.gamma,
-                                  epsilon=c.epsilon, seed=c.seed, strategy=c.strategy)
+                                  epsilon=c.epsilon, seed=c.seed, strategy=c.strategy, tokenizer=self.tokenizer)
 
 
 PathCheck = Callable[[str], Path]
@@ -194,25 +199,134 @@ def prepare(cat: Catalog, cfg: MergekitConfig, register_paths: bool = True, chec
         r.out.experts.append(spec)
     if not r.out.experts:
         raise ConfigError(f"{cfg.source}: `models:` lists no model other than the base")
+    r.out.tokenizer = _tokenizer(r, base_id, base_path)
     return r.out
 
 
+def _tokenizer(r: _Resolver, base_id: str, base_path: Path | None) -> dict | None:
+    """The output tokenizer a config asks for: None (the base's files, as they are), or the tokenizer
+    source's folder and/or a chat template.
+
+    mergekit builds the output vocabulary (the base's, a model's, or the union of every model's, plus
+    ``tokens``), then re-orders each model's embed_tokens/lm_head rows to it, with ``len(vocabulary)``
+    rows (padded to ``pad_to_multiple_of``). When every model has the source's vocabulary and the
+    embeddings have that many rows, every re-ordering is the identity: MergePipe then merges as it is
+    and copies the source's tokenizer files (a union's is the base's). Anything else moves rows and is
+    refused, naming the models and tokens that differ."""
+    cfg, cat = r.cfg, r.cat
+    vocab_asked = cfg.tokenizer_source is not None or cfg.tokenizer_tokens or cfg.pad_to_multiple_of is not None
+    if not vocab_asked and cfg.chat_template is None:
+        return None
+    base_root = base_path or Path(cat.model(base_id)["uri"])
+    uris = {base_id: base_root}
+    for kw in r.out.to_register:
+        uris[kw["model_id"]] = Path(kw["uri"])
+    models = [(base_id, base_root)]
+    for e in r.out.experts:
+        mid = e["model"]
+        row = cat.model(mid) if cat.has_model(mid) else None
+        if row is not None and row["kind"] == "lora":
+            continue  # an adapter has the base's vocabulary (embedding LoRA is refused)
+        models.append((mid, uris.get(mid) or Path(row["uri"])))
+    out: dict = {}
+    where = "tokenizer_source"
+    ref = cfg.tokenizer_source
+    source_id, source_root = base_id, base_root
+    if ref not in (None, "union", cfg.base, base_id):
+        if cat.has_model(ref):
+            if cat.model(ref)["kind"] == "lora":
+                r.fail(where, f"{ref!r}: a LoRA adapter has no tokenizer of its own; name the base or a model")
+            source_id, source_root = ref, Path(cat.model(ref)["uri"])
+        else:
+            path = r._path(ref, where)
+            if path is None:
+                r.fail(where, f"{ref!r} is neither `base`, `union`, a registered model id nor an existing path")
+            source_id = next((m for m, p in models if p == path), ref)
+            source_root = path
+    if vocab_asked:
+        if not has_tokenizer(source_root):
+            r.fail(where, f"{source_id} has no tokenizer files (tokenizer.json, tokenizer_config.json, vocab.txt, ...)")
+        want = vocabulary(source_root)
+        for mid, root in models:
+            if not has_tokenizer(root) or root == source_root:
+                continue  # mergekit too assumes the base's vocabulary for a model without a tokenizer
+            have = vocabulary(root)
+            if have != want:
+                if ref == "union":
+                    r.fail(where, f"union: the vocabulary of {mid} differs from that of {base_id} "
+                                  f"({vocab_difference(want, have)}): {UNION_REFUSAL}")
+                r.fail(where, f"the vocabulary of {ref} differs from that of {mid} "
+                              f"({vocab_difference(want, have)}): using it needs the embed_tokens/lm_head rows "
+                              f"of every model re-ordered to it, which MergePipe does not do yet; use "
+                              f"`tokenizer_source: base` or a model whose vocabulary every model shares")
+        for tok, force in cfg.tokenizer_tokens:
+            if tok not in want:
+                r.fail("tokenizer.tokens", f"{tok!r} is not in the vocabulary: adding it needs new embed_tokens/"
+                                           f"lm_head rows, which MergePipe does not make yet")
+            if force:
+                r.fail("tokenizer.tokens", f"{tok!r}: force: true replaces its embedding rows, which MergePipe "
+                                           f"does not do yet")
+        _check_vocab_rows(r, base_id, base_root, len(want), cfg.pad_to_multiple_of)
+        if source_root != base_root:
+            out.update({"source": source_id, "source_uri": str(source_root)})
+    if cfg.chat_template is not None:
+        if not has_tokenizer(source_root):
+            r.fail("chat_template", f"the tokenizer source ({source_id}) has no tokenizer files to attach it to")
+        template = cfg.chat_template
+        if template == "auto":  # mergekit: the most common template among the models (none: leave it)
+            found = [t.strip() for t in (read_chat_template(root) for _, root in models) if t]
+            template = Counter(found).most_common(1)[0][0] if found else None
+        else:
+            template = CHAT_TEMPLATES.get(template, template)
+        if template is not None:
+            out["chat_template"] = template
+    return out or None
+
+
+def _check_vocab_rows(r: _Resolver, base_id: str, base_root: Path, n_tokens: int, pad: int | None) -> None:
+    """mergekit writes embed_tokens/lm_head with one row per token (padded): refuse when that is not
+    the base's shape (MergePipe keeps the base's shapes)."""
+    rows = n_tokens if not pad else -(-n_tokens // pad) * pad
+    if r.cat.has_model(base_id):
+        shapes = {t["name"]: tuple(t["shape"]) for t in r.cat.tensors(base_id)}
+    else:
+        shapes = {n: t.shape for n, t in open_checkpoint(base_root).tensors.items()}
+    for name, shape in sorted(shapes.items()):
+        if is_vocab_tensor(name) and len(shape) == 2 and shape[0] != rows:
+            padded = f" padded to a multiple of {pad}" if pad else ""
+            r.fail("tokenizer", f"mergekit writes {name} with one row per token of the output vocabulary "
+                                f"({rows}{padded}); the base's has {shape[0]} rows, and MergePipe keeps the base's "
+                                f"shapes: leave the tokenizer settings out (the base's tokenizer files are copied)")
+
+
 def _check_out_dtype(cat: Catalog, cfg: MergekitConfig, base_id: str, base_path: Path | None) -> None:
-    # mergekit writes out_dtype, or else dtype; MergePipe always writes the base's own dtype.
+    """mergekit writes out_dtype, or else dtype; MergePipe writes each tensor in the base's own dtype.
+
+    The dtypes asked for apply to the float tensors: non-float buffers (a BERT's int64 ``position_ids``)
+    are copied from the base as they are, by mergekit as by MergePipe, so ``dtype: float32`` on an fp32
+    base with int64 buffers is honoured."""
     want = cfg.out_dtype or cfg.dtype
     if want is None:
         return
     if cat.has_model(base_id):
-        have = cat.model(base_id)["dtype"]
+        codes = [t["dtype"] for t in cat.tensors(base_id)]
     else:
-        dtypes = sorted({t.dtype for t in open_checkpoint(base_path).tensors.values()})
-        have = dtypes[0] if len(dtypes) == 1 else "mixed:" + ",".join(dtypes)
-    if want != have:
-        key = "out_dtype" if cfg.out_dtype else "dtype (which mergekit also uses as the output dtype)"
-        fix = (f"set `out_dtype: {MERGEKIT_DTYPE[have]}`" if have in MERGEKIT_DTYPE
-               else "leave out_dtype out")
-        raise ConfigError(f"{cfg.source}: {key}: {MERGEKIT_DTYPE.get(want, want)} cannot be honoured: MergePipe "
-                          f"writes the base's dtype ({MERGEKIT_DTYPE.get(have, have)}); {fix}")
+        codes = [t.dtype for t in open_checkpoint(base_path).tensors.values()]
+    floats, others = split_dtypes(codes)
+    if floats == [want]:
+        return
+    key = "out_dtype" if cfg.out_dtype else "dtype (which mergekit also uses as the output dtype)"
+    label = dtype_label(codes)
+    buffers = f"; its {','.join(others)} buffers are copied as they are" if others else ""
+    if len(floats) == 1:
+        fix = f"set `out_dtype: {MERGEKIT_DTYPE[floats[0]]}`{buffers}"
+    elif floats:
+        fix = (f"remove `out_dtype` and `dtype` (the base's float tensors mix {', '.join(floats)}, and MergePipe "
+               f"keeps each tensor's dtype)")
+    else:
+        fix = "the base holds no float tensor to merge"
+    raise ConfigError(f"{cfg.source}: {key}: {MERGEKIT_DTYPE.get(want, want)} cannot be honoured: MergePipe "
+                      f"writes the base's dtype ({label}); {fix}")
 
 
 def apply(cat: Catalog, resolved: Resolved) -> None:

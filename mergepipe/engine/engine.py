@@ -168,6 +168,8 @@ class Engine:
             "parents": [{"id": plan["base"]["id"], "role": "base", "weight": None}]
             + [{"id": e["id"], "role": "expert", "weight": e["weight"]} for e in plan["experts"]],
         }
+        if plan.data.get("tokenizer"):
+            core["tokenizer"] = plan["tokenizer"]
         if result["content_hashed"]:
             core["content_verified"] = {e: {"bytes_hashed": n} for e, n in sorted(result["content_hashed"].items())}
         if result["analysis_read"]:

@@ -241,10 +241,11 @@ class MergePipeline:
         """Close the shards, complete the snapshot's files, check the realized reads against the plan."""
         plan, experts, staging = self.plan, self.experts, self.staging
         outputs = {name: w.close() for name, w in self.writers.items()}
-        finish_files(self.base_ck, staging, self.shards)
-        for extra in sorted(staging.iterdir()):
-            if extra.name not in outputs:
-                outputs[extra.name] = {"sha256": file_sha256(extra), "bytes": extra.stat().st_size}
+        finish_files(self.base_ck, staging, self.shards, plan.data.get("tokenizer"))
+        for extra in sorted(p for p in staging.rglob("*") if p.is_file()):  # config, index, tokenizer files
+            name = extra.relative_to(staging).as_posix()
+            if name not in outputs:
+                outputs[name] = {"sha256": file_sha256(extra), "bytes": extra.stat().st_size}
         realized_by_expert = {e["id"]: r.bytes_read for e, r in zip(experts, self.readers)}
         for e in experts:
             planned = plan["expert_read_by_expert"][e["id"]]

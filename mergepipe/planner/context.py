@@ -306,6 +306,8 @@ class PlanContext(StrategyScores, Bounds):
             "access": access,
             "thresholds": self.thresholds,
         }
+        if self.request.tokenizer:  # only when set: plans of the base's tokenizer keep their digests
+            core["tokenizer"] = self.request.tokenizer
         digest = hashlib.sha256(canonical(core)).hexdigest()
         data = dict(core)
         data.update({

@@ -28,6 +28,11 @@ def explain_plan(p: dict) -> str:
         if "blockwise" in b:  # plans stored before the blockwise bound existed lack it
             lines.append(f"  tighter    ||M_full - M_A|| <= {b['blockwise']:.6g}  (relative "
                          f"{b['blockwise_relative']:.3e}; blocks at different positions are disjoint)")
+    tok = p.get("tokenizer")
+    if tok:  # the base's tokenizer files otherwise (no line)
+        template = tok.get("chat_template")
+        lines.append(f"  tokenizer  {tok.get('source', p['base']['id'])}'s files"
+                     + (f", chat template {template[:40]!r}{'...' if len(template) > 40 else ''}" if template else ""))
     lines.append("  experts")
     for e in p["experts"]:
         eid = e["id"]

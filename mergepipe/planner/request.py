@@ -54,12 +54,15 @@ class MergeRequest:
     seed: int = 0
     out: str | None = None
     model_id: str | None = None
+    # the output tokenizer when not the base's files as they are: {"source": id, "source_uri": folder,
+    # "chat_template": text} (either key may be absent); recorded in the plan (and its digest) when set
+    tokenizer: dict | None = None
 
     @classmethod
     def build(cls, base: str, experts, operator: str = "linear", *, weights=None, weight=None, density=None,
               lam=None, normalize=None, rescale=None, gamma=None, epsilon=None, budget=None, budget_mb=None,
               target_bound=None, strategy: str | None = None, seed: int | None = None, out=None,
-              model_id: str | None = None, **unknown) -> MergeRequest:
+              model_id: str | None = None, tokenizer: dict | None = None, **unknown) -> MergeRequest:
         """Shape keyword arguments (the API's, the CLI's flags, a page's widgets) into a validated request.
         ``weights`` lists one weight per expert, in order; ``budget`` is any spelling :class:`Budget` takes."""
         params = {k: v for k, v in (("lam", lam), ("normalize", normalize), ("rescale", rescale),
@@ -74,7 +77,8 @@ class MergeRequest:
         request = cls(base=base, experts=tuple(specs), operator=operator, weight=weight, density=density,
                       params=params, budget=Budget.of(budget, mb=budget_mb, target_bound=target_bound),
                       strategy="norm" if strategy is None else strategy, seed=0 if seed is None else seed,
-                      out=None if out is None else str(out), model_id=model_id)
+                      out=None if out is None else str(out), model_id=model_id,
+                      tokenizer=_tokenizer_setting(tokenizer))
         return request.validated()
 
     def validated(self) -> MergeRequest:
@@ -124,6 +128,17 @@ class MergeRequest:
 
     def replace(self, **changes) -> MergeRequest:
         return replace(self, **changes).validated()
+
+
+def _tokenizer_setting(tokenizer) -> dict | None:
+    if not tokenizer:
+        return None
+    if not isinstance(tokenizer, dict) or set(tokenizer) - {"source", "source_uri", "chat_template"} \
+            or not all(isinstance(v, str) for v in tokenizer.values()):
+        raise PlanError("tokenizer must be a mapping of source, source_uri and chat_template (strings)")
+    if ("source" in tokenizer) != ("source_uri" in tokenizer):
+        raise PlanError("a tokenizer source needs both its id (source) and its folder (source_uri)")
+    return dict(sorted(tokenizer.items()))
 
 
 def _expert_list(experts) -> list[dict]:

@@ -18,6 +18,7 @@ from mergepipe.errors import StorageError
 from mergepipe.storage.base import Storage
 from mergepipe.storage.lora import ADAPTER_CONFIG
 from mergepipe.storage.paths import open_regular, read_regular
+from mergepipe.storage.torchbin import BIN_INDEX, is_torch_bin, open_bin_checkpoint
 from mergepipe.storage.safetensors import (
     Checkpoint, TensorInfo, bytes_to_tensor, open_checkpoint, row_nbytes, rows_shape,
 )
@@ -142,7 +143,9 @@ class LocalStorage(Storage):
     """Checkpoints as local files: headers parsed by hand, tensor bytes read with ``os.preadv``."""
 
     def open(self, uri: str | os.PathLike) -> Checkpoint:
-        checkpoint = open_checkpoint(uri)
+        # safetensors, or PyTorch .bin files read in place (mergepipe.storage.torchbin)
+        root = Path(uri).expanduser()
+        checkpoint = open_bin_checkpoint(root) if is_torch_bin(root) else open_checkpoint(uri)
         checkpoint.storage = self
         return checkpoint
 
@@ -161,7 +164,8 @@ class LocalStorage(Storage):
         root = Path(uri)
         try:
             files = [root] if root.is_file() else sorted(
-                [*root.glob("*.safetensors"), *root.glob("*.safetensors.index.json"), *root.glob(ADAPTER_CONFIG)])
+                [*root.glob("*.safetensors"), *root.glob("*.safetensors.index.json"), *root.glob(ADAPTER_CONFIG),
+                 *root.glob("pytorch_model*.bin"), *root.glob(BIN_INDEX)])
             return json.dumps([[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files])
         except OSError:
             return None

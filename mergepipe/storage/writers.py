@@ -15,9 +15,11 @@ from pathlib import Path
 from mergepipe.errors import ExecutionError
 from mergepipe.storage.safetensors import INDEX_NAME, Checkpoint, TensorInfo
 
-COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-                "chat_template.jinja")
+from mergepipe.storage.tokenizer_files import copy_tokenizer_files, write_chat_template
+
+# copied from the base as they are; the tokenizer and processor files come from the tokenizer source
+# (the base by default): see mergepipe.storage.tokenizer_files for the rule
+COPIED_FILES = ("config.json",)
 
 
 def write_failure(exc: OSError, action: str, path) -> ExecutionError:
@@ -128,8 +130,9 @@ def _close_fd(fd: int) -> None:
 
 
 
-def finish_files(base_ck: Checkpoint, staging: Path, shards: list[OutShard]) -> None:
-    """Write the index of a sharded output and copy the base's config and tokenizer files."""
+def finish_files(base_ck: Checkpoint, staging: Path, shards: list[OutShard], tokenizer: dict | None = None) -> None:
+    """Write the index of a sharded output, copy the base's config.json and the tokenizer files of the
+    tokenizer source (``tokenizer["source_uri"]``, default the base), and set ``tokenizer["chat_template"]``."""
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(s.size - len(s.header) for s in shards)},
                  "weight_map": {n: s.fname for s in shards for n in s.offsets}}
@@ -143,6 +146,14 @@ def finish_files(base_ck: Checkpoint, staging: Path, shards: list[OutShard]) -> 
                 except OSError as exc:
                     failed = staging / name if exc.filename != str(src) else src
                     raise write_failure(exc, "copying" if failed == src else "writing", failed) from exc
+    tokenizer = tokenizer or {}
+    source = Path(tokenizer["source_uri"]) if tokenizer.get("source_uri") else base_ck.root
+    try:
+        copy_tokenizer_files(source, staging)
+        if tokenizer.get("chat_template"):
+            write_chat_template(staging, tokenizer["chat_template"])
+    except OSError as exc:
+        raise write_failure(exc, "copying tokenizer files into", staging) from exc
 
 
 def write_text(path: Path, text: str) -> None:

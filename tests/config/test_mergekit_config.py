@@ -338,10 +338,12 @@ def _bad(fam):
          ["out_dtype: float16 cannot be honoured", "float32"]),
         ("unknown dtype", f"merge_method: linear\nbase_model: {base}\n{ok_models}dtype: int4\n",
          ["unknown dtype 'int4'"]),
-        ("tokenizer union", f"merge_method: linear\nbase_model: {base}\n{ok_models}tokenizer_source: union\n",
-         ["tokenizer_source"]),
-        ("tokenizer config", f"merge_method: linear\nbase_model: {base}\n{ok_models}tokenizer: {{source: base}}\n",
-         ["tokenizer"]),
+        ("tokenizer union", (f"merge_method: linear\nbase_model: {base}\n{ok_models}"
+                             f"tokenizer: {{source: union, tokens: {{'<new>': {{source: base}}}}}}\n"),
+         ["tokenizer.tokens", "'<new>' is not in the vocabulary"]),
+        ("tokenizer config", (f"merge_method: linear\nbase_model: {base}\n{ok_models}"
+                              f"tokenizer: {{source: base, pad_to_multiple_of: 100}}\n"),
+         ["padded to a multiple of 100", "MergePipe keeps the base's shapes"]),
         ("gamma differs", (f"merge_method: breadcrumbs\nbase_model: {base}\nmodels:\n"
                           f"  - model: {e1}\n    parameters: {{weight: 1, gamma: 0.01}}\n"
                           f"  - model: {e2}\n    parameters: {{weight: 1, gamma: 0.02}}\n"), ["`gamma` differs"]),

@@ -1,0 +1,137 @@
+"""The tokenizer and processor files a merged model carries over from its tokenizer source (the base
+by default), and its chat template.
+
+The rule: every regular file at the top of the source directory whose name is a tokenizer, processor
+or generation file -- ``tokenizer*`` (tokenizer.json, tokenizer_config.json, tokenizer.model, ...),
+``vocab*`` (BERT's vocab.txt, GPT-2's vocab.json), ``merges*.txt``, any ``*.model`` (sentencepiece:
+spiece.model, sentencepiece.bpe.model), ``*.tiktoken``, ``spiece*``/``sentencepiece*``, ``bpe.codes``,
+``added_tokens.json``, ``special_tokens_map.json``, ``chat_template*.jinja``/``chat_template*.json``,
+``*preprocessor_config.json`` (image/video/audio processors), ``processor_config.json``,
+``feature_extractor_config.json``, ``generation_config.json`` -- plus the ``*.jinja`` files of an
+``additional_chat_templates/`` folder. Weight files (``*.safetensors``, ``*.bin``, ``*.pt``, ...) and
+shard indexes never are. This is a superset of what mergekit 0.1.5 copies (its fixed list misses
+vocab.txt, vocab.json, sentencepiece models other than tokenizer.model and preprocessor configs, which
+it only gets by re-saving through transformers). ``config.json`` is copied from the base separately.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import shutil
+from pathlib import Path
+
+from mergepipe.errors import StorageError
+
+PATTERNS = ("tokenizer*", "vocab*", "merges*.txt", "*.model", "*.tiktoken", "spiece*", "sentencepiece*",
+            "bpe.codes", "added_tokens.json", "special_tokens_map.json", "chat_template*.jinja",
+            "chat_template*.json", "*preprocessor_config.json", "processor_config.json",
+            "feature_extractor_config.json", "generation_config.json")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".npz",
+                   ".pkl", ".index.json")
+TEMPLATES_DIR = "additional_chat_templates"
+# files that say what a tokenizer is (without one of them a folder has no tokenizer to compare or load)
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model",
+                     "spiece.model", "sentencepiece.bpe.model")
+
+
+def is_tokenizer_file(name: str) -> bool:
+    low = name.lower()
+    if low.startswith(".") or low.endswith(WEIGHT_SUFFIXES):
+        return False
+    return any(fnmatch.fnmatchcase(low, p) for p in PATTERNS)
+
+
+def tokenizer_files(root: Path) -> list[str]:
+    """The files (relative names, sorted) a merge copies from ``root``; [] when it is not a directory."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    names = [p.name for p in root.iterdir() if p.is_file() and is_tokenizer_file(p.name)]
+    extra = root / TEMPLATES_DIR
+    if extra.is_dir():
+        names += [f"{TEMPLATES_DIR}/{p.name}" for p in extra.iterdir() if p.is_file() and p.name.endswith(".jinja")]
+    return sorted(names)
+
+
+def has_tokenizer(root: Path) -> bool:
+    return Path(root).is_dir() and any((Path(root) / n).is_file() for n in TOKENIZER_MARKERS)
+
+
+def copy_tokenizer_files(src: Path, staging: Path) -> list[str]:
+    """Copy the tokenizer files of ``src`` into ``staging`` (overwriting); returns their names."""
+    names = tokenizer_files(src)
+    for name in names:
+        dest = staging / name
+        dest.parent.mkdir(exist_ok=True)
+        shutil.copyfile(Path(src) / name, dest)
+    return names
+
+
+def read_chat_template(root: Path) -> str | None:
+    """A model's chat template: chat_template.jinja, else tokenizer_config.json's ``chat_template``
+    (a string, or a list of named templates: the ``default`` one)."""
+    root = Path(root)
+    if (root / "chat_template.jinja").is_file():
+        return (root / "chat_template.jinja").read_text(encoding="utf-8")
+    cfg = root / "tokenizer_config.json"
+    if cfg.is_file():
+        try:
+            t = json.loads(cfg.read_text(encoding="utf-8")).get("chat_template")
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            return None
+        if isinstance(t, list):
+            t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
+        return t if isinstance(t, str) else None
+    return None
+
+
+def write_chat_template(staging: Path, template: str) -> None:
+    """Set the output tokenizer's chat template: chat_template.jinja (what transformers >= 4.43 saves
+    and loads first), and the ``chat_template`` of tokenizer_config.json / chat_template.json when
+    those files carry one, so that no stale template survives."""
+    if not (staging / "tokenizer_config.json").is_file() and not (staging / "tokenizer.json").is_file():
+        raise StorageError("a chat template was asked for, but the output has no tokenizer to attach it to "
+                           "(its tokenizer source has no tokenizer files)")
+    (staging / "chat_template.jinja").write_text(template, encoding="utf-8")
+    cfg = staging / "tokenizer_config.json"
+    if cfg.is_file():
+        doc = json.loads(cfg.read_text(encoding="utf-8"))
+        if "chat_template" in doc:
+            doc["chat_template"] = template
+            cfg.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    tj = staging / "chat_template.json"
+    if tj.is_file():
+        tj.write_text(json.dumps({"chat_template": template}, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def vocabulary(root: Path) -> dict[str, int]:
+    """A tokenizer folder's vocabulary (token -> id, added tokens included), as transformers loads it
+    (``AutoTokenizer.from_pretrained(root, local_files_only=True).get_vocab()``, what mergekit compares)."""
+    try:
+        import transformers
+    except ImportError:  # pragma: no cover - transformers is a dependency of the test and eval extras
+        raise StorageError("comparing tokenizers needs the `transformers` package") from None
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+        return dict(tok.get_vocab())
+    except Exception as exc:  # noqa: BLE001 - any loading failure is one clear message
+        raise StorageError(f"{root}: cannot load its tokenizer with transformers ({type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+
+
+def vocab_difference(want: dict[str, int], have: dict[str, int]) -> str:
+    """A short description of how two vocabularies differ."""
+    if len(want) != len(have):
+        extra = sorted(set(have) - set(want))[:3]
+        missing = sorted(set(want) - set(have))[:3]
+        bits = [f"{len(have)} tokens vs {len(want)}"]
+        if extra:
+            bits.append("its own: " + ", ".join(map(repr, extra)))
+        if missing:
+            bits.append("lacking: " + ", ".join(map(repr, missing)))
+        return "; ".join(bits)
+    for tok in sorted(want):
+        if have.get(tok) != want[tok]:
+            return f"token {tok!r} has id {have.get(tok)} vs {want[tok]}"
+    return "same tokens"
