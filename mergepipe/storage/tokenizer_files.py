@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import shutil
 from pathlib import Path
 
 from mergepipe.errors import StorageError
+from mergepipe.storage.paths import read_regular
+
+MAX_TOKENIZER_FILE_BYTES = 512 << 20  # a tokenizer.json of a 256k vocabulary is ~30 MB
 
 PATTERNS = ("tokenizer*", "vocab*", "merges*.txt", "*.model", "*.tiktoken", "spiece*", "sentencepiece*",
             "bpe.codes", "added_tokens.json", "special_tokens_map.json", "chat_template*.jinja",
@@ -64,7 +66,8 @@ def copy_tokenizer_files(src: Path, staging: Path) -> list[str]:
     for name in names:
         dest = staging / name
         dest.parent.mkdir(exist_ok=True)
-        shutil.copyfile(Path(src) / name, dest)
+        # through the path checks: a linked tokenizer file must not carry a file from outside the roots
+        dest.write_bytes(read_regular(Path(src) / name, MAX_TOKENIZER_FILE_BYTES))
     return names
 
 
@@ -73,12 +76,12 @@ def read_chat_template(root: Path) -> str | None:
     (a string, or a list of named templates: the ``default`` one)."""
     root = Path(root)
     if (root / "chat_template.jinja").is_file():
-        return (root / "chat_template.jinja").read_text(encoding="utf-8")
+        return read_regular(root / "chat_template.jinja", MAX_TOKENIZER_FILE_BYTES).decode("utf-8", "replace")
     cfg = root / "tokenizer_config.json"
     if cfg.is_file():
         try:
-            t = json.loads(cfg.read_text(encoding="utf-8")).get("chat_template")
-        except (ValueError, UnicodeDecodeError, AttributeError):
+            t = json.loads(read_regular(cfg, MAX_TOKENIZER_FILE_BYTES)).get("chat_template")
+        except (ValueError, UnicodeDecodeError, AttributeError, StorageError):
             return None
         if isinstance(t, list):
             t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)

@@ -143,3 +143,19 @@ def test_the_dashboard_holds_storage_to_its_roots(tmp_path, family, monkeypatch)
         register(cat, "evil", str(_linked_model(family, "evil-real", family["outside"] / "real-expert" /
                                                  "model.safetensors")), base_id="base")
     assert [m["id"] for m in cat.models()] == ["base"]
+
+
+def test_a_linked_tokenizer_file_does_not_carry_an_outside_file_into_the_output(tmp_path, family, monkeypatch):
+    base = family["allowed"] / "base-linked-tok"
+    if not base.exists():
+        shutil.copytree(family["base"], base)
+        (base / "tokenizer.json").unlink(missing_ok=True)
+        (base / "tokenizer.json").symlink_to(family["outside"] / "secret.safetensors")
+    db = tmp_path / "c.sqlite"
+    assert run_cli(["--db", db, "register", "--model-id", "base", "--uri", base]).returncode == 0
+    assert run_cli(["--db", db, "register", "--model-id", "e1", "--uri", family["experts"][0],
+                    "--base", "base"]).returncode == 0
+    monkeypatch.setenv(ROOTS_ENV, f"{family['allowed']}{os.pathsep}{tmp_path}")
+    res = run_cli(["--db", db, "merge", "--base", "base", "--experts", "e1", "--out", tmp_path / "merged"])
+    assert res.returncode == 2 and "outside the allowed folders" in res.stderr and SECRET[:10] not in res.stderr
+    assert not (tmp_path / "merged").exists()
