@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mergepipe.errors import CatalogError
 from mergepipe.storage.safetensors import (
-    FLOAT_DTYPES, Checkpoint, TensorInfo, open_checkpoint, read_json_object,
+    FLOAT_DTYPES, Checkpoint, TensorInfo, _is_text, _kind, _short, open_checkpoint, read_json_object,
 )
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -56,21 +56,76 @@ def _pattern_value(patterns: dict, module: str, default):
     return default
 
 
+MAX_NUMBER = 1e15  # r, lora_alpha and the patterns' values: far above any real rank or alpha
+
+
+def _positive(value) -> bool:
+    """A positive, finite number of a sensible size (an int of 5000 digits is refused, not converted)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if isinstance(value, int):
+        return 0 < value <= MAX_NUMBER
+    return math.isfinite(value) and 0 < value <= MAX_NUMBER
+
+
+def _shown(value) -> str:
+    """A number from the file as it is when short, else what it is."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) <= MAX_NUMBER:
+        return repr(value)
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) and abs(value) <= MAX_NUMBER else "too large or not finite"
+    return _kind(value) if not isinstance(value, int) or isinstance(value, bool) else "too large"
+
+
+# A pattern is matched against every module name: refuse what could backtrack for ever (a quantified
+# group, as in (a+)+) and anything longer than a module path.
+_NESTED_QUANTIFIER = re.compile(r"\)[*+{]")
+MAX_PATTERN = 256
+
+
 def _config(root: Path) -> dict:
+    """adapter_config.json, with every field MergePipe reads checked (type and range); a refusal
+    names the file and the field and never quotes more than a short name from it."""
     path = root / ADAPTER_CONFIG
     if not path.is_file():
         raise CatalogError(f"{root}: not a PEFT adapter directory (no {ADAPTER_CONFIG})")
     config = read_json_object(path)
-    peft_type = str(config.get("peft_type", "LORA")).upper()
-    if peft_type != "LORA":
-        raise CatalogError(f"{path}: peft_type {peft_type} is not supported (only LORA)")
+    peft_type = config.get("peft_type", "LORA")
+    if not isinstance(peft_type, str):
+        raise CatalogError(f"{path}: peft_type must be a name (is {_kind(peft_type)})")
+    if peft_type.upper() != "LORA":
+        raise CatalogError(f"{path}: peft_type {_short(peft_type, 30)[1:-1]} is not supported (only LORA)")
+    for flag in ("use_rslora", "use_dora", "fan_in_fan_out"):
+        if config.get(flag) is not None and not isinstance(config.get(flag), bool):
+            raise CatalogError(f"{path}: {flag} must be true or false (is {_kind(config.get(flag))})")
     for flag, why in (("use_dora", "DoRA adapters"), ("fan_in_fan_out", "fan_in_fan_out (Conv1D) adapters")):
         if config.get(flag):
             raise CatalogError(f"{path}: {why} are not supported ({flag} is true)")
     for key in ("r", "lora_alpha"):
         value = config.get(key)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            raise CatalogError(f"{path}: {key} must be a positive number (got {value!r})")
+        if not _positive(value):
+            raise CatalogError(f"{path}: {key} must be a positive number (got {_shown(value)})")
+    for key in ("rank_pattern", "alpha_pattern"):
+        patterns = config.get(key)
+        if patterns is None:
+            continue
+        if not isinstance(patterns, dict):
+            raise CatalogError(f"{path}: {key} must be an object of module patterns to numbers (is {_kind(patterns)})")
+        for pattern, value in patterns.items():
+            where = f"{path}: {key}[{_short(pattern)}]"
+            if len(pattern) > MAX_PATTERN or _NESTED_QUANTIFIER.search(pattern):
+                raise CatalogError(f"{where}: pattern too long or with a repeated group (refused: it could "
+                                   f"take for ever to match)")
+            try:
+                re.compile(rf"(.*\.)?{pattern}")
+            except (re.error, RecursionError, OverflowError, ValueError):
+                raise CatalogError(f"{where}: not a valid regular expression") from None
+            if not _positive(value):
+                raise CatalogError(f"{where} must be a positive number (got {_shown(value)})")
+    targets = config.get("target_modules")
+    if targets is not None and not _is_text(targets) and not (
+            isinstance(targets, list) and all(_is_text(t) for t in targets)):
+        raise CatalogError(f"{path}: target_modules must be a name or a list of names (is {_kind(targets)})")
     return config
 
 
