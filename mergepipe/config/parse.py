@@ -62,8 +62,17 @@ def parse_config(text: str | bytes, source: str = "config") -> MergekitConfig:
     try:
         return _parse(text, source)
     except ConfigError as exc:
-        msg = str(exc)
+        msg = _cut(str(exc))
         raise ConfigError(msg if msg.startswith(f"{source}: ") else f"{source}: {msg}") from None
+    except RecursionError:  # a value nested deeper than the checks can follow
+        raise ConfigError(f"{source}: the config is nested too deeply") from None
+
+
+MAX_MESSAGE = 400  # a refusal quotes short values; a huge one is cut, never printed whole
+
+
+def _cut(msg: str) -> str:
+    return msg if len(msg) <= MAX_MESSAGE else msg[:MAX_MESSAGE] + "... (cut)"
 
 
 def _parse(text, source: str) -> MergekitConfig:
@@ -105,7 +114,11 @@ def _load(text) -> dict:
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         raise ConfigError(f"not valid YAML{where}: {exc.problem or exc}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"not valid YAML: {exc}") from None
+        raise ConfigError(f"not valid YAML: {(str(exc).splitlines() or [''])[0]}") from None
+    except RecursionError:
+        raise ConfigError("not valid YAML: nested too deeply") from None
+    except (ValueError, OverflowError):  # PyYAML's int(): a number of thousands of digits
+        raise ConfigError("not valid YAML: holds a number too large to read") from None
     if doc is None:
         raise ConfigError("the config is empty")
     if not isinstance(doc, dict):
