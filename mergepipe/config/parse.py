@@ -7,6 +7,7 @@ exactly is refused with one message naming the key; nothing is silently approxim
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import yaml
@@ -108,6 +109,7 @@ def _load(text) -> dict:
         except UnicodeDecodeError:
             raise ConfigError("not a UTF-8 text file") from None
     try:
+        _check_depth(text)
         doc = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
@@ -130,6 +132,27 @@ def _load(text) -> dict:
         if key not in TOP_KEYS:
             raise ConfigError(f"unsupported key `{key}` (MergePipe reads {', '.join(TOP_KEYS)})")
     return doc
+
+
+MAX_DEPTH = 64  # a merge config nests a few levels; PyYAML's composer recurses once per level
+_OPENERS = re.compile(r"(?:[\[{][ \t\r\n]*){%d}" % (MAX_DEPTH + 1))
+
+
+def _check_depth(text: str) -> None:
+    """Refuse deep nesting from the event stream (which PyYAML parses without recursion) before the
+    recursive composer builds it: a thousand `[` would otherwise take seconds to hit the recursion limit."""
+    if _OPENERS.search(text):  # the scanner alone is quadratic in the flow depth: refuse the obvious at once
+        raise ConfigError(f"not valid YAML: nested more than {MAX_DEPTH} levels deep")
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH:
+                mark = event.start_mark
+                raise ConfigError(f"not valid YAML (line {mark.line + 1}, column {mark.column + 1}): nested more "
+                                  f"than {MAX_DEPTH} levels deep")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
 
 
 def _method(doc: dict) -> str:
