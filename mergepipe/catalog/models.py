@@ -178,7 +178,10 @@ def named_by_path(uris) -> list[tuple[str, str]]:
     items, seen = [], {}
     for uri in map(str, uris):
         # "x/", "x/." and "y/../x" are all named x; a symbolic link keeps its own name
-        path = Path(os.path.abspath(Path(uri).expanduser()))
+        try:
+            path = Path(os.path.abspath(Path(uri).expanduser()))
+        except RuntimeError:  # ~user of no such user
+            raise CatalogError(f"{uri}: cannot expand '~' (no such user or no home directory)") from None
         model_id = path.stem if path.is_file() else path.name
         if model_id in seen:
             raise CatalogError(f"{seen[model_id]} and {uri} would both be named {model_id!r}; "

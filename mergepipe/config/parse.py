@@ -46,7 +46,10 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 
 def load_config(path: str | Path) -> MergekitConfig:
     """Read and validate a mergekit YAML file."""
-    p = Path(path).expanduser()
+    try:
+        p = Path(path).expanduser()
+    except RuntimeError:  # ~user of no such user
+        raise ConfigError(f"{path}: no such config file") from None
     if not p.is_file():
         raise ConfigError(f"{p}: no such config file")
     if p.stat().st_size > MAX_CONFIG_BYTES:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from mergepipe.errors import CatalogError
 from mergepipe.storage.safetensors import (
-    FLOAT_DTYPES, Checkpoint, TensorInfo, _is_text, _kind, _short, open_checkpoint, read_json_object,
+    FLOAT_DTYPES, Checkpoint, TensorInfo, _is_text, _kind, _short, expand_path, open_checkpoint,
+    read_json_object,
 )
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -131,7 +132,7 @@ def _config(root: Path) -> dict:
 
 def open_adapter(uri: str | Path) -> LoraAdapter:
     """Parse an adapter directory: its config and the header of its weights file."""
-    root = Path(uri).expanduser()
+    root = expand_path(uri)
     if not root.is_dir():
         raise CatalogError(f"{root}: a LoRA adapter must be a directory with {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
     config = _config(root)

@@ -334,7 +334,7 @@ def _check_overlaps(path: Path, tensors: dict[str, TensorInfo], data_start: int)
 
 def open_checkpoint(uri: str | os.PathLike) -> Checkpoint:
     """Parse a checkpoint's headers (and config.json) without reading tensor data."""
-    root = Path(uri).expanduser()
+    root = expand_path(uri)
     if not root.exists():
         raise StorageError(f"{root}: no such file or directory")
     if root.is_file():
@@ -355,6 +355,15 @@ def open_checkpoint(uri: str | os.PathLike) -> Checkpoint:
         raise StorageError(f"{root}: checkpoint holds no tensors")
     sizes = {(f.name if root.is_dir() else f.name): f.stat().st_size for f in files}
     return Checkpoint(root, files, tensors, sizes, config)
+
+
+def expand_path(uri: str | os.PathLike) -> Path:
+    """``uri`` with ``~`` expanded; a ``~user`` that does not exist is a StorageError (pathlib raises
+    RuntimeError)."""
+    try:
+        return Path(uri).expanduser()
+    except RuntimeError:
+        raise StorageError(f"{uri}: cannot expand '~' (no such user or no home directory)") from None
 
 
 def _shard_files(root: Path) -> list[Path]:

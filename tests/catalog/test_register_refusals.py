@@ -134,3 +134,13 @@ def test_architecture_never_crashes_on_odd_configs(config, expected):
 def test_lora_architecture_never_crashes():
     assert _architecture("lora", {"r": 10**5000, "lora_alpha": float("nan"), "target_modules": [3, "q"]}) \
         == "LoRA r=None alpha=None on q"
+
+
+@pytest.mark.parametrize("args", [["~no-such-user-xyz/ckpt"], ["--model-id", "x", "--uri", "~no-such-user-xyz/ckpt"]])
+def test_tilde_of_no_such_user_is_one_error(capsys, db, args):
+    before = _state(db)
+    rc = main(["register", "--db", str(db), *args])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("error: ~no-such-user-xyz/ckpt: cannot expand '~'"), err
+    assert _state(db) == before

@@ -85,3 +85,8 @@ def test_a_directory_or_huge_file(tmp_path):
     big.write_bytes(b"#" * (2 << 20))
     with pytest.raises(ConfigError, match="too large for a merge config"):
         load_config(big)
+
+
+def test_tilde_of_no_such_user():
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config("~no-such-user-xyz/merge.yaml")
