@@ -153,7 +153,7 @@ def open_adapter(uri: str | Path) -> LoraAdapter:
             continue
         halves.setdefault(m["module"], {})[m["ab"]] = info
     if unsupported:
-        shown = ", ".join(sorted(unsupported)[:5]) + (f" and {len(unsupported) - 5} more" if len(unsupported) > 5 else "")
+        shown = ", ".join(_short(n) for n in sorted(unsupported)[:5]) + (f" and {len(unsupported) - 5} more" if len(unsupported) > 5 else "")
         raise CatalogError(f"{weights}: unsupported tensors (only lora_A/lora_B of linear layers; "
                            f"modules_to_save, embedding LoRA and DoRA are not supported): {shown}")
     rslora = bool(config.get("use_rslora"))
@@ -161,18 +161,19 @@ def open_adapter(uri: str | Path) -> LoraAdapter:
     for module, ab in sorted(halves.items()):
         if set(ab) != {"A", "B"}:
             missing = ({"A", "B"} - set(ab)).pop()
-            raise CatalogError(f"{weights}: {module} has no lora_{missing} weight")
+            raise CatalogError(f"{weights}: {_short(module)} has no lora_{missing} weight")
         a, b = ab["A"], ab["B"]
         for t in (a, b):
             if t.dtype not in FLOAT_DTYPES or len(t.shape) != 2:
-                raise CatalogError(f"{weights}: {t.name} must be a 2-D float tensor (is {t.dtype} {list(t.shape)})")
+                raise CatalogError(f"{weights}: {_short(t.name)} must be a 2-D float tensor (is {t.dtype} "
+                                   f"{list(t.shape) if len(t.shape) <= 8 else f'{len(t.shape)}-D'})")
         if a.shape[0] != b.shape[1]:
-            raise CatalogError(f"{weights}: {module}: lora_A is {list(a.shape)} but lora_B is {list(b.shape)} "
+            raise CatalogError(f"{weights}: {_short(module)}: lora_A is {list(a.shape)} but lora_B is {list(b.shape)} "
                                f"(ranks differ)")
         r = a.shape[0]
         r_config = _pattern_value(config.get("rank_pattern"), module, config["r"])
         if r_config != r:
-            raise CatalogError(f"{weights}: {module} has rank {r} but the config says r={r_config}")
+            raise CatalogError(f"{weights}: {_short(module)} has rank {r} but the config says r={r_config}")
         alpha = _pattern_value(config.get("alpha_pattern"), module, config["lora_alpha"])
         scale = alpha / math.sqrt(r) if rslora else alpha / r
         target = module + ".weight"

@@ -347,7 +347,7 @@ def open_checkpoint(uri: str | os.PathLike) -> Checkpoint:
         for f in files:
             for name, info in parse_header(f, f.name).items():
                 if name in tensors:
-                    raise StorageError(f"{root}: tensor {name!r} appears in more than one shard")
+                    raise StorageError(f"{root}: tensor {_short(name)} appears in more than one shard")
                 tensors[name] = info
         _check_index(root, tensors)
         config = read_config(root / "config.json") if (root / "config.json").exists() else {}
