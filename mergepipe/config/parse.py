@@ -75,7 +75,12 @@ def parse_config(text: str | bytes, source: str = "config") -> MergekitConfig:
 MAX_MESSAGE = 400  # a refusal quotes short values; a huge one is cut, never printed whole
 
 
+_LINE_BREAKS = str.maketrans({c: repr(c)[1:-1] for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"})
+
+
 def _cut(msg: str) -> str:
+    """One line (a key like `"\\n"` quoted in a refusal is escaped), cut short."""
+    msg = msg.translate(_LINE_BREAKS)
     return msg if len(msg) <= MAX_MESSAGE else msg[:MAX_MESSAGE] + "... (cut)"
 
 

@@ -52,7 +52,7 @@ def outcome(fn, *args):
         return fn(*args)
     except MergePipeError as exc:
         msg = str(exc)
-        assert msg and "\n" not in msg, repr(msg)
+        assert msg and len(msg.splitlines()) == 1, repr(msg)
         assert len(msg) < 2000, len(msg)
         return None
     finally:
