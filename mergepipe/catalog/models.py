@@ -122,11 +122,26 @@ def layout_mismatches(base: Checkpoint, expert: Checkpoint, limit: int = 20, any
 
 
 def _architecture(kind: str, config: dict) -> str | None:
+    """A short description for the catalog, from config.json (checked by the storage layer when read:
+    ``architectures`` a list of names, ``model_type`` a name) or adapter_config.json. Values of any
+    other shape are left out rather than trusted."""
+    if not isinstance(config, dict):
+        return None
     if kind == "lora":
         targets = config.get("target_modules")
-        targets = ",".join(sorted(targets)) if isinstance(targets, list) else targets
-        return f"LoRA r={config.get('r')} alpha={config.get('lora_alpha')}" + (f" on {targets}" if targets else "")
-    return ",".join(config.get("architectures", [])) or config.get("model_type")
+        if isinstance(targets, list):
+            targets = ",".join(sorted(t for t in targets if isinstance(t, str)))
+        elif not isinstance(targets, str):
+            targets = None
+        r, alpha = (v if isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 1e15 else None
+                    for v in (config.get("r"), config.get("lora_alpha")))
+        return f"LoRA r={r} alpha={alpha}" + (f" on {targets}" if targets else "")
+    archs = config.get("architectures")
+    if isinstance(archs, str):
+        archs = [archs]
+    joined = ",".join(a for a in archs if isinstance(a, str)) if isinstance(archs, list) else ""
+    model_type = config.get("model_type")
+    return joined or (model_type if isinstance(model_type, str) else None)
 
 
 @dataclass
@@ -203,7 +218,10 @@ def named_by_path(uris) -> list[tuple[str, str]]:
     items, seen = [], {}
     for uri in map(str, uris):
         # "x/", "x/." and "y/../x" are all named x; a symbolic link keeps its own name
-        path = Path(os.path.abspath(Path(uri).expanduser()))
+        try:
+            path = Path(os.path.abspath(Path(uri).expanduser()))
+        except RuntimeError:  # ~user of no such user
+            raise CatalogError(f"{uri}: cannot expand '~' (no such user or no home directory)") from None
         model_id = path.stem if path.is_file() else path.name
         if model_id in seen:
             raise CatalogError(f"{seen[model_id]} and {uri} would both be named {model_id!r}; "

@@ -6,6 +6,7 @@ User errors print one line (``error: ...``) and exit 2; nothing in the catalog c
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from mergepipe.errors import MergePipeError
@@ -77,8 +78,35 @@ def _first_positional(argv: list[str]) -> str | None:
     return None
 
 
+# Options taking one value that may be written with a leading minus (`--budget -5%`, `--target-bound
+# -1e-3`): argparse takes such a value for an option and prints its usage; joined as `--budget=-5%`,
+# the value reaches its own parser, which refuses it in one error line.
+VALUE_OPTIONS = ("--budget", "--io-budget-mb", "--target-bound")
+_LOOKS_NEGATIVE = re.compile(r"^-[0-9.]")
+
+
+def _join_negative_values(argv: list[str]) -> list[str]:
+    out, i = [], 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--":
+            return out + argv[i:]
+        if tok in VALUE_OPTIONS and i + 1 < len(argv) and _LOOKS_NEGATIVE.match(argv[i + 1]):
+            out.append(f"{tok}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(tok)
+        i += 1
+    return out
+
+
+def _one_line(message: str) -> str:
+    """An error message on one line, whatever names it quotes."""
+    return " ".join(message.splitlines()) or "(no message)"
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _join_negative_values(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser()
     if _first_positional(argv) not in SUBCOMMANDS and ("--base" in argv or "--config" in argv):
         argv = ["merge", *argv]  # the original MergePipe quick start: `mergepipe --db P --base B ...`
@@ -91,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = args.func(args)  # a command may return its exit status (doctor: 1 on findings)
     except MergePipeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {_one_line(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -7,6 +7,7 @@ exactly is refused with one message naming the key; nothing is silently approxim
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import yaml
@@ -46,7 +47,10 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 
 def load_config(path: str | Path) -> MergekitConfig:
     """Read and validate a mergekit YAML file."""
-    p = Path(path).expanduser()
+    try:
+        p = Path(path).expanduser()
+    except RuntimeError:  # ~user of no such user
+        raise ConfigError(f"{path}: no such config file") from None
     if not p.is_file():
         raise ConfigError(f"{p}: no such config file")
     if p.stat().st_size > MAX_CONFIG_BYTES:
@@ -63,8 +67,22 @@ def parse_config(text: str | bytes, source: str = "config") -> MergekitConfig:
     try:
         return _parse(text, source)
     except ConfigError as exc:
-        msg = str(exc)
+        msg = _cut(str(exc))
         raise ConfigError(msg if msg.startswith(f"{source}: ") else f"{source}: {msg}") from None
+    except RecursionError:  # a value nested deeper than the checks can follow
+        raise ConfigError(f"{source}: the config is nested too deeply") from None
+
+
+MAX_MESSAGE = 400  # a refusal quotes short values; a huge one is cut, never printed whole
+
+
+_LINE_BREAKS = str.maketrans({c: repr(c)[1:-1] for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"})
+
+
+def _cut(msg: str) -> str:
+    """One line (a key like `"\\n"` quoted in a refusal is escaped), cut short."""
+    msg = msg.translate(_LINE_BREAKS)
+    return msg if len(msg) <= MAX_MESSAGE else msg[:MAX_MESSAGE] + "... (cut)"
 
 
 def _parse(text, source: str) -> MergekitConfig:
@@ -101,13 +119,18 @@ def _load(text) -> dict:
         except UnicodeDecodeError:
             raise ConfigError("not a UTF-8 text file") from None
     try:
+        _check_depth(text)
         doc = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         raise ConfigError(f"not valid YAML{where}: {exc.problem or exc}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"not valid YAML: {exc}") from None
+        raise ConfigError(f"not valid YAML: {(str(exc).splitlines() or [''])[0]}") from None
+    except RecursionError:
+        raise ConfigError("not valid YAML: nested too deeply") from None
+    except (ValueError, OverflowError):  # PyYAML's int(): a number of thousands of digits
+        raise ConfigError("not valid YAML: holds a number too large to read") from None
     if doc is None:
         raise ConfigError("the config is empty")
     if not isinstance(doc, dict):
@@ -119,6 +142,27 @@ def _load(text) -> dict:
         if key not in TOP_KEYS:
             raise ConfigError(f"unsupported key `{key}` (MergePipe reads {', '.join(TOP_KEYS)})")
     return doc
+
+
+MAX_DEPTH = 64  # a merge config nests a few levels; PyYAML's composer recurses once per level
+_OPENERS = re.compile(r"(?:[\[{][ \t\r\n]*){%d}" % (MAX_DEPTH + 1))
+
+
+def _check_depth(text: str) -> None:
+    """Refuse deep nesting from the event stream (which PyYAML parses without recursion) before the
+    recursive composer builds it: a thousand `[` would otherwise take seconds to hit the recursion limit."""
+    if _OPENERS.search(text):  # the scanner alone is quadratic in the flow depth: refuse the obvious at once
+        raise ConfigError(f"not valid YAML: nested more than {MAX_DEPTH} levels deep")
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH:
+                mark = event.start_mark
+                raise ConfigError(f"not valid YAML (line {mark.line + 1}, column {mark.column + 1}): nested more "
+                                  f"than {MAX_DEPTH} levels deep")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
 
 
 def _method(doc: dict) -> str:

@@ -20,16 +20,126 @@ def load_manifest(catalog: Catalog | None, ref: str) -> Manifest:
         mpath = path / MANIFEST_NAME
         if not mpath.exists():
             raise MergePipeError(f"{path}: no {MANIFEST_NAME} (not a MergePipe snapshot)")
-        try:
-            return Manifest.from_dict(json.loads(mpath.read_text()))
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise VerifyError(f"{mpath}: unreadable manifest ({exc})") from None
+        return read_manifest(mpath)
     if catalog is None:
         raise MergePipeError(f"{ref}: not a directory")
     text = snapshots.manifest_json(catalog, ref)
     if text is None:
         raise MergePipeError(f"unknown snapshot {ref!r} (not a snapshot id, merged model id or snapshot directory)")
-    return Manifest.from_dict(json.loads(text))
+    return parse_manifest(text, f"the catalog's manifest of {ref}")
+
+
+# --- reading a manifest: every fault is one VerifyError naming the file and the field ---------------------
+MAX_DEPTH = 64
+# The fields readers use (verify, explain, export), and their JSON types.
+_RUN_FIELDS = {"snapshot_id": str, "model_id": str, "out": str}
+_CORE_FIELDS = {"plan_id": str, "outputs": dict, "inputs": dict, "budget": dict, "estimated": dict, "realized": dict}
+_BYTE_FIELDS = ("base_read", "expert_read", "output_write")
+_TYPE_NAMES = {str: "a string", dict: "an object", list: "a list", int: "an integer"}
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_object(pairs: list) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise _DuplicateKey()
+    return obj
+
+
+def _kind(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    for t in (str, dict, list, int):
+        if isinstance(value, t):
+            return _TYPE_NAMES[t]
+    return "a number" if isinstance(value, float) else type(value).__name__
+
+
+def _too_deep(value) -> bool:
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > MAX_DEPTH:
+                return True
+            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return False
+
+
+def _output_name_ok(name: str) -> bool:
+    """An output file named relative to the snapshot directory, never outside it."""
+    if not name or "\x00" in name or name.startswith("/") or "\\" in name:
+        return False
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return all(part not in ("", ".", "..") for part in name.split("/"))
+
+
+def read_manifest(path: Path) -> Manifest:
+    """A manifest file (``mergepipe_manifest.json``), checked."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise VerifyError(f"{path}: unreadable manifest ({exc.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise VerifyError(f"{path}: unreadable manifest (not UTF-8 text)") from None
+    return parse_manifest(text, str(path))
+
+
+def parse_manifest(text: str, source: str) -> Manifest:
+    """A manifest from its JSON text; ``source`` names it in errors (which never quote its content)."""
+    def bad(why: str) -> VerifyError:
+        return VerifyError(f"{source}: unreadable manifest ({why})")
+
+    try:
+        d = json.loads(text, object_pairs_hook=_unique_object)
+    except _DuplicateKey:
+        raise bad("a key appears twice in one object") from None
+    except json.JSONDecodeError as exc:
+        raise bad(f"not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
+    except RecursionError:
+        raise bad("nested too deeply") from None
+    except ValueError:
+        raise bad("holds a number too large to read") from None
+    if not isinstance(d, dict):
+        raise bad(f"not a JSON object but {_kind(d)}")
+    if _too_deep(d):
+        raise bad(f"nested more than {MAX_DEPTH} levels deep")
+    for key in ("core", "run"):
+        if not isinstance(d.get(key), dict):
+            raise bad(f"`{key}` is {'missing' if key not in d else _kind(d[key])}, not an object")
+    if "manifest_hash" in d and not isinstance(d["manifest_hash"], str):
+        raise bad(f"`manifest_hash` is {_kind(d['manifest_hash'])}, not a string")
+    for part, fields in (("run", _RUN_FIELDS), ("core", _CORE_FIELDS)):
+        for key, typ in fields.items():
+            value = d[part].get(key)
+            if not isinstance(value, typ):
+                raise bad(f"`{part}.{key}` is {'missing' if key not in d[part] else _kind(value)}, "
+                          f"not {_TYPE_NAMES[typ]}")
+    for part in ("estimated", "realized"):
+        for key in _BYTE_FIELDS:
+            value = d["core"][part].get(key)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise bad(f"`core.{part}.{key}` is {'missing' if key not in d['core'][part] else _kind(value)}, "
+                          f"not an integer")
+    for name, info in d["core"]["outputs"].items():
+        if not _output_name_ok(name):
+            raise bad("`core.outputs` names a file outside the snapshot directory")
+        if not isinstance(info, dict) or not isinstance(info.get("sha256"), str):
+            raise bad(f"`core.outputs` entry {ascii(name[:60])} has no sha256 string")
+    try:
+        return Manifest.from_dict(d)
+    except (TypeError, ValueError, RecursionError):  # a value json.dumps refuses when hashing
+        raise bad("its content cannot be hashed") from None
 
 
 def verify(catalog: Catalog | None, ref: str, check_inputs: bool = True) -> dict:
@@ -42,7 +152,7 @@ def verify(catalog: Catalog | None, ref: str, check_inputs: bool = True) -> dict
         raise VerifyError(f"{out}: snapshot directory is missing")
     disk = out / MANIFEST_NAME
     if disk.exists():
-        on_disk = Manifest.from_dict(json.loads(disk.read_text()))
+        on_disk = read_manifest(disk)
         if on_disk.manifest_hash != manifest.manifest_hash:
             problems.append(f"{MANIFEST_NAME} on disk has hash {on_disk.manifest_hash}, catalog has {manifest.manifest_hash}")
     else:
@@ -57,7 +167,11 @@ def verify(catalog: Catalog | None, ref: str, check_inputs: bool = True) -> dict
         if not f.exists():
             problems.append(f"{name}: missing")
             continue
-        digest = file_sha256(f)
+        try:
+            digest = file_sha256(f)
+        except OSError as exc:
+            problems.append(f"{name}: cannot read ({exc.strerror})")
+            continue
         checked += 1
         if digest != info["sha256"]:
             problems.append(f"{name}: sha256 {digest[:23]}... != manifest {info['sha256'][:23]}...")

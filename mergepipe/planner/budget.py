@@ -7,6 +7,7 @@ expert read is only known to the planner, which asks :meth:`Budget.bytes_of`."""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -14,7 +15,8 @@ from mergepipe.errors import PlanError
 
 UNITS = {"": None, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "k": 1024, "m": 1024**2, "g": 1024**3}
-_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(%|[a-z]*)\s*$", re.IGNORECASE)
+_PATTERN = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(%|[a-z]*)\s*$", re.IGNORECASE)
+MAX_NUMBER = 1e30  # a budget number beyond this is a typo (1e30 B is a million exabytes)
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,6 +45,8 @@ class Budget:
     @classmethod
     def parse(cls, value) -> Budget:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not (isinstance(value, int) and abs(value) <= MAX_NUMBER or isinstance(value, float)):
+                raise PlanError("bad budget: the number is too large")
             text, spec = repr(value), str(value)
         elif isinstance(value, str):
             text = spec = value
@@ -54,14 +58,15 @@ class Budget:
     @classmethod
     def percent(cls, pct: float) -> Budget:
         """A slider's value, in percent of the full expert read."""
+        pct = _number(pct, "the budget percentage")
         if not pct > 0:
             raise PlanError("the budget must be positive: move the slider above 0%")
-        return cls.parse(f"{float(pct):g}%")
+        return cls.parse(f"{pct:g}%")
 
     @classmethod
     def target(cls, bound: float) -> Budget:
         """The smallest budget whose relative error bound is at most ``bound`` (additive operators)."""
-        bound = float(bound)
+        bound = _number(bound, "--target-bound")
         if not bound >= 0:
             raise PlanError("--target-bound must be a non-negative number")
         return cls(f"target-bound {bound:g}", None, None, bound)
@@ -101,32 +106,55 @@ def parse_budget(spec, full_bytes: int) -> int:
 def _parse(text: str) -> tuple[str, float]:
     """("fraction", f) or ("bytes", n) for a budget string."""
     m = _PATTERN.match(text)
+    shown = _show(text)
     if not m:
         raise PlanError(
-            f"bad budget {text!r}: use a percentage (10%), a fraction (0.1) or a size (512MiB, 8GB)")
+            f"bad budget {shown}: use a percentage (10%), a fraction (0.1) or a size (512MiB, 8GB)")
     value, unit = float(m.group(1)), m.group(2).lower()
+    if not math.isfinite(value) or abs(value) > MAX_NUMBER:  # 1e309 is inf as a float
+        raise PlanError(f"bad budget {shown}: the number is too large")
+    if value <= 0:
+        raise PlanError(f"bad budget {shown}: the budget must be positive")
     if unit == "%":
         if value > 100:
-            raise PlanError(f"bad budget {text!r}: a percentage must be at most 100%")
+            raise PlanError(f"bad budget {shown}: a percentage must be at most 100%")
         result = ("fraction", value / 100)
     elif unit == "":
         if value > 1:
-            raise PlanError(f"bad budget {text!r}: a bare number is a fraction in (0, 1]; add a unit for bytes (e.g. {text}MiB)")
+            raise PlanError(f"bad budget {shown}: a bare number is a fraction in (0, 1]; add a unit for bytes "
+                            f"(e.g. {m.group(1)}MiB)")
         result = ("fraction", value)
     elif unit in UNITS:
         result = ("bytes", value * UNITS[unit])
     else:
-        raise PlanError(f"bad budget {text!r}: unknown unit {m.group(2)!r} (B, KB, MB, GB, KiB, MiB, GiB)")
-    if value <= 0:
-        raise PlanError(f"bad budget {text!r}: the budget must be positive")
+        raise PlanError(f"bad budget {shown}: unknown unit {_show(m.group(2))} (B, KB, MB, GB, KiB, MiB, GiB)")
     return result
 
 
 def mib(n: float) -> str:
     """The budget string for ``n`` MiB (the original CLI's --io-budget-mb and the API's budget_mb=)."""
-    if n <= 0:
+    if _number(n, "the budget in MiB") <= 0:
         raise PlanError(f"bad budget {n} MiB: the budget must be positive")
     return f"{n}MiB"
+
+
+def _number(value, what: str) -> float:
+    """A finite number of a sensible size as a float, or one PlanError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, str):
+            try:
+                return _number(float(value), what)
+            except ValueError:
+                pass
+        raise PlanError(f"{what} must be a number, not {type(value).__name__}")
+    if isinstance(value, int) and abs(value) > MAX_NUMBER or not math.isfinite(value) or abs(value) > MAX_NUMBER:
+        raise PlanError(f"{what} must be a finite number of at most {MAX_NUMBER:g}")
+    return float(value)
+
+
+def _show(text: str, limit: int = 40) -> str:
+    """A budget string as given, cut short."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 def human_bytes(n: float) -> str:

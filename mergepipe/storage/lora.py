@@ -17,7 +17,8 @@ from pathlib import Path
 
 from mergepipe.errors import CatalogError
 from mergepipe.storage.safetensors import (
-    FLOAT_DTYPES, Checkpoint, TensorInfo, open_checkpoint, read_json_object,
+    FLOAT_DTYPES, Checkpoint, TensorInfo, _is_text, _kind, _short, expand_path, open_checkpoint,
+    read_json_object,
 )
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -56,27 +57,82 @@ def _pattern_value(patterns: dict, module: str, default):
     return default
 
 
+MAX_NUMBER = 1e15  # r, lora_alpha and the patterns' values: far above any real rank or alpha
+
+
+def _positive(value) -> bool:
+    """A positive, finite number of a sensible size (an int of 5000 digits is refused, not converted)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if isinstance(value, int):
+        return 0 < value <= MAX_NUMBER
+    return math.isfinite(value) and 0 < value <= MAX_NUMBER
+
+
+def _shown(value) -> str:
+    """A number from the file as it is when short, else what it is."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) <= MAX_NUMBER:
+        return repr(value)
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) and abs(value) <= MAX_NUMBER else "too large or not finite"
+    return _kind(value) if not isinstance(value, int) or isinstance(value, bool) else "too large"
+
+
+# A pattern is matched against every module name: refuse what could backtrack for ever (a quantified
+# group, as in (a+)+) and anything longer than a module path.
+_NESTED_QUANTIFIER = re.compile(r"\)[*+{]")
+MAX_PATTERN = 256
+
+
 def _config(root: Path) -> dict:
+    """adapter_config.json, with every field MergePipe reads checked (type and range); a refusal
+    names the file and the field and never quotes more than a short name from it."""
     path = root / ADAPTER_CONFIG
     if not path.is_file():
         raise CatalogError(f"{root}: not a PEFT adapter directory (no {ADAPTER_CONFIG})")
     config = read_json_object(path)
-    peft_type = str(config.get("peft_type", "LORA")).upper()
-    if peft_type != "LORA":
-        raise CatalogError(f"{path}: peft_type {peft_type} is not supported (only LORA)")
+    peft_type = config.get("peft_type", "LORA")
+    if not isinstance(peft_type, str):
+        raise CatalogError(f"{path}: peft_type must be a name (is {_kind(peft_type)})")
+    if peft_type.upper() != "LORA":
+        raise CatalogError(f"{path}: peft_type {_short(peft_type, 30)[1:-1]} is not supported (only LORA)")
+    for flag in ("use_rslora", "use_dora", "fan_in_fan_out"):
+        if config.get(flag) is not None and not isinstance(config.get(flag), bool):
+            raise CatalogError(f"{path}: {flag} must be true or false (is {_kind(config.get(flag))})")
     for flag, why in (("use_dora", "DoRA adapters"), ("fan_in_fan_out", "fan_in_fan_out (Conv1D) adapters")):
         if config.get(flag):
             raise CatalogError(f"{path}: {why} are not supported ({flag} is true)")
     for key in ("r", "lora_alpha"):
         value = config.get(key)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            raise CatalogError(f"{path}: {key} must be a positive number (got {value!r})")
+        if not _positive(value):
+            raise CatalogError(f"{path}: {key} must be a positive number (got {_shown(value)})")
+    for key in ("rank_pattern", "alpha_pattern"):
+        patterns = config.get(key)
+        if patterns is None:
+            continue
+        if not isinstance(patterns, dict):
+            raise CatalogError(f"{path}: {key} must be an object of module patterns to numbers (is {_kind(patterns)})")
+        for pattern, value in patterns.items():
+            where = f"{path}: {key}[{_short(pattern)}]"
+            if len(pattern) > MAX_PATTERN or _NESTED_QUANTIFIER.search(pattern):
+                raise CatalogError(f"{where}: pattern too long or with a repeated group (refused: it could "
+                                   f"take for ever to match)")
+            try:
+                re.compile(rf"(.*\.)?{pattern}")
+            except (re.error, RecursionError, OverflowError, ValueError):
+                raise CatalogError(f"{where}: not a valid regular expression") from None
+            if not _positive(value):
+                raise CatalogError(f"{where} must be a positive number (got {_shown(value)})")
+    targets = config.get("target_modules")
+    if targets is not None and not _is_text(targets) and not (
+            isinstance(targets, list) and all(_is_text(t) for t in targets)):
+        raise CatalogError(f"{path}: target_modules must be a name or a list of names (is {_kind(targets)})")
     return config
 
 
 def open_adapter(uri: str | Path) -> LoraAdapter:
     """Parse an adapter directory: its config and the header of its weights file."""
-    root = Path(uri).expanduser()
+    root = expand_path(uri)
     if not root.is_dir():
         raise CatalogError(f"{root}: a LoRA adapter must be a directory with {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
     config = _config(root)
@@ -97,7 +153,7 @@ def open_adapter(uri: str | Path) -> LoraAdapter:
             continue
         halves.setdefault(m["module"], {})[m["ab"]] = info
     if unsupported:
-        shown = ", ".join(sorted(unsupported)[:5]) + (f" and {len(unsupported) - 5} more" if len(unsupported) > 5 else "")
+        shown = ", ".join(_short(n) for n in sorted(unsupported)[:5]) + (f" and {len(unsupported) - 5} more" if len(unsupported) > 5 else "")
         raise CatalogError(f"{weights}: unsupported tensors (only lora_A/lora_B of linear layers; "
                            f"modules_to_save, embedding LoRA and DoRA are not supported): {shown}")
     rslora = bool(config.get("use_rslora"))
@@ -105,18 +161,19 @@ def open_adapter(uri: str | Path) -> LoraAdapter:
     for module, ab in sorted(halves.items()):
         if set(ab) != {"A", "B"}:
             missing = ({"A", "B"} - set(ab)).pop()
-            raise CatalogError(f"{weights}: {module} has no lora_{missing} weight")
+            raise CatalogError(f"{weights}: {_short(module)} has no lora_{missing} weight")
         a, b = ab["A"], ab["B"]
         for t in (a, b):
             if t.dtype not in FLOAT_DTYPES or len(t.shape) != 2:
-                raise CatalogError(f"{weights}: {t.name} must be a 2-D float tensor (is {t.dtype} {list(t.shape)})")
+                raise CatalogError(f"{weights}: {_short(t.name)} must be a 2-D float tensor (is {t.dtype} "
+                                   f"{list(t.shape) if len(t.shape) <= 8 else f'{len(t.shape)}-D'})")
         if a.shape[0] != b.shape[1]:
-            raise CatalogError(f"{weights}: {module}: lora_A is {list(a.shape)} but lora_B is {list(b.shape)} "
+            raise CatalogError(f"{weights}: {_short(module)}: lora_A is {list(a.shape)} but lora_B is {list(b.shape)} "
                                f"(ranks differ)")
         r = a.shape[0]
         r_config = _pattern_value(config.get("rank_pattern"), module, config["r"])
         if r_config != r:
-            raise CatalogError(f"{weights}: {module} has rank {r} but the config says r={r_config}")
+            raise CatalogError(f"{weights}: {_short(module)} has rank {r} but the config says r={r_config}")
         alpha = _pattern_value(config.get("alpha_pattern"), module, config["lora_alpha"])
         scale = alpha / math.sqrt(r) if rslora else alpha / r
         target = module + ".weight"

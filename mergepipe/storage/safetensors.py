@@ -134,15 +134,22 @@ class Checkpoint:
 
 
 def parse_header(path: Path, display_name: str | None = None) -> dict[str, TensorInfo]:
-    """Parse and validate one safetensors file's header; read nothing past it."""
+    """Parse and validate one safetensors file's header; read nothing past it.
+
+    Follows the safetensors format: an 8-byte little-endian header length (at most
+    ``MAX_HEADER_BYTES``), then a UTF-8 JSON object beginning with ``{`` (trailing spaces allowed),
+    whose ``__metadata__`` maps strings to strings and whose other keys are unique tensor names, each
+    with a known ``dtype``, a ``shape`` of non-negative integers and ``data_offsets`` [begin, end]
+    within the data section and consistent with dtype x shape. Anything else is a StorageError that
+    names the file and the field, never quoting the file's bytes."""
     path = Path(path)
     label = display_name or path.name
     try:
-        size = path.stat().st_size
         # pread on a descriptor advised RANDOM: a buffered read would let kernel read-ahead pull in
         # tensor bytes after the header (measured: ~16 KiB per file on a cold cache).
         fd = open_regular(path)
         try:
+            size = os.fstat(fd).st_size
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             raw_len = os.pread(fd, 8, 0)
             if len(raw_len) < 8:
@@ -150,12 +157,12 @@ def parse_header(path: Path, display_name: str | None = None) -> dict[str, Tenso
             header_len = int.from_bytes(raw_len, "little")
             if header_len > MAX_HEADER_BYTES:
                 raise StorageError(
-                    f"{path}: not a safetensors file (header length {header_len} exceeds the "
+                    f"{path}: not a safetensors file (its header length exceeds the "
                     f"{MAX_HEADER_BYTES}-byte limit)"
                 )
             if 8 + header_len > size:
                 raise StorageError(
-                    f"{path}: header length {header_len} runs past the end of the file ({size} bytes); "
+                    f"{path}: its header length runs past the end of the file ({size} bytes); "
                     "the file is truncated or not a safetensors file"
                 )
             raw = os.pread(fd, header_len, 8)
@@ -163,44 +170,171 @@ def parse_header(path: Path, display_name: str | None = None) -> dict[str, Tenso
             os.close(fd)
     except OSError as exc:
         raise StorageError(f"{path}: cannot read ({exc.strerror})") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise StorageError(f"{path}: not a safetensors file (header is not valid JSON)") from None
+    if len(raw) != header_len:
+        raise StorageError(f"{path}: header is shorter than its stated length (file changed while reading?)")
+    header = _loads(raw, path, "not a safetensors file: header is ")
     if not isinstance(header, dict):
         raise StorageError(f"{path}: not a safetensors file (header is not a JSON object)")
+    if not raw.startswith(b"{"):
+        raise StorageError(f"{path}: not a safetensors file (header does not begin with '{{')")
     data_start = 8 + header_len
     data_len = size - data_start
     tensors: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         if name == "__metadata__":
+            _check_metadata(path, entry)
             continue
         tensors[name] = _validate_entry(path, name, entry, data_start, data_len, label)
     _check_overlaps(path, tensors, data_start)
     return tensors
 
 
+# --- validation helpers: errors name the file and the field, and describe values by kind only -----------
+MAX_JSON_DEPTH = 64  # config/index/manifest nesting; a real one is a few levels deep
+_MAX_DIM = 2**63 - 1
+_MAX_BYTES = 2**64
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str):
+        self.key = key
+
+
+def _unique_object(pairs: list) -> dict:
+    """object_pairs_hook: json.loads silently keeps the last of two equal keys; refuse them instead."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return obj
+
+
+def _loads(raw: bytes, path, prefix: str = ""):
+    """Strict UTF-8 JSON with unique keys; every failure a StorageError naming ``path`` (``prefix``:
+    what is read, e.g. "header is ")."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise StorageError(f"{path}: {prefix}not valid JSON (not UTF-8 text: invalid byte at position {exc.start})") from None
+    try:
+        return json.loads(text, object_pairs_hook=_unique_object)
+    except _DuplicateKey as exc:
+        raise StorageError(f"{path}: {prefix}not valid (the key {_short(exc.key)} appears more than once)") from None
+    except json.JSONDecodeError as exc:
+        raise StorageError(f"{path}: {prefix}not valid JSON ({exc.msg} at line {exc.lineno}, "
+                           f"column {exc.colno})") from None
+    except RecursionError:
+        raise StorageError(f"{path}: {prefix}not valid JSON (nested too deeply)") from None
+    except ValueError:  # Python's int-string limit: an integer of thousands of digits
+        raise StorageError(f"{path}: {prefix}not valid (holds a number too large to read)") from None
+
+
+def _too_deep(value, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether a parsed JSON value nests deeper than ``limit`` (iteratively: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return False
+
+
+def _kind(value) -> str:
+    """What a JSON value is, without quoting it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _short(text, limit: int = 60) -> str:
+    """A name from a file, quoted and cut short (ASCII only, so printable anywhere)."""
+    text = str(text)
+    return ascii(text if len(text) <= limit else text[:limit] + "...")
+
+
+def _is_text(value) -> bool:
+    """A string that can be stored and printed (no lone surrogates from JSON \\u escapes, no NUL)."""
+    if not isinstance(value, str) or "\x00" in value:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_metadata(path, metadata) -> None:
+    """``__metadata__``: a map of string to string (the format allows nothing else)."""
+    if not isinstance(metadata, dict):
+        raise StorageError(f"{path}: __metadata__ must be an object of strings (is {_kind(metadata)})")
+    for key, value in metadata.items():
+        if not isinstance(value, str):
+            raise StorageError(f"{path}: __metadata__ value of {_short(key)} must be a string (is {_kind(value)})")
+
+
 def _validate_entry(path, name, entry, data_start, data_len, label) -> TensorInfo:
-    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
-        raise StorageError(f"{path}: tensor {name!r} has a malformed header entry")
+    where = f"{path}: tensor {_short(name)}"
+    if not _is_text(name):
+        raise StorageError(f"{where}: the name is not valid text")
+    if not isinstance(entry, dict):
+        raise StorageError(f"{where}: malformed header entry ({_kind(entry)}, not an object)")
+    missing = [k for k in ("dtype", "shape", "data_offsets") if k not in entry]
+    if missing:
+        raise StorageError(f"{where}: malformed header entry (no {', '.join(missing)})")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str):
+        raise StorageError(f"{where}: dtype must be a string (is {_kind(dtype)})")
     if dtype not in ITEMSIZE:
-        raise StorageError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-        raise StorageError(f"{path}: tensor {name!r} has an invalid shape {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
-        raise StorageError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}")
+        raise StorageError(f"{where}: unknown dtype {_short(dtype, 16)} (known: {', '.join(ITEMSIZE)})")
+    if not isinstance(shape, list):
+        raise StorageError(f"{where}: shape must be a list of non-negative integers (is {_kind(shape)})")
+    for i, d in enumerate(shape):
+        if not _is_int(d) or not 0 <= d <= _MAX_DIM:
+            what = _kind(d) if not _is_int(d) else "negative" if d < 0 else "too large"
+            raise StorageError(f"{where}: shape[{i}] must be a non-negative integer (is {what})")
+    if not isinstance(offsets, list) or len(offsets) != 2:
+        what = f"a list of {len(offsets)}" if isinstance(offsets, list) else _kind(offsets)
+        raise StorageError(f"{where}: data_offsets must be a list [begin, end] of two integers (is {what})")
+    for i, o in enumerate(offsets):
+        if not _is_int(o):
+            raise StorageError(f"{where}: data_offsets[{i}] must be an integer (is {_kind(o)})")
     begin, end = offsets
     if not 0 <= begin <= end <= data_len:
+        shown = f"[{begin}, {end}]" if max(abs(begin), abs(end)) < 10**20 else "(huge numbers)"
         raise StorageError(
-            f"{path}: tensor {name!r} data_offsets [{begin}, {end}] lie outside the file's "
-            f"{data_len} data bytes (truncated file?)"
+            f"{where}: data_offsets {shown} lie outside the file's {data_len} data bytes "
+            f"(truncated file?)" if 0 <= begin <= end else
+            f"{where}: data_offsets {shown} must satisfy 0 <= begin <= end"
         )
-    expected = math.prod(shape) * ITEMSIZE[dtype]
+    # dtype x shape, stopping past 2^64 bytes (a product of millions of huge dimensions would take
+    # minutes); a zero dimension makes the tensor empty whatever the others are.
+    expected = 0 if 0 in shape else ITEMSIZE[dtype]
+    for d in shape if expected else ():
+        expected *= d
+        if expected > _MAX_BYTES:
+            break
     if end - begin != expected:
-        raise StorageError(
-            f"{path}: tensor {name!r} has {end - begin} bytes but shape {shape} x {dtype} needs {expected}"
-        )
+        shown = list(shape) if len(shape) <= 8 else f"of {len(shape)} dimensions"
+        needs = expected if expected <= _MAX_BYTES else "more than 2^64"
+        raise StorageError(f"{where}: data_offsets span {end - begin} bytes but shape {shown} x {dtype} needs {needs}")
     return TensorInfo(name, dtype, tuple(shape), label, data_start + begin, end - begin)
 
 
@@ -208,12 +342,13 @@ def _check_overlaps(path: Path, tensors: dict[str, TensorInfo], data_start: int)
     ordered = sorted(tensors.values(), key=lambda t: (t.offset, t.nbytes))
     for prev, cur in zip(ordered, ordered[1:]):
         if cur.offset < prev.offset + prev.nbytes:
-            raise StorageError(f"{path}: tensors {prev.name!r} and {cur.name!r} have overlapping data_offsets")
+            raise StorageError(f"{path}: tensors {_short(prev.name)} and {_short(cur.name)} have overlapping "
+                               f"data_offsets")
 
 
 def open_checkpoint(uri: str | os.PathLike) -> Checkpoint:
     """Parse a checkpoint's headers (and config.json) without reading tensor data."""
-    root = Path(uri).expanduser()
+    root = expand_path(uri)
     if not root.exists():
         raise StorageError(f"{root}: no such file or directory")
     if root.is_file():
@@ -226,26 +361,33 @@ def open_checkpoint(uri: str | os.PathLike) -> Checkpoint:
         for f in files:
             for name, info in parse_header(f, f.name).items():
                 if name in tensors:
-                    raise StorageError(f"{root}: tensor {name!r} appears in more than one shard")
+                    raise StorageError(f"{root}: tensor {_short(name)} appears in more than one shard")
                 tensors[name] = info
         _check_index(root, tensors)
-        config = read_json_object(root / "config.json") if (root / "config.json").exists() else {}
+        config = read_config(root / "config.json") if (root / "config.json").exists() else {}
     if not tensors:
         raise StorageError(f"{root}: checkpoint holds no tensors")
     sizes = {(f.name if root.is_dir() else f.name): f.stat().st_size for f in files}
     return Checkpoint(root, files, tensors, sizes, config)
 
 
+def expand_path(uri: str | os.PathLike) -> Path:
+    """``uri`` with ``~`` expanded; a ``~user`` that does not exist is a StorageError (pathlib raises
+    RuntimeError)."""
+    try:
+        return Path(uri).expanduser()
+    except RuntimeError:
+        raise StorageError(f"{uri}: cannot expand '~' (no such user or no home directory)") from None
+
+
 def _shard_files(root: Path) -> list[Path]:
     index = root / INDEX_NAME
     if index.exists():
-        weight_map = read_json_object(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise StorageError(f"{index}: no weight_map")
-        names = sorted(set(weight_map.values()))
+        names = sorted(set(read_index(index).values()))
         missing = [n for n in names if not (root / n).is_file()]
         if missing:
-            raise StorageError(f"{root}: shard(s) named in {INDEX_NAME} are missing: {', '.join(missing)}")
+            shown = ", ".join(_short(n) for n in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise StorageError(f"{root}: shard(s) named in {INDEX_NAME} are missing: {shown}")
         return [root / n for n in names]
     files = sorted(root.glob("*.safetensors"))
     if not files:
@@ -257,23 +399,69 @@ def _check_index(root: Path, tensors: dict[str, TensorInfo]) -> None:
     index = root / INDEX_NAME
     if not index.exists():
         return
-    weight_map = read_json_object(index)["weight_map"]
-    for name, fname in weight_map.items():
+    for name, fname in read_index(index).items():
         if name not in tensors:
-            raise StorageError(f"{index}: tensor {name!r} is listed but not present in {fname}")
+            raise StorageError(f"{index}: tensor {_short(name)} is listed in {_short(fname)} but not present in it")
         if tensors[name].file != fname:
-            raise StorageError(f"{index}: tensor {name!r} is listed in {fname} but found in {tensors[name].file}")
+            raise StorageError(f"{index}: tensor {_short(name)} is listed in {_short(fname)} but found in "
+                               f"{_short(tensors[name].file)}")
+
+
+def read_index(index: Path) -> dict[str, str]:
+    """A shard index's ``weight_map``: tensor name -> shard file name (a plain name in the directory)."""
+    weight_map = read_json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise StorageError(f"{index}: weight_map must be an object of tensor names to shard files "
+                           f"(is {'missing' if weight_map is None else _kind(weight_map)})")
+    for name, fname in weight_map.items():
+        where = f"{index}: weight_map[{_short(name)}]"
+        if not _is_text(name):
+            raise StorageError(f"{where}: the tensor name is not valid text")
+        if not isinstance(fname, str):
+            raise StorageError(f"{where} must be a shard file name (is {_kind(fname)})")
+        if (not _is_text(fname) or fname in ("", ".", "..") or "/" in fname or "\\" in fname):
+            raise StorageError(f"{where} must be a file name in the checkpoint directory (no path)")
+    return weight_map
 
 
 def read_json_object(path: Path) -> dict:
-    """A JSON file that must hold an object; one clear error otherwise."""
+    """A JSON file that must hold an object (UTF-8, unique keys, not nested absurdly deep); one
+    StorageError naming the file otherwise."""
+    path = Path(path)
     try:
-        data = json.loads(read_regular(path, MAX_JSON_BYTES))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise StorageError(f"{path}: not valid JSON ({exc})") from None
+        raw = read_regular(path, MAX_JSON_BYTES)
+    except OSError as exc:
+        raise StorageError(f"{path}: cannot read ({exc.strerror})") from None
+    data = _loads(raw, path)
     if not isinstance(data, dict):
-        raise StorageError(f"{path}: expected a JSON object")
+        raise StorageError(f"{path}: expected a JSON object (is {_kind(data)})")
+    if _too_deep(data):
+        raise StorageError(f"{path}: nested more than {MAX_JSON_DEPTH} levels deep")
     return data
+
+
+# config.json fields MergePipe reads: the architecture names and the number of layers.
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+MAX_LAYERS = 1_000_000
+
+
+def read_config(path: Path) -> dict:
+    """A checkpoint's config.json, with the fields MergePipe reads checked."""
+    config = read_json_object(path)
+    arch = config.get("architectures")
+    if arch is not None and not (isinstance(arch, list) and all(_is_text(a) for a in arch)):
+        what = _kind(arch) if not isinstance(arch, list) else "a list holding " + next(
+            _kind(a) if not isinstance(a, str) else "invalid text" for a in arch if not _is_text(a))
+        raise StorageError(f"{path}: architectures must be a list of names (is {what})")
+    model_type = config.get("model_type")
+    if model_type is not None and not _is_text(model_type):
+        raise StorageError(f"{path}: model_type must be a name (is {_kind(model_type)})")
+    for key in _LAYER_KEYS:
+        n = config.get(key)
+        if n is not None and not (_is_int(n) and 0 <= n <= MAX_LAYERS):
+            what = _kind(n) if not _is_int(n) else "negative" if n < 0 else "too large"
+            raise StorageError(f"{path}: {key} must be a non-negative integer of at most {MAX_LAYERS} (is {what})")
+    return config
 
 
 def row_nbytes(info: TensorInfo) -> int:

@@ -225,7 +225,7 @@ BAD_BATCHES = {
     "missing-dir": (lambda t, f: ["--base", "base", f.experts[0], t / "missing", f.experts[1]],
                     lambda t, f: f"{t / 'missing'}: no such file or directory"),
     "corrupt-header": (lambda t, f: ["--base", "base", f.experts[0], _corrupt(t), f.experts[1]],
-                       lambda t, f: f"{t / 'corrupt' / 'model.safetensors'}: header length 10000 runs past the end"),
+                       lambda t, f: f"{t / 'corrupt' / 'model.safetensors'}: its header length runs past the end"),
     "layout-mismatch": (lambda t, f: ["--base", "base", f.experts[0], f.experts[1], _mismatched(t, f)],
                         lambda t, f: "mismatch does not match base base: missing tensor model.norm.weight"),
     "duplicate-basename": (lambda t, f: ["--base", "base", f.experts[0], f.experts[1], _twin(t, f)],

@@ -128,3 +128,45 @@ def test_cli_io_budget_mb_means_mib(fam, tmp_path):
     res = run_cli(["--db", db, "plan", "--base", "base", "--experts", *fam.expert_ids,
                    "--io-budget-mb", "0.25", "--budget", "10%"])
     assert res.returncode == 2 and res.stderr.startswith("error: ") and "not both" in res.stderr
+
+
+# --- overflow, signs, huge and non-numbers (issue 14): one PlanError naming the budget, never a crash ---------
+@pytest.mark.parametrize("spec, words", [
+    ("1e309B", "bad budget '1e309B': the number is too large"),  # float('1e309') is inf
+    ("1e308TB", "the number is too large"),
+    ("9" * 400 + "MiB", "the number is too large"),
+    ("-5%", "bad budget '-5%': the budget must be positive"),
+    ("-0.1", "the budget must be positive"),
+    ("-512MiB", "the budget must be positive"),
+    ("x" * 5000, "bad budget 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx...'"),
+    (10**5000, "bad budget: the number is too large"),  # repr() of it would raise ValueError
+    (float("inf"), "bad budget 'inf'"),
+    (float("nan"), "bad budget 'nan'"),
+], ids=["1e309B", "1e308TB", "400-digits", "-5%", "-0.1", "-512MiB", "5000-chars", "int-5000-digits", "inf", "nan"])
+def test_budget_overflow_and_sign(spec, words):
+    from mergepipe.planner.budget import Budget
+    with pytest.raises(PlanError) as ei:
+        Budget.parse(spec)
+    assert words in str(ei.value) and len(str(ei.value)) < 300
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda B: B.target("abc"), "--target-bound must be a number"),
+    (lambda B: B.target(None), "--target-bound must be a number, not NoneType"),
+    (lambda B: B.target(float("inf")), "--target-bound must be a finite number"),
+    (lambda B: B.target(10**5000), "--target-bound must be a finite number"),
+    (lambda B: B.percent("x"), "the budget percentage must be a number"),
+    (lambda B: B.percent(float("nan")), "the budget percentage must be a finite number"),
+    (lambda B: B.of(None, mb=[1]), "the budget in MiB must be a number, not list"),
+    (lambda B: B.of(None, mb=10**5000), "the budget in MiB must be a finite number"),
+    (lambda B: B.of(None, mb=float("inf")), "the budget in MiB must be a finite number"),
+])
+def test_budget_constructors_refuse_non_numbers(call, words):
+    from mergepipe.planner.budget import Budget
+    with pytest.raises(PlanError, match=words.replace("(", r"\(")):
+        call(Budget)
+
+
+def test_large_finite_byte_budgets_are_capped():
+    assert parse_budget("1e29B", FULL) == FULL
+    assert parse_budget("+5%", FULL) == int(0.05 * FULL)
