@@ -95,6 +95,15 @@ def read_manifest(path: Path) -> Manifest:
     return parse_manifest(text, str(path))
 
 
+def _check_inputs_fields(inputs, bad) -> None:
+    """``core.inputs``: a base and a list of experts, each with string id, uri and fingerprint."""
+    if not isinstance(inputs, dict) or not isinstance(inputs.get("experts"), list):
+        raise bad("`core.inputs` is not an object with a `base` and a list of `experts`")
+    for where, model in [("base", inputs.get("base")), *(("experts", e) for e in inputs["experts"])]:
+        if not isinstance(model, dict) or not all(isinstance(model.get(k), str) for k in ("id", "uri", "fingerprint")):
+            raise bad(f"`core.inputs.{where}` has an entry without string `id`, `uri` and `fingerprint`")
+
+
 def parse_manifest(text: str, source: str) -> Manifest:
     """A manifest from its JSON text; ``source`` names it in errors (which never quote its content)."""
     def bad(why: str) -> VerifyError:
@@ -131,6 +140,7 @@ def parse_manifest(text: str, source: str) -> Manifest:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise bad(f"`core.{part}.{key}` is {'missing' if key not in d['core'][part] else _kind(value)}, "
                           f"not an integer")
+    _check_inputs_fields(d["core"].get("inputs"), bad)
     for name, info in d["core"]["outputs"].items():
         if not _output_name_ok(name):
             raise bad("`core.outputs` names a file outside the snapshot directory")

@@ -83,7 +83,14 @@ def test_verify_mismatch_with_odd_snapshot_id_is_one_line(capsys, tmp_path, db):
     out = tmp_path / "snap"
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"x")
-    core = {"plan_id": "p", "outputs": {"model.safetensors": {"sha256": "sha256:00"}}, "inputs": {}, "budget": {},
+    from safetensors.torch import save_file
+    import torch
+    from mergepipe.storage.registry import open_checkpoint
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "b.safetensors"))
+    base = {"id": "b", "uri": str(tmp_path / "b.safetensors"),
+            "fingerprint": open_checkpoint(tmp_path / "b.safetensors").fingerprint()}
+    core = {"plan_id": "p", "outputs": {"model.safetensors": {"sha256": "sha256:00"}},
+            "inputs": {"base": base, "experts": []}, "budget": {},
             "estimated": {"base_read": 0, "expert_read": 0, "output_write": 0},
             "realized": {"base_read": 0, "expert_read": 0, "output_write": 0}}
     doc = {"core": core, "run": {"snapshot_id": "snap\nline2", "model_id": "m", "out": str(out)}}

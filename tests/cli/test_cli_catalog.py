@@ -241,7 +241,7 @@ def test_console_script_subprocess(env, fam_bf16):
     corrupt = _corrupt(env)
     p = run("register", "--db", db, "--model-id", "x", "--uri", corrupt, "--base", "base")
     assert p.returncode == 2 and p.stdout == ""
-    assert p.stderr.splitlines() == [p.stderr.strip()] and p.stderr.startswith(f"error: {corrupt}: header length")
+    assert p.stderr.splitlines() == [p.stderr.strip()] and p.stderr.startswith(f"error: {corrupt}: its header length")
     assert "Traceback" not in p.stderr
     assert dump_catalog_file(db) == before
     p = run("models", "--db", db, "--json")

@@ -12,16 +12,27 @@ from pathlib import Path
 import pytest
 
 from mergepipe.cli.app import main
+import torch
+from safetensors.torch import save_file
+
 from mergepipe.errors import VerifyError
 from mergepipe.manifest.build import MANIFEST_NAME, Manifest
 from mergepipe.manifest.verify import load_manifest, parse_manifest, verify
+from mergepipe.storage.registry import open_checkpoint
+
+
+def _input(path: Path) -> dict:
+    """A real (tiny) checkpoint as a manifest input: verify re-fingerprints its inputs."""
+    if not path.exists():
+        save_file({"w": torch.zeros(2)}, str(path))
+    return {"id": path.stem, "uri": str(path), "fingerprint": open_checkpoint(path).fingerprint()}
 
 
 def good(out: Path) -> dict:
     data = b"weights"
     (out / "model.safetensors").write_bytes(data)
     core = {"plan_id": "plan-1", "outputs": {"model.safetensors": {"sha256": "sha256:" + hashlib.sha256(data).hexdigest()}},
-            "inputs": {"base": {"id": "b"}, "experts": []}, "budget": {"spec": "100%"},
+            "inputs": {"base": _input(out.parent / "b.safetensors"), "experts": []}, "budget": {"spec": "100%"},
             "estimated": {"base_read": 1, "expert_read": 2, "output_write": 3},
             "realized": {"base_read": 1, "expert_read": 2, "output_write": 3}}
     run = {"snapshot_id": "snap-1", "model_id": "m", "out": str(out)}

@@ -135,7 +135,7 @@ def test_header_length_limits(tmp_path):
 def test_not_a_regular_file_never_blocks(tmp_path):
     fifo = tmp_path / "pipe.safetensors"
     os.mkfifo(fifo)
-    with pytest.raises(StorageError, match="pipe.safetensors: not a regular file"):
+    with pytest.raises(StorageError, match="pipe.safetensors: is a FIFO, not a regular file"):
         parse_header(fifo)
 
 
