@@ -3,7 +3,9 @@
 Per block of delta = expert - base: L2 and L1 norms, max |delta|, non-zero count, a sketch
 (see catalog/sketch.py) and the count of non-finite deltas (NaN/Inf in the expert or the base; of them,
 how many entries of the base block are NaN/Inf). Per (expert, tensor): the same totals and exact top-k magnitude thresholds for a
-grid of densities (what TIES/breadcrumbs need), so a budgeted merge never reads a whole tensor to
+grid of densities (what TIES/breadcrumbs need) and, per density, the count of entries above and equal to
+the threshold and the L1 norm of exactly k top entries (``topk``: what TIES' L1 ``rescale`` needs;
+summed from a per-bin L1 histogram kept in the first pass, so it costs no extra pass), so a budgeted merge never reads a whole tensor to
 learn them. Thresholds are found by a radix select on the float32 bit pattern of |delta|: pass one
 histograms the top 16 bits; pass two counts the low 16 bits of only the bins that hold a k-th largest
 (from memory for small tensors, otherwise re-read from the page cache the first pass just filled).
@@ -217,6 +219,7 @@ class _TensorPass:
         self.fixed_bytes = sum(n for _, _, n in fixed)
         self.fixed = job.re.read_ranges(fixed) if fixed and is_float(binfo) else []
         self.hist = np.zeros((4, 1 << 16), dtype=np.int32 if binfo.numel < 2**31 else np.int64)
+        self.l1hist = np.zeros(1 << 16, dtype=np.float64)  # sum of |d| per top-16 bin
         self.rows: list[dict] = []
         self.cached: list[tuple] = []  # (expert, base) arrays of every block, when the tensor is kept
         self.l2sq = self.l1 = self.mx = 0.0
@@ -265,7 +268,7 @@ class _TensorPass:
         if b is not None:
             self.job.base_read += b.nbytes
         before = self.nkeys
-        s2, s1, m, n, low, self.nkeys = kernels.block_stats(e, b, self.hist, self.keys, before)
+        s2, s1, m, n, low, self.nkeys = kernels.block_stats(e, b, self.hist, self.keys, before, self.l1hist)
         if self.nkeys - before < low:
             self._collect_rest(e, b, before, low)
         m = float(m)
@@ -292,11 +295,14 @@ class _TensorPass:
             self.rows = [_row(job.expert_id, binfo.name, span, self.source.block_ranges(binfo.name, span)[0])
                          for span in self.spans]
         hist = self.hist.sum(axis=0, dtype=np.int64)
-        thresholds = (kth_largest_thresholds(hist[:HIST_BINS], binfo.numel, self.nnz, job.densities, self.select)
+        topk: dict = {}
+        thresholds = (kth_largest_thresholds(hist[:HIST_BINS], binfo.numel, self.nnz, job.densities, self.select,
+                                             self.l1hist, topk)
                       if self.nnz else {})
         stats = {"model_id": job.expert_id, "tensor": binfo.name, "numel": binfo.numel, "delta_l2": self.l2sq ** 0.5,
                  "delta_l1": self.l1, "delta_max_abs": self.mx, "delta_nnz": self.nnz,
                  "thresholds": json.dumps({str(k): v for k, v in thresholds.items()}),
+                 "topk": json.dumps({str(k): v for k, v in topk.items()}),
                  "fixed_bytes": self.fixed_bytes if self.nnz else 0,
                  "nonfinite": self.nonfinite, "base_nonfinite": self.base_nonfinite}
         self.cached, self.keys = [], _NO_KEYS
@@ -349,6 +355,6 @@ def _zero_tensor(binfo: TensorInfo, block_bytes: int, expert_id: str):
              "delta_max_abs": 0.0, "delta_nnz": 0, "sketch": b"", "nonfinite": 0, "base_nonfinite": 0}
             for s in tensor_grid(binfo, block_bytes)]
     stats = {"model_id": expert_id, "tensor": binfo.name, "numel": binfo.numel, "delta_l2": 0.0, "delta_l1": 0.0,
-             "delta_max_abs": 0.0, "delta_nnz": 0, "thresholds": "{}", "fixed_bytes": 0, "nonfinite": 0,
+             "delta_max_abs": 0.0, "delta_nnz": 0, "thresholds": "{}", "topk": "{}", "fixed_bytes": 0, "nonfinite": 0,
              "base_nonfinite": 0}
     return rows, stats

@@ -20,6 +20,12 @@ class DenseSelection:
         return kernels.kth_from_top(self.dense, np.array(slots, dtype=np.int64),
                                     np.array(ranks, dtype=np.int64)).tolist()
 
+    def split(self, slot: int, top: int, low: int, count: int) -> tuple[int, float, int]:
+        """(entries above, their sum, entries equal) to the pattern ``top << 16 | low`` in its bin."""
+        row = self.dense[slot]
+        above = row[low + 1:]
+        return int(above.sum()), _pattern_sum(top, np.nonzero(above)[0] + low + 1, above[above != 0]), int(row[low])
+
 
 class KeySelection:
     """The entries of a few top-16 bins whose low 16 bits are not zero, as sorted ``slot << 16 | low``
@@ -36,13 +42,37 @@ class KeySelection:
             out.append(int(self.keys[end - rank]) & 0xFFFF if rank <= end - start else 0)
         return out
 
+    def split(self, slot: int, top: int, low: int, count: int) -> tuple[int, float, int]:
+        """(entries above, their sum, entries equal) to the pattern ``top << 16 | low`` in its bin of
+        ``count`` entries (the ones not listed have low bits 0)."""
+        start = int(np.searchsorted(self.keys, (slot << 16) + 1))
+        end = int(np.searchsorted(self.keys, (slot + 1) << 16))
+        lows = (self.keys[start:end] & 0xFFFF).astype(np.int64)
+        above = lows[lows > low]
+        equal = int((lows == low).sum()) if low else count - (end - start)
+        return int(above.size), _pattern_sum(top, above, None), equal
 
-def kth_largest_thresholds(hist: np.ndarray, numel: int, nnz: int, densities, select) -> dict[float, float]:
+
+def _pattern_sum(top: int, lows: np.ndarray, counts) -> float:
+    """sum of the float32 values ``top << 16 | low`` (times ``counts``), in float64."""
+    if not len(lows):
+        return 0.0
+    vals = ((np.uint32(top) << np.uint32(16)) | lows.astype(np.uint32)).view(np.float32).astype(np.float64)
+    return float((vals * counts).sum() if counts is not None else vals.sum())
+
+
+def kth_largest_thresholds(hist: np.ndarray, numel: int, nnz: int, densities, select,
+                           l1hist: np.ndarray | None = None, topk: dict | None = None) -> dict[float, float]:
     """Exact k-th largest |delta| for k = int(d * numel), d in ``densities``, by radix select.
 
     ``hist`` counts the top 16 bits of |delta|'s float32 pattern (bin 0 holds the zeros and is
     never selected: k <= nnz); ``select(bins)`` returns a selection of the entries in those bins
-    (a second pass over the tensor) that answers ``kth_low_bits(slots, ranks)``."""
+    (a second pass over the tensor) that answers ``kth_low_bits(slots, ranks)`` and ``split``.
+
+    With ``l1hist`` (sum of |delta| per top-16 bin) and a dict ``topk``, also fills ``topk[d] =
+    [above, equal, kept_l1]`` for every d with 0 < k <= nnz: the entries strictly above the threshold,
+    the entries equal to it, and the L1 norm of exactly k top entries, ``sum(|d| > thr) + (k - above)
+    * thr`` (what mergekit's top-k keeps, whichever of the tied entries it keeps)."""
     desc = np.cumsum(hist[::-1])  # desc[j] = entries in the top j+1 bins
     wanted: dict[float, tuple[int, int]] = {}
     for d in densities:
@@ -54,9 +84,20 @@ def kth_largest_thresholds(hist: np.ndarray, numel: int, nnz: int, densities, se
     bins = sorted({b for b, _ in wanted.values()})
     if bins:
         slot = {b: i for i, b in enumerate(bins)}
-        low = select(bins).kth_low_bits([slot[b] for b, _ in wanted.values()], [r for _, r in wanted.values()])
+        sel = select(bins)
+        low = sel.kth_low_bits([slot[b] for b, _ in wanted.values()], [r for _, r in wanted.values()])
         bits = np.array([(b << 16) | lo for (b, _), lo in zip(wanted.values(), low)], dtype=np.uint32)
         values = dict(zip(wanted, bits.view(np.float32).tolist()))
+        if l1hist is not None and topk is not None:
+            l1desc = np.cumsum(l1hist[:HIST_BINS][::-1])
+            for (d, (b, _)), lo in zip(wanted.items(), low):
+                j = HIST_BINS - 1 - b
+                n_hi = int(desc[j - 1]) if j > 0 else 0
+                s_hi = float(l1desc[j - 1]) if j > 0 else 0.0
+                n_in, s_in, equal = sel.split(slot[b], b, lo, int(hist[b]))
+                above = n_hi + n_in
+                k = int(d * numel)
+                topk[d] = [above, equal, s_hi + s_in + (k - above) * values[d]]
     out = {}
     for d in densities:
         k = int(d * numel)

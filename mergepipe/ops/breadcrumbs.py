@@ -26,7 +26,10 @@ def outliers(delta: torch.Tensor, params: dict, thresholds: list[float]) -> torc
 
 
 def _thresholds(density: float, params: dict) -> list[float]:
-    """tau_hi (top gamma) and tau_lo (top gamma + density)."""
+    """tau_hi (top gamma) and tau_lo (top gamma + density); none needed at density >= 1 (the delta is
+    kept as it is, as mergekit's magnitude_outliers does)."""
+    if density >= 1.0:
+        return [1.0, 1.0]
     gamma = params["gamma"]
     return [round(gamma, 10), round(min(1.0, gamma + density), 10)]
 

@@ -86,6 +86,47 @@ def threshold_fractions(spec: OpSpec, density: float, params: dict) -> list[floa
     return fractions(density, params) if fractions else []
 
 
+def _lookup(table: dict, f: float):
+    value = table.get(str(f))
+    if value is None:  # keys are str(float); fall back to a tolerant match
+        value = next((v for k, v in table.items() if abs(float(k) - f) < 1e-9), None)
+    return value
+
+
+def tensor_statistics(spec: OpSpec, density: float, params: dict, thresholds_json: str | None,
+                      topk_json: str | None, delta_l1: float, max_abs: float) -> list[float] | None:
+    """The per-tensor statistics an operator needs for one (expert, tensor), from its catalog row
+    (tensor_stats: thresholds, topk, delta_l1, delta_max_abs); None when one is missing (the expert is
+    then analyzed on the way).
+
+    Thresholded operators: the thresholds of :func:`threshold_fractions`. TIES (magnitude) keeps at
+    least one entry as mergekit (k = max(1, int(density * n))): where int(density * n) = 0 the
+    threshold is the tensor's max |delta|. With ``rescale`` TIES appends mergekit's per-tensor L1
+    rescale factor ``||delta||_1 / ||top-k||_1`` (1.0 when either norm is below mergekit's 1e-7),
+    where ``||top-k||_1`` is the L1 norm of exactly k top entries stored by ANALYZE (``topk``)."""
+    import json
+    import math
+
+    fractions = threshold_fractions(spec, density, params)
+    table = json.loads(thresholds_json or "{}")
+    vals = lookup_thresholds(table, fractions)
+    if vals is None or spec.sparsify is not Sparsify.MAGNITUDE or density >= 1.0:
+        return vals
+    kept = None
+    if math.isinf(vals[0]):  # k = int(density * n) = 0: mergekit keeps the largest entry
+        vals[0] = kept = float(max_abs)
+    elif vals[0] == 0.0:  # fewer non-zeros than k: all of them are kept
+        kept = float(delta_l1)
+    if params.get("rescale"):
+        if kept is None:
+            entry = _lookup(json.loads(topk_json), density) if topk_json else None
+            if entry is None:
+                return None
+            kept = float(entry[2])
+        vals.append(float(delta_l1) / kept if delta_l1 >= 1e-7 and kept >= 1e-7 else 1.0)
+    return vals
+
+
 def lookup_thresholds(table: dict, fractions: list[float]) -> list[float] | None:
     """Stored thresholds (``{str(density): value}``) for ``fractions``; None if one is missing.
     Keeping every entry (fraction 1) needs no threshold."""
@@ -108,8 +149,10 @@ def useful_blocks(spec: OpSpec, thresholds: list[float] | None, max_abs):
     threshold a block whose largest entry is below it contributes nothing (numpy arrays)."""
     import numpy as np
 
-    if spec.thresholded:  # the smallest kept magnitude is the last threshold
-        return max_abs >= thresholds[-1] if thresholds else np.zeros_like(max_abs, dtype=bool)
+    if spec.thresholded:  # the smallest kept magnitude: TIES' threshold, breadcrumbs' lower one
+        if not thresholds:
+            return np.zeros_like(max_abs, dtype=bool)
+        return max_abs >= thresholds[0 if spec.sparsify is Sparsify.MAGNITUDE else 1]
     return np.ones_like(max_abs, dtype=bool)
 
 
@@ -117,7 +160,7 @@ def sparsify(spec: OpSpec, delta: torch.Tensor, density: float, params: dict, th
              seed: int) -> torch.Tensor:
     """Sparsify one expert's delta block (float32, block shape)."""
     kind = spec.sparsify
-    if kind is None or (density >= 1.0 and kind is not Sparsify.OUTLIERS):
+    if kind is None or density >= 1.0:  # mergekit: every sparsification keeps a density >= 1 delta as it is
         return delta
     return SPARSIFY[kind](delta, density, params, thresholds, seed)
 

@@ -410,8 +410,8 @@ def fused_merge(spec, params: dict, base_raw, base_dtype: str, n: int, contribut
         if spec.sparsify is None or density >= 1.0:
             kinds[k] = KEEP_ALL
         elif spec.sparsify is Sparsify.MAGNITUDE:
-            if not thresholds:
-                return None
+            if not thresholds or (len(thresholds) > 1 and thresholds[1] != 1.0):
+                return None  # TIES with its per-tensor L1 rescale: the torch path
             kinds[k] = MAGNITUDE
             thrs[k] = np.float32(thresholds[0])
         else:

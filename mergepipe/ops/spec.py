@@ -125,7 +125,7 @@ DENSITY = Param("density", 1.0, "fraction of each delta kept by the sparsifying 
 LAMBDA = Param("lambda", 1.0, "scale of the merged delta", dest="lam")
 GAMMA = Param("gamma", 0.01, "breadcrumbs: fraction of largest magnitudes dropped", low=0.0, high=1.0,
               label="gamma (largest magnitudes dropped)", step=0.01)
-EPSILON = Param("epsilon", 0.1, "della: spread of keep probabilities around the density", low=0.0, high=0.5,
+EPSILON = Param("epsilon", 0.15, "della: spread of keep probabilities around the density", low=0.0, high=0.5,
                 label="epsilon (spread of keep probabilities)", step=0.01)
 
 

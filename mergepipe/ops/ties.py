@@ -21,8 +21,11 @@ def _thresholds(density: float, params: dict) -> list[float]:
 
 
 def magnitude(delta: torch.Tensor, thresholds: list[float]) -> torch.Tensor:
-    """Keep the entries with |delta| at or above the expert's per-tensor threshold."""
-    return delta * (delta.abs() >= thresholds[0])
+    """Keep the entries with |delta| at or above the expert's per-tensor threshold; with ``rescale`` the
+    statistics carry a second value, mergekit's per-tensor L1 factor ||delta||_1 / ||top-k||_1 (from the
+    catalog: ops.core.tensor_statistics), applied to the kept entries as mergekit does (float32)."""
+    kept = delta * (delta.abs() >= thresholds[0])
+    return kept * thresholds[1] if len(thresholds) > 1 and thresholds[1] != 1.0 else kept
 
 
 
