@@ -64,6 +64,8 @@ def candidates(cat, expert_ids, weights, op, density=None, lam=1.0):
                 continue
             if op == "ties":
                 thr = stats[r["tensor"]]["thresholds"][density]
+                if thr == float("inf"):  # int(density * n) = 0: mergekit keeps the largest entry
+                    thr = stats[r["tensor"]]["delta_max_abs"]
                 if r["delta_max_abs"] < thr:
                     continue
             out[(eid, r["tensor"], r["block"])] = (r["nbytes"], abs(coefficient(op, w, wsum, lam)) * r["delta_l2"])
@@ -262,8 +264,8 @@ def test_operator_defaults_and_aliases(cat, fam):
         "DARE": {"normalize": False, "rescale": True, "lambda": 1.0},
         "breadcrumbs": {"normalize": False, "rescale": False, "lambda": 1.0, "gamma": 0.01},
         "breadcrumbs_ties": {"normalize": False, "rescale": False, "lambda": 1.0, "gamma": 0.01},
-        "della": {"normalize": True, "rescale": True, "lambda": 1.0, "epsilon": 0.1},
-        "della_linear": {"normalize": False, "rescale": True, "lambda": 1.0, "epsilon": 0.1},
+        "della": {"normalize": True, "rescale": True, "lambda": 1.0, "epsilon": 0.15},
+        "della_linear": {"normalize": False, "rescale": True, "lambda": 1.0, "epsilon": 0.15},
     }
     names = {"AVG": "linear", "TIES": "ties", "DARE": "dare_ties"}
     for op, params in expect.items():
