@@ -36,7 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from mergepipe.analyze import kernels
-from mergepipe.analyze.thresholds import DenseSelection, HIST_BINS, KeySelection, kth_largest_thresholds
+from mergepipe.analyze.thresholds import (DenseSelection, HIST_BINS, KeySelection, kth_largest_thresholds,
+                                          tie_cut_queries)
 from mergepipe.catalog.db import now
 from mergepipe.catalog.sketch import DEFAULT_SKETCH_SIZE, sample_positions, sketch_bytes
 from mergepipe.storage.grid import BlockSpan, tensor_grid
@@ -299,6 +300,7 @@ class _TensorPass:
         thresholds = (kth_largest_thresholds(hist[:HIST_BINS], binfo.numel, self.nnz, job.densities, self.select,
                                              self.l1hist, topk)
                       if self.nnz else {})
+        self._tie_cuts(topk, thresholds)
         stats = {"model_id": job.expert_id, "tensor": binfo.name, "numel": binfo.numel, "delta_l2": self.l2sq ** 0.5,
                  "delta_l1": self.l1, "delta_max_abs": self.mx, "delta_nnz": self.nnz,
                  "thresholds": json.dumps({str(k): v for k, v in thresholds.items()}),
@@ -307,6 +309,31 @@ class _TensorPass:
                  "nonfinite": self.nonfinite, "base_nonfinite": self.base_nonfinite}
         self.cached, self.keys = [], _NO_KEYS
         return self.rows, stats
+
+    def _tie_cuts(self, topk: dict, thresholds: dict) -> None:
+        """Fill the exact-k cuts of ``topk`` (analyze/thresholds.tie_cut_queries): only where entries tied
+        at a threshold straddle the top k. One scan over the tensor's blocks, from memory when the first
+        pass kept them (tensors up to IN_MEMORY_TENSOR_BYTES), else re-read like the select's second
+        pass (from the page cache the first pass just filled); none when no tie straddles."""
+        numel = self.binfo.numel
+        for entry in topk.values():
+            entry[3] = entry[7] = numel
+        queries = sorted(tie_cut_queries(topk, thresholds, numel))
+        if not queries:
+            return
+        pats = np.array(sorted({q[0] for q in queries}), dtype=np.uint32)
+        qpat = np.array([q[0] for q in queries], dtype=np.uint32)
+        starts = np.searchsorted(qpat, pats, side="left").astype(np.int64)
+        ends = np.searchsorted(qpat, pats, side="right").astype(np.int64)
+        ms = np.array([q[1] for q in queries], dtype=np.int64)
+        counts = np.zeros(pats.size, dtype=np.int64)
+        cuts = np.full(len(queries), numel, dtype=np.int64)
+        row = math.prod(self.binfo.shape[1:]) if len(self.binfo.shape) >= 2 else 1
+        blocks = self.cached if self.keep else (self.reread(s) for s in self.spans)
+        for span, (e, b) in zip(self.spans, blocks):
+            kernels.find_cuts(e, b, span.row_start * row, pats, ends, starts, ms, counts, cuts)
+        for (_, _, d, at), cut in zip(queries, cuts.tolist()):
+            topk[d][at] = cut
 
     def select(self, bins: list[int]):
         """Second pass: the low 16 bits of the entries in ``bins`` (from memory or re-read).

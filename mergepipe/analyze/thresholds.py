@@ -69,19 +69,26 @@ def kth_largest_thresholds(hist: np.ndarray, numel: int, nnz: int, densities, se
     never selected: k <= nnz); ``select(bins)`` returns a selection of the entries in those bins
     (a second pass over the tensor) that answers ``kth_low_bits(slots, ranks)`` and ``split``.
 
-    With ``l1hist`` (sum of |delta| per top-16 bin) and a dict ``topk``, also fills ``topk[d] =
-    [above, equal, kept_l1]`` for every d with 0 < k <= nnz: the entries strictly above the threshold,
-    the entries equal to it, and the L1 norm of exactly k top entries, ``sum(|d| > thr) + (k - above)
-    * thr`` (what mergekit's top-k keeps, whichever of the tied entries it keeps)."""
+    With ``l1hist`` (sum of |delta| per top-16 bin) and a dict ``topk``, also fills, for every d with
+    0 < k <= nnz, ``topk[d] = [above, equal, kept_l1, cut, thr1, above1, equal1, cut1]``: the entries strictly
+    above the threshold, the entries equal to it, the L1 norm of exactly k top entries,
+    ``sum(|d| > thr) + (k - above) * thr`` (what mergekit's top-k keeps, whichever tied entries it
+    keeps), the exact-k cut (None here; :func:`tie_cut_queries` says which ANALYZE finds, the others
+    are ``numel``), and the threshold, above and equal counts and cut of k - 1 (thr1 = inf when k = 1), which breadcrumbs' k = int(gamma n) + int(density n)
+    needs where it is one less than int((gamma + density) n)."""
     desc = np.cumsum(hist[::-1])  # desc[j] = entries in the top j+1 bins
-    wanted: dict[float, tuple[int, int]] = {}
-    for d in densities:
-        k = int(d * numel)
+    ks = {int(d * numel) for d in densities}
+    if topk is not None:
+        ks |= {k - 1 for k in ks}
+    wanted: dict[int, tuple[int, int]] = {}
+    for k in sorted(ks):
         if 0 < k <= nnz:
             j = int(np.searchsorted(desc, k))
             above = int(desc[j - 1]) if j > 0 else 0
-            wanted[d] = (HIST_BINS - 1 - j, k - above)
+            wanted[k] = (HIST_BINS - 1 - j, k - above)
     bins = sorted({b for b, _ in wanted.values()})
+    values: dict[int, float] = {}
+    counts: dict[int, list] = {}
     if bins:
         slot = {b: i for i, b in enumerate(bins)}
         sel = select(bins)
@@ -90,21 +97,44 @@ def kth_largest_thresholds(hist: np.ndarray, numel: int, nnz: int, densities, se
         values = dict(zip(wanted, bits.view(np.float32).tolist()))
         if l1hist is not None and topk is not None:
             l1desc = np.cumsum(l1hist[:HIST_BINS][::-1])
-            for (d, (b, _)), lo in zip(wanted.items(), low):
+            for (k, (b, _)), lo in zip(wanted.items(), low):
                 j = HIST_BINS - 1 - b
                 n_hi = int(desc[j - 1]) if j > 0 else 0
                 s_hi = float(l1desc[j - 1]) if j > 0 else 0.0
                 n_in, s_in, equal = sel.split(slot[b], b, lo, int(hist[b]))
                 above = n_hi + n_in
-                k = int(d * numel)
-                topk[d] = [above, equal, s_hi + s_in + (k - above) * values[d]]
+                counts[k] = [above, equal, s_hi + s_in + (k - above) * values[k]]
     out = {}
     for d in densities:
         k = int(d * numel)
         if k <= 0:
             out[d] = float("inf")  # keep nothing
-        elif d not in wanted:
+        elif k not in wanted:
             out[d] = 0.0  # fewer non-zeros than k: every non-zero entry is kept
         else:
-            out[d] = values[d]
+            out[d] = values[k]
+            if k in counts:
+                prev = [float("inf"), 0, 0] if k == 1 else [values[k - 1], *counts[k - 1][:2]]
+                topk[d] = counts[k][:3] + [None] + prev + [None]
     return out
+
+
+def tie_cut_queries(topk: dict, thresholds: dict, numel: int) -> list[tuple[int, int, float, int]]:
+    """The exact-k cuts ANALYZE must find: (float32 pattern of the threshold, m, density, index of the
+    cut in topk[d]) for every threshold (of k and of k - 1) whose tied entries straddle the top k:
+    m = k - above of the tied entries are in the top k, equal - m are not. The cut is the flat index
+    (C order over the whole tensor) of the (m+1)-th tied entry: an entry equal to the threshold is in
+    the top k iff its index < cut. Where no tie straddles, the cut is ``numel`` (set by the caller)."""
+    out = []
+    for d, entry in topk.items():
+        k = int(d * numel)
+        above, equal, thr1, above1, equal1 = entry[0], entry[1], entry[4], entry[5], entry[6]
+        if k - above < equal:
+            out.append((_pattern(thresholds[d]), k - above, d, 3))
+        if not np.isinf(thr1) and (k - 1) - above1 < equal1:
+            out.append((_pattern(thr1), (k - 1) - above1, d, 7))
+    return out
+
+
+def _pattern(value: float) -> int:
+    return int(np.array([value], dtype=np.float32).view(np.uint32)[0])

@@ -87,7 +87,8 @@ class InflightAnalysis:
         thr = None
         if stats["delta_nnz"] and self.op.thresholded:
             thr = tensor_statistics(self.op, tensor_density(expert, name) or 1.0, self.params, stats["thresholds"],
-                                    stats.get("topk"), stats["delta_l1"], stats["delta_max_abs"])
+                                    stats.get("topk"), stats["delta_l1"], stats["delta_max_abs"],
+                                    stats["numel"])
             self.thresholds[eid][name] = thr
         nonzero = [r for r in rows if r["delta_nnz"] > 0]
         keep = useful_blocks(self.op, thr, np.array([r["delta_max_abs"] for r in nonzero], dtype=np.float64))

@@ -19,9 +19,14 @@ SPECS = (
 )
 
 
-def outliers(delta: torch.Tensor, params: dict, thresholds: list[float]) -> torch.Tensor:
+def outliers(delta: torch.Tensor, params: dict, thresholds: list[float], offset: int = 0) -> torch.Tensor:
+    """Keep the entries ranked in [k_hi, k_lo) of the tensor's exact magnitude order (``thresholds`` =
+    [thr_hi, thr_lo, cut_hi, cut_lo]: ops.core.tensor_statistics)."""
+    from mergepipe.ops.core import NO_CUT
+    from mergepipe.ops.ties import top_mask
     a = delta.abs()
-    kept = delta * ((a >= thresholds[1]) & (a < thresholds[0]))
+    cut_hi, cut_lo = (thresholds[2], thresholds[3]) if len(thresholds) > 3 else (NO_CUT, NO_CUT)
+    kept = delta * (top_mask(a, thresholds[1], cut_lo, offset) & ~top_mask(a, thresholds[0], cut_hi, offset))
     return l1_rescale(delta, kept) if params["rescale"] else kept
 
 
@@ -34,5 +39,6 @@ def _thresholds(density: float, params: dict) -> list[float]:
     return [round(gamma, 10), round(min(1.0, gamma + density), 10)]
 
 
-SPARSIFY = {Sparsify.OUTLIERS: lambda delta, density, params, thresholds, seed: outliers(delta, params, thresholds)}
+SPARSIFY = {Sparsify.OUTLIERS: lambda delta, density, params, thresholds, seed, offset: outliers(delta, params, thresholds,
+                                                                                          offset)}
 THRESHOLDS = {Sparsify.OUTLIERS: _thresholds}

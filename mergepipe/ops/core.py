@@ -93,38 +93,82 @@ def _lookup(table: dict, f: float):
     return value
 
 
-def tensor_statistics(spec: OpSpec, density: float, params: dict, thresholds_json: str | None,
-                      topk_json: str | None, delta_l1: float, max_abs: float) -> list[float] | None:
-    """The per-tensor statistics an operator needs for one (expert, tensor), from its catalog row
-    (tensor_stats: thresholds, topk, delta_l1, delta_max_abs); None when one is missing (the expert is
-    then analyzed on the way).
+NO_CUT = 1 << 62  # an exact-k cut past every flat index: every entry tied at the threshold is kept
 
-    Thresholded operators: the thresholds of :func:`threshold_fractions`. TIES (magnitude) keeps at
-    least one entry as mergekit (k = max(1, int(density * n))): where int(density * n) = 0 the
-    threshold is the tensor's max |delta|. With ``rescale`` TIES appends mergekit's per-tensor L1
-    rescale factor ``||delta||_1 / ||top-k||_1`` (1.0 when either norm is below mergekit's 1e-7),
-    where ``||top-k||_1`` is the L1 norm of exactly k top entries stored by ANALYZE (``topk``)."""
+
+def tensor_statistics(spec: OpSpec, density: float, params: dict, thresholds_json: str | None,
+                      topk_json: str | None, delta_l1: float, max_abs: float, numel: int) -> list[float] | None:
+    """The per-tensor statistics an operator needs for one (expert, tensor), from its catalog row
+    (tensor_stats: thresholds, topk, delta_l1, delta_max_abs, numel); None when one is missing (the
+    expert is then analyzed on the way; catalogs analyzed before schema v5 have no ``topk``).
+
+    Exact k (mergekit's top-k keeps exactly k entries): the entries of a tensor are ordered by |delta|
+    descending, then by flat index (C order over the whole tensor) ascending; the top k are the first k.
+    So an entry is in the top k iff |d| > thr, or |d| == thr and its flat index < cut, where ``cut`` (the
+    flat index of the first tied entry left out) comes from ANALYZE (``topk``, found in its pass).
+
+    * TIES (magnitude): ``[thr, ratio, cut]`` for k = max(1, int(density * n)) as mergekit (where
+      int(density * n) = 0, thr = the tensor's max |delta| and every entry tied at it is kept); ``ratio``
+      is mergekit's per-tensor L1 rescale ``||delta||_1 / ||top-k||_1`` with ``rescale`` (1.0 without, or
+      when either norm is below mergekit's 1e-7), ``||top-k||_1`` the L1 of exactly k top entries.
+    * breadcrumbs (outliers): ``[thr_hi, thr_lo, cut_hi, cut_lo]``: drop the top k_hi = int(gamma * n),
+      keep down to the top k_lo = int(gamma * n) + int(density * n), as mergekit's magnitude_outliers
+      (the stored grid holds k = int((gamma + density) * n) and k - 1; when gamma + density rounds to 1,
+      k_lo is taken as n: everything below the top gamma is kept).
+    Density >= 1: ``[0.0]`` / ``[0.0, 0.0]`` (the delta is kept as it is)."""
     import json
     import math
 
     fractions = threshold_fractions(spec, density, params)
     table = json.loads(thresholds_json or "{}")
     vals = lookup_thresholds(table, fractions)
-    if vals is None or spec.sparsify is not Sparsify.MAGNITUDE or density >= 1.0:
+    if vals is None or not spec.thresholded or density >= 1.0:
         return vals
-    kept = None
-    if math.isinf(vals[0]):  # k = int(density * n) = 0: mergekit keeps the largest entry
-        vals[0] = kept = float(max_abs)
-    elif vals[0] == 0.0:  # fewer non-zeros than k: all of them are kept
-        kept = float(delta_l1)
-    if params.get("rescale"):
-        if kept is None:
-            entry = _lookup(json.loads(topk_json), density) if topk_json else None
-            if entry is None:
-                return None
-            kept = float(entry[2])
-        vals.append(float(delta_l1) / kept if delta_l1 >= 1e-7 and kept >= 1e-7 else 1.0)
-    return vals
+    topk = json.loads(topk_json) if topk_json else None
+
+    def cut_of(fraction: float, value: float, at: int = 3):
+        if math.isinf(value) or value == 0.0:  # keep nothing / every non-zero entry: no tie to break
+            return NO_CUT
+        entry = _lookup(topk, fraction) if topk is not None else None
+        return None if entry is None else entry[at]
+
+    if spec.sparsify is Sparsify.MAGNITUDE:
+        thr = vals[0]
+        kept = None
+        if math.isinf(thr):  # k = int(density * n) = 0: mergekit keeps the largest entry
+            thr = kept = float(max_abs)
+            cut = NO_CUT
+        else:
+            cut = cut_of(fractions[0], thr)
+            if thr == 0.0:  # fewer non-zeros than k: all of them are kept
+                kept = float(delta_l1)
+        if cut is None:
+            return None
+        ratio = 1.0
+        if params.get("rescale"):
+            if kept is None:
+                kept = float(_lookup(topk, fractions[0])[2])
+            ratio = float(delta_l1) / kept if delta_l1 >= 1e-7 and kept >= 1e-7 else 1.0
+        return [thr, ratio, cut]
+    # breadcrumbs
+    gamma = params["gamma"]
+    hi, lo = vals
+    cut_hi = cut_of(fractions[0], hi)
+    k_lo = int(gamma * numel) + int(density * numel)
+    if fractions[1] >= 1.0:
+        lo, cut_lo = 0.0, NO_CUT
+    elif int(fractions[1] * numel) == k_lo:
+        cut_lo = cut_of(fractions[1], lo)
+    elif lo == 0.0:  # k_lo >= nnz as well: every non-zero entry
+        cut_lo = NO_CUT
+    else:  # int((gamma + density) n) = k_lo + 1: the stored k - 1
+        entry = _lookup(topk, fractions[1]) if topk is not None else None
+        if entry is None:
+            return None
+        lo, cut_lo = float(entry[4]), (NO_CUT if math.isinf(entry[4]) else entry[7])
+    if cut_hi is None or cut_lo is None:
+        return None
+    return [hi, lo, cut_hi, cut_lo]
 
 
 def lookup_thresholds(table: dict, fractions: list[float]) -> list[float] | None:
@@ -157,12 +201,13 @@ def useful_blocks(spec: OpSpec, thresholds: list[float] | None, max_abs):
 
 
 def sparsify(spec: OpSpec, delta: torch.Tensor, density: float, params: dict, thresholds: list[float],
-             seed: int) -> torch.Tensor:
-    """Sparsify one expert's delta block (float32, block shape)."""
+             seed: int, offset: int = 0) -> torch.Tensor:
+    """Sparsify one expert's delta block (float32, block shape); ``offset``: the flat index of the
+    block's first entry in its tensor (the exact-k tie-break of the magnitude operators)."""
     kind = spec.sparsify
     if kind is None or density >= 1.0:  # mergekit: every sparsification keeps a density >= 1 delta as it is
         return delta
-    return SPARSIFY[kind](delta, density, params, thresholds, seed)
+    return SPARSIFY[kind](delta, density, params, thresholds, seed, offset)
 
 
 def combine(spec: OpSpec, base: torch.Tensor, deltas: list[tuple[float, torch.Tensor]],

@@ -20,16 +20,33 @@ def _thresholds(density: float, params: dict) -> list[float]:
     return [density]
 
 
-def magnitude(delta: torch.Tensor, thresholds: list[float]) -> torch.Tensor:
-    """Keep the entries with |delta| at or above the expert's per-tensor threshold; with ``rescale`` the
-    statistics carry a second value, mergekit's per-tensor L1 factor ||delta||_1 / ||top-k||_1 (from the
-    catalog: ops.core.tensor_statistics), applied to the kept entries as mergekit does (float32)."""
-    kept = delta * (delta.abs() >= thresholds[0])
-    return kept * thresholds[1] if len(thresholds) > 1 and thresholds[1] != 1.0 else kept
+def top_mask(a: torch.Tensor, thr: float, cut: int, offset: int) -> torch.Tensor:
+    """Whether each entry of a block (|delta| ``a``, first flat index ``offset``) is in the tensor's top k:
+    |d| > thr, or |d| == thr and flat index < cut (the exact-k tie-break, ops.core.tensor_statistics)."""
+    import torch
+    above = a > thr
+    if cut >= offset + a.numel():
+        return above | (a == thr)
+    if cut <= offset:
+        return above
+    idx = torch.arange(offset, offset + a.numel(), dtype=torch.int64).reshape(a.shape)
+    return above | ((a == thr) & (idx < cut))
+
+
+def magnitude(delta: torch.Tensor, thresholds: list[float], offset: int = 0) -> torch.Tensor:
+    """Keep exactly the tensor's top-k entries (``thresholds`` = [thr, ratio, cut] from the catalog:
+    ops.core.tensor_statistics); ``ratio`` is mergekit's per-tensor L1 rescale factor, applied to the
+    kept entries as mergekit does (float32)."""
+    from mergepipe.ops.core import NO_CUT
+    thr = thresholds[0]
+    ratio = thresholds[1] if len(thresholds) > 1 else 1.0
+    cut = thresholds[2] if len(thresholds) > 2 else NO_CUT
+    kept = delta * top_mask(delta.abs(), thr, cut, offset)
+    return kept * ratio if ratio != 1.0 else kept
 
 
 
-SPARSIFY = {Sparsify.MAGNITUDE: lambda delta, density, params, thresholds, seed: magnitude(delta, thresholds)}
+SPARSIFY = {Sparsify.MAGNITUDE: lambda delta, density, params, thresholds, seed, offset: magnitude(delta, thresholds, offset)}
 THRESHOLDS = {Sparsify.MAGNITUDE: _thresholds}
 
 

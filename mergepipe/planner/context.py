@@ -170,13 +170,14 @@ class PlanContext(StrategyScores, Bounds):
                 continue
             rows = analyses.changed_tensor_thresholds(self.catalog, e["id"])
             per = {}
-            for name, text, topk, l1, max_abs in rows:
+            for name, text, topk, l1, max_abs, numel in rows:
                 fracs = threshold_fractions(self.op, tensor_density(e, name) or 1.0, self.params)
-                vals = tensor_statistics(self.op, tensor_density(e, name) or 1.0, self.params, text, topk, l1, max_abs)
+                vals = tensor_statistics(self.op, tensor_density(e, name) or 1.0, self.params, text, topk, l1, max_abs,
+                                         numel)
                 if vals is None:
                     missing = ", ".join(f"{f:g}" for f in fracs if lookup_thresholds(json.loads(text or "{}"), [f]) is None)
                     e["analyze"] = (f"no magnitude threshold for top-{missing}" if missing else
-                                    "no top-k L1 norm (analyzed before catalog v5) for the rescale")
+                                    "no exact top-k statistics (analyzed before catalog v5)")
                     break
                 if fracs:
                     per[name] = vals

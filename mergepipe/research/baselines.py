@@ -56,21 +56,24 @@ def reference_sparsify(op: OpSpec, info, delta: torch.Tensor, density: float, pa
     a = delta.abs()
     if op.sparsify is None or density >= 1.0:
         return delta
-    if op.sparsify == "magnitude":
-        kept = torch.where(a >= kth_largest(a, max(1, int(density * n))), delta, 0.0)
-        if params["rescale"]:  # mergekit: per tensor, L1 of the top-k (ties at the threshold: exactly k)
-            k = max(1, int(density * n))
-            top = torch.sort(a.reshape(-1).double(), descending=True).values[:k]
-            org, new = float(a.double().sum()), float(top.sum())
+    if op.sparsify == "magnitude":  # exactly the top k = max(1, int(d n)), ties by flat index (stable sort)
+        k = max(1, int(density * n))
+        order = torch.sort(a.reshape(-1), descending=True, stable=True).indices
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[order[:k]] = True
+        kept = torch.where(mask.reshape(delta.shape), delta, 0.0)
+        if params["rescale"]:  # mergekit: per tensor, L1 of the top k
+            org, new = float(a.double().sum()), float(a.reshape(-1)[order[:k]].double().sum())
             if org >= 1e-7 and new >= 1e-7:
                 kept = kept * (org / new)
         return kept
-    if op.sparsify == "magnitude_outliers":
-        gamma = params["gamma"]
-        hi = kth_largest(a, int(gamma * n))
-        lo_frac = round(min(1.0, gamma + density), 10)
-        lo = 0.0 if lo_frac >= 1.0 else kth_largest(a, int(lo_frac * n))
-        kept = torch.where((a >= lo) & (a < hi), delta, 0.0)
+    if op.sparsify == "magnitude_outliers":  # mergekit: ranks [k_hi, k_hi + int(d n)) of the same order
+        target, n_top = int(density * n), int(params["gamma"] * n)
+        k_hi = min(n_top, n - target)
+        order = torch.sort(a.reshape(-1), descending=True, stable=True).indices
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[order[k_hi:k_hi + target]] = True
+        kept = torch.where(mask.reshape(delta.shape), delta, 0.0)
         return _rescale_blocks(info, delta, kept, block_bytes) if params["rescale"] else kept
     ids = _block_ids(info, block_bytes, raw)
     if op.sparsify == "random":
