@@ -187,11 +187,8 @@ def count_low_bits(e, b, slot_of, dense):
 
 
 @njit(**_C)
-def find_cuts(e, b, offset, pats, ends, ptr, ms, counts, cuts):
-    """The exact-k cuts (analyze/thresholds.tie_cut_queries) over one block whose first entry has flat
-    index ``offset``: ``pats`` the sorted distinct threshold patterns; the queries of pattern p are
-    ptr[p]..ends[p] (by m ascending, ``ptr`` advancing); counts[p] the entries equal to it seen so far.
-    Query q's cut is the flat index of the entry that makes counts[p] pass ms[q]."""
+def count_patterns(e, b, pats, out):
+    """out[p] += entries of one block whose |d| has the float32 pattern pats[p] (``pats`` sorted)."""
     P = pats.size
     lo = pats[0]
     hi = pats[P - 1]
@@ -201,13 +198,7 @@ def find_cuts(e, b, offset, pats, ends, ptr, ms, counts, cuts):
             continue
         p = np.searchsorted(pats, bits)
         if p < P and pats[p] == bits:
-            c = counts[p]
-            q = ptr[p]
-            while q < ends[p] and ms[q] == c:
-                cuts[q] = offset + i
-                q += 1
-            ptr[p] = q
-            counts[p] = c + 1
+            out[p] += 1
 
 
 @njit(**_C)

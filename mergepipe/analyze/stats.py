@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from mergepipe.analyze import kernels
-from mergepipe.analyze.thresholds import (DenseSelection, HIST_BINS, KeySelection, kth_largest_thresholds,
-                                          tie_cut_queries)
+from mergepipe.analyze.thresholds import (NO_CUT, DenseSelection, HIST_BINS, KeySelection, block_cut,
+                                          kth_largest_thresholds, tie_cut_queries)
 from mergepipe.catalog.db import now
 from mergepipe.catalog.sketch import DEFAULT_SKETCH_SIZE, sample_positions, sketch_bytes
 from mergepipe.storage.grid import BlockSpan, tensor_grid
@@ -221,6 +221,9 @@ class _TensorPass:
         self.fixed = job.re.read_ranges(fixed) if fixed and is_float(binfo) else []
         self.hist = np.zeros((4, 1 << 16), dtype=np.int32 if binfo.numel < 2**31 else np.int64)
         self.l1hist = np.zeros(1 << 16, dtype=np.float64)  # sum of |d| per top-16 bin
+        # tensors not kept in memory: per block (bins, counts, first key, end key) for the exact-k cuts
+        self.block_bins: list[tuple] = []
+        self._hist_before = None
         self.rows: list[dict] = []
         self.cached: list[tuple] = []  # (expert, base) arrays of every block, when the tensor is kept
         self.l2sq = self.l1 = self.mx = 0.0
@@ -272,6 +275,12 @@ class _TensorPass:
         s2, s1, m, n, low, self.nkeys = kernels.block_stats(e, b, self.hist, self.keys, before, self.l1hist)
         if self.nkeys - before < low:
             self._collect_rest(e, b, before, low)
+        if not keep:  # this block's histogram counts, sparse (the exact-k cuts need no second read)
+            now = self.hist.sum(axis=0, dtype=np.int64)
+            diff = now if self._hist_before is None else now - self._hist_before
+            self._hist_before = now
+            bins = np.flatnonzero(diff)
+            self.block_bins.append((bins, diff[bins], before, self.nkeys))
         m = float(m)
         nonfinite = kernels.nonfinite_in_hist(self.hist) - self.nonfinite  # this block's (a histogram read)
         base_nonfinite = kernels.count_nonfinite(b) if nonfinite and b is not None else 0  # bad blocks only
@@ -307,33 +316,41 @@ class _TensorPass:
                  "topk": json.dumps({str(k): v for k, v in topk.items()}),
                  "fixed_bytes": self.fixed_bytes if self.nnz else 0,
                  "nonfinite": self.nonfinite, "base_nonfinite": self.base_nonfinite}
-        self.cached, self.keys = [], _NO_KEYS
+        self.cached, self.keys, self.block_bins, self._hist_before = [], _NO_KEYS, [], None
         return self.rows, stats
 
     def _tie_cuts(self, topk: dict, thresholds: dict) -> None:
-        """Fill the exact-k cuts of ``topk`` (analyze/thresholds.tie_cut_queries): only where entries tied
-        at a threshold straddle the top k. One scan over the tensor's blocks, from memory when the first
-        pass kept them (tensors up to IN_MEMORY_TENSOR_BYTES), else re-read like the select's second
-        pass (from the page cache the first pass just filled); none when no tie straddles."""
-        numel = self.binfo.numel
+        """Fill the exact-k cuts of ``topk`` (analyze/thresholds.tie_cut_queries), only where entries tied
+        at a threshold straddle the top k, from the count of tied entries in each block: counted in
+        memory when the first pass kept the tensor; for a larger tensor from what the first pass recorded
+        (each block's histogram counts and its collected low-bit keys: no second read); only when the
+        first pass ran out of room for keys (the select then re-reads as well), by a re-read."""
         for entry in topk.values():
-            entry[3] = entry[7] = numel
-        queries = sorted(tie_cut_queries(topk, thresholds, numel))
+            entry[3], entry[4], entry[8], entry[9] = NO_CUT, 0, NO_CUT, 0
+        queries = tie_cut_queries(topk, thresholds, self.binfo.numel)
         if not queries:
             return
         pats = np.array(sorted({q[0] for q in queries}), dtype=np.uint32)
-        qpat = np.array([q[0] for q in queries], dtype=np.uint32)
-        starts = np.searchsorted(qpat, pats, side="left").astype(np.int64)
-        ends = np.searchsorted(qpat, pats, side="right").astype(np.int64)
-        ms = np.array([q[1] for q in queries], dtype=np.int64)
-        counts = np.zeros(pats.size, dtype=np.int64)
-        cuts = np.full(len(queries), numel, dtype=np.int64)
-        row = math.prod(self.binfo.shape[1:]) if len(self.binfo.shape) >= 2 else 1
-        blocks = self.cached if self.keep else (self.reread(s) for s in self.spans)
-        for span, (e, b) in zip(self.spans, blocks):
-            kernels.find_cuts(e, b, span.row_start * row, pats, ends, starts, ms, counts, cuts)
-        for (_, _, d, at), cut in zip(queries, cuts.tolist()):
-            topk[d][at] = cut
+        per_block = np.zeros((len(self.spans), pats.size), dtype=np.int64)
+        if not self.keep and self.keys is not _NO_KEYS and len(self.block_bins) == len(self.spans):
+            for i, (bins, counts, k0, k1) in enumerate(self.block_bins):
+                keys = self.keys[k0:k1]
+                for j, pat in enumerate(pats.tolist()):
+                    top, low = pat >> 16, pat & 0xFFFF
+                    if low:
+                        per_block[i, j] = int((keys == pat).sum())
+                    else:  # the bin's entries with low bits 0: its count less its listed keys
+                        at = np.searchsorted(bins, top)
+                        in_bin = int(counts[at]) if at < bins.size and bins[at] == top else 0
+                        per_block[i, j] = in_bin - int(((keys >> 16) == top).sum())
+        else:
+            blocks = self.cached if self.keep else (self.reread(s) for s in self.spans)
+            for i, (e, b) in enumerate(blocks):
+                kernels.count_patterns(e, b, pats, per_block[i])
+        column = {int(p): j for j, p in enumerate(pats.tolist())}
+        for pat, m, d, at in queries:
+            b, r = block_cut(per_block[:, column[pat]], m)
+            topk[d][at], topk[d][at + 1] = self.spans[b].index, r
 
     def select(self, bins: list[int]):
         """Second pass: the low 16 bits of the entries in ``bins`` (from memory or re-read).

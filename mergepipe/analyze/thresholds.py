@@ -70,11 +70,12 @@ def kth_largest_thresholds(hist: np.ndarray, numel: int, nnz: int, densities, se
     (a second pass over the tensor) that answers ``kth_low_bits(slots, ranks)`` and ``split``.
 
     With ``l1hist`` (sum of |delta| per top-16 bin) and a dict ``topk``, also fills, for every d with
-    0 < k <= nnz, ``topk[d] = [above, equal, kept_l1, cut, thr1, above1, equal1, cut1]``: the entries strictly
+    0 < k <= nnz, ``topk[d] = [above, equal, kept_l1, cut_block, cut_rank, thr1, above1, equal1,
+    cut_block1, cut_rank1]``: the entries strictly
     above the threshold, the entries equal to it, the L1 norm of exactly k top entries,
     ``sum(|d| > thr) + (k - above) * thr`` (what mergekit's top-k keeps, whichever tied entries it
-    keeps), the exact-k cut (None here; :func:`tie_cut_queries` says which ANALYZE finds, the others
-    are ``numel``), and the threshold, above and equal counts and cut of k - 1 (thr1 = inf when k = 1), which breadcrumbs' k = int(gamma n) + int(density n)
+    keeps), the exact-k cut (None here; :func:`tie_cut_queries` says which ANALYZE finds), and the
+    threshold, above and equal counts and cut of k - 1 (thr1 = inf when k = 1), which breadcrumbs' k = int(gamma n) + int(density n)
     needs where it is one less than int((gamma + density) n)."""
     desc = np.cumsum(hist[::-1])  # desc[j] = entries in the top j+1 bins
     ks = {int(d * numel) for d in densities}
@@ -115,25 +116,41 @@ def kth_largest_thresholds(hist: np.ndarray, numel: int, nnz: int, densities, se
             out[d] = values[k]
             if k in counts:
                 prev = [float("inf"), 0, 0] if k == 1 else [values[k - 1], *counts[k - 1][:2]]
-                topk[d] = counts[k][:3] + [None] + prev + [None]
+                topk[d] = counts[k][:3] + [None, None] + prev + [None, None]
     return out
+
+
+NO_CUT = 1 << 62  # a cut block past every block: every entry tied at the threshold is in the top k
 
 
 def tie_cut_queries(topk: dict, thresholds: dict, numel: int) -> list[tuple[int, int, float, int]]:
     """The exact-k cuts ANALYZE must find: (float32 pattern of the threshold, m, density, index of the
     cut in topk[d]) for every threshold (of k and of k - 1) whose tied entries straddle the top k:
-    m = k - above of the tied entries are in the top k, equal - m are not. The cut is the flat index
-    (C order over the whole tensor) of the (m+1)-th tied entry: an entry equal to the threshold is in
-    the top k iff its index < cut. Where no tie straddles, the cut is ``numel`` (set by the caller)."""
+    m = k - above of the tied entries are in the top k, equal - m are not.
+
+    The rule (deterministic, exactly k kept): entries are ordered by |d| descending, then flat index
+    (C order over the whole tensor) ascending; the top k are the first k. So the tied entries in the top
+    k are the first m in flat order; the cut says where they end, block by block: ``cut_block`` B, the
+    block (of the base's grid) holding the (m+1)-th tied entry, and ``cut_rank`` r, the tied entries of
+    block B in the top k (its first r in C order). Blocks before B keep every tied entry, blocks after
+    B none. Where no tie straddles, the cut is (NO_CUT, 0): every tied entry is in the top k."""
     out = []
     for d, entry in topk.items():
         k = int(d * numel)
-        above, equal, thr1, above1, equal1 = entry[0], entry[1], entry[4], entry[5], entry[6]
+        above, equal, thr1, above1, equal1 = entry[0], entry[1], entry[5], entry[6], entry[7]
         if k - above < equal:
             out.append((_pattern(thresholds[d]), k - above, d, 3))
         if not np.isinf(thr1) and (k - 1) - above1 < equal1:
-            out.append((_pattern(thr1), (k - 1) - above1, d, 7))
+            out.append((_pattern(thr1), (k - 1) - above1, d, 8))
     return out
+
+
+def block_cut(per_block: np.ndarray, m: int) -> tuple[int, int]:
+    """(B, r) from the tied entries of each block in grid order: the (m+1)-th is in block B, r of that
+    block's tied entries come before it."""
+    before = np.concatenate([[0], np.cumsum(per_block)])
+    b = int(np.searchsorted(before, m, side="right")) - 1
+    return b, int(m - before[b])
 
 
 def _pattern(value: float) -> int:

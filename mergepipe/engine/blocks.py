@@ -62,15 +62,10 @@ def _merged_bytes(fused, op, params, seed, experts, sources, weight_sum, info, s
         thr = thresholds.get(e["id"], {}).get(info.name, [])
         density = tensor_density(e, info.name) or 1.0
         bseed = block_seed(seed, content_id(bufs), info.name, span.index) if op.random and density < 1.0 else 0
-        d = sparsify(op, delta, density, params, thr, bseed, flat_offset(info, span))
+        d = sparsify(op, delta, density, params, thr, bseed, span.index)
         deltas.append((tensor_weight(e, info.name), d))
     merged = combine(op, base, deltas, weight_sum, params)
     return tensor_bytes(merged.to(DTYPES[info.dtype][0]))
-
-
-def flat_offset(info, span) -> int:
-    """The flat index (C order over the tensor) of a block's first entry."""
-    return span.row_start * (math.prod(info.shape[1:]) if len(info.shape) >= 2 else 1)
 
 
 def fused_block(op, params, seed, experts, sources, weight_sum, info, span, shape, raw, contributors, thresholds):
@@ -91,7 +86,7 @@ def fused_block(op, params, seed, experts, sources, weight_sum, info, span, shap
                               tensor_weight(e, info.name), density, thresholds.get(e["id"], {}).get(info.name, []),
                               bseed))
     out = kernels.fused_merge(op, params, raw, info.dtype, math.prod(shape), contributions, weight_sum,
-                              flat_offset(info, span))
+                              span.index)
     return None if out is None else memoryview(out)
 
 

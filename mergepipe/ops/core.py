@@ -93,7 +93,7 @@ def _lookup(table: dict, f: float):
     return value
 
 
-NO_CUT = 1 << 62  # an exact-k cut past every flat index: every entry tied at the threshold is kept
+NO_CUT = (1 << 62, 0)  # an exact-k cut past every block: every entry tied at the threshold is kept
 
 
 def tensor_statistics(spec: OpSpec, density: float, params: dict, thresholds_json: str | None,
@@ -102,19 +102,22 @@ def tensor_statistics(spec: OpSpec, density: float, params: dict, thresholds_jso
     (tensor_stats: thresholds, topk, delta_l1, delta_max_abs, numel); None when one is missing (the
     expert is then analyzed on the way; catalogs analyzed before schema v5 have no ``topk``).
 
-    Exact k (mergekit's top-k keeps exactly k entries): the entries of a tensor are ordered by |delta|
-    descending, then by flat index (C order over the whole tensor) ascending; the top k are the first k.
-    So an entry is in the top k iff |d| > thr, or |d| == thr and its flat index < cut, where ``cut`` (the
-    flat index of the first tied entry left out) comes from ANALYZE (``topk``, found in its pass).
+    Exact k (mergekit's top-k keeps exactly k entries; which of the entries tied at the cut-off is
+    arbitrary in torch): the entries of a tensor are ordered by |delta| descending, then by flat index
+    (C order over the whole tensor) ascending, and the top k are the first k. An entry is in the top k
+    iff |d| > thr, or |d| == thr and it is among the first m tied entries in flat order. ANALYZE stores
+    where those end as a cut (B, r) (analyze/thresholds.tie_cut_queries): blocks before B keep every
+    tied entry, block B its first r in C order, later blocks none; so each block decides alone.
 
-    * TIES (magnitude): ``[thr, ratio, cut]`` for k = max(1, int(density * n)) as mergekit (where
-      int(density * n) = 0, thr = the tensor's max |delta| and every entry tied at it is kept); ``ratio``
-      is mergekit's per-tensor L1 rescale ``||delta||_1 / ||top-k||_1`` with ``rescale`` (1.0 without, or
-      when either norm is below mergekit's 1e-7), ``||top-k||_1`` the L1 of exactly k top entries.
-    * breadcrumbs (outliers): ``[thr_hi, thr_lo, cut_hi, cut_lo]``: drop the top k_hi = int(gamma * n),
-      keep down to the top k_lo = int(gamma * n) + int(density * n), as mergekit's magnitude_outliers
-      (the stored grid holds k = int((gamma + density) * n) and k - 1; when gamma + density rounds to 1,
-      k_lo is taken as n: everything below the top gamma is kept).
+    * TIES (magnitude): ``[thr, ratio, cut_block, cut_rank]`` for k = max(1, int(density * n)) as
+      mergekit (where int(density * n) = 0: thr = the tensor's max |delta|, every entry tied at it
+      kept); ``ratio`` is mergekit's per-tensor L1 rescale ``||delta||_1 / ||top-k||_1`` with ``rescale``
+      (1.0 without, or when either norm is below mergekit's 1e-7), ``||top-k||_1`` the L1 of exactly k
+      top entries (ANALYZE).
+    * breadcrumbs (outliers): ``[thr_hi, thr_lo, cut_block_hi, cut_rank_hi, cut_block_lo, cut_rank_lo]``:
+      drop the top k_hi = int(gamma * n), keep down to the top k_lo = int(gamma * n) + int(density * n),
+      as mergekit's magnitude_outliers (the stored grid holds k = int((gamma + density) * n) and k - 1;
+      when gamma + density rounds to 1, everything below the top gamma is kept).
     Density >= 1: ``[0.0]`` / ``[0.0, 0.0]`` (the delta is kept as it is)."""
     import json
     import math
@@ -128,16 +131,16 @@ def tensor_statistics(spec: OpSpec, density: float, params: dict, thresholds_jso
 
     def cut_of(fraction: float, value: float, at: int = 3):
         if math.isinf(value) or value == 0.0:  # keep nothing / every non-zero entry: no tie to break
-            return NO_CUT
+            return list(NO_CUT)
         entry = _lookup(topk, fraction) if topk is not None else None
-        return None if entry is None else entry[at]
+        return None if entry is None else [entry[at], entry[at + 1]]
 
     if spec.sparsify is Sparsify.MAGNITUDE:
         thr = vals[0]
         kept = None
         if math.isinf(thr):  # k = int(density * n) = 0: mergekit keeps the largest entry
             thr = kept = float(max_abs)
-            cut = NO_CUT
+            cut = list(NO_CUT)
         else:
             cut = cut_of(fractions[0], thr)
             if thr == 0.0:  # fewer non-zeros than k: all of them are kept
@@ -149,26 +152,27 @@ def tensor_statistics(spec: OpSpec, density: float, params: dict, thresholds_jso
             if kept is None:
                 kept = float(_lookup(topk, fractions[0])[2])
             ratio = float(delta_l1) / kept if delta_l1 >= 1e-7 and kept >= 1e-7 else 1.0
-        return [thr, ratio, cut]
+        return [thr, ratio, *cut]
     # breadcrumbs
     gamma = params["gamma"]
     hi, lo = vals
     cut_hi = cut_of(fractions[0], hi)
     k_lo = int(gamma * numel) + int(density * numel)
     if fractions[1] >= 1.0:
-        lo, cut_lo = 0.0, NO_CUT
+        lo, cut_lo = 0.0, list(NO_CUT)
     elif int(fractions[1] * numel) == k_lo:
         cut_lo = cut_of(fractions[1], lo)
     elif lo == 0.0:  # k_lo >= nnz as well: every non-zero entry
-        cut_lo = NO_CUT
+        cut_lo = list(NO_CUT)
     else:  # int((gamma + density) n) = k_lo + 1: the stored k - 1
         entry = _lookup(topk, fractions[1]) if topk is not None else None
         if entry is None:
             return None
-        lo, cut_lo = float(entry[4]), (NO_CUT if math.isinf(entry[4]) else entry[7])
+        lo = float(entry[5])
+        cut_lo = list(NO_CUT) if math.isinf(lo) else [entry[8], entry[9]]
     if cut_hi is None or cut_lo is None:
         return None
-    return [hi, lo, cut_hi, cut_lo]
+    return [hi, lo, *cut_hi, *cut_lo]
 
 
 def lookup_thresholds(table: dict, fractions: list[float]) -> list[float] | None:
@@ -201,13 +205,13 @@ def useful_blocks(spec: OpSpec, thresholds: list[float] | None, max_abs):
 
 
 def sparsify(spec: OpSpec, delta: torch.Tensor, density: float, params: dict, thresholds: list[float],
-             seed: int, offset: int = 0) -> torch.Tensor:
-    """Sparsify one expert's delta block (float32, block shape); ``offset``: the flat index of the
-    block's first entry in its tensor (the exact-k tie-break of the magnitude operators)."""
+             seed: int, block: int = 0) -> torch.Tensor:
+    """Sparsify one expert's delta block (float32, block shape); ``block``: its index in the grid (the
+    exact-k tie-break of the magnitude operators)."""
     kind = spec.sparsify
     if kind is None or density >= 1.0:  # mergekit: every sparsification keeps a density >= 1 delta as it is
         return delta
-    return SPARSIFY[kind](delta, density, params, thresholds, seed, offset)
+    return SPARSIFY[kind](delta, density, params, thresholds, seed, block)
 
 
 def combine(spec: OpSpec, base: torch.Tensor, deltas: list[tuple[float, torch.Tensor]],

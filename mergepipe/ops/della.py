@@ -55,5 +55,5 @@ def della_block(delta: torch.Tensor, density: float, epsilon: float, rescale: bo
     return l1_rescale(delta, kept) if rescale else kept
 
 
-SPARSIFY = {Sparsify.DELLA: lambda delta, density, params, thresholds, seed, offset: della_block(
+SPARSIFY = {Sparsify.DELLA: lambda delta, density, params, thresholds, seed, block: della_block(
     delta, density, params["epsilon"], params["rescale"], seed)}

@@ -20,33 +20,34 @@ def _thresholds(density: float, params: dict) -> list[float]:
     return [density]
 
 
-def top_mask(a: torch.Tensor, thr: float, cut: int, offset: int) -> torch.Tensor:
-    """Whether each entry of a block (|delta| ``a``, first flat index ``offset``) is in the tensor's top k:
-    |d| > thr, or |d| == thr and flat index < cut (the exact-k tie-break, ops.core.tensor_statistics)."""
+def top_mask(a: torch.Tensor, thr: float, cut_block: int, cut_rank: int, block: int) -> torch.Tensor:
+    """Whether each entry of block ``block`` (|delta| ``a``) is in the tensor's top k: |d| > thr, or
+    |d| == thr and, by the exact-k cut (ops.core.tensor_statistics), block < cut_block, or block ==
+    cut_block and it is among the block's first ``cut_rank`` tied entries in C order."""
     import torch
-    above = a > thr
-    if cut >= offset + a.numel():
-        return above | (a == thr)
-    if cut <= offset:
-        return above
-    idx = torch.arange(offset, offset + a.numel(), dtype=torch.int64).reshape(a.shape)
-    return above | ((a == thr) & (idx < cut))
+    if block < cut_block:
+        return a >= thr
+    if block > cut_block:
+        return a > thr
+    tied = (a == thr).reshape(-1)
+    first = tied & (torch.cumsum(tied, 0) <= cut_rank)
+    return (a > thr) | first.reshape(a.shape)
 
 
-def magnitude(delta: torch.Tensor, thresholds: list[float], offset: int = 0) -> torch.Tensor:
-    """Keep exactly the tensor's top-k entries (``thresholds`` = [thr, ratio, cut] from the catalog:
-    ops.core.tensor_statistics); ``ratio`` is mergekit's per-tensor L1 rescale factor, applied to the
-    kept entries as mergekit does (float32)."""
+def magnitude(delta: torch.Tensor, thresholds: list[float], block: int = 0) -> torch.Tensor:
+    """Keep exactly the tensor's top-k entries (``thresholds`` = [thr, ratio, cut_block, cut_rank] from the
+    catalog: ops.core.tensor_statistics); ``ratio`` is mergekit's per-tensor L1 rescale factor, applied
+    to the kept entries as mergekit does (float32)."""
     from mergepipe.ops.core import NO_CUT
     thr = thresholds[0]
     ratio = thresholds[1] if len(thresholds) > 1 else 1.0
-    cut = thresholds[2] if len(thresholds) > 2 else NO_CUT
-    kept = delta * top_mask(delta.abs(), thr, cut, offset)
+    cut = thresholds[2:4] if len(thresholds) > 3 else NO_CUT
+    kept = delta * top_mask(delta.abs(), thr, cut[0], cut[1], block)
     return kept * ratio if ratio != 1.0 else kept
 
 
 
-SPARSIFY = {Sparsify.MAGNITUDE: lambda delta, density, params, thresholds, seed, offset: magnitude(delta, thresholds, offset)}
+SPARSIFY = {Sparsify.MAGNITUDE: lambda delta, density, params, thresholds, seed, block: magnitude(delta, thresholds, block)}
 THRESHOLDS = {Sparsify.MAGNITUDE: _thresholds}
 
 
