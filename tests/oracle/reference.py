@@ -16,14 +16,15 @@ tensors) into runs of max(1, block_bytes // row_bytes) rows, row_bytes of the *b
 
 Sparsification (density d of expert i on this tensor; ``d >= 1`` keeps δ as it is, for every method, as
 mergekit does):
-  * magnitude (ties):  thr = k-th largest |δ| with k = max(1, int(d·numel)) over the *whole* tensor (the
-    full delta, not the access set: ANALYZE computes it once per (expert, tensor)). The magnitudes are
-    those of the float32 delta MergePipe computes in (exact for full and delta checkpoints: fl32(x − base)
-    is the correctly rounded float64 difference). Keep |δ| >= thr (ties at the threshold all kept). With
-    ``rescale`` (mergekit's L1 rescale, per tensor): kept values times ||δ||₁ / ||top-k||₁, the L1 of
-    exactly k top magnitudes (1 when either is below 1e-7).
-  * outliers (breadcrumbs): thr_hi at k = int(gamma·n), thr_lo at k = int(min(1, gamma + d)·n) (k = 0:
-    +inf); keep thr_lo <= |δ| < thr_hi; with ``rescale``, the block's L1-preserving rescale (below).
+  Exact k: the *whole* tensor's entries (the full delta, not the access set: ANALYZE orders them once per
+  (expert, tensor)) ordered by float32 |δ| descending, then flat index (C order) ascending; "rank r" is
+  the position in that order. The magnitudes are those of the float32 delta MergePipe computes in (exact
+  for full and delta checkpoints: fl32(x − base) is the correctly rounded float64 difference).
+  * magnitude (ties): keep ranks [0, k), k = max(1, int(d·numel)) (exactly k, as mergekit's top-k; which
+    of the magnitudes tied at the cut-off is MergePipe's flat-order rule). With ``rescale`` (mergekit's
+    L1 rescale, per tensor): kept values times ||δ||₁ / ||top-k||₁ (1 when either is below 1e-7).
+  * outliers (breadcrumbs, mergekit's magnitude_outliers): keep ranks [k_hi, k_hi + int(d·n)),
+    k_hi = min(int(gamma·n), n − int(d·n)); with ``rescale``, the block's L1-preserving rescale (below).
   * random (DARE): per block, keep iff u < float32(d), u the block's random stream (below), element i of
     the block (C order of the block's rows) getting u[i]; with ``rescale`` (default on), kept values
     times ||δ_block||₁ / ||kept_block||₁ when both are >= 1e-8 (per block, not per tensor).
@@ -48,9 +49,9 @@ Everything here is float64; rounding to the output dtype is left to the comparis
 
 Where MergePipe's semantics (followed here) differ from mergekit 0.1.5, beyond the deliberate
 differences ops/core.py lists (per-block rescale of DARE/DELLA/breadcrumbs, per-block DELLA ranks of
-multi-block 1-D tensors, all magnitudes tied at a cut-off kept, breadcrumbs' k of thr_lo, random
-streams): none known (issue 15 aligned breadcrumbs at d >= 1, TIES' rescale, DELLA's epsilon default,
-keep probability and rescale with mergekit). Weights summing to 0 under
+multi-block 1-D tensors, which of the magnitudes tied at a cut-off are kept, random streams): none known
+(issue 15 aligned breadcrumbs' k and d >= 1, TIES' rescale and k >= 1, DELLA's epsilon default, keep
+probability and rescale with mergekit). Weights summing to 0 under
 ``normalize`` (linear) are refused by the planner (|sum| must exceed 1e-12 x sum |w|); the divisor
 rule below (1 when |sum| < 1e-8) only matters for sums between the two (mergekit's linear divides by
 0; its task-arithmetic family also uses 1 below 1e-8).
@@ -274,9 +275,22 @@ def l1_rescale(d: np.ndarray, kept: np.ndarray) -> np.ndarray:
     return kept * (org / new) if org >= 1e-8 and new >= 1e-8 else kept
 
 
-def magnitude(d: np.ndarray, thr: float, ratio: float = 1.0) -> np.ndarray:
-    """TIES trim: keep |δ| >= the tensor's top-density threshold (times the tensor's L1 ratio)."""
-    return np.where(f32_abs(d) >= thr, d * ratio, 0.0)
+def exact_mask(full: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """The entries ranked [start, stop) when the whole tensor is ordered by float32 |δ| descending, then
+    flat index (C order) ascending: MergePipe's exact-k tie-break (mergekit keeps exactly as many, its
+    choice among magnitudes tied at a cut-off being arbitrary)."""
+    a = f32_abs(full).ravel()
+    order = np.lexsort((np.arange(a.size), -a))
+    mask = np.zeros(a.size, dtype=bool)
+    mask[order[start:stop]] = True
+    return mask.reshape(full.shape)
+
+
+def outlier_ranks(n: int, density: float, gamma: float) -> tuple[int, int]:
+    """mergekit's magnitude_outliers: drop the top min(int(gamma·n), n − int(d·n)), keep the next int(d·n)."""
+    target = int(density * n)
+    k_hi = min(int(gamma * n), n - target)
+    return k_hi, k_hi + target
 
 
 def topk_l1_ratio(full: np.ndarray, density: float) -> float:
@@ -288,10 +302,9 @@ def topk_l1_ratio(full: np.ndarray, density: float) -> float:
     return org / new if org >= 1e-7 and new >= 1e-7 else 1.0
 
 
-def outliers(d: np.ndarray, hi: float, lo: float, rescale: bool) -> np.ndarray:
-    """Breadcrumbs: keep lo <= |δ| < hi (hi: top gamma, lo: top gamma + density); per block rescale."""
-    a = f32_abs(d)
-    kept = np.where((a >= lo) & (a < hi), d, 0.0)
+def outliers(d: np.ndarray, keep: np.ndarray, rescale: bool) -> np.ndarray:
+    """Breadcrumbs on one block: the block's part ``keep`` of the tensor's exact mask; per block rescale."""
+    kept = np.where(keep, d, 0.0)
     return l1_rescale(d, kept) if rescale else kept
 
 
@@ -342,8 +355,9 @@ def thresholds(op: str, delta: np.ndarray, density: float, params: dict) -> list
     if kind == "outliers":
         if density >= 1:
             return [0.0, 0.0]  # the delta is kept as it is: no threshold
-        gamma = params["gamma"]
-        return [kth_largest(a, gamma), kth_largest(a, min(1.0, gamma + density))]
+        k_hi, k_lo = outlier_ranks(a.size, density, params["gamma"])
+        srt = np.sort(a.ravel())[::-1]
+        return [srt[k_hi - 1] if k_hi else math.inf, (srt[k_lo - 1] if k_lo else math.inf) if k_lo < a.size else 0.0]
     return []
 
 
@@ -386,6 +400,12 @@ def merge(plan: dict, base_dir: Path) -> Result:
             if thr and full.any():  # an all-zero delta contributes nothing and needs no threshold
                 thr_all[e.id][name] = thr
             out = np.zeros_like(full)
+            keep = None  # the exact-k mask over the whole tensor (magnitude, outliers)
+            if kind == "magnitude" and dens < 1:
+                keep = exact_mask(full, 0, max(1, int(dens * full.size)))
+                ratio = topk_l1_ratio(full, dens) if rescale else 1.0
+            elif kind == "outliers" and dens < 1:
+                keep = exact_mask(full, *outlier_ranks(full.size, dens, float(params["gamma"])))
             for bi in expand(plan["access"][pe["id"]].get(name, [])):
                 r0, r1 = spans[bi]
                 d = full[r0:r1]
@@ -393,9 +413,9 @@ def merge(plan: dict, base_dir: Path) -> Result:
                 if kind is None or dens >= 1:
                     s = d
                 elif kind == "magnitude":
-                    s = magnitude(d, thr[0], topk_l1_ratio(full, dens) if rescale else 1.0)
+                    s = np.where(keep[r0:r1], d * ratio, 0.0)
                 elif kind == "outliers":
-                    s = outliers(d, thr[0], thr[1], rescale)
+                    s = outliers(d, keep[r0:r1], rescale)
                 elif kind == "random":
                     s = random_drop(d, dens, rescale, bseed)
                 else:
