@@ -11,13 +11,26 @@ arithmetic):
     divisor  = sum of weights (of agreeing entries, with consensus)   -- applied when normalize
     out      = base + lambda * contrib / divisor
 
-Deliberate differences from mergekit, all forced by streaming block by block:
-  * DARE's L1-preserving rescale (``rescale``) is applied per block instead of per tensor.
-  * DELLA ranks magnitudes within each row of dim 0 (1-D tensors: within each block).
-  * Breadcrumbs keeps entries with tau_lo <= |d| < tau_hi, where tau_hi / tau_lo are the k-th largest
-    |d| for k = int(gamma*n) and int((gamma+density)*n); mergekit's int(gamma*n)+int(density*n) can
-    differ by one element.
-  * Magnitude ties at a threshold are all kept (torch.topk keeps an arbitrary subset of them).
+Since issue 15 every operator follows mergekit 0.1.5's definitions (sparsify.py, generalized task
+arithmetic): TIES keeps exactly k = max(1, int(density * n)) entries and honours ``rescale`` (per-tensor
+L1 factor from ANALYZE's exact top-k L1); breadcrumbs drops the top int(gamma * n) and keeps the next
+int(density * n), and keeps the delta unchanged at density >= 1; DELLA uses epsilon 0.15, keep
+probability (density - eps) + 2 eps * r / (n - 1) and L1 restoration (tests/parity/ measures it).
+
+Deliberate differences from mergekit, all forced by streaming block by block or by determinism:
+  * The L1-preserving ``rescale`` of the random operators (DARE, DELLA) and of breadcrumbs is applied
+    per block instead of per tensor: the kept part's norm depends on every block's mask, unknown before
+    the first block is written unless the tensor were read twice. Same expected update.
+  * DELLA ranks magnitudes within each row (exactly mergekit's for 2-D tensors, whose blocks hold whole
+    rows); a 1-D tensor that spans several blocks is ranked within each block (mergekit: whole tensor).
+  * Magnitude ties at a cut-off: exactly k entries are kept (as torch's top-k), the tied ones chosen by
+    a documented rule -- the first in flat C order over the tensor (:func:`tensor_statistics`) -- where
+    torch's unstable sort picks arbitrarily: counts match mergekit, positions of tied entries may not.
+    Exceptions: TIES where int(density * n) = 0 (k = 1: every entry tied at the max is kept) and
+    breadcrumbs with gamma + density = 1 (everything below the top gamma is kept).
+  * Random masks come from a counter-based stream seeded by (seed, the expert block's content, tensor,
+    block) (ops/streams.py), not torch's global generator: equal in distribution, not draw for draw;
+    independent of traversal order, parallelism and the catalog (ids, fingerprints).
 """
 
 from __future__ import annotations

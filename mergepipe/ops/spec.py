@@ -156,7 +156,7 @@ class OpSpec:
         common = [WEIGHT] + ([DENSITY] if self.uses_density else []) + [
             LAMBDA,
             _flag_param("normalize", self.normalize, "divide by the sum of the weights"),
-            _flag_param("rescale", self.rescale, "rescale the kept entries (L1-preserving or 1/p)"),
+            _flag_param("rescale", self.rescale, "rescale the kept entries to the L1 norm of the delta (per tensor for TIES, per block otherwise)"),
         ]
         return tuple(common) + self.extras
 
@@ -190,7 +190,7 @@ def all_parameters() -> tuple[Param, ...]:
     """Every parameter any registered operator declares, once each, in declaration order."""
     seen: dict[str, Param] = {}
     for p in (WEIGHT, DENSITY, LAMBDA, _flag_param("normalize", False, "divide by the sum of the weights"),
-              _flag_param("rescale", False, "rescale the kept entries (L1-preserving or 1/p)")):
+              _flag_param("rescale", False, "rescale the kept entries to the L1 norm of the delta (per tensor for TIES, per block otherwise)")):
         seen[p.name] = p
     for spec in OPERATORS.values():
         for p in spec.extras:

@@ -440,7 +440,7 @@ def merge(plan: dict, base_dir: Path) -> Result:
             base_term = b * W if (op in WHOLE_MODELS and not normalize) else b
         merged = base_term + lam * mixed / divisor
         # float32 arithmetic error of an implementation that computes δ, w·δ, the sum over K experts, the
-        # rescale or 1/p, the division, λ and the final addition in float32: each step at most u relative
+        # the rescale, the division, λ and the final addition in float32: each step at most u relative
         # to the magnitudes it combines (K + 6 steps), plus the error of the float32 delta itself (LoRA).
         K = len(contribs)
         mags = sum(np.abs(x) for x in wd) if wd else np.zeros_like(b)

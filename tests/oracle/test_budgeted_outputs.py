@@ -9,7 +9,7 @@ page cache, in a child process) is checked against the plan for every operator.
 
 Tolerances (``reference.Result.err``): the oracle is exact float64 on the exact inputs; MergePipe
 computes in float32, so each entry may differ by the float32 rounding of the K + 6 steps it takes
-(delta, weight, K-term sum, rescale or 1/p, divisor, lambda, base addition): (K + 6)·2⁻²⁴ times the
+(delta, weight, K-term sum, rescale, divisor, lambda, base addition): (K + 6)·2⁻²⁴ times the
 magnitudes combined, plus the error of LoRA's float32 B @ A (r + 2)·2⁻²⁴·scale·(|B| @ |A|); a bf16
 output then adds half a bf16 ulp (the engine rounds its float32 result to the nearest bf16, the oracle
 is not rounded). Linear and task arithmetic must meet that everywhere. Operators with a decision
