@@ -287,7 +287,7 @@ def test_rescale_equals_oracle(fams, catalogs, tmp_path, op, dtype, budget):
     plan, _, _ = check(fams[dtype], catalogs[dtype], tmp_path, op, budget, tag="rs", rescale=True)
     if op == "ties":
         ratios = [v[1] for per in plan["thresholds"].values() for v in per.values()]
-        assert all(r >= 1.0 for r in ratios) and sum(r > 1.0 for r in ratios) > len(ratios) // 2
+        assert all(r >= 1.0 for r in ratios) and sum(r > 1.0 for r in ratios) >= len(ratios) // 4
 
 
 PER_TENSOR = [  # mergekit's filters and gradients: weights and densities that vary per tensor
