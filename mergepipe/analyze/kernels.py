@@ -66,10 +66,11 @@ def _delta(e, b, i):
 
 
 @njit(**_C)
-def block_stats(e, b, hist, keys, pos):
+def block_stats(e, b, hist, keys, pos, l1hist):
     """(sum d^2, sum |d|, max |d|, non-zeros, entries whose low 16 bits are not all zero) of one
     block's delta; counts the top 16 bits of each |d| (its float32 pattern) in ``hist`` [4, 65536]
-    (lane i % 4; zeros land in bin 0). While ``keys`` has room, the float32 pattern of every |d| whose
+    (lane i % 4; zeros land in bin 0) and adds |d| to ``l1hist[top 16 bits]`` (float64 [65536]: the
+    L1 norm per bin, from which the L1 of the top-k entries follows without another pass). While ``keys`` has room, the float32 pattern of every |d| whose
     low 16 bits are not all zero is appended at ``pos`` (returned advanced; fewer than the count of
     such entries when room ran out), so that the radix select needs no second pass over the tensor.
 
@@ -98,6 +99,10 @@ def block_stats(e, b, hist, keys, pos):
         a3 += x3
         mx = max(mx, max(max(x0, x1), max(x2, x3)))
         nnz += _count(x0, hist, 0) + _count(x1, hist, 1) + _count(x2, hist, 2) + _count(x3, hist, 3)
+        _add_l1(x0, l1hist)
+        _add_l1(x1, l1hist)
+        _add_l1(x2, l1hist)
+        _add_l1(x3, l1hist)
         l0, l1, l2, l3 = _low(x0), _low(x1), _low(x2), _low(x3)
         if l0 | l1 | l2 | l3:
             pos = _keep(keys, pos, x0, l0)
@@ -112,6 +117,7 @@ def block_stats(e, b, hist, keys, pos):
         a0 += x0
         mx = max(mx, x0)
         nnz += _count(x0, hist, 0)
+        _add_l1(x0, l1hist)
         l0 = _low(x0)
         pos = _keep(keys, pos, x0, l0)
         low += l0
@@ -131,6 +137,11 @@ def _count(x, hist, lane):
     bits = np.float32(x).view(np.uint32)
     hist[lane, bits >> np.uint32(16)] += 1
     return bits != 0
+
+
+@njit(inline="always", **_C)
+def _add_l1(x, l1hist):
+    l1hist[np.float32(x).view(np.uint32) >> np.uint32(16)] += np.float64(x)
 
 
 @njit(inline="always", **_C)
@@ -173,6 +184,21 @@ def count_low_bits(e, b, slot_of, dense):
     for i in range(e.size):
         bits = np.float32(abs(_delta(e, b, i))).view(np.uint32)
         dense[slot_of[bits >> np.uint32(16)], bits & np.uint32(0xFFFF)] += 1
+
+
+@njit(**_C)
+def count_patterns(e, b, pats, out):
+    """out[p] += entries of one block whose |d| has the float32 pattern pats[p] (``pats`` sorted)."""
+    P = pats.size
+    lo = pats[0]
+    hi = pats[P - 1]
+    for i in range(e.size):
+        bits = np.float32(abs(_delta(e, b, i))).view(np.uint32)
+        if bits < lo or bits > hi:
+            continue
+        p = np.searchsorted(pats, bits)
+        if p < P and pats[p] == bits:
+            out[p] += 1
 
 
 @njit(**_C)

@@ -3,7 +3,9 @@
 Per block of delta = expert - base: L2 and L1 norms, max |delta|, non-zero count, a sketch
 (see catalog/sketch.py) and the count of non-finite deltas (NaN/Inf in the expert or the base; of them,
 how many entries of the base block are NaN/Inf). Per (expert, tensor): the same totals and exact top-k magnitude thresholds for a
-grid of densities (what TIES/breadcrumbs need), so a budgeted merge never reads a whole tensor to
+grid of densities (what TIES/breadcrumbs need) and, per density, the count of entries above and equal to
+the threshold and the L1 norm of exactly k top entries (``topk``: what TIES' L1 ``rescale`` needs;
+summed from a per-bin L1 histogram kept in the first pass, so it costs no extra pass), so a budgeted merge never reads a whole tensor to
 learn them. Thresholds are found by a radix select on the float32 bit pattern of |delta|: pass one
 histograms the top 16 bits; pass two counts the low 16 bits of only the bins that hold a k-th largest
 (from memory for small tensors, otherwise re-read from the page cache the first pass just filled).
@@ -34,7 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from mergepipe.analyze import kernels
-from mergepipe.analyze.thresholds import DenseSelection, HIST_BINS, KeySelection, kth_largest_thresholds
+from mergepipe.analyze.thresholds import (NO_CUT, DenseSelection, HIST_BINS, KeySelection, block_cut,
+                                          kth_largest_thresholds, tie_cut_queries)
 from mergepipe.catalog.db import now
 from mergepipe.catalog.sketch import DEFAULT_SKETCH_SIZE, sample_positions, sketch_bytes
 from mergepipe.storage.grid import BlockSpan, tensor_grid
@@ -217,6 +220,10 @@ class _TensorPass:
         self.fixed_bytes = sum(n for _, _, n in fixed)
         self.fixed = job.re.read_ranges(fixed) if fixed and is_float(binfo) else []
         self.hist = np.zeros((4, 1 << 16), dtype=np.int32 if binfo.numel < 2**31 else np.int64)
+        self.l1hist = np.zeros(1 << 16, dtype=np.float64)  # sum of |d| per top-16 bin
+        # tensors not kept in memory: per block (bins, counts, first key, end key) for the exact-k cuts
+        self.block_bins: list[tuple] = []
+        self._hist_before = None
         self.rows: list[dict] = []
         self.cached: list[tuple] = []  # (expert, base) arrays of every block, when the tensor is kept
         self.l2sq = self.l1 = self.mx = 0.0
@@ -265,9 +272,15 @@ class _TensorPass:
         if b is not None:
             self.job.base_read += b.nbytes
         before = self.nkeys
-        s2, s1, m, n, low, self.nkeys = kernels.block_stats(e, b, self.hist, self.keys, before)
+        s2, s1, m, n, low, self.nkeys = kernels.block_stats(e, b, self.hist, self.keys, before, self.l1hist)
         if self.nkeys - before < low:
             self._collect_rest(e, b, before, low)
+        if not keep:  # this block's histogram counts, sparse (the exact-k cuts need no second read)
+            now = self.hist.sum(axis=0, dtype=np.int64)
+            diff = now if self._hist_before is None else now - self._hist_before
+            self._hist_before = now
+            bins = np.flatnonzero(diff)
+            self.block_bins.append((bins, diff[bins], before, self.nkeys))
         m = float(m)
         nonfinite = kernels.nonfinite_in_hist(self.hist) - self.nonfinite  # this block's (a histogram read)
         base_nonfinite = kernels.count_nonfinite(b) if nonfinite and b is not None else 0  # bad blocks only
@@ -292,15 +305,52 @@ class _TensorPass:
             self.rows = [_row(job.expert_id, binfo.name, span, self.source.block_ranges(binfo.name, span)[0])
                          for span in self.spans]
         hist = self.hist.sum(axis=0, dtype=np.int64)
-        thresholds = (kth_largest_thresholds(hist[:HIST_BINS], binfo.numel, self.nnz, job.densities, self.select)
+        topk: dict = {}
+        thresholds = (kth_largest_thresholds(hist[:HIST_BINS], binfo.numel, self.nnz, job.densities, self.select,
+                                             self.l1hist, topk)
                       if self.nnz else {})
+        self._tie_cuts(topk, thresholds)
         stats = {"model_id": job.expert_id, "tensor": binfo.name, "numel": binfo.numel, "delta_l2": self.l2sq ** 0.5,
                  "delta_l1": self.l1, "delta_max_abs": self.mx, "delta_nnz": self.nnz,
                  "thresholds": json.dumps({str(k): v for k, v in thresholds.items()}),
+                 "topk": json.dumps({str(k): v for k, v in topk.items()}),
                  "fixed_bytes": self.fixed_bytes if self.nnz else 0,
                  "nonfinite": self.nonfinite, "base_nonfinite": self.base_nonfinite}
-        self.cached, self.keys = [], _NO_KEYS
+        self.cached, self.keys, self.block_bins, self._hist_before = [], _NO_KEYS, [], None
         return self.rows, stats
+
+    def _tie_cuts(self, topk: dict, thresholds: dict) -> None:
+        """Fill the exact-k cuts of ``topk`` (analyze/thresholds.tie_cut_queries), only where entries tied
+        at a threshold straddle the top k, from the count of tied entries in each block: counted in
+        memory when the first pass kept the tensor; for a larger tensor from what the first pass recorded
+        (each block's histogram counts and its collected low-bit keys: no second read); only when the
+        first pass ran out of room for keys (the select then re-reads as well), by a re-read."""
+        for entry in topk.values():
+            entry[3], entry[4], entry[8], entry[9] = NO_CUT, 0, NO_CUT, 0
+        queries = tie_cut_queries(topk, thresholds, self.binfo.numel)
+        if not queries:
+            return
+        pats = np.array(sorted({q[0] for q in queries}), dtype=np.uint32)
+        per_block = np.zeros((len(self.spans), pats.size), dtype=np.int64)
+        if not self.keep and self.keys is not _NO_KEYS and len(self.block_bins) == len(self.spans):
+            for i, (bins, counts, k0, k1) in enumerate(self.block_bins):
+                keys = self.keys[k0:k1]
+                for j, pat in enumerate(pats.tolist()):
+                    top, low = pat >> 16, pat & 0xFFFF
+                    if low:
+                        per_block[i, j] = int((keys == pat).sum())
+                    else:  # the bin's entries with low bits 0: its count less its listed keys
+                        at = np.searchsorted(bins, top)
+                        in_bin = int(counts[at]) if at < bins.size and bins[at] == top else 0
+                        per_block[i, j] = in_bin - int(((keys >> 16) == top).sum())
+        else:
+            blocks = self.cached if self.keep else (self.reread(s) for s in self.spans)
+            for i, (e, b) in enumerate(blocks):
+                kernels.count_patterns(e, b, pats, per_block[i])
+        column = {int(p): j for j, p in enumerate(pats.tolist())}
+        for pat, m, d, at in queries:
+            b, r = block_cut(per_block[:, column[pat]], m)
+            topk[d][at], topk[d][at + 1] = self.spans[b].index, r
 
     def select(self, bins: list[int]):
         """Second pass: the low 16 bits of the entries in ``bins`` (from memory or re-read).
@@ -349,6 +399,6 @@ def _zero_tensor(binfo: TensorInfo, block_bytes: int, expert_id: str):
              "delta_max_abs": 0.0, "delta_nnz": 0, "sketch": b"", "nonfinite": 0, "base_nonfinite": 0}
             for s in tensor_grid(binfo, block_bytes)]
     stats = {"model_id": expert_id, "tensor": binfo.name, "numel": binfo.numel, "delta_l2": 0.0, "delta_l1": 0.0,
-             "delta_max_abs": 0.0, "delta_nnz": 0, "thresholds": "{}", "fixed_bytes": 0, "nonfinite": 0,
+             "delta_max_abs": 0.0, "delta_nnz": 0, "thresholds": "{}", "topk": "{}", "fixed_bytes": 0, "nonfinite": 0,
              "base_nonfinite": 0}
     return rows, stats

@@ -49,9 +49,11 @@ def _check_still_current(catalog: Catalog, job) -> None:
 
 # --- planner reads (cursors of tuples, changed tensors/blocks only) ---------------------------------
 def changed_tensor_thresholds(catalog: Catalog, model_id: str):
-    """(tensor, thresholds JSON) of the tensors an expert changed."""
+    """(tensor, thresholds JSON, topk JSON or None, delta_l1, delta_max_abs, numel) of the tensors an
+    expert changed."""
     return catalog.conn.execute(
-        "SELECT tensor, thresholds FROM tensor_stats WHERE model_id = ? AND delta_nnz > 0", [model_id])
+        "SELECT tensor, thresholds, topk, delta_l1, delta_max_abs, numel FROM tensor_stats "
+        "WHERE model_id = ? AND delta_nnz > 0", [model_id])
 
 
 def fixed_bytes_by_tensor(catalog: Catalog, model_id: str) -> dict[str, int]:

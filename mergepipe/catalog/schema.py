@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)""",
@@ -29,7 +29,7 @@ SCHEMA = [
     """CREATE TABLE IF NOT EXISTS tensor_stats (
         model_id TEXT NOT NULL, tensor TEXT NOT NULL, numel INTEGER, delta_l2 REAL, delta_l1 REAL,
         delta_max_abs REAL, delta_nnz INTEGER, thresholds TEXT, fixed_bytes INTEGER DEFAULT 0,
-        nonfinite INTEGER DEFAULT 0, base_nonfinite INTEGER DEFAULT 0,
+        nonfinite INTEGER DEFAULT 0, base_nonfinite INTEGER DEFAULT 0, topk TEXT,
         PRIMARY KEY (model_id, tensor))""",
     """CREATE TABLE IF NOT EXISTS plans (
         id TEXT PRIMARY KEY, created_at TEXT, base_id TEXT, operator TEXT, budget_bytes INTEGER,
@@ -65,4 +65,8 @@ MIGRATIONS: dict[int, list[str]] = {
     # statistics stored before v4 count as finite (the engine still refuses a non-finite output)
     4: [f"ALTER TABLE {t} ADD COLUMN {c} INTEGER DEFAULT 0" for t in ("blocks", "tensor_stats")
         for c in ("nonfinite", "base_nonfinite")],
+    # per density of the thresholds grid: [entries above the threshold, entries equal to it, L1 of exactly
+    # k top entries] (TIES' per-tensor L1 rescale; the exact-k count of tied entries). NULL before v5:
+    # a merge that needs it analyzes the expert again on the way.
+    5: ["ALTER TABLE tensor_stats ADD COLUMN topk TEXT"],
 }

@@ -15,7 +15,7 @@ import torch
 
 from mergepipe.errors import ExecutionError
 from mergepipe.ops.core import combine, sparsify
-from mergepipe.ops.streams import block_seed
+from mergepipe.ops.streams import block_seed, content_id
 from mergepipe.planner.settings import tensor_density, tensor_weight
 from mergepipe.storage.safetensors import DTYPES, bytes_to_tensor, rows_shape
 
@@ -60,8 +60,9 @@ def _merged_bytes(fused, op, params, seed, experts, sources, weight_sum, info, s
         e = experts[ei]
         delta = sources[ei].delta(info.name, span, bufs, fixed, base).reshape(shape)
         thr = thresholds.get(e["id"], {}).get(info.name, [])
-        d = sparsify(op, delta, tensor_density(e, info.name) or 1.0, params, thr,
-                     block_seed(seed, e["id"], info.name, span.index))
+        density = tensor_density(e, info.name) or 1.0
+        bseed = block_seed(seed, content_id(bufs), info.name, span.index) if op.random and density < 1.0 else 0
+        d = sparsify(op, delta, density, params, thr, bseed, span.index)
         deltas.append((tensor_weight(e, info.name), d))
     merged = combine(op, base, deltas, weight_sum, params)
     return tensor_bytes(merged.to(DTYPES[info.dtype][0]))
@@ -80,11 +81,12 @@ def fused_block(op, params, seed, experts, sources, weight_sum, info, span, shap
             return None
         e = experts[ei]
         density = tensor_density(e, info.name) or 1.0
-        bseed = block_seed(seed, e["id"], info.name, span.index) if op.random and density < 1.0 else 0
+        bseed = block_seed(seed, content_id(bufs), info.name, span.index) if op.random and density < 1.0 else 0
         contributions.append((bufs[0], src.checkpoint.tensors[info.name].dtype, src.kind == "delta",
                               tensor_weight(e, info.name), density, thresholds.get(e["id"], {}).get(info.name, []),
                               bseed))
-    out = kernels.fused_merge(op, params, raw, info.dtype, math.prod(shape), contributions, weight_sum)
+    out = kernels.fused_merge(op, params, raw, info.dtype, math.prod(shape), contributions, weight_sum,
+                              span.index)
     return None if out is None else memoryview(out)
 
 

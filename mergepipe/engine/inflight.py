@@ -28,7 +28,7 @@ from mergepipe.analyze.stats import DEFAULT_DENSITIES, ExpertAnalysis, analysis_
 from mergepipe.catalog.analyses import nonfinite_message
 from mergepipe.catalog.db import Catalog
 from mergepipe.errors import ExecutionError
-from mergepipe.ops.core import get_op, lookup_thresholds, threshold_fractions, useful_blocks
+from mergepipe.ops.core import get_op, tensor_statistics, threshold_fractions, useful_blocks
 from mergepipe.planner.settings import tensor_density
 from mergepipe.storage.safetensors import FLOAT_DTYPES, Checkpoint, TensorInfo
 
@@ -80,16 +80,15 @@ class InflightAnalysis:
             self._use(e, info.name, *self.jobs[e["id"]].results[info.name])
 
     def _use(self, expert: dict, name: str, rows: list[dict], stats: dict) -> None:
-        import json
-
         eid = expert["id"]
         bad = [(name, r["block"], r["nonfinite"], r["base_nonfinite"]) for r in rows if r.get("nonfinite")]
         if bad:
             raise ExecutionError(nonfinite_message(eid, self.base_id, bad))
         thr = None
         if stats["delta_nnz"] and self.op.thresholded:
-            fracs = threshold_fractions(self.op, tensor_density(expert, name) or 1.0, self.params)
-            thr = lookup_thresholds(json.loads(stats["thresholds"]), fracs)
+            thr = tensor_statistics(self.op, tensor_density(expert, name) or 1.0, self.params, stats["thresholds"],
+                                    stats.get("topk"), stats["delta_l1"], stats["delta_max_abs"],
+                                    stats["numel"])
             self.thresholds[eid][name] = thr
         nonzero = [r for r in rows if r["delta_nnz"] > 0]
         keep = useful_blocks(self.op, thr, np.array([r["delta_max_abs"] for r in nonzero], dtype=np.float64))

@@ -11,13 +11,26 @@ arithmetic):
     divisor  = sum of weights (of agreeing entries, with consensus)   -- applied when normalize
     out      = base + lambda * contrib / divisor
 
-Deliberate differences from mergekit, all forced by streaming block by block:
-  * DARE's L1-preserving rescale (``rescale``) is applied per block instead of per tensor.
-  * DELLA ranks magnitudes within each row of dim 0 (1-D tensors: within each block).
-  * Breadcrumbs keeps entries with tau_lo <= |d| < tau_hi, where tau_hi / tau_lo are the k-th largest
-    |d| for k = int(gamma*n) and int((gamma+density)*n); mergekit's int(gamma*n)+int(density*n) can
-    differ by one element.
-  * Magnitude ties at a threshold are all kept (torch.topk keeps an arbitrary subset of them).
+Since issue 15 every operator follows mergekit 0.1.5's definitions (sparsify.py, generalized task
+arithmetic): TIES keeps exactly k = max(1, int(density * n)) entries and honours ``rescale`` (per-tensor
+L1 factor from ANALYZE's exact top-k L1); breadcrumbs drops the top int(gamma * n) and keeps the next
+int(density * n), and keeps the delta unchanged at density >= 1; DELLA uses epsilon 0.15, keep
+probability (density - eps) + 2 eps * r / (n - 1) and L1 restoration (tests/parity/ measures it).
+
+Deliberate differences from mergekit, all forced by streaming block by block or by determinism:
+  * The L1-preserving ``rescale`` of the random operators (DARE, DELLA) and of breadcrumbs is applied
+    per block instead of per tensor: the kept part's norm depends on every block's mask, unknown before
+    the first block is written unless the tensor were read twice. Same expected update.
+  * DELLA ranks magnitudes within each row (exactly mergekit's for 2-D tensors, whose blocks hold whole
+    rows); a 1-D tensor that spans several blocks is ranked within each block (mergekit: whole tensor).
+  * Magnitude ties at a cut-off: exactly k entries are kept (as torch's top-k), the tied ones chosen by
+    a documented rule -- the first in flat C order over the tensor (:func:`tensor_statistics`) -- where
+    torch's unstable sort picks arbitrarily: counts match mergekit, positions of tied entries may not.
+    Exceptions: TIES where int(density * n) = 0 (k = 1: every entry tied at the max is kept) and
+    breadcrumbs with gamma + density = 1 (everything below the top gamma is kept).
+  * Random masks come from a counter-based stream seeded by (seed, the expert block's content, tensor,
+    block) (ops/streams.py), not torch's global generator: equal in distribution, not draw for draw;
+    independent of traversal order, parallelism and the catalog (ids, fingerprints).
 """
 
 from __future__ import annotations
@@ -86,6 +99,95 @@ def threshold_fractions(spec: OpSpec, density: float, params: dict) -> list[floa
     return fractions(density, params) if fractions else []
 
 
+def _lookup(table: dict, f: float):
+    value = table.get(str(f))
+    if value is None:  # keys are str(float); fall back to a tolerant match
+        value = next((v for k, v in table.items() if abs(float(k) - f) < 1e-9), None)
+    return value
+
+
+NO_CUT = (1 << 62, 0)  # an exact-k cut past every block: every entry tied at the threshold is kept
+
+
+def tensor_statistics(spec: OpSpec, density: float, params: dict, thresholds_json: str | None,
+                      topk_json: str | None, delta_l1: float, max_abs: float, numel: int) -> list[float] | None:
+    """The per-tensor statistics an operator needs for one (expert, tensor), from its catalog row
+    (tensor_stats: thresholds, topk, delta_l1, delta_max_abs, numel); None when one is missing (the
+    expert is then analyzed on the way; catalogs analyzed before schema v5 have no ``topk``).
+
+    Exact k (mergekit's top-k keeps exactly k entries; which of the entries tied at the cut-off is
+    arbitrary in torch): the entries of a tensor are ordered by |delta| descending, then by flat index
+    (C order over the whole tensor) ascending, and the top k are the first k. An entry is in the top k
+    iff |d| > thr, or |d| == thr and it is among the first m tied entries in flat order. ANALYZE stores
+    where those end as a cut (B, r) (analyze/thresholds.tie_cut_queries): blocks before B keep every
+    tied entry, block B its first r in C order, later blocks none; so each block decides alone.
+
+    * TIES (magnitude): ``[thr, ratio, cut_block, cut_rank]`` for k = max(1, int(density * n)) as
+      mergekit (where int(density * n) = 0: thr = the tensor's max |delta|, every entry tied at it
+      kept); ``ratio`` is mergekit's per-tensor L1 rescale ``||delta||_1 / ||top-k||_1`` with ``rescale``
+      (1.0 without, or when either norm is below mergekit's 1e-7), ``||top-k||_1`` the L1 of exactly k
+      top entries (ANALYZE).
+    * breadcrumbs (outliers): ``[thr_hi, thr_lo, cut_block_hi, cut_rank_hi, cut_block_lo, cut_rank_lo]``:
+      drop the top k_hi = int(gamma * n), keep down to the top k_lo = int(gamma * n) + int(density * n),
+      as mergekit's magnitude_outliers (the stored grid holds k = int((gamma + density) * n) and k - 1;
+      when gamma + density rounds to 1, everything below the top gamma is kept).
+    Density >= 1: ``[0.0]`` / ``[0.0, 0.0]`` (the delta is kept as it is)."""
+    import json
+    import math
+
+    fractions = threshold_fractions(spec, density, params)
+    table = json.loads(thresholds_json or "{}")
+    vals = lookup_thresholds(table, fractions)
+    if vals is None or not spec.thresholded or density >= 1.0:
+        return vals
+    topk = json.loads(topk_json) if topk_json else None
+
+    def cut_of(fraction: float, value: float, at: int = 3):
+        if math.isinf(value) or value == 0.0:  # keep nothing / every non-zero entry: no tie to break
+            return list(NO_CUT)
+        entry = _lookup(topk, fraction) if topk is not None else None
+        return None if entry is None else [entry[at], entry[at + 1]]
+
+    if spec.sparsify is Sparsify.MAGNITUDE:
+        thr = vals[0]
+        kept = None
+        if math.isinf(thr):  # k = int(density * n) = 0: mergekit keeps the largest entry
+            thr = kept = float(max_abs)
+            cut = list(NO_CUT)
+        else:
+            cut = cut_of(fractions[0], thr)
+            if thr == 0.0:  # fewer non-zeros than k: all of them are kept
+                kept = float(delta_l1)
+        if cut is None:
+            return None
+        ratio = 1.0
+        if params.get("rescale"):
+            if kept is None:
+                kept = float(_lookup(topk, fractions[0])[2])
+            ratio = float(delta_l1) / kept if delta_l1 >= 1e-7 and kept >= 1e-7 else 1.0
+        return [thr, ratio, *cut]
+    # breadcrumbs
+    gamma = params["gamma"]
+    hi, lo = vals
+    cut_hi = cut_of(fractions[0], hi)
+    k_lo = int(gamma * numel) + int(density * numel)
+    if fractions[1] >= 1.0:
+        lo, cut_lo = 0.0, list(NO_CUT)
+    elif int(fractions[1] * numel) == k_lo:
+        cut_lo = cut_of(fractions[1], lo)
+    elif lo == 0.0:  # k_lo >= nnz as well: every non-zero entry
+        cut_lo = list(NO_CUT)
+    else:  # int((gamma + density) n) = k_lo + 1: the stored k - 1
+        entry = _lookup(topk, fractions[1]) if topk is not None else None
+        if entry is None:
+            return None
+        lo = float(entry[5])
+        cut_lo = list(NO_CUT) if math.isinf(lo) else [entry[8], entry[9]]
+    if cut_hi is None or cut_lo is None:
+        return None
+    return [hi, lo, *cut_hi, *cut_lo]
+
+
 def lookup_thresholds(table: dict, fractions: list[float]) -> list[float] | None:
     """Stored thresholds (``{str(density): value}``) for ``fractions``; None if one is missing.
     Keeping every entry (fraction 1) needs no threshold."""
@@ -108,18 +210,21 @@ def useful_blocks(spec: OpSpec, thresholds: list[float] | None, max_abs):
     threshold a block whose largest entry is below it contributes nothing (numpy arrays)."""
     import numpy as np
 
-    if spec.thresholded:  # the smallest kept magnitude is the last threshold
-        return max_abs >= thresholds[-1] if thresholds else np.zeros_like(max_abs, dtype=bool)
+    if spec.thresholded:  # the smallest kept magnitude: TIES' threshold, breadcrumbs' lower one
+        if not thresholds:
+            return np.zeros_like(max_abs, dtype=bool)
+        return max_abs >= thresholds[0 if spec.sparsify is Sparsify.MAGNITUDE else 1]
     return np.ones_like(max_abs, dtype=bool)
 
 
 def sparsify(spec: OpSpec, delta: torch.Tensor, density: float, params: dict, thresholds: list[float],
-             seed: int) -> torch.Tensor:
-    """Sparsify one expert's delta block (float32, block shape)."""
+             seed: int, block: int = 0) -> torch.Tensor:
+    """Sparsify one expert's delta block (float32, block shape); ``block``: its index in the grid (the
+    exact-k tie-break of the magnitude operators)."""
     kind = spec.sparsify
-    if kind is None or (density >= 1.0 and kind is not Sparsify.OUTLIERS):
+    if kind is None or density >= 1.0:  # mergekit: every sparsification keeps a density >= 1 delta as it is
         return delta
-    return SPARSIFY[kind](delta, density, params, thresholds, seed)
+    return SPARSIFY[kind](delta, density, params, thresholds, seed, block)
 
 
 def combine(spec: OpSpec, base: torch.Tensor, deltas: list[tuple[float, torch.Tensor]],

@@ -24,4 +24,4 @@ def random_drop(delta: torch.Tensor, density: float, params: dict, seed: int) ->
     return l1_rescale(delta, kept) if params["rescale"] else kept
 
 
-SPARSIFY = {Sparsify.RANDOM: lambda delta, density, params, thresholds, seed: random_drop(delta, density, params, seed)}
+SPARSIFY = {Sparsify.RANDOM: lambda delta, density, params, thresholds, seed, block: random_drop(delta, density, params, seed)}

@@ -203,7 +203,7 @@ def _store(addr, code, n, start, m, vals):
 
 
 @njit(inline="always")
-def _weighted_delta(addr, code, n, start, m, sub, kind, w, thr, dens, ratio, use_ratio, k1, k2, wd, acc):
+def _weighted_delta(addr, code, n, start, m, sub, kind, w, thr, ties, k, dens, ratio, use_ratio, k1, k2, wd, acc):
     """wd[:m] = w * sparsify(delta) for elements [start, start + m) of one expert, and acc += wd, with
     the operations of ops.sparsify then ``w * d`` (float32, same order). delta = x - sub, where ``sub``
     is the base chunk for a full checkpoint and zeros for a stored delta (x - (+0.0) == x exactly)."""
@@ -216,7 +216,12 @@ def _weighted_delta(addr, code, n, start, m, sub, kind, w, thr, dens, ratio, use
     if kind == MAGNITUDE:
         for j in range(m):
             d = v[j] - bs[j]
-            x = w * (d * (one if abs(d) >= thr else zero))  # delta * mask: -0.0 where a negative is dropped
+            ad = abs(d)
+            keep = ad > thr
+            if ad == thr:  # exact k: the block's first ties[k] tied entries (C order) are in the top k
+                keep = ties[k] > 0
+                ties[k] -= 1
+            x = w * (d * (one if keep else zero))  # delta * mask: -0.0 where a negative is dropped
             v[j] = x
             a[j] = a[j] + x
     elif kind == RANDOM:
@@ -284,7 +289,7 @@ def random_l1(base_addr, base_code, n, addrs, codes, is_delta, kinds, denss, k1s
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def merge_block(base_addr, base_code, out_addr, out_code, n, addrs, codes, is_delta, kinds, weights, thrs,
+def merge_block(base_addr, base_code, out_addr, out_code, n, addrs, codes, is_delta, kinds, weights, thrs, ties,
                 denss, ratios, use_ratio, k1s, k2s, consensus, normalize, lam, lam_is_one, divisor, scale_base,
                 base_scale):
     """Merge one block of ``n`` elements into the raw output buffer at ``out_addr``.
@@ -314,7 +319,7 @@ def merge_block(base_addr, base_code, out_addr, out_code, n, addrs, codes, is_de
             a[j] = zero
         for k in range(K):
             _weighted_delta(addrs[k], codes[k], n, start, m, zeros if is_delta[k] else base, kinds[k], weights[k],
-                            thrs[k], denss[k], ratios[k], use_ratio[k], k1s[k], k2s[k],
+                            thrs[k], ties, k, denss[k], ratios[k], use_ratio[k], k1s[k], k2s[k],
                             wds[k if consensus else 0], acc)
         bb = base[:m]
         r = res[:m]
@@ -369,14 +374,16 @@ def _address(raw, itemsize: int, keep: list) -> int:
     return arr.ctypes.data
 
 
-def fused_merge(spec, params: dict, base_raw, base_dtype: str, n: int, contributions: list, weight_sum: float):
+def fused_merge(spec, params: dict, base_raw, base_dtype: str, n: int, contributions: list, weight_sum: float,
+                block: int = 0):
     """Merge one block with the fused kernel, or return None when it does not apply (then the caller
     uses the torch path of ops.sparsify + ops.combine, which the kernel reproduces bit for bit).
 
     ``contributions``: per contributing expert, in order, ``(raw, dtype, is_delta, weight, density,
     thresholds, seed)``: the expert block's raw bytes and safetensors dtype code, whether they are a
     stored delta (else a full checkpoint: delta = expert - base), its weight and density for this
-    tensor, the catalog thresholds of the tensor and the block's random seed. Returns a uint8 array
+    tensor, the catalog statistics of the tensor (TIES: threshold, L1 ratio, exact-k cut) and the block's
+    random seed; ``block``: the block's index in the grid (the exact-k cut). Returns a uint8 array
     of the merged block in the base's dtype."""
     if spec.sparsify not in FUSED_SPARSIFY or base_dtype not in CODES or not contributions:
         return None
@@ -392,6 +399,7 @@ def fused_merge(spec, params: dict, base_raw, base_dtype: str, n: int, contribut
     kinds = np.zeros(K, np.int64)
     weights = np.empty(K, np.float32)
     thrs = np.zeros(K, np.float32)
+    ties = np.full(K, n, np.int64)  # entries tied at the threshold this block keeps (exact k; all: n)
     denss = np.ones(K, np.float32)
     ratios = np.ones(K, np.float32)
     use_ratio = np.zeros(K, np.bool_)
@@ -410,10 +418,13 @@ def fused_merge(spec, params: dict, base_raw, base_dtype: str, n: int, contribut
         if spec.sparsify is None or density >= 1.0:
             kinds[k] = KEEP_ALL
         elif spec.sparsify is Sparsify.MAGNITUDE:
-            if not thresholds:
-                return None
+            if not thresholds or (len(thresholds) > 1 and thresholds[1] != 1.0):
+                return None  # TIES with its per-tensor L1 rescale: the torch path
             kinds[k] = MAGNITUDE
             thrs[k] = np.float32(thresholds[0])
+            if len(thresholds) > 3:  # the exact-k cut (cut_block, cut_rank): ops.ties.top_mask
+                cut_block, cut_rank = int(thresholds[2]), int(thresholds[3])
+                ties[k] = n if block < cut_block else (cut_rank if block == cut_block else 0)
         else:
             kinds[k] = RANDOM
             denss[k] = np.float32(density)
@@ -430,7 +441,7 @@ def fused_merge(spec, params: dict, base_raw, base_dtype: str, n: int, contribut
     divisor = weight_sum if abs(weight_sum) >= 1e-8 else 1.0
     scale_base = bool(spec.whole_models and not normalize)
     out = np.empty(n * _ITEMSIZE[base_code], np.uint8)
-    merge_block(base_addr, base_code, out.ctypes.data, base_code, n, addrs, codes, is_delta, kinds, weights, thrs,
+    merge_block(base_addr, base_code, out.ctypes.data, base_code, n, addrs, codes, is_delta, kinds, weights, thrs, ties,
                 denss, ratios, use_ratio, k1s, k2s, bool(spec.consensus), normalize, np.float32(lam), lam == 1,
                 np.float32(divisor), scale_base, np.float32(weight_sum))
     del keep

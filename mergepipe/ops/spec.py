@@ -125,7 +125,7 @@ DENSITY = Param("density", 1.0, "fraction of each delta kept by the sparsifying 
 LAMBDA = Param("lambda", 1.0, "scale of the merged delta", dest="lam")
 GAMMA = Param("gamma", 0.01, "breadcrumbs: fraction of largest magnitudes dropped", low=0.0, high=1.0,
               label="gamma (largest magnitudes dropped)", step=0.01)
-EPSILON = Param("epsilon", 0.1, "della: spread of keep probabilities around the density", low=0.0, high=0.5,
+EPSILON = Param("epsilon", 0.15, "della: spread of keep probabilities around the density", low=0.0, high=0.5,
                 label="epsilon (spread of keep probabilities)", step=0.01)
 
 
@@ -156,7 +156,7 @@ class OpSpec:
         common = [WEIGHT] + ([DENSITY] if self.uses_density else []) + [
             LAMBDA,
             _flag_param("normalize", self.normalize, "divide by the sum of the weights"),
-            _flag_param("rescale", self.rescale, "rescale the kept entries (L1-preserving or 1/p)"),
+            _flag_param("rescale", self.rescale, "rescale the kept entries to the L1 norm of the delta (per tensor for TIES, per block otherwise)"),
         ]
         return tuple(common) + self.extras
 
@@ -190,7 +190,7 @@ def all_parameters() -> tuple[Param, ...]:
     """Every parameter any registered operator declares, once each, in declaration order."""
     seen: dict[str, Param] = {}
     for p in (WEIGHT, DENSITY, LAMBDA, _flag_param("normalize", False, "divide by the sum of the weights"),
-              _flag_param("rescale", False, "rescale the kept entries (L1-preserving or 1/p)")):
+              _flag_param("rescale", False, "rescale the kept entries to the L1 norm of the delta (per tensor for TIES, per block otherwise)")):
         seen[p.name] = p
     for spec in OPERATORS.values():
         for p in spec.extras:

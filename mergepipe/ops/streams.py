@@ -3,19 +3,32 @@ traversal order) and the L1-preserving rescale of a sparsified delta.
 
 The random stream, exactly (enough to re-derive it without this code; tests/oracle/reference.py does):
 
-* Block seed: ``s = int.from_bytes(blake2b(f"{seed}|{expert_id}|{tensor}|{block}".encode(),
+* Block seed: ``s = int.from_bytes(blake2b(f"{seed}|{content}|{tensor}|{block}".encode(),
   digest_size=8).digest(), "little") & (2**63 - 1)``, where ``seed`` is the plan's seed (decimal),
-  ``expert_id`` the expert's catalog id (a string, not its position), ``tensor`` the base tensor's name
-  and ``block`` the block's index in the base's grid (rows of dim 0, elements of a 1-D tensor).
+  ``content`` the expert block's content identity (:func:`content_id`: ``blake2b(digest_size=16)``
+  over the raw bytes the engine reads for this expert block -- for a full or delta checkpoint the
+  block's bytes of the expert tensor as stored; for a LoRA adapter the block's rows of B as stored --
+  as lowercase hex), ``tensor`` the base tensor's name and ``block`` the block's index in the
+  base's grid (rows of dim 0, elements of a 1-D tensor).
+
+  Why the content and not the catalog id (MergePipe before issue 15) or the registered fingerprint:
+  an id and a fingerprint (mtimes) are properties of one catalog, so the same YAML over the same
+  files gave different bits in another catalog. The safetensors headers' digest is catalog-free but
+  is the same for every fine-tune of one base layout, which would give all experts the same mask
+  (correlated drops, unlike mergekit's independent draws). The block's own bytes are catalog-free,
+  differ between experts wherever their deltas differ, need no extra read (the engine holds them) and
+  keep the stream independent of traversal order. Two experts with identical bytes in a block get the
+  same mask there (e.g. one model listed twice); the same files merged with the same seed and grid
+  (block_bytes) give the same bits in any catalog.
 * Keys: ``k1 = (s mod 2**32) | 1`` (odd), ``k2 = s >> 32``.
 * Element ``i`` of the block (0-based, C order of the block's rows; the i-th element of the block's
   bytes), all arithmetic mod 2**32: ``x = (i mod 2**32) * k1 + k2 + (i >> 32) * 0x9E3779B9``, then
   mix32 (Chris Wellons' "lowbias32"): ``x ^= x >> 16; x *= 0x21F0AAAD; x ^= x >> 15; x *= 0x735A2D97;
   x ^= x >> 15``; the value is ``u = (x >> 8) * 2**-24``: a float32 in [0, 1), a multiple of 2**-24.
 * DARE keeps element i iff ``u < float32(density)``; DELLA iff ``u < p`` with its keep probability ``p``
-  computed in float32.
+  computed in float32 (ops/della.py).
 
-The L1 rescale of a block (DARE, breadcrumbs with ``rescale``): ``kept * (||delta||_1 / ||kept||_1)`` when
+The L1 rescale of a block (DARE, DELLA, breadcrumbs with ``rescale``): ``kept * (||delta||_1 / ||kept||_1)`` when
 both norms are >= 1e-8, else ``kept``; the norms are summed in float64 over the float32 values.
 """
 
@@ -28,9 +41,17 @@ if TYPE_CHECKING:
     import torch
 
 
+def content_id(bufs) -> str:
+    """The content identity of one expert block: blake2b (16 bytes, hex) over its raw input buffers."""
+    h = hashlib.blake2b(digest_size=16)
+    for b in bufs:
+        h.update(b)
+    return h.hexdigest()
+
+
 def block_seed(seed: int, expert: str, tensor: str, block: int) -> int:
-    """Seed of the random stream for one (expert id, tensor, block): independent of traversal order
-    (see the module docstring)."""
+    """Seed of the random stream for one (expert block content, tensor, block): independent of traversal
+    order and of the catalog (see the module docstring)."""
     h = hashlib.blake2b(f"{seed}|{expert}|{tensor}|{block}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") & ((1 << 63) - 1)
 

@@ -26,7 +26,7 @@ from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.models import check_unchanged
 from mergepipe.errors import PlanError
 from mergepipe.manifest.build import canonical
-from mergepipe.ops.core import coefficient, lookup_thresholds, threshold_fractions, useful_blocks
+from mergepipe.ops.core import coefficient, lookup_thresholds, tensor_statistics, threshold_fractions, useful_blocks
 from mergepipe.ops.spec import OpSpec
 from mergepipe.planner.bounds import Bounds
 from mergepipe.planner.budget import Budget
@@ -170,12 +170,14 @@ class PlanContext(StrategyScores, Bounds):
                 continue
             rows = analyses.changed_tensor_thresholds(self.catalog, e["id"])
             per = {}
-            for name, text in rows:
+            for name, text, topk, l1, max_abs, numel in rows:
                 fracs = threshold_fractions(self.op, tensor_density(e, name) or 1.0, self.params)
-                vals = lookup_thresholds(json.loads(text or "{}"), fracs)
+                vals = tensor_statistics(self.op, tensor_density(e, name) or 1.0, self.params, text, topk, l1, max_abs,
+                                         numel)
                 if vals is None:
                     missing = ", ".join(f"{f:g}" for f in fracs if lookup_thresholds(json.loads(text or "{}"), [f]) is None)
-                    e["analyze"] = f"no magnitude threshold for top-{missing}"
+                    e["analyze"] = (f"no magnitude threshold for top-{missing}" if missing else
+                                    "no exact top-k statistics (analyzed before catalog v5)")
                     break
                 if fracs:
                     per[name] = vals

@@ -3,8 +3,8 @@ tensors, write the output. It is what merge scripts do today ((K+1) x model byte
 density) and, written independently of the block engine, the reference the tests compare against.
 
 Whole-tensor semantics of the brief: top-k thresholds by ``torch.topk`` on the whole tensor, sign
-election and divisors per element. Random operators draw the same per-(seed, expert, tensor, block)
-streams as the engine (the grid only decides which generator covers which rows), so full-budget
+election and divisors per element. Random operators draw the same per-(seed, expert block content, tensor,
+block) streams as the engine (the grid only decides which generator covers which rows), so full-budget
 results can be compared exactly.
 """
 
@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from mergepipe.ops.core import get_op
 from mergepipe.ops.spec import OpSpec
-from mergepipe.ops.streams import block_seed, l1_ratio, uniform
+from mergepipe.ops.streams import block_seed, content_id, l1_ratio, uniform
 from mergepipe.storage.grid import tensor_grid
 from mergepipe.storage.safetensors import FLOAT_DTYPES, open_checkpoint
 
@@ -33,51 +33,68 @@ def kth_largest(absd: torch.Tensor, k: int) -> float:
     return float(torch.topk(absd.reshape(-1), k).values[-1])
 
 
-def _per_block_uniform(info, block_bytes, seed, expert_id, shape2d):
+def _block_ids(info, block_bytes, raw: torch.Tensor) -> list[str]:
+    """The content identity of each block of the expert tensor ``raw`` (as stored): ops.streams.content_id."""
+    flat = raw.contiguous()
+    return [content_id([flat[span.row_start:span.row_end].reshape(-1).view(torch.uint8).numpy().tobytes()])
+            for span in tensor_grid(info, block_bytes)]
+
+
+def _per_block_uniform(info, block_bytes, seed, ids, shape2d):
     parts = []
-    for span in tensor_grid(info, block_bytes):
+    for span, cid in zip(tensor_grid(info, block_bytes), ids):
         rows = span.row_end - span.row_start
         bshape = (rows, *info.shape[1:]) if len(info.shape) >= 2 else (rows,)
-        parts.append(uniform(block_seed(seed, expert_id, info.name, span.index), bshape).reshape(-1))
+        parts.append(uniform(block_seed(seed, cid, info.name, span.index), bshape).reshape(-1))
     return torch.cat(parts).reshape(shape2d) if parts else torch.zeros(shape2d)
 
 
 def reference_sparsify(op: OpSpec, info, delta: torch.Tensor, density: float, params: dict, seed: int,
-                       expert_id: str, block_bytes: int) -> torch.Tensor:
+                       raw: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    """``raw``: the expert's tensor as stored (its blocks' bytes seed the random operators)."""
     n = delta.numel()
     a = delta.abs()
-    if op.sparsify is None or (density >= 1.0 and op.sparsify != "magnitude_outliers"):
+    if op.sparsify is None or density >= 1.0:
         return delta
-    if op.sparsify == "magnitude":
-        return torch.where(a >= kth_largest(a, int(density * n)), delta, 0.0)
-    if op.sparsify == "magnitude_outliers":
-        gamma = params["gamma"]
-        hi = kth_largest(a, int(gamma * n))
-        lo_frac = round(min(1.0, gamma + density), 10)
-        lo = 0.0 if lo_frac >= 1.0 else kth_largest(a, int(lo_frac * n))
-        kept = torch.where((a >= lo) & (a < hi), delta, 0.0)
+    if op.sparsify == "magnitude":  # exactly the top k = max(1, int(d n)), ties by flat index (stable sort)
+        k = max(1, int(density * n))
+        order = torch.sort(a.reshape(-1), descending=True, stable=True).indices
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[order[:k]] = True
+        kept = torch.where(mask.reshape(delta.shape), delta, 0.0)
+        if params["rescale"]:  # mergekit: per tensor, L1 of the top k
+            org, new = float(a.double().sum()), float(a.reshape(-1)[order[:k]].double().sum())
+            if org >= 1e-7 and new >= 1e-7:
+                kept = kept * (org / new)
+        return kept
+    if op.sparsify == "magnitude_outliers":  # mergekit: ranks [k_hi, k_hi + int(d n)) of the same order
+        target, n_top = int(density * n), int(params["gamma"] * n)
+        k_hi = min(n_top, n - target)
+        order = torch.sort(a.reshape(-1), descending=True, stable=True).indices
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[order[k_hi:k_hi + target]] = True
+        kept = torch.where(mask.reshape(delta.shape), delta, 0.0)
         return _rescale_blocks(info, delta, kept, block_bytes) if params["rescale"] else kept
+    ids = _block_ids(info, block_bytes, raw)
     if op.sparsify == "random":
-        u = _per_block_uniform(info, block_bytes, seed, expert_id, delta.shape)
+        u = _per_block_uniform(info, block_bytes, seed, ids, delta.shape)
         kept = torch.where(u < density, delta, 0.0)
         return _rescale_blocks(info, delta, kept, block_bytes) if params["rescale"] else kept
     if op.sparsify == "della":
         eps = params["epsilon"]
-        out = torch.zeros_like(delta)
-        for span in tensor_grid(info, block_bytes):
+        kept_all = torch.zeros_like(delta)
+        for span, cid in zip(tensor_grid(info, block_bytes), ids):
             rows = delta[span.row_start:span.row_end] if delta.dim() else delta
             r2 = rows.reshape(rows.shape[0], -1) if rows.dim() >= 2 else rows.reshape(1, -1)
             m = r2.shape[1]
-            # rank of each |value| within its row (0 = smallest), ties by position
+            # rank of each |value| within its row (0 = smallest), ties by position; mergekit's r / (m - 1)
             order = torch.sort(r2.abs(), dim=1, stable=True).indices
             ranks = torch.empty_like(order)
             ranks.scatter_(1, order, torch.arange(m).expand_as(order).contiguous())
-            p = ((density - eps) + (2 * eps / m) * ranks.float()) if m > 1 else torch.full_like(r2, density)
-            p = p.clamp(1e-6, 1.0)
-            u = uniform(block_seed(seed, expert_id, info.name, span.index), r2.shape)
-            kept = torch.where(u < p, r2 / p if params["rescale"] else r2, 0.0)
-            out[span.row_start:span.row_end] = kept.reshape(rows.shape)
-        return out
+            p = ((density - eps) + (ranks.float() / (m - 1)).clamp(0, 1) * 2 * eps) if m > 1 else torch.full_like(r2, density)
+            u = uniform(block_seed(seed, cid, info.name, span.index), r2.shape)
+            kept_all[span.row_start:span.row_end] = torch.where(u < p, r2, 0.0).reshape(rows.shape)
+        return _rescale_blocks(info, delta, kept_all, block_bytes) if params["rescale"] else kept_all
     raise AssertionError(op.sparsify)
 
 
@@ -139,9 +156,10 @@ def naive_merge(base_dir, expert_dirs, out_dir, operator: str = "linear", weight
         b32 = base.float()
         deltas = []
         for i, ck in enumerate(exp_cks):
-            x = _load(ck, ck.tensors[name].file, name).float()
+            raw = _load(ck, ck.tensors[name].file, name)
+            x = raw.float()
             d = x if kinds[i] == "delta" else x - b32
-            deltas.append(reference_sparsify(op, info, d, densities[i], params, seed, expert_ids[i], block_bytes))
+            deltas.append(reference_sparsify(op, info, d, densities[i], params, seed, raw, block_bytes))
         result[name] = reference_tensor(op, params, b32, deltas, weights).to(base.dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=False)
@@ -172,7 +190,7 @@ def main(argv=None) -> int:
     ap.add_argument("--density", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--block-bytes", type=int, default=1 << 20)
-    ap.add_argument("--expert-ids", nargs="*", help="ids seeding random operators (as in the catalog)")
+    ap.add_argument("--expert-ids", nargs="*", help="(ignored: random operators are seeded by the experts' block contents)")
     a = ap.parse_args(argv)
     res = naive_merge(a.base, a.experts, a.out, a.op, a.weights, [a.density] * len(a.experts), seed=a.seed,
                       block_bytes=a.block_bytes, expert_ids=a.expert_ids)

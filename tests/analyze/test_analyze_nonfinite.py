@@ -78,7 +78,7 @@ def test_kernel_counts_match_numpy_on_random_bits():
         assert kernels.count_nonfinite(x) == truth
         hist = np.zeros((4, 1 << 16), dtype=np.int32)
         keys = np.empty(0, dtype=np.uint32)
-        kernels.block_stats(x, None, hist, keys, 0)
+        kernels.block_stats(x, None, hist, keys, 0, np.zeros(1 << 16, np.float64))
         assert kernels.nonfinite_in_hist(hist) == truth
 
 
@@ -88,12 +88,14 @@ def test_v3_catalog_is_migrated_to_v4(tmp_path):
     for table in ("blocks", "tensor_stats"):
         for col in ("nonfinite", "base_nonfinite"):
             cat.conn.execute(f"ALTER TABLE {table} DROP COLUMN {col}")
+    cat.conn.execute("ALTER TABLE tensor_stats DROP COLUMN topk")  # added by v5 (issue 15)
     cat.conn.execute("INSERT INTO tensor_stats (model_id, tensor, numel, delta_nnz) VALUES ('e', 't', 4, 1)")
     cat.conn.execute("UPDATE meta SET value = '3' WHERE key = 'schema_version'")
     cat.close()
     cat = Catalog(db)
-    assert SCHEMA_VERSION == 4
-    assert cat.query("SELECT value FROM meta WHERE key='schema_version'")[0]["value"] == "4"
+    assert SCHEMA_VERSION == 5
+    assert cat.query("SELECT value FROM meta WHERE key='schema_version'")[0]["value"] == "5"
+    assert cat.query("SELECT topk FROM tensor_stats") == [{"topk": None}]
     for table in ("blocks", "tensor_stats"):
         assert {"nonfinite", "base_nonfinite"} <= {c[1] for c in cat.conn.execute(f"PRAGMA table_info({table})")}
     assert cat.query("SELECT nonfinite, base_nonfinite FROM tensor_stats") == [{"nonfinite": 0, "base_nonfinite": 0}]

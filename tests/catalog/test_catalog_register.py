@@ -340,6 +340,7 @@ def test_v1_catalog_is_migrated_in_place(tmp_path, fam_fp32):
     for table in ("blocks", "tensor_stats"):  # v4: non-finite counts
         for col in ("nonfinite", "base_nonfinite"):
             cat.conn.execute(f"ALTER TABLE {table} DROP COLUMN {col}")
+    cat.conn.execute("ALTER TABLE tensor_stats DROP COLUMN topk")  # v5: exact top-k statistics
     cat.conn.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
     cat.close()
     cat = Catalog(db)

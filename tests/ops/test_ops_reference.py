@@ -107,10 +107,13 @@ def scratch_merge(base: dict, experts: list[dict], op: str, weights, density=1.0
             norm = True if normalize is None else normalize
             trimmed = []
             for dl in deltas:
-                k = int(density * dl.numel())
-                a = dl.abs().reshape(-1)
-                thr = torch.topk(a, k).values[-1] if k > 0 else torch.tensor(float("inf"))
-                trimmed.append(torch.where(dl.abs() >= thr, dl, torch.zeros_like(dl)))
+                # exactly the top k = max(1, int(d n)) (mergekit), magnitudes tied at the cut-off taken in
+                # flat index order (MergePipe's documented tie-break), on the float32 magnitudes
+                k = max(1, int(density * dl.numel()))
+                order = torch.sort(dl.float().abs().reshape(-1), descending=True, stable=True).indices[:k]
+                mask = torch.zeros(dl.numel(), dtype=torch.bool)
+                mask[order] = True
+                trimmed.append(torch.where(mask.reshape(dl.shape), dl, torch.zeros_like(dl)))
             weighted = torch.stack([w * t for w, t in zip(weights, trimmed)])
             elected = torch.where(weighted.sum(0) >= 0, 1.0, -1.0).double()
             agree = torch.sign(weighted) == elected

@@ -14,24 +14,27 @@ The access set: δ_i is kept on the rows of the blocks the plan reads, and set t
 left out contribute Δ = 0", coefficients unchanged). The block grid cuts dim 0 (elements of 1-D
 tensors) into runs of max(1, block_bytes // row_bytes) rows, row_bytes of the *base* tensor.
 
-Sparsification (density d of expert i on this tensor; ``d >= 1`` keeps δ as it is, except breadcrumbs,
-which MergePipe still applies at d = 1: it drops the top gamma, where mergekit's magnitude_outliers
-returns the delta unchanged for d >= 1 -- an undocumented difference, followed here as MergePipe does):
-  * magnitude (ties):  thr = k-th largest |δ| with k = int(d·numel) over the *whole* tensor (the full
-    delta, not the access set: ANALYZE computes it once per (expert, tensor)); k = 0 → thr = +inf. The
-    magnitudes are those of the float32 delta MergePipe computes in (exact for full and delta
-    checkpoints: fl32(x − base) is the correctly rounded float64 difference). Keep |δ| >= thr (ties at
-    the threshold all kept).
-  * outliers (breadcrumbs): thr_hi at k = int(gamma·n), thr_lo at k = int(min(1, gamma + d)·n); keep
-    thr_lo <= |δ| < thr_hi; with ``rescale``, the block's L1-preserving rescale (below).
+Sparsification (density d of expert i on this tensor; ``d >= 1`` keeps δ as it is, for every method, as
+mergekit does):
+  Exact k: the *whole* tensor's entries (the full delta, not the access set: ANALYZE orders them once per
+  (expert, tensor)) ordered by float32 |δ| descending, then flat index (C order) ascending; "rank r" is
+  the position in that order. The magnitudes are those of the float32 delta MergePipe computes in (exact
+  for full and delta checkpoints: fl32(x − base) is the correctly rounded float64 difference).
+  * magnitude (ties): keep ranks [0, k), k = max(1, int(d·numel)) (exactly k, as mergekit's top-k; which
+    of the magnitudes tied at the cut-off is MergePipe's flat-order rule). With ``rescale`` (mergekit's
+    L1 rescale, per tensor): kept values times ||δ||₁ / ||top-k||₁ (1 when either is below 1e-7).
+  * outliers (breadcrumbs, mergekit's magnitude_outliers): keep ranks [k_hi, k_hi + int(d·n)),
+    k_hi = min(int(gamma·n), n − int(d·n)); with ``rescale``, the block's L1-preserving rescale (below).
   * random (DARE): per block, keep iff u < float32(d), u the block's random stream (below), element i of
     the block (C order of the block's rows) getting u[i]; with ``rescale`` (default on), kept values
     times ||δ_block||₁ / ||kept_block||₁ when both are >= 1e-8 (per block, not per tensor).
-  * della (MAGPRUNE): per row of dim 0 within the block (a 1-D block is one row) of n entries, rank
-    r = 0..n−1 of |δ| ascending (equal magnitudes by position), p = clip((d − eps) + 2·eps·r/n, 1e-6, 1)
-    (p = d when n = 1); keep iff u < p; kept values divided by p when ``rescale``.
-The block's random stream: block seed s = blake2b(f"{seed}|{expert_id}|{tensor}|{block}", 8 bytes)
-read little-endian, masked to 63 bits; k1 = (s mod 2³²) | 1, k2 = s >> 32; element i:
+  * della (MAGPRUNE, mergekit's della_magprune): per row of dim 0 within the block (a 1-D block is one
+    row) of n entries, rank r = 0..n−1 of |δ| ascending (equal magnitudes by position),
+    p = (d − eps) + (r/(n − 1))·2·eps (p = d when n = 1); keep iff u < p; with ``rescale`` the block's
+    L1-preserving rescale (as DARE).
+The block's random stream: block seed s = blake2b(f"{seed}|{content}|{tensor}|{block}", 8 bytes) read
+little-endian, masked to 63 bits, where content = blake2b(digest_size=16).hexdigest() of the expert's
+stored bytes of the block's rows (LoRA: the rows of B); k1 = (s mod 2³²) | 1, k2 = s >> 32; element i:
 h = mix32((i mod 2³²)·k1 + k2 + (i >> 32)·0x9E3779B9 mod 2³²), u = (h >> 8) / 2²⁴, with mix32 the
 "lowbias32" hash x ^= x>>16; x *= 0x21F0AAAD; x ^= x>>15; x *= 0x735A2D97; x ^= x>>15 (mod 2³²).
 
@@ -44,10 +47,11 @@ Combination (w_i the expert's weight, W = Σ_i w_i over all experts, omitted one
     m /= Σ_agreeing w_i (0 → 1); out = base + λ·m.
 Everything here is float64; rounding to the output dtype is left to the comparison.
 
-Where MergePipe's semantics (followed here) differ from mergekit's current code, beyond the deliberate
-differences ops/core.py lists: breadcrumbs at density >= 1 (above); DELLA's keep probability spreads
-over (d - eps) + 2·eps·r/n (the DELLA paper's MAGPRUNE) where mergekit uses r/(n - 1), and its
-rescale divides by p where mergekit restores the tensor's L1 norm. Weights summing to 0 under
+Where MergePipe's semantics (followed here) differ from mergekit 0.1.5, beyond the deliberate
+differences ops/core.py lists (per-block rescale of DARE/DELLA/breadcrumbs, per-block DELLA ranks of
+multi-block 1-D tensors, which of the magnitudes tied at a cut-off are kept, random streams): none known
+(issue 15 aligned breadcrumbs' k and d >= 1, TIES' rescale and k >= 1, DELLA's epsilon default, keep
+probability and rescale with mergekit). Weights summing to 0 under
 ``normalize`` (linear) are refused by the planner (|sum| must exceed 1e-12 x sum |w|); the divisor
 rule below (1 when |sum| < 1e-8) only matters for sums between the two (mergekit's linear divides by
 0; its task-arithmetic family also uses 1 below 1e-8).
@@ -157,15 +161,26 @@ class Expert:
     kind: str
     deltas: dict[str, np.ndarray]
     err: dict[str, np.ndarray]  # absolute error bound of the float32 delta, per entry (LoRA only)
+    raw: dict[str, tuple[bytes, int]]  # the stored bytes the engine reads per row (B for LoRA), bytes per row
+
+    def content_id(self, name: str, r0: int, r1: int) -> str:
+        """blake2b (16 bytes, hex) of the bytes of rows [r0, r1) as stored (ops/streams.py's content id)."""
+        data, row = self.raw.get(name, (b"", 0))
+        return hashlib.blake2b(data[r0 * row:r1 * row], digest_size=16).hexdigest()
+
+
+def _row_bytes(t: RawTensor) -> int:
+    return (math.prod(t.shape[1:]) if len(t.shape) >= 2 else 1) * ITEMSIZE[t.dtype]
 
 
 def load_expert(kind: str, uri: str, eid: str, base: dict[str, np.ndarray]) -> Expert:
-    deltas, err = {}, {}
+    deltas, err, raw = {}, {}, {}
     if kind in ("full", "delta"):
         tensors = read_dir(Path(uri))
         for name, b in base.items():
             x = tensors[name].values()
             deltas[name] = x - b if kind == "full" else x
+            raw[name] = (tensors[name].data, _row_bytes(tensors[name]))
     elif kind == "lora":
         root = Path(uri)
         cfg = json.loads((root / "adapter_config.json").read_text())
@@ -174,6 +189,8 @@ def load_expert(kind: str, uri: str, eid: str, base: dict[str, np.ndarray]) -> E
             m = LORA_KEY.match(key)
             assert m, key
             halves.setdefault(m["module"], {})[m["ab"]] = t.values()
+            if m["ab"] == "B":
+                raw[m["module"] + ".weight"] = (t.data, _row_bytes(t))
         for module, ab in halves.items():
             a, bm = ab["A"], ab["B"]
             r = a.shape[0]
@@ -187,7 +204,7 @@ def load_expert(kind: str, uri: str, eid: str, base: dict[str, np.ndarray]) -> E
             deltas.setdefault(name, np.zeros_like(b))
     else:
         raise ValueError(kind)
-    return Expert(eid, kind, deltas, err)
+    return Expert(eid, kind, deltas, err, raw)
 
 
 # --- the grid and the access set ------------------------------------------------------------------------
@@ -210,8 +227,8 @@ def expand(ranges) -> list[int]:
 M32 = np.uint64(0xFFFFFFFF)
 
 
-def block_seed(seed: int, expert_id: str, tensor: str, block: int) -> int:
-    h = hashlib.blake2b(f"{seed}|{expert_id}|{tensor}|{block}".encode(), digest_size=8).digest()
+def block_seed(seed: int, content: str, tensor: str, block: int) -> int:
+    h = hashlib.blake2b(f"{seed}|{content}|{tensor}|{block}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") & ((1 << 63) - 1)
 
 
@@ -240,11 +257,14 @@ def f32_abs(d: np.ndarray) -> np.ndarray:
     return np.abs(d.astype(np.float32)).astype(np.float64)
 
 
-def kth_largest(a: np.ndarray, fraction: float) -> float:
-    """Top-``fraction`` magnitude threshold of a whole tensor: the k-th largest, k = int(fraction·numel)."""
+def kth_largest(a: np.ndarray, fraction: float, at_least_one: bool = False) -> float:
+    """Top-``fraction`` magnitude threshold of a whole tensor: the k-th largest, k = int(fraction·numel)
+    (``at_least_one``: k = max(1, ...), TIES as mergekit's magnitude)."""
     if fraction >= 1:
         return 0.0  # keep everything (the smallest |delta| would do as well)
     k = int(fraction * a.size)
+    if at_least_one:
+        k = max(1, k)
     if k <= 0:
         return math.inf
     return float(np.sort(a.ravel())[::-1][k - 1])
@@ -255,15 +275,36 @@ def l1_rescale(d: np.ndarray, kept: np.ndarray) -> np.ndarray:
     return kept * (org / new) if org >= 1e-8 and new >= 1e-8 else kept
 
 
-def magnitude(d: np.ndarray, thr: float) -> np.ndarray:
-    """TIES trim: keep |δ| >= the tensor's top-density threshold."""
-    return np.where(f32_abs(d) >= thr, d, 0.0)
+def exact_mask(full: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """The entries ranked [start, stop) when the whole tensor is ordered by float32 |δ| descending, then
+    flat index (C order) ascending: MergePipe's exact-k tie-break (mergekit keeps exactly as many, its
+    choice among magnitudes tied at a cut-off being arbitrary)."""
+    a = f32_abs(full).ravel()
+    order = np.lexsort((np.arange(a.size), -a))
+    mask = np.zeros(a.size, dtype=bool)
+    mask[order[start:stop]] = True
+    return mask.reshape(full.shape)
 
 
-def outliers(d: np.ndarray, hi: float, lo: float, rescale: bool) -> np.ndarray:
-    """Breadcrumbs: keep lo <= |δ| < hi (hi: top gamma, lo: top gamma + density); per block rescale."""
-    a = f32_abs(d)
-    kept = np.where((a >= lo) & (a < hi), d, 0.0)
+def outlier_ranks(n: int, density: float, gamma: float) -> tuple[int, int]:
+    """mergekit's magnitude_outliers: drop the top min(int(gamma·n), n − int(d·n)), keep the next int(d·n)."""
+    target = int(density * n)
+    k_hi = min(int(gamma * n), n - target)
+    return k_hi, k_hi + target
+
+
+def topk_l1_ratio(full: np.ndarray, density: float) -> float:
+    """TIES' rescale (mergekit, per tensor): ||δ||₁ / ||top-k δ||₁ over exactly k = max(1, int(d·n)) top
+    magnitudes; 1 when either is below 1e-7."""
+    a = np.sort(f32_abs(full).ravel())[::-1]
+    k = max(1, int(density * a.size))
+    org, new = float(a.sum()), float(a[:k].sum())
+    return org / new if org >= 1e-7 and new >= 1e-7 else 1.0
+
+
+def outliers(d: np.ndarray, keep: np.ndarray, rescale: bool) -> np.ndarray:
+    """Breadcrumbs on one block: the block's part ``keep`` of the tensor's exact mask; per block rescale."""
+    kept = np.where(keep, d, 0.0)
     return l1_rescale(d, kept) if rescale else kept
 
 
@@ -275,17 +316,18 @@ def random_drop(d: np.ndarray, density: float, rescale: bool, seed: int) -> np.n
 
 
 def della(d: np.ndarray, density: float, eps: float, rescale: bool, seed: int) -> np.ndarray:
-    """DELLA MAGPRUNE: keep probability linear in the magnitude rank within each row of the block."""
+    """DELLA MAGPRUNE (mergekit's della_magprune): keep probability linear in the magnitude rank within each
+    row of the block, p = (d − eps) + (r/(n − 1))·2·eps; per-block L1 restoration when ``rescale``."""
     rows = d.reshape(d.shape[0], -1) if d.ndim >= 2 else d.reshape(1, -1)
     n = rows.shape[1]
     if n > 1:
         ranks = np.argsort(np.argsort(f32_abs(rows), axis=1, kind="stable"), axis=1, kind="stable")
-        p = np.clip((density - eps) + (2 * eps / n) * ranks, 1e-6, 1.0)
+        p = (density - eps) + np.clip(ranks / (n - 1), 0, 1) * 2 * eps
     else:
         p = np.full(rows.shape, density)
     u = uniform(seed, rows.size).reshape(rows.shape)
-    kept = np.where(u < p, rows / p if rescale else rows, 0.0)
-    return kept.reshape(d.shape)
+    kept = np.where(u < p, rows, 0.0).reshape(d.shape)
+    return l1_rescale(d, kept) if rescale else kept
 
 
 # --- the merge ----------------------------------------------------------------------------------------------
@@ -309,10 +351,13 @@ def thresholds(op: str, delta: np.ndarray, density: float, params: dict) -> list
     kind = SPARSIFY[op]
     a = f32_abs(delta)
     if kind == "magnitude":
-        return [kth_largest(a, density)] if density < 1 else [0.0]
+        return [kth_largest(a, density, at_least_one=True)] if density < 1 else [0.0]
     if kind == "outliers":
-        gamma = params["gamma"]
-        return [kth_largest(a, gamma), kth_largest(a, min(1.0, gamma + density))]
+        if density >= 1:
+            return [0.0, 0.0]  # the delta is kept as it is: no threshold
+        k_hi, k_lo = outlier_ranks(a.size, density, params["gamma"])
+        srt = np.sort(a.ravel())[::-1]
+        return [srt[k_hi - 1] if k_hi else math.inf, (srt[k_lo - 1] if k_lo else math.inf) if k_lo < a.size else 0.0]
     return []
 
 
@@ -355,16 +400,22 @@ def merge(plan: dict, base_dir: Path) -> Result:
             if thr and full.any():  # an all-zero delta contributes nothing and needs no threshold
                 thr_all[e.id][name] = thr
             out = np.zeros_like(full)
+            keep = None  # the exact-k mask over the whole tensor (magnitude, outliers)
+            if kind == "magnitude" and dens < 1:
+                keep = exact_mask(full, 0, max(1, int(dens * full.size)))
+                ratio = topk_l1_ratio(full, dens) if rescale else 1.0
+            elif kind == "outliers" and dens < 1:
+                keep = exact_mask(full, *outlier_ranks(full.size, dens, float(params["gamma"])))
             for bi in expand(plan["access"][pe["id"]].get(name, [])):
                 r0, r1 = spans[bi]
                 d = full[r0:r1]
-                bseed = block_seed(seed, pe["id"], name, bi)
-                if kind is None or (dens >= 1 and kind != "outliers"):
+                bseed = block_seed(seed, e.content_id(name, r0, r1), name, bi)
+                if kind is None or dens >= 1:
                     s = d
                 elif kind == "magnitude":
-                    s = magnitude(d, thr[0])
+                    s = np.where(keep[r0:r1], d * ratio, 0.0)
                 elif kind == "outliers":
-                    s = outliers(d, thr[0], thr[1], rescale)
+                    s = outliers(d, keep[r0:r1], rescale)
                 elif kind == "random":
                     s = random_drop(d, dens, rescale, bseed)
                 else:
@@ -389,7 +440,7 @@ def merge(plan: dict, base_dir: Path) -> Result:
             base_term = b * W if (op in WHOLE_MODELS and not normalize) else b
         merged = base_term + lam * mixed / divisor
         # float32 arithmetic error of an implementation that computes δ, w·δ, the sum over K experts, the
-        # rescale or 1/p, the division, λ and the final addition in float32: each step at most u relative
+        # the rescale, the division, λ and the final addition in float32: each step at most u relative
         # to the magnitudes it combines (K + 6 steps), plus the error of the float32 delta itself (LoRA).
         K = len(contribs)
         mags = sum(np.abs(x) for x in wd) if wd else np.zeros_like(b)

@@ -100,8 +100,8 @@ def test_density_gradient_over_layers(fam, cat, tmp_path):
     for name in out:
         ref = d5 if ".layers.1." in name else d3
         assert torch.equal(out[name], ref[name]), name
-    assert plan["thresholds"][e1]["model.layers.1.mlp.up_proj.weight"] == \
-        [cat.tensor_stats(e1)["model.layers.1.mlp.up_proj.weight"]["thresholds"][0.5]]
+    assert plan["thresholds"][e1]["model.layers.1.mlp.up_proj.weight"][0] == \
+        cat.tensor_stats(e1)["model.layers.1.mlp.up_proj.weight"]["thresholds"][0.5]
 
 
 def test_per_tensor_weights_keep_the_error_bound(fam, cat, tmp_path):

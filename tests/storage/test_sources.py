@@ -158,6 +158,15 @@ def test_full_budget_merges_equal_materialised_twins(fam, cat, tmp_path, op, kw)
     twins.close()
     if op in ("linear", "task_arithmetic"):
         assert max_diff(a, b) <= 1e-5
+    elif op == "dare_ties":
+        # Random masks are seeded by the expert block's stored bytes (ops/streams.py, issue 15): a LoRA
+        # adapter or delta checkpoint and its materialised twin are different bytes, so their masks are
+        # independent draws: the updates agree in distribution (L1 and changed entries within 3 %).
+        base = load_dir(fam["base"])
+        l1 = [sum(float((o[n].double() - base[n].double()).abs().sum()) for n in base) for o in (a, b)]
+        changed = [sum(int((o[n] != base[n]).sum()) for n in base) for o in (a, b)]
+        assert abs(l1[0] - l1[1]) <= 0.03 * l1[1], l1
+        assert abs(changed[0] - changed[1]) <= 0.03 * changed[1], changed
     else:
         # The twin's delta (twin - base) is the exact delta rounded once, so an entry within rounding
         # of a magnitude threshold may be kept on one side and dropped on the other: allow a handful.
