@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from mergepipe.ops.spec import GAMMA, Consensus, OpSpec, Sparsify
 from mergepipe.ops.streams import l1_rescale
+from mergepipe.ops.topk import NO_CUT, top_mask
 
 if TYPE_CHECKING:
     import torch
@@ -24,8 +25,6 @@ SPECS = (
 def outliers(delta: torch.Tensor, params: dict, thresholds: list[float], block: int = 0) -> torch.Tensor:
     """Keep the entries ranked in [k_hi, k_lo) of the tensor's exact magnitude order (``thresholds`` =
     [thr_hi, thr_lo, cut_block_hi, cut_rank_hi, cut_block_lo, cut_rank_lo]: ops.core.tensor_statistics)."""
-    from mergepipe.ops.core import NO_CUT
-    from mergepipe.ops.ties import top_mask
     a = delta.abs()
     cuts = thresholds[2:6] if len(thresholds) > 5 else [*NO_CUT, *NO_CUT]
     kept = delta * (top_mask(a, thresholds[1], cuts[2], cuts[3], block)

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 from mergepipe.errors import PlanError
 from mergepipe.ops import breadcrumbs, dare, della, linear, ties
+from mergepipe.ops.topk import NO_CUT
 from mergepipe.ops.spec import (  # noqa: F401
     LAMBDA, OPERATORS, Consensus, OpSpec, Param, Sparsify, all_parameters, register_op,
 )
@@ -106,7 +107,6 @@ def _lookup(table: dict, f: float):
     return value
 
 
-NO_CUT = (1 << 62, 0)  # an exact-k cut past every block: every entry tied at the threshold is kept
 
 
 def tensor_statistics(spec: OpSpec, density: float, params: dict, thresholds_json: str | None,

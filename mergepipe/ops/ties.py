@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mergepipe.ops.spec import Consensus, OpSpec, Sparsify
+from mergepipe.ops.topk import NO_CUT, top_mask
 
 if TYPE_CHECKING:
     import torch
@@ -20,25 +21,10 @@ def _thresholds(density: float, params: dict) -> list[float]:
     return [density]
 
 
-def top_mask(a: torch.Tensor, thr: float, cut_block: int, cut_rank: int, block: int) -> torch.Tensor:
-    """Whether each entry of block ``block`` (|delta| ``a``) is in the tensor's top k: |d| > thr, or
-    |d| == thr and, by the exact-k cut (ops.core.tensor_statistics), block < cut_block, or block ==
-    cut_block and it is among the block's first ``cut_rank`` tied entries in C order."""
-    import torch
-    if block < cut_block:
-        return a >= thr
-    if block > cut_block:
-        return a > thr
-    tied = (a == thr).reshape(-1)
-    first = tied & (torch.cumsum(tied, 0) <= cut_rank)
-    return (a > thr) | first.reshape(a.shape)
-
-
 def magnitude(delta: torch.Tensor, thresholds: list[float], block: int = 0) -> torch.Tensor:
     """Keep exactly the tensor's top-k entries (``thresholds`` = [thr, ratio, cut_block, cut_rank] from the
     catalog: ops.core.tensor_statistics); ``ratio`` is mergekit's per-tensor L1 rescale factor, applied
     to the kept entries as mergekit does (float32)."""
-    from mergepipe.ops.core import NO_CUT
     thr = thresholds[0]
     ratio = thresholds[1] if len(thresholds) > 1 else 1.0
     cut = thresholds[2:4] if len(thresholds) > 3 else NO_CUT

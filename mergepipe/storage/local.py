@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from mergepipe.errors import StorageError
 from mergepipe.storage.base import Storage
 from mergepipe.storage.lora import ADAPTER_CONFIG
-from mergepipe.storage.paths import open_regular, read_regular
+from mergepipe.storage.paths import expand_path, open_regular, read_regular
 from mergepipe.storage.torchbin import BIN_INDEX, is_torch_bin, open_bin_checkpoint
 from mergepipe.storage.safetensors import (
     Checkpoint, TensorInfo, bytes_to_tensor, open_checkpoint, row_nbytes, rows_shape,
@@ -144,7 +144,7 @@ class LocalStorage(Storage):
 
     def open(self, uri: str | os.PathLike) -> Checkpoint:
         # safetensors, or PyTorch .bin files read in place (mergepipe.storage.torchbin)
-        root = Path(uri).expanduser()
+        root = expand_path(uri)
         checkpoint = open_bin_checkpoint(root) if is_torch_bin(root) else open_checkpoint(uri)
         checkpoint.storage = self
         return checkpoint

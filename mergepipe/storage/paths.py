@@ -20,6 +20,15 @@ from mergepipe.errors import StorageError
 ROOTS_ENV = "MERGEPIPE_ALLOWED_ROOTS"
 
 
+def expand_path(uri: str | os.PathLike) -> Path:
+    """``uri`` with ``~`` expanded; a ``~user`` that does not exist is a StorageError (pathlib raises
+    RuntimeError)."""
+    try:
+        return Path(uri).expanduser()
+    except RuntimeError:
+        raise StorageError(f"{uri}: cannot expand '~' (no such user or no home directory)") from None
+
+
 def allowed_roots(env=None) -> list[Path] | None:
     """The resolved allowed folders from ``$MERGEPIPE_ALLOWED_ROOTS``; None when it is unset or empty."""
     raw = (os.environ if env is None else env).get(ROOTS_ENV, "")
@@ -28,7 +37,7 @@ def allowed_roots(env=None) -> list[Path] | None:
         return None
     out: list[Path] = []
     for p in items:
-        r = Path(p).expanduser().resolve()
+        r = expand_path(p).resolve()
         if r not in out:
             out.append(r)
     return out
@@ -41,9 +50,9 @@ def inside(path: Path, roots: list[Path]) -> bool:
 def check_allowed(path: str | os.PathLike, roots: list[Path] | None = None) -> Path:
     """``path`` resolved (symlinks followed); refused when roots are set and it lies outside them."""
     roots = allowed_roots() if roots is None else roots
-    resolved = Path(path).expanduser().resolve()
+    resolved = expand_path(path).resolve()
     if roots and not inside(resolved, roots):
-        shown = f"{path} (a link to {resolved})" if Path(path).expanduser().absolute() != resolved else str(resolved)
+        shown = f"{path} (a link to {resolved})" if expand_path(path).absolute() != resolved else str(resolved)
         raise StorageError(f"{shown} is outside the allowed folders ({', '.join(map(str, roots))}); "
                            f"add its folder to {ROOTS_ENV} to allow it")
     return resolved
@@ -96,6 +105,6 @@ def read_regular(path: str | os.PathLike, limit: int | None = None) -> bytes:
 
 def check_output(path: str | os.PathLike) -> Path:
     """An output folder to be created: inside the allowed roots when set (its parent resolved)."""
-    p = Path(path).expanduser().absolute()
+    p = expand_path(path).absolute()
     check_allowed(p.parent)
     return p

@@ -17,6 +17,7 @@ from mergepipe.errors import StorageError
 from mergepipe.storage import lora
 from mergepipe.storage.base import Storage
 from mergepipe.storage.local import LocalStorage
+from mergepipe.storage.paths import expand_path
 from mergepipe.storage.safetensors import Checkpoint
 
 LOCAL = LocalStorage()
@@ -60,7 +61,7 @@ def canonical_uri(uri: str | os.PathLike) -> str:
     """The form a catalog stores: an absolute, resolved path for local files; a remote URI as given."""
     if scheme_of(uri) is not None:
         return os.fspath(uri)
-    return str(Path(local_path(uri)).expanduser().resolve())
+    return str(expand_path(local_path(uri)).resolve())
 
 
 def open_checkpoint(uri: str | os.PathLike) -> Checkpoint:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mergepipe.errors import StorageError
-from mergepipe.storage.paths import open_regular, read_regular
+from mergepipe.storage.paths import expand_path, open_regular, read_regular  # noqa: F401 (expand_path: re-exported)
 
 if TYPE_CHECKING:
     import torch
@@ -369,15 +369,6 @@ def open_checkpoint(uri: str | os.PathLike) -> Checkpoint:
         raise StorageError(f"{root}: checkpoint holds no tensors")
     sizes = {(f.name if root.is_dir() else f.name): f.stat().st_size for f in files}
     return Checkpoint(root, files, tensors, sizes, config)
-
-
-def expand_path(uri: str | os.PathLike) -> Path:
-    """``uri`` with ``~`` expanded; a ``~user`` that does not exist is a StorageError (pathlib raises
-    RuntimeError)."""
-    try:
-        return Path(uri).expanduser()
-    except RuntimeError:
-        raise StorageError(f"{uri}: cannot expand '~' (no such user or no home directory)") from None
 
 
 def _shard_files(root: Path) -> list[Path]:
