@@ -43,7 +43,7 @@ class Resolved:
         c = self.config
         return MergeRequest.build(self.base, self.experts, c.method, budget=c.budget, target_bound=c.target_bound,
                                   lam=c.lam, normalize=c.normalize, rescale=c.rescale, gamma=c.gamma,
-                                  epsilon=c.epsilon, seed=c.seed, strategy=c.strategy)
+                                  epsilon=c.epsilon, seed=c.seed, strategy=c.strategy, **c.method_params)
 
 
 PathCheck = Callable[[str], Path]
@@ -173,7 +173,8 @@ def prepare(cat: Catalog, cfg: MergekitConfig, register_paths: bool = True, chec
     are ids a derived id must avoid (the merged model's)."""
     op = get_op(cfg.method)
     resolve_params(op, normalize=cfg.normalize, rescale=cfg.rescale, lam=cfg.lam,
-                            **{k: v for k, v in (("gamma", cfg.gamma), ("epsilon", cfg.epsilon)) if v is not None})
+                            **{k: v for k, v in (("gamma", cfg.gamma), ("epsilon", cfg.epsilon)) if v is not None},
+                            **cfg.method_params)
     r = _Resolver(cat, cfg, register_paths, check_path, reserved_ids)
     base_id, base_path = r.base()
     r.out.base, r.base_path = base_id, base_path

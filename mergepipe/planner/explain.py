@@ -33,7 +33,7 @@ def explain_plan(p: dict) -> str:
         op = get_op(p["operator"])
         lines.append(f"  bound      {op.bound_note or 'n/a'}")
         omitted = sum(b - a for rs in p.get("omitted", {}).values() for a, b in rs)
-        lines.append(f"  omitted    {omitted} blocks keep the base's values ({op.budget_semantics})")
+        lines.append(f"  omitted    {omitted} blocks not read; {op.budget_semantics}")
     lines.append("  experts")
     for e in p["experts"]:
         eid = e["id"]
