@@ -76,7 +76,7 @@ def _gram(op, rows: dict, ids: list[str], name: str, t) -> Gram:
                             f"experts must be analyzed together (`mergepipe analyze --force {' '.join(ids)}`)"
                             + ("; the base is not read for delta checkpoints" if a == "" else ""))
         return rows[key]
-    needs_base = op.name in ("slerp",)
+    needs_base = op.name in ("slerp", "karcher")
     bb = get("", "", "||base||^2") if needs_base else rows.get(("", ""))
     bd = tuple(get("", e, "<base, delta>") if needs_base else rows.get(("", e), 0.0) for e in ids)
     dd = tuple(tuple(get(a, b, "the dot products of the experts' deltas") for b in ids) for a in ids)
