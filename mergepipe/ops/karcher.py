@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from mergepipe.ops.interp import Gram, f32
 from mergepipe.ops.spec import Consensus, OpSpec, Param
 
@@ -34,6 +32,7 @@ SPECS = (OpSpec("karcher", None, Consensus.NONE, False, False, extras=(MAX_ITER,
 
 def scalars(spec: OpSpec, gram: Gram, settings: dict, params: dict, ndim: int) -> list[float]:
     """Coefficients of [x_1, ..., x_K, base] in the output."""
+    import numpy as np
     k = len(gram.bd)
     n = k + 1
     g = np.zeros((n, n))

@@ -25,7 +25,7 @@ from mergepipe.planner.plan import expand_ranges
 from mergepipe.storage.grid import tensor_grid
 from mergepipe.storage.registry import open_checkpoint
 
-from merge_helpers import load_dir, open_copy, shared_family
+from merge_helpers import load_dir, open_copy, run_cli, shared_family
 from mergekit_runner import mergekit_merge
 
 EPS32 = 2.0 ** -23
@@ -179,3 +179,20 @@ def test_declarations_and_refusals(setup):
         parse_config(yaml.safe_dump(cfg))
     text = api.explain(cat, planner.plan("base", fam.expert_ids[:3], "model_stock", budget=0.5).id)
     assert "bound      n/a" in text and "omitted" in text
+
+
+def test_cli_flags_merge_like_the_config(setup):
+    """``mergepipe merge --op model_stock --filter_wise`` (flags generated from the declarations) gives
+    the same bytes as the YAML config path."""
+    dtype, fam, cat, work = setup
+    db = work / "cat.sqlite"
+    out = work / "cli-ms"
+    r = run_cli(["--db", db, "merge", "--base", "base", "--experts", *fam.expert_ids[:3], "--op", "model_stock",
+                 "--filter_wise", "--out", out, "--model-id", "cli-ms"])
+    assert r.returncode == 0, r.stderr
+    cfg = _config(fam, dtype, "model_stock-filter_wise")
+    api.merge_config(cat, parse_config(yaml.safe_dump(cfg)), work / "cfg-ms", model_id="cfg-ms")
+    a, b = load_dir(out), load_dir(work / "cfg-ms")
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    r = run_cli(["--db", db, "plan", "--base", "base", "--experts", fam.expert_ids[0], "--op", "slerp", "--t", "0.25"])
+    assert r.returncode == 0, r.stderr
