@@ -231,9 +231,23 @@ def plan_from_config(cat: Catalog, cfg: MergekitConfig, save: bool = True, reser
     kept. Experts without statistics are read in full and analyzed by the merge (the plan says so)."""
     resolved = prepare(cat, cfg, register_paths=register_paths, check_path=check_path, reserved_ids=reserved_ids)
     planner = Planner(cat)
-    if not resolved.pending:
+    if not resolved.pending and not get_op(cfg.method).nonlinear:
         return planner.plan(resolved.request(), save=save), resolved
     with cat.transaction():
         apply(cat, resolved)
-        plan = planner.plan(resolved.request(), save=save)
+        plan = _plan_method(cat, planner, resolved, save)
     return plan, resolved
+
+
+def _plan_method(cat: Catalog, planner: Planner, resolved: Resolved, save: bool) -> Plan:
+    """Plan; an interpolation method whose experts lack statistics (not analyzed, or not analyzed together:
+    no pairwise dot products) first analyzes its experts together (they need it before planning)."""
+    from mergepipe.planner.methods import NeedsAnalysis
+    try:
+        return planner.plan(resolved.request(), save=save)
+    except NeedsAnalysis:
+        pass
+    from mergepipe.analyze.runner import analyze
+    analyze(cat, [e["model"] for e in resolved.experts], force=True)
+    return planner.plan(resolved.request(), save=save)
+

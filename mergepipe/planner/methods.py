@@ -28,6 +28,11 @@ from mergepipe.planner.settings import layer_t, num_layers, resolve, tensor_weig
 from mergepipe.storage.safetensors import FLOAT_DTYPES
 
 
+class NeedsAnalysis(PlanError):
+    """The catalog lacks statistics these experts need together: ``mergepipe analyze --force`` them (the
+    mergekit config path does it by itself)."""
+
+
 def check_experts(op, experts: list[dict]) -> None:
     k = len(experts)
     if k < op.min_experts or (op.max_experts is not None and k > op.max_experts):
@@ -40,7 +45,7 @@ def check_experts(op, experts: list[dict]) -> None:
                            "among them)" if op.name in ("slerp", "nearswap") else ""))
     if any(e.get("analyze") for e in experts):
         missing = ", ".join(e["id"] for e in experts if e.get("analyze"))
-        raise PlanError(f"{op.name} needs the experts' statistics before planning (not analyzed: {missing}); "
+        raise NeedsAnalysis(f"{op.name} needs the experts' statistics before planning (not analyzed: {missing}); "
                         f"run `mergepipe analyze {' '.join(e['id'] for e in experts)}` first")
     if op.common is not None and "weight" not in op.common:
         if any(e.get("weight") not in (None, 1.0) or e.get("tensors") for e in experts):
@@ -72,7 +77,7 @@ def _gram(op, rows: dict, ids: list[str], name: str, t) -> Gram:
     def get(a, b, what):
         key = tuple(sorted((a, b))) if a and b else (a, b)
         if key not in rows:
-            raise PlanError(f"{op.name} needs {what} on tensor {name}, which the catalog does not hold: the "
+            raise NeedsAnalysis(f"{op.name} needs {what} on tensor {name}, which the catalog does not hold: the "
                             f"experts must be analyzed together (`mergepipe analyze --force {' '.join(ids)}`)"
                             + ("; the base is not read for delta checkpoints" if a == "" else ""))
         return rows[key]

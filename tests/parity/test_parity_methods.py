@@ -196,3 +196,20 @@ def test_cli_flags_merge_like_the_config(setup):
     assert all(torch.equal(a[k], b[k]) for k in b)
     r = run_cli(["--db", db, "plan", "--base", "base", "--experts", fam.expert_ids[0], "--op", "slerp", "--t", "0.25"])
     assert r.returncode == 0, r.stderr
+
+
+def test_config_with_fresh_paths_analyzes_the_experts_together(setup, tmp_path):
+    """A mergekit config naming unregistered paths: registered, analyzed together (the Gram statistics),
+    planned and merged, equal to the merge from the shared catalog."""
+    dtype, fam, cat, work = setup
+    from mergepipe.catalog.db import Catalog
+    fresh = Catalog(tmp_path / "fresh.sqlite")
+    try:
+        cfg = _config(fam, dtype, "model_stock")
+        api.merge_config(fresh, parse_config(yaml.safe_dump(cfg)), tmp_path / "fresh-out", model_id="fresh-ms")
+        assert fresh.conn.execute("SELECT COUNT(*) FROM gram").fetchone()[0] > 0
+    finally:
+        fresh.close()
+    api.merge_config(cat, parse_config(yaml.safe_dump(cfg)), work / "shared-ms", model_id="shared-ms")
+    a, b = load_dir(tmp_path / "fresh-out"), load_dir(work / "shared-ms")
+    assert all(torch.equal(a[k], b[k]) for k in b)
