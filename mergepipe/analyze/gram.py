@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+CHUNK = 1 << 16  # entries per matrix product: (K+1) x 64 Ki float64 (8 MiB for K = 15)
+
 
 def as_float(arr: np.ndarray | None, dtype: str) -> np.ndarray | None:
     """The float32 (float64 for F64) values of a kernels' raw view (stats.RAW_VIEW)."""
@@ -42,8 +44,10 @@ class GramAccumulator:
         self.dd = np.zeros((k, k))
 
     def add(self, base_raw: np.ndarray | None, expert_arrays: list[np.ndarray]) -> None:
+        """One block: the float32 deltas as mergekit forms them, then their Gram matrix (with the base
+        first when it was read) as float64 matrix products over chunks of CHUNK entries."""
         b = as_float(base_raw, self.binfo.dtype)
-        deltas = []
+        rows = [] if b is None else [b.reshape(-1)]
         for p, e in zip(self.passes, expert_arrays):
             if p.source.kind == "full":
                 x = as_float(e, p.source.checkpoint.tensors[self.binfo.name].dtype)
@@ -52,16 +56,18 @@ class GramAccumulator:
                 d = e
             else:
                 d = as_float(e, p.source.checkpoint.tensors[self.binfo.name].dtype)
-            deltas.append(np.asarray(d, dtype=np.float64).reshape(-1))
+            rows.append(np.asarray(d).reshape(-1))
+        n = rows[0].size
+        g = np.zeros((len(rows), len(rows)))
         with np.errstate(invalid="ignore", over="ignore"):
-            if b is not None:
-                b64 = np.asarray(b, dtype=np.float64).reshape(-1)
-                self.bb += float(b64 @ b64)
-                for i, d in enumerate(deltas):
-                    self.bd[i] += float(b64 @ d)
-            for i, di in enumerate(deltas):
-                for j in range(i, len(deltas)):
-                    self.dd[i, j] += float(di @ deltas[j])
+            for c0 in range(0, n, CHUNK):
+                m = np.stack([r[c0:c0 + CHUNK] for r in rows]).astype(np.float64)
+                g += m @ m.T
+        if b is not None:
+            self.bb += float(g[0, 0])
+            self.bd += g[0, 1:]
+            g = g[1:, 1:]
+        self.dd += g
 
     def rows(self) -> list[tuple[str, str, float]]:
         """(a, b, value) with '' for the base: ('', '') = ||base||^2, ('', e) = <base, delta_e>,
@@ -74,7 +80,7 @@ class GramAccumulator:
         for i, e in enumerate(ids):
             for j in range(i, len(ids)):
                 a, b = sorted((e, ids[j]))
-                out.append((a, b, float(self.dd[i, j])))
+                out.append((a, b, float(self.dd[i, j])))  # symmetric: the upper triangle
         return out
 
     def finish(self) -> None:
