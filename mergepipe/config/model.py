@@ -32,12 +32,13 @@ REFUSED_TOP_KEYS = {
 # once (lambda, gamma, epsilon: they must agree between models).
 PARAMS = {p.name: p for p in all_parameters()}
 PER_TENSOR = tuple(n for n, p in PARAMS.items() if p.per_tensor)
-SHARED_PARAMS = tuple(n for n, p in PARAMS.items() if not p.per_tensor and not p.gradient and p.kind is float)
-# merge-wide values that may be a gradient or filter list (slerp's and nearswap's t)
-GRADIENT_PARAMS = tuple(n for n, p in PARAMS.items() if p.gradient)
-# the interpolation methods' own parameters (t, nuslerp_flatten, filter_wise, ...): passed to the operator
+# the interpolation methods' own parameters (t, nuslerp_flatten, filter_wise, ...): merge-wide, passed to
+# the operator as given
 METHOD_PARAMS = tuple(n for n in PARAMS if n not in ("weight", "density", "lambda", "normalize", "rescale",
                                                       "gamma", "epsilon"))
+SHARED_PARAMS = tuple(n for n, p in PARAMS.items() if not p.per_tensor and p.kind is float and n not in METHOD_PARAMS)
+# merge-wide values that may be a gradient or filter list (slerp's and nearswap's t)
+GRADIENT_PARAMS = tuple(n for n, p in PARAMS.items() if p.gradient)
 GLOBAL_PARAMS = tuple(PARAMS) + ("int8_mask",)
 MODEL_PARAMS = PER_TENSOR + SHARED_PARAMS
 EXTENSION_KEYS = ("budget", "target_bound", "strategy", "seed", "plan")
