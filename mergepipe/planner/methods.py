@@ -19,6 +19,7 @@ import json
 
 import numpy as np
 
+from mergepipe.catalog import analyses
 from mergepipe.catalog.gram import load_gram
 from mergepipe.errors import PlanError
 from mergepipe.ops.core import METHODS
@@ -58,6 +59,7 @@ def tensor_scalars(ctx) -> dict[str, list[float]]:
     scalars_fn, _ = METHODS[op.name]
     ids = [e["id"] for e in ctx.experts]
     gram = load_gram(ctx.catalog, ctx.base["id"], ids) if op.gram else {}
+    changed = {e: set(analyses.changed_tensors(ctx.catalog, e)) for e in ids} if op.gram else {}
     names = [t["name"] for t in ctx.tensors]
     layers = num_layers(names, json.loads(ctx.base["config"] or "{}"))
     out = {}
@@ -68,14 +70,19 @@ def tensor_scalars(ctx) -> dict[str, list[float]]:
         settings = {"weights": [tensor_weight(e, name) for e in ctx.experts]}
         if "t" in params:
             settings["t"] = resolve([params["t"]], name, layer_t(name, layers), 0.0)
-        g = _gram(op, gram.get(name, {}), ids, name, t) if op.gram else None
+        zero = {e for e in ids if name not in changed[e]} if op.gram else set()
+        g = _gram(op, gram.get(name, {}), ids, name, t, zero) if op.gram else None
         out[name] = [float(v) for v in scalars_fn(op, g, settings, params, len(t["shape"]))]
     return out
 
 
-def _gram(op, rows: dict, ids: list[str], name: str, t) -> Gram:
+def _gram(op, rows: dict, ids: list[str], name: str, t, zero: set) -> Gram:
+    """The tensor's Gram statistics; a pair with an expert whose delta is zero on this tensor (a LoRA
+    adapter that does not target it has no rows) is 0."""
     def get(a, b, what):
         key = tuple(sorted((a, b))) if a and b else (a, b)
+        if key not in rows and (a in zero or b in zero):
+            return 0.0
         if key not in rows:
             raise NeedsAnalysis(f"{op.name} needs {what} on tensor {name}, which the catalog does not hold: the "
                             f"experts must be analyzed together (`mergepipe analyze --force {' '.join(ids)}`)"
