@@ -213,3 +213,16 @@ def test_config_with_fresh_paths_analyzes_the_experts_together(setup, tmp_path):
     api.merge_config(cat, parse_config(yaml.safe_dump(cfg)), work / "shared-ms", model_id="shared-ms")
     a, b = load_dir(tmp_path / "fresh-out"), load_dir(work / "shared-ms")
     assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+@pytest.mark.parametrize("op,experts,kw", [("slerp", 1, {"t": [0.1, 0.8]}), ("nuslerp", 2, {"weights": [1.0, 3.0]}),
+                                           ("karcher", 3, {"max_iter": 5})])
+def test_export_as_mergekit_round_trips(setup, op, experts, kw):
+    """``explain --as-mergekit`` writes a config mergekit reads and MergePipe plans to the same digest."""
+    dtype, fam, cat, work = setup
+    from mergepipe.config.export import export_mergekit
+    from mergepipe.config.resolve import plan_from_config
+    plan = Planner(cat).plan("base", fam.expert_ids[:experts], op, budget=0.5, **kw)
+    text = export_mergekit(cat, plan.id)
+    again, _ = plan_from_config(cat, parse_config(text), save=False)
+    assert again.digest == plan.digest
