@@ -7,6 +7,9 @@ are what the interpolation methods need (slerp's angle, model_stock's pairwise a
 multislerp's and karcher's norms and dots): the planner derives each tensor's coefficients from them, so a
 budgeted merge never reads a whole tensor to learn an angle.
 
+For ramplus_tl it also counts, per expert, the entries with |delta| > 1e-5 that another expert of the run
+also changes (shared) or that only it changes (unique): rows keyed by the set of experts of the run.
+
 Pairwise dots exist only between experts analyzed in the same run: ``mergepipe analyze --force A B C``
 analyzes a set together. Experts whose deltas are stored as delta checkpoints do not read the base: then
 ||base||^2 and <base, delta_i> are not known (methods that need them refuse).
@@ -16,6 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from mergepipe.catalog.gram import set_key
+
+RAM_EPSILON = 1e-5  # mergekit's default epsilon of ram / ramplus_tl (ops/ram.py)
 CHUNK = 1 << 16  # entries per matrix product: (K+1) x 64 Ki float64 (8 MiB for K = 15)
 
 
@@ -42,6 +48,9 @@ class GramAccumulator:
         self.has_base = any(p.source.needs_base for p in passes)  # the base is read
         self.bd = np.zeros(k)
         self.dd = np.zeros((k, k))
+        # ramplus_tl: per expert, entries with |delta| > RAM_EPSILON shared with another expert / unique to it
+        self.shared = np.zeros(k, dtype=np.int64)
+        self.unique = np.zeros(k, dtype=np.int64)
 
     def add(self, base_raw: np.ndarray | None, expert_arrays: list[np.ndarray]) -> None:
         """One block: the float32 deltas as mergekit forms them, then their Gram matrix (with the base
@@ -58,6 +67,7 @@ class GramAccumulator:
                 d = as_float(e, p.source.checkpoint.tensors[self.binfo.name].dtype)
             rows.append(np.asarray(d).reshape(-1))
         n = rows[0].size
+        self._count(rows[1:] if b is not None else rows)
         g = np.zeros((len(rows), len(rows)))
         with np.errstate(invalid="ignore", over="ignore"):
             for c0 in range(0, n, CHUNK):
@@ -68,6 +78,13 @@ class GramAccumulator:
             self.bd += g[0, 1:]
             g = g[1:, 1:]
         self.dd += g
+
+    def _count(self, deltas) -> None:
+        with np.errstate(invalid="ignore"):
+            nonzero = np.stack([np.abs(d) > np.float32(RAM_EPSILON) for d in deltas])
+        counts = nonzero.sum(axis=0)
+        self.shared += (nonzero & (counts > 1)).sum(axis=1)
+        self.unique += (nonzero & (counts == 1)).sum(axis=1)
 
     def rows(self) -> list[tuple[str, str, float]]:
         """(a, b, value) with '' for the base: ('', '') = ||base||^2, ('', e) = <base, delta_e>,
@@ -81,6 +98,9 @@ class GramAccumulator:
             for j in range(i, len(ids)):
                 a, b = sorted((e, ids[j]))
                 out.append((a, b, float(self.dd[i, j])))  # symmetric: the upper triangle
+        key = set_key(ids)
+        out += [(f"~shared:{key}", e, float(v)) for e, v in zip(ids, self.shared)]
+        out += [(f"~unique:{key}", e, float(v)) for e, v in zip(ids, self.unique)]
         return out
 
     def finish(self) -> None:

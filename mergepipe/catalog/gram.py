@@ -6,6 +6,11 @@ from __future__ import annotations
 from mergepipe.catalog.db import Catalog
 
 
+def set_key(ids) -> str:
+    """The key of a set of experts analyzed together (ramplus_tl's counts depend on the whole set)."""
+    return ",".join(sorted(ids))
+
+
 def replace_gram(catalog: Catalog, jobs) -> None:
     """Store the Gram rows of these ANALYZE jobs, dropping every stored row that involves one of their
     experts first (its delta changed or was re-analyzed; pairs with experts outside this run are gone
@@ -37,3 +42,13 @@ def load_gram(catalog: Catalog, base_id: str, expert_ids: list[str]) -> dict[str
     for tensor, a, b, value in cur:
         out.setdefault(tensor, {})[(a, b)] = value
     return out
+
+
+def load_set_counts(catalog: Catalog, base_id: str, key: str) -> dict[str, dict[str, tuple[float, float]]]:
+    """tensor -> {expert: (shared, unique)} entry counts stored for the expert set ``key`` (ramplus_tl)."""
+    out: dict[str, dict[str, list[float]]] = {}
+    cur = catalog.conn.execute("SELECT tensor, a, b, value FROM gram WHERE base_id = ? AND a IN (?, ?)",
+                               [base_id, f"~shared:{key}", f"~unique:{key}"])
+    for tensor, a, b, value in cur:
+        out.setdefault(tensor, {}).setdefault(b, [0.0, 0.0])[0 if a.startswith("~shared") else 1] = value
+    return {t: {e: tuple(v) for e, v in per.items()} for t, per in out.items()}

@@ -20,7 +20,7 @@ import json
 import numpy as np
 
 from mergepipe.catalog import analyses
-from mergepipe.catalog.gram import load_gram
+from mergepipe.catalog.gram import load_gram, load_set_counts, set_key
 from mergepipe.errors import PlanError
 from mergepipe.ops.core import METHODS
 from mergepipe.ops.interp import Gram
@@ -60,6 +60,7 @@ def tensor_scalars(ctx) -> dict[str, list[float]]:
     ids = [e["id"] for e in ctx.experts]
     gram = load_gram(ctx.catalog, ctx.base["id"], ids) if op.gram else {}
     changed = {e: set(analyses.changed_tensors(ctx.catalog, e)) for e in ids} if op.gram else {}
+    counts = load_set_counts(ctx.catalog, ctx.base["id"], set_key(ids)) if op.name == "ramplus_tl" else None
     names = [t["name"] for t in ctx.tensors]
     layers = num_layers(names, json.loads(ctx.base["config"] or "{}"))
     out = {}
@@ -68,6 +69,13 @@ def tensor_scalars(ctx) -> dict[str, list[float]]:
             continue
         name = t["name"]
         settings = {"weights": [tensor_weight(e, name) for e in ctx.experts]}
+        if counts is not None:
+            per = counts.get(name)
+            if per is None or set(per) != set(ids):
+                raise NeedsAnalysis(f"{op.name} needs the counts of shared and unique entries of exactly these experts "
+                                    f"analyzed together, which the catalog does not hold for tensor {name}: "
+                                    f"`mergepipe analyze --force {' '.join(ids)}`")
+            settings["ram_counts"] = ([per[e][0] for e in ids], [per[e][1] for e in ids])
         if "t" in params:
             settings["t"] = resolve([params["t"]], name, layer_t(name, layers), 0.0)
         zero = {e for e in ids if name not in changed[e]} if op.gram else set()

@@ -69,11 +69,14 @@ CASES = {
     "multislerp": lambda f: {"merge_method": "multislerp", "models": _models(f, 2, [0.5, 0.3])},
     "karcher": lambda f: {"merge_method": "karcher", "models": _models(f, 3)},
     "sce": lambda f: {"merge_method": "sce", "models": _models(f, 3)},
+    "ram": lambda f: {"merge_method": "ram", "models": _models(f, 3)},
+    "ramplus_tl": lambda f: {"merge_method": "ramplus_tl", "models": _models(f, 3),
+                             "parameters": {"r": 0.5, "alpha": 0.3}},
 }
 # fp32: max |ours - mergekit| per tensor, in float32 ulps of the tensor's largest |value| (None: bit-equal)
 FP32_ULPS = {"slerp": 4, "slerp-gradient": 4, "slerp-filters": 4, "nearswap": None, "nuslerp": 4,
              "nuslerp-rows": 4, "model_stock": 4, "model_stock-filter_wise": 4, "multislerp": 4,
-             "karcher": 8192, "sce": 4}  # ~1e-3: see the module docstring
+             "karcher": 8192, "sce": 4, "ram": None, "ramplus_tl": None}  # ~1e-3: see the module docstring
 # bf16: fraction of entries allowed to differ (by one bf16 ulp); 0: bit-equal
 BF16_DIFF = {"multislerp": 0.01, "karcher": 0.05, "sce": 0.01}
 
