@@ -22,7 +22,6 @@ import numpy as np
 from mergepipe.catalog.gram import set_key
 
 RAM_EPSILON = 1e-5  # mergekit's default epsilon of ram / ramplus_tl (ops/ram.py)
-CHUNK = 1 << 16  # entries per matrix product: (K+1) x 64 Ki float64 (8 MiB for K = 15)
 
 
 def as_float(arr: np.ndarray | None, dtype: str) -> np.ndarray | None:
@@ -36,6 +35,19 @@ def as_float(arr: np.ndarray | None, dtype: str) -> np.ndarray | None:
     if dtype == "F16":
         return arr.view(np.float16).astype(np.float32)
     return arr.astype(np.float32)
+
+
+def _fill(dst: np.ndarray, arr: np.ndarray, dtype: str) -> None:
+    """Write the float values of a kernels' raw view (or a float32 LoRA delta) into ``dst``."""
+    arr = arr.reshape(-1)
+    if dtype == "BF16" and arr.dtype == np.uint16 and dst.dtype == np.float32:
+        np.left_shift(arr, 16, out=dst.view(np.uint32), dtype=np.uint32)
+    elif dtype == "F16" and arr.dtype == np.int16:
+        dst[:] = arr.view(np.float16)
+    elif arr.dtype == np.uint16:  # bf16 into a float64 row
+        dst[:] = as_float(arr, "BF16")
+    else:
+        dst[:] = arr
 
 
 class GramAccumulator:
@@ -53,38 +65,33 @@ class GramAccumulator:
         self.unique = np.zeros(k, dtype=np.int64)
 
     def add(self, base_raw: np.ndarray | None, expert_arrays: list[np.ndarray]) -> None:
-        """One block: the float32 deltas as mergekit forms them, then their Gram matrix (with the base
-        first when it was read) as float64 matrix products over chunks of CHUNK entries."""
-        b = as_float(base_raw, self.binfo.dtype)
-        rows = [] if b is None else [b.reshape(-1)]
-        for p, e in zip(self.passes, expert_arrays):
-            if p.source.kind == "full":
-                x = as_float(e, p.source.checkpoint.tensors[self.binfo.name].dtype)
-                d = x - b  # float32, as mergekit's x - base
-            elif p.source.kind == "lora":
-                d = e
-            else:
-                d = as_float(e, p.source.checkpoint.tensors[self.binfo.name].dtype)
-            rows.append(np.asarray(d).reshape(-1))
-        n = rows[0].size
-        self._count(rows[1:] if b is not None else rows)
-        g = np.zeros((len(rows), len(rows)))
-        with np.errstate(invalid="ignore", over="ignore"):
-            for c0 in range(0, n, CHUNK):
-                m = np.stack([r[c0:c0 + CHUNK] for r in rows]).astype(np.float64)
-                g += m @ m.T
+        """One block: the float32 deltas as mergekit forms them (written into one [rows, n] array, the
+        base first when it was read), then their Gram matrix accumulated in float64 and the shared/unique
+        counts, by compiled loops (analyze/kernels.py)."""
+        from mergepipe.analyze import kernels
+        name = self.binfo.name
+        kinds = [(p.source.kind, e, self.binfo.dtype if p.source.kind == "lora" else
+                  p.source.checkpoint.tensors[name].dtype) for p, e in zip(self.passes, expert_arrays)]
+        wide = self.binfo.dtype == "F64" or any(d == "F64" for _, _, d in kinds)
+        first = 0 if base_raw is None else 1
+        n = (base_raw if base_raw is not None else expert_arrays[0]).size
+        m = np.empty((first + len(kinds), n), dtype=np.float64 if wide else np.float32)
+        b = None
+        if base_raw is not None:
+            _fill(m[0], base_raw, self.binfo.dtype)
+            b = m[0]
+        for i, (kind, e, dtype) in enumerate(kinds, start=first):
+            _fill(m[i], e, dtype)
+            if kind == "full":
+                np.subtract(m[i], b, out=m[i])  # float32, as mergekit's x - base
+        kernels.shared_unique_counts(m[first:], m.dtype.type(RAM_EPSILON), self.shared, self.unique)
+        g = np.zeros((len(m), len(m)))
+        kernels.gram_accumulate(m, g)
         if b is not None:
             self.bb += float(g[0, 0])
             self.bd += g[0, 1:]
             g = g[1:, 1:]
         self.dd += g
-
-    def _count(self, deltas) -> None:
-        with np.errstate(invalid="ignore"):
-            nonzero = np.stack([np.abs(d) > np.float32(RAM_EPSILON) for d in deltas])
-        counts = nonzero.sum(axis=0)
-        self.shared += (nonzero & (counts > 1)).sum(axis=1)
-        self.unique += (nonzero & (counts == 1)).sum(axis=1)
 
     def rows(self) -> list[tuple[str, str, float]]:
         """(a, b, value) with '' for the base: ('', '') = ||base||^2, ('', e) = <base, delta_e>,
