@@ -114,6 +114,8 @@ def select_joint(cands, budget_bytes: int) -> np.ndarray:
     gbytes = np.bincount(inverse, weights=cands.nbytes.astype(np.float64))
     gscore = np.bincount(inverse, weights=cands.score)
     ratio = np.where(gbytes > 0, gscore / np.maximum(gbytes, 1), np.inf)
+    if cands.priority is not None:  # strategies random / uniform: the group's mean priority
+        ratio = np.bincount(inverse, weights=cands.priority) / np.bincount(inverse)
     order = np.lexsort((groups, -ratio))  # groups sort by (tensor, block)
     members = [[] for _ in groups]
     for c, g in enumerate(inverse):
