@@ -18,6 +18,11 @@ Deliberate differences from mergekit, all forced by streaming block by block:
     |d| for k = int(gamma*n) and int((gamma+density)*n); mergekit's int(gamma*n)+int(density*n) can
     differ by one element.
   * Magnitude ties at a threshold are all kept (torch.topk keeps an arbitrary subset of them).
+
+The interpolation methods (slerp, nuslerp, model_stock, multislerp, karcher, nearswap, sce, ram,
+ramplus_tl: ``spec.nonlinear``) are not of this form: each registers ``METHODS[name] = (scalars, block)``
+(ops/interp.py): per-tensor scalars from ANALYZE's Gram statistics, computed by the planner, and a block
+kernel the engine applies to the experts' values (an omitted block keeps the base's values).
 """
 
 from __future__ import annotations
