@@ -99,7 +99,7 @@ class Param:
         return f"{'(' if self.low_open else '['}{lo}, {hi}]"
 
     def in_range(self, value: float) -> bool:
-        if self.kind is bool or isinstance(value, bool):
+        if self.kind is bool:
             return True
         if not math.isfinite(value):
             return False
