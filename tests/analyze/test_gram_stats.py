@@ -7,7 +7,6 @@ from __future__ import annotations
 import sqlite3
 
 import pytest
-import torch
 
 from mergepipe.analyze.runner import analyze
 from mergepipe.catalog.db import Catalog
