@@ -327,8 +327,8 @@ def _bad(fam):
                                 f"    parameters: {{weight: abc}}\n"), ["models[0].parameters.weight", "number"]),
         ("weight nan", (f"merge_method: linear\nbase_model: {base}\nmodels:\n  - model: {e1}\n"
                        f"    parameters: {{weight: .nan}}\n"), ["finite"]),
-        ("unknown parameter", f"merge_method: ties\nbase_model: {base}\n{ok_models}parameters: {{alpha: 0.5}}\n",
-         ["unsupported parameter `alpha`"]),
+        ("unknown parameter", f"merge_method: ties\nbase_model: {base}\n{ok_models}parameters: {{frobnicity: 0.5}}\n",
+         ["unsupported parameter `frobnicity`"]),
         ("unknown key", f"merge_method: linear\nbase_model: {base}\n{ok_models}name: x\n", ["unsupported key `name`"]),
         ("unknown model key", f"merge_method: linear\nbase_model: {base}\nmodels:\n  - model: {e1}\n    lora: x\n",
          ["unsupported key `lora` in models[0]"]),
