@@ -81,8 +81,9 @@ with ui.user_errors(), ui.catalog() as cat:
             if p["place"] == "main":
                 values[p["key"]] = widget(p)
         with st.expander("Weights and parameters"):
-            weight = next(p for p in info["params"] if p["place"] == "weights")
-            weights = tuple(float(widget(weight, key=f"w_{e}", label=f"weight of {e}")) for e in experts)
+            weight = next((p for p in info["params"] if p["place"] == "weights"), None)  # slerp etc. take none
+            weights = tuple(float(widget(weight, key=f"w_{e}", label=f"weight of {e}")) for e in experts) \
+                if weight else ()
             for p in info["params"]:
                 if p["place"] == "more":
                     values[p["key"]] = widget(p)
@@ -102,7 +103,7 @@ with ui.user_errors(), ui.catalog() as cat:
             budget = None
 
     with result, ui.user_errors():
-        request = views.plan_request(base, experts, op, weights=list(weights), seed=seed, strategy=strategy,
+        request = views.plan_request(base, experts, op, weights=list(weights) or None, seed=seed, strategy=strategy,
                                      **values)
         ctx = ui.plan_context(ui.db(), version, views.request_key(request), request)
         plan = views.make_plan(ctx, budget_pct=budget, target_rel=target)

@@ -237,3 +237,40 @@ def count_nonfinite(x):
         v = to_f32(x[i])
         n += not (abs(v) <= np.float32(3.4028235e38))
     return n
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def gram_accumulate(rows, g):
+    """g[i, j] += sum_k rows[i, k] * rows[j, k] in float64 (rows: float32 or float64 [m, n]; the Gram
+    statistics of analyze/gram.py). fastmath only lets the float64 sums be vectorized (reassociated)."""
+    m, n = rows.shape
+    for i in range(m):
+        for j in range(i, m):
+            s = 0.0
+            for k in range(n):
+                s += np.float64(rows[i, k]) * np.float64(rows[j, k])
+            g[i, j] += s
+            if j != i:
+                g[j, i] += s
+
+
+@njit(**_C)
+def shared_unique_counts(deltas, epsilon, shared, unique):
+    """Per expert (row of deltas, float32 [K, n]): entries with |d| > epsilon that another expert also
+    changes (shared) or only it changes (unique). Row by row, so every pass is sequential in memory."""
+    k, n = deltas.shape
+    counts = np.zeros(n, dtype=np.int32)
+    for i in range(k):
+        for c in range(n):
+            counts[c] += abs(deltas[i, c]) > epsilon
+    for i in range(k):
+        s = 0
+        u = 0
+        for c in range(n):
+            if abs(deltas[i, c]) > epsilon:
+                if counts[c] > 1:
+                    s += 1
+                else:
+                    u += 1
+        shared[i] += s
+        unique[i] += u

@@ -13,6 +13,7 @@ from mergepipe.analyze.stats import (
 )
 from mergepipe.catalog.analyses import replace_analyses
 from mergepipe.catalog.db import Catalog
+from mergepipe.catalog.gram import replace_gram
 from mergepipe.catalog.models import check_unchanged
 from mergepipe.catalog.sketch import DEFAULT_SKETCH_SIZE
 from mergepipe.errors import CatalogError
@@ -25,6 +26,7 @@ def store_analyses(catalog: Catalog, jobs: list[ExpertAnalysis], seconds: dict |
     """Replace the statistics of these experts (and their base's grid) in one transaction."""
     with catalog.transaction():
         replace_analyses(catalog, jobs, seconds)
+        replace_gram(catalog, jobs)
 
 
 def _prepare(catalog: Catalog, expert_id: str, block_bytes, sketch_size, densities, force) -> ExpertAnalysis | None:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mergepipe.analyze import kernels
+from mergepipe.analyze.gram import GramAccumulator
 from mergepipe.analyze.thresholds import (NO_CUT, DenseSelection, HIST_BINS, KeySelection, block_cut,
                                           kth_largest_thresholds, tie_cut_queries)
 from mergepipe.catalog.db import now
@@ -106,6 +107,7 @@ class ExpertAnalysis:
         self.rb = base_ck.reader(sequential=True)
         self.re = self.source.checkpoint.reader(sequential=True)
         self.results: dict[str, tuple[list[dict], dict]] = {}
+        self.gram: dict[str, list[tuple[str, str, float]]] = {}  # tensor -> Gram rows (analyze/gram.py)
         self.seconds = 0.0
         self.base_read = 0  # base bytes this expert's statistics used (a shared read counts for each)
         self._lock = threading.Lock()
@@ -132,6 +134,10 @@ class ExpertAnalysis:
         with self._lock:
             self.results[name] = result
             self.seconds += seconds
+
+    def store_gram(self, name: str, rows: list) -> None:
+        with self._lock:
+            self.gram[name] = rows
 
     def record(self, seconds: float | None = None) -> dict:
         """The ``analyses`` row of this expert (all of its tensors must be analyzed)."""
@@ -195,6 +201,7 @@ def _first_pass(passes: list["_TensorPass"], binfo: TensorInfo) -> None:
                 for span in spans]
     keep = binfo.numel * 4 <= IN_MEMORY_TENSOR_BYTES and sum(per_span) <= KEEP_TASK_BYTES
     arena = _Arena(sum(per_span) if keep else max(per_span))
+    gram = GramAccumulator(passes, binfo)
     with passes[0].job.base_ck.reader(sequential=True) as base_reader:
         for i, span in enumerate(spans):
             for ahead in spans[i + PREFETCH_BLOCKS:i + PREFETCH_BLOCKS + 1] if i else spans[:PREFETCH_BLOCKS + 1]:
@@ -205,8 +212,8 @@ def _first_pass(passes: list["_TensorPass"], binfo: TensorInfo) -> None:
             if needs_base:
                 rng = (binfo.file, binfo.offset + span.rel_offset, span.nbytes)
                 base = _read(base_reader, rng, binfo.dtype, arena.take(span.nbytes))
-            for p in passes:
-                p.add_block(span, base, arena, keep)
+            gram.add(base, [p.add_block(span, base, arena, keep) for p in passes])
+    gram.finish()
 
 
 class _TensorPass:
@@ -298,6 +305,7 @@ class _TensorPass:
         if keep:
             self.cached.append((e, b))
         self.keep = keep
+        return e
 
     def finish(self) -> tuple[list[dict], dict]:
         binfo, job = self.binfo, self.job

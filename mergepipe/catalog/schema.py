@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
+
+# ANALYZE's per-tensor Gram statistics (catalog/gram.py): a = b = '' is ||base||^2, a = '' <base, delta_b>,
+# else <delta_a, delta_b> (a <= b), for the experts analyzed together.
+GRAM_TABLE = """CREATE TABLE IF NOT EXISTS gram (
+        base_id TEXT NOT NULL, tensor TEXT NOT NULL, a TEXT NOT NULL, b TEXT NOT NULL, value REAL,
+        PRIMARY KEY (base_id, tensor, a, b))"""
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)""",
@@ -52,6 +58,7 @@ SCHEMA = [
     """CREATE TABLE IF NOT EXISTS txns (
         id TEXT PRIMARY KEY, staging TEXT, out TEXT, status TEXT, pid INTEGER, started_at TEXT,
         finished_at TEXT)""",
+    GRAM_TABLE,
     """CREATE INDEX IF NOT EXISTS blocks_model ON blocks (model_id)""",
     """CREATE INDEX IF NOT EXISTS models_base ON models (base_id)""",
 ]
@@ -69,4 +76,7 @@ MIGRATIONS: dict[int, list[str]] = {
     # k top entries] (TIES' per-tensor L1 rescale; the exact-k count of tied entries). NULL before v5:
     # a merge that needs it analyzes the expert again on the way.
     5: ["ALTER TABLE tensor_stats ADD COLUMN topk TEXT"],
+    # per-tensor norms and pairwise dot products for the interpolation methods (slerp, model_stock, ...);
+    # catalogs from before v6 have none: re-analyze the experts of such a merge together (--force)
+    6: [GRAM_TABLE],
 }

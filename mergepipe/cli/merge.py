@@ -24,7 +24,9 @@ def _param_help(api, p) -> str:
     if p.range_text():
         parts.append(f"range {p.range_text()}")
     defaults = {next(q for q in s.parameters if q.name == p.name).default for s in api.operators() if s.name in takers}
-    if len(defaults) == 1:
+    if getattr(p, "required", False):
+        parts.append("required")
+    elif len(defaults) == 1:
         parts.append(f"default {defaults.pop():g}" if p.kind is float else f"default {'on' if defaults.pop() else 'off'}")
     elif p.kind is bool:
         parts.append("default on for " + ", ".join(s.name for s in api.operators() if s.name in takers and

@@ -83,7 +83,8 @@ def export_mergekit(cat: Catalog | None, ref: str) -> str:
         if e["kind"] == "delta":
             notes.append(f"# NOTE: {e['id']} is a MergePipe delta checkpoint: mergekit would read it as a full model.")
         params = {}
-        for key in ("weight", "density") if op.uses_density else ("weight",):
+        keys = ("weight", "density") if op.uses_density else ("weight",)
+        for key in keys if op.common is None or "weight" in op.common else ():
             value, exact = _expert_setting(e, key)
             if value is not None:
                 params[key] = value
@@ -93,6 +94,10 @@ def export_mergekit(cat: Catalog | None, ref: str) -> str:
         models.append({"model": path, "parameters": params})
     params = {"normalize": r["params"]["normalize"], "rescale": r["params"]["rescale"],
               "lambda": r["params"]["lambda"]}
+    if op.common is not None:  # the interpolation methods take only their own parameters
+        params = {k: v for k, v in params.items() if k in op.common}
+        if op.max_experts == 1:  # slerp, nearswap: mergekit lists the base among exactly two models
+            models.insert(0, {"model": base["uri"]})
     for key in op.params:
         params[key] = r["params"][key]
     doc: dict = {"merge_method": op.name, "base_model": base["uri"], "models": models, "parameters": params,

@@ -35,7 +35,13 @@ UNION_REFUSAL = ("a union of different vocabularies is not supported yet: it re-
 # once (lambda, gamma, epsilon: they must agree between models).
 PARAMS = {p.name: p for p in all_parameters()}
 PER_TENSOR = tuple(n for n, p in PARAMS.items() if p.per_tensor)
-SHARED_PARAMS = tuple(n for n, p in PARAMS.items() if not p.per_tensor and p.kind is float)
+# the interpolation methods' own parameters (t, nuslerp_flatten, filter_wise, ...): merge-wide, passed to
+# the operator as given
+METHOD_PARAMS = tuple(n for n in PARAMS if n not in ("weight", "density", "lambda", "normalize", "rescale",
+                                                      "gamma", "epsilon"))
+SHARED_PARAMS = tuple(n for n, p in PARAMS.items() if not p.per_tensor and p.kind is float and n not in METHOD_PARAMS)
+# merge-wide values that may be a gradient or filter list (slerp's and nearswap's t)
+GRADIENT_PARAMS = tuple(n for n, p in PARAMS.items() if p.gradient)
 GLOBAL_PARAMS = tuple(PARAMS) + ("int8_mask",)
 MODEL_PARAMS = PER_TENSOR + SHARED_PARAMS
 EXTENSION_KEYS = ("budget", "target_bound", "strategy", "seed", "plan")
@@ -88,6 +94,7 @@ class MergekitConfig:
     tokenizer_tokens: tuple = ()  # mergekit's tokenizer.tokens as ((token, force), ...)
     pad_to_multiple_of: int | None = None
     chat_template: str | None = None  # "auto", a template name or the template text
+    method_params: dict = dataclasses.field(default_factory=dict)  # METHOD_PARAMS given (t, filter_wise, ...)
 
     def with_overrides(self, operator=None, budget=None, target_bound=None, strategy=None, seed=None,
                        **params) -> MergekitConfig:
@@ -104,11 +111,14 @@ class MergekitConfig:
         if unknown:
             raise ConfigError(f"unknown parameter {', '.join(unknown)}")
         models = list(self.models)
+        method_params = dict(self.method_params)
         for p in PARAMS.values():
             value = params.get(p.key)
             if value is None:
                 continue
-            if p.name == "weight":
+            if p.name in METHOD_PARAMS:
+                method_params[p.name] = value
+            elif p.name == "weight":
                 if len(value) != len(models):
                     raise ConfigError(f"{len(value)} weights given for the {len(models)} models of {self.source}")
                 models = [dataclasses.replace(m, weight=float(w)) for m, w in zip(models, value)]
@@ -117,6 +127,7 @@ class MergekitConfig:
             else:
                 changes[p.key] = value
         changes["models"] = tuple(models)
+        changes["method_params"] = method_params
         for name, value in (("strategy", strategy), ("seed", seed)):
             if value is not None:
                 changes[name] = value

@@ -14,8 +14,8 @@ import yaml
 
 from mergepipe.config.model import (
     ConfigError, ConfigModel, DTYPE_NAMES, EXTENSION_KEYS, GLOBAL_PARAMS, MAX_CONFIG_BYTES,
-    MERGEKIT_ONLY_METHODS, MODEL_PARAMS, MergekitConfig, PARAMS, PER_TENSOR, REFUSED_TOP_KEYS, SHARED_PARAMS,
-    TOKENIZER_KEYS, TOP_KEYS,
+    GRADIENT_PARAMS, MERGEKIT_ONLY_METHODS, METHOD_PARAMS, MODEL_PARAMS, MergekitConfig, PARAMS, PER_TENSOR,
+    REFUSED_TOP_KEYS, SHARED_PARAMS, TOKENIZER_KEYS, TOP_KEYS,
 )
 from mergepipe.config.templates import CHAT_TEMPLATES
 from mergepipe.errors import PlanError
@@ -106,7 +106,14 @@ def _parse(text, source: str) -> MergekitConfig:
         lam=values["lambda"], gamma=values["gamma"], epsilon=values["epsilon"],
         dtype=dtype, out_dtype=out_dtype, budget=budget, target_bound=target, strategy=strategy, seed=seed,
         plan_id=plan_id, tokenizer_source=tokenizer_source, tokenizer_tokens=tokens,
-        pad_to_multiple_of=pad, chat_template=chat_template)
+        pad_to_multiple_of=pad, chat_template=chat_template, method_params=_method_params(globals_, values))
+
+
+def _method_params(globals_: dict, values: dict) -> dict:
+    """The interpolation methods' parameters the config gives (merge-wide; shared numbers from models)."""
+    out = {k: values[k] for k in METHOD_PARAMS if values.get(k) is not None}
+    out.update({k: globals_[k] for k in METHOD_PARAMS if globals_.get(k) is not None})
+    return out
 
 
 def _load(text) -> dict:
@@ -360,7 +367,7 @@ def _param(value, where: str, name: str):
     if isinstance(value, dict) and set(value) <= {"value", "filter"} and "value" in value \
             and value.get("filter") in (None, "*"):
         return _param(value["value"], where, name)  # {value: x} without a filter is just x
-    if name in PER_TENSOR:
+    if name in PER_TENSOR or name in GRADIENT_PARAMS:
         return _setting(value, where)
     if isinstance(value, (list, dict)):
         kind = "per-tensor filters" if isinstance(value, dict) or any(isinstance(v, dict) for v in value) \

@@ -48,7 +48,8 @@ class Resolved:
         c = self.config
         return MergeRequest.build(self.base, self.experts, c.method, budget=c.budget, target_bound=c.target_bound,
                                   lam=c.lam, normalize=c.normalize, rescale=c.rescale, gamma=c.gamma,
-                                  epsilon=c.epsilon, seed=c.seed, strategy=c.strategy, tokenizer=self.tokenizer)
+                                  epsilon=c.epsilon, seed=c.seed, strategy=c.strategy, tokenizer=self.tokenizer,
+                                  **c.method_params)
 
 
 PathCheck = Callable[[str], Path]
@@ -178,7 +179,8 @@ def prepare(cat: Catalog, cfg: MergekitConfig, register_paths: bool = True, chec
     are ids a derived id must avoid (the merged model's)."""
     op = get_op(cfg.method)
     resolve_params(op, normalize=cfg.normalize, rescale=cfg.rescale, lam=cfg.lam,
-                            **{k: v for k, v in (("gamma", cfg.gamma), ("epsilon", cfg.epsilon)) if v is not None})
+                            **{k: v for k, v in (("gamma", cfg.gamma), ("epsilon", cfg.epsilon)) if v is not None},
+                            **cfg.method_params)
     r = _Resolver(cat, cfg, register_paths, check_path, reserved_ids)
     base_id, base_path = r.base()
     r.out.base, r.base_path = base_id, base_path
@@ -344,9 +346,23 @@ def plan_from_config(cat: Catalog, cfg: MergekitConfig, save: bool = True, reser
     kept. Experts without statistics are read in full and analyzed by the merge (the plan says so)."""
     resolved = prepare(cat, cfg, register_paths=register_paths, check_path=check_path, reserved_ids=reserved_ids)
     planner = Planner(cat)
-    if not resolved.pending:
+    if not resolved.pending and not get_op(cfg.method).nonlinear:
         return planner.plan(resolved.request(), save=save), resolved
     with cat.transaction():
         apply(cat, resolved)
-        plan = planner.plan(resolved.request(), save=save)
+        plan = _plan_method(cat, planner, resolved, save)
     return plan, resolved
+
+
+def _plan_method(cat: Catalog, planner: Planner, resolved: Resolved, save: bool) -> Plan:
+    """Plan; an interpolation method whose experts lack statistics (not analyzed, or not analyzed together:
+    no pairwise dot products) first analyzes its experts together (they need it before planning)."""
+    from mergepipe.planner.methods import NeedsAnalysis
+    try:
+        return planner.plan(resolved.request(), save=save)
+    except NeedsAnalysis:
+        pass
+    from mergepipe.analyze.runner import analyze
+    analyze(cat, [e["model"] for e in resolved.experts], force=True)
+    return planner.plan(resolved.request(), save=save)
+

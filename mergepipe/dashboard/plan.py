@@ -34,7 +34,8 @@ def op_info(name: str) -> dict:
     operators take (density, gamma, epsilon), ``more`` for lambda, normalize and rescale, ``weights``
     for the per-expert weight."""
     spec = get_op(name)
-    common = set.intersection(*({p.name for p in s.parameters} for s in OPERATORS.values()))
+    # the parameters every task-vector operator takes (the interpolation methods declare their own only)
+    common = set.intersection(*({p.name for p in s.parameters} for s in OPERATORS.values() if s.common is None))
     params = []
     for p in spec.parameters:
         place = "weights" if p.name == "weight" else ("more" if p.name in common else "main")
@@ -134,8 +135,11 @@ def mergekit_plan_settings(cat: Catalog, text: str | bytes, source: str, roots: 
             raise PlanError(f"{source}: density {d:g} is not one the Plan page offers (0.01 to 1 in steps of 0.01)")
         settings["density"] = round(d, 2)
     for p in spec.extras:
-        value = getattr(cfg, p.key)
+        value = cfg.method_params.get(p.name) if p.name in cfg.method_params else getattr(cfg, p.key, None)
         value = p.default if value is None else value
+        if isinstance(value, (list, dict)):
+            raise PlanError(f"{source}: {p.name} varies per tensor, which the Plan page cannot show; use "
+                            f"`mergepipe merge --config`")
         if not p.in_range(value):
             raise PlanError(f"{source}: {p.name} {value:g} is outside the Plan page's range {p.range_text()}")
         settings[p.name] = float(value)

@@ -24,11 +24,15 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-def merge_block(fused, op, params, seed, experts, sources, weight_sum, info, span, raw, contributors, thresholds):
+def merge_block(fused, op, params, seed, experts, sources, weight_sum, info, span, raw, contributors, thresholds,
+                method=None):
     """The merged bytes of one block (``raw``: its base bytes; ``contributors``: (expert index, buffers)),
-    refused when they hold NaN or Inf."""
-    data = _merged_bytes(fused, op, params, seed, experts, sources, weight_sum, info, span, raw, contributors,
-                         thresholds)
+    refused when they hold NaN or Inf. ``method``: the tensor's scalars of an interpolation method."""
+    if op.nonlinear:
+        data = method_block(op, params, sources, info, span, raw, contributors, method, len(experts))
+    else:
+        data = _merged_bytes(fused, op, params, seed, experts, sources, weight_sum, info, span, raw, contributors,
+                             thresholds)
     check_finite(data, info, span)
     return data
 
@@ -66,6 +70,25 @@ def _merged_bytes(fused, op, params, seed, experts, sources, weight_sum, info, s
         deltas.append((tensor_weight(e, info.name), d))
     merged = combine(op, base, deltas, weight_sum, params)
     return tensor_bytes(merged.to(DTYPES[info.dtype][0]))
+
+
+def method_block(op, params, sources, info, span, raw, contributors, scalars, n_experts):
+    """One block of an interpolation method (ops/interp.py): every expert's values in float32 (a full
+    checkpoint's own values; else base + delta; an expert not read for this block changed nothing here,
+    so its values are the base's), then the method's block kernel with the tensor's scalars."""
+    from mergepipe.ops.core import METHODS
+    shape = rows_shape(info, span.row_end - span.row_start)
+    base = bytes_to_tensor(raw, info.dtype, shape).float()
+    xs = [base] * n_experts
+    for ei, (bufs, fixed) in contributors:
+        src = sources[ei]
+        if getattr(src, "kind", None) == "full" and len(bufs) == 1:
+            xinfo = src.checkpoint.tensors[info.name]
+            xs[ei] = bytes_to_tensor(bufs[0], xinfo.dtype, shape).float()
+        else:
+            xs[ei] = base + src.delta(info.name, span, bufs, fixed, base).reshape(shape)
+    merged = METHODS[op.name][1](op, base, xs, scalars, params, len(info.shape))
+    return tensor_bytes(merged.reshape(shape).to(DTYPES[info.dtype][0]))
 
 
 def fused_block(op, params, seed, experts, sources, weight_sum, info, span, shape, raw, contributors, thresholds):

@@ -74,6 +74,9 @@ class MergePipeline:
                                     else None)
         self.thresholds = {**plan["thresholds"], **(inflight.thresholds if inflight else {})}
         self.weight_sums = {t.name: sum(tensor_weight(e, t.name) or 0.0 for e in experts) for t in order}
+        # interpolation methods: per-tensor scalars, and the budget-omitted blocks (which keep the base)
+        self.coefficients = plan.data.get("coefficients") or {}
+        self.omitted = {t: set(expand_ranges(rs)) for t, rs in (plan.data.get("omitted") or {}).items()}
         # linear without normalize scales the base by sum(w): then no block is a plain copy
         self.scales_base = op.whole_models and not params["normalize"]
         self.work = block_groups(order, plan["grid"]["block_bytes"], engine.group_bytes, self.span_cost,
@@ -99,6 +102,11 @@ class MergePipeline:
 
     def passthrough_ok(self, name: str) -> bool:
         return not (self.scales_base and self.weight_sums[name] != 1.0)
+
+    def method_merges(self, name: str, block: int) -> bool:
+        """An interpolation method merges every block of a float tensor that the plan did not omit (an
+        unchanged block is not x = base for it: slerp's coefficients do not sum to 1)."""
+        return self.op.nonlinear and block not in self.omitted.get(name, ())
 
     def span_cost(self, info, span) -> int:
         """Bytes one block makes the engine hold: base + selected experts."""
@@ -155,7 +163,8 @@ class MergePipeline:
         """A block task (run by the executor): the merged bytes of one block."""
         t_c = time.perf_counter()
         data = merge_block(self.engine.fused, self.op, self.params, self.plan["seed"], self.experts, self.sources,
-                           self.weight_sums[info.name], info, span, raw, contributors, self.thresholds)
+                           self.weight_sums[info.name], info, span, raw, contributors, self.thresholds,
+                           self.coefficients.get(info.name))
         self.timing["compute_s"] += time.perf_counter() - t_c
         return data
 
@@ -169,7 +178,8 @@ class MergePipeline:
             raw = memoryview(base_buf)[span.rel_offset - g0: span.rel_offset - g0 + span.nbytes]
             contributors = [(ei, bufs[span.index]) for ei, bufs in enumerate(exp_bufs)
                             if span.index in bufs and self.takes_part(ei, info.name, span.index)]
-            if info.dtype not in FLOAT_DTYPES or (not contributors and self.passthrough_ok(info.name)):
+            if info.dtype not in FLOAT_DTYPES or (not contributors and self.passthrough_ok(info.name)
+                                                  and not self.method_merges(info.name, span.index)):
                 data = raw
             else:
                 data = self.executor.submit(self.merge_one, info, span, raw, contributors)

@@ -31,6 +31,11 @@ Deliberate differences from mergekit, all forced by streaming block by block or 
   * Random masks come from a counter-based stream seeded by (seed, the expert block's content, tensor,
     block) (ops/streams.py), not torch's global generator: equal in distribution, not draw for draw;
     independent of traversal order, parallelism and the catalog (ids, fingerprints).
+
+The interpolation methods (slerp, nuslerp, model_stock, multislerp, karcher, nearswap, sce, ram,
+ramplus_tl: ``spec.nonlinear``) are not of this form: each registers ``METHODS[name] = (scalars, block)``
+(ops/interp.py): per-tensor scalars from ANALYZE's Gram statistics, computed by the planner, and a block
+kernel the engine applies to the experts' values (an omitted block keeps the base's values).
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mergepipe.errors import PlanError
-from mergepipe.ops import breadcrumbs, dare, della, linear, ties
+from mergepipe.ops import (
+    breadcrumbs, dare, della, karcher, linear, model_stock, multislerp, nearswap, nuslerp, ram, sce, slerp, ties,
+)
 from mergepipe.ops.topk import NO_CUT
 from mergepipe.ops.spec import (  # noqa: F401
     LAMBDA, OPERATORS, Consensus, OpSpec, Param, Sparsify, all_parameters, register_op,
@@ -47,17 +54,21 @@ from mergepipe.ops.spec import (  # noqa: F401
 if TYPE_CHECKING:
     import torch
 
-FAMILIES = (linear, ties, dare, breadcrumbs, della)
+FAMILIES = (linear, ties, dare, breadcrumbs, della, slerp, nuslerp, model_stock, multislerp, karcher, nearswap, sce,
+            ram)
 # Registration order is the order operators are listed in (the CLI, the dashboard, error messages).
 # A family declares SPECS, and for the sparsify kinds it implements SPARSIFY (kind -> block function
 # (delta, density, params, thresholds, seed)) and THRESHOLDS (kind -> top-k fractions (density, params)).
 SPARSIFY: dict = {}
 THRESHOLDS: dict = {}
+# The interpolation methods (spec.nonlinear): name -> (scalars, block); see ops/interp.py.
+METHODS: dict = {}
 for _family in FAMILIES:
     for _spec in _family.SPECS:
         register_op(_spec)
     SPARSIFY.update(getattr(_family, "SPARSIFY", {}))
     THRESHOLDS.update(getattr(_family, "THRESHOLDS", {}))
+    METHODS.update(getattr(_family, "METHODS", {}))
 
 
 def get_op(name: str) -> OpSpec:
@@ -80,9 +91,63 @@ def resolve_params(spec: OpSpec, normalize=None, rescale=None, lam=None, **extra
         "rescale": spec.rescale if rescale is None else bool(rescale),
         "lambda": 1.0 if lam is None else LAMBDA.check(_float(lam, LAMBDA)),
     }
+    if spec.common is not None:  # the interpolation methods take none of these
+        given = [n for n, v in (("lambda", lam), ("normalize", normalize), ("rescale", rescale)) if v is not None
+                 and n not in spec.common]
+        if given:
+            raise PlanError(f"operator {spec.name} takes no parameter {', '.join(given)}")
     for p in spec.extras:
-        params[p.name] = p.check(_float(extra[p.name], p)) if extra.get(p.name) is not None else p.default
+        value = extra.get(p.name)
+        if value is None:
+            if p.required:
+                raise PlanError(f"operator {spec.name} needs the parameter {p.name} ({p.help})")
+            params[p.name] = p.default
+        elif p.kind is bool:
+            params[p.name] = _bool(value, p)
+        elif p.gradient and isinstance(value, (list, tuple, dict)):
+            params[p.name] = _setting(value, p)
+        else:
+            params[p.name] = p.check(_float(value, p))
+    check = getattr(_family_of(spec), "check", None)
+    problem = check(params) if check else None
+    if problem:
+        raise PlanError(problem)
     return params
+
+
+def _family_of(spec: OpSpec):
+    return next((f for f in FAMILIES if any(s.name == spec.name for s in f.SPECS)), None)
+
+
+def _bool(value, param: Param) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    raise PlanError(f"{param.name} must be true or false, not {value!r}")
+
+
+def _setting(value, param: Param):
+    """A gradient (list of numbers) or a list of {filter, value} conditions, checked (finite numbers in
+    the declared range); returned in the planner's JSON form."""
+    if isinstance(value, dict):
+        value = [value]
+    out = []
+    for v in value:
+        if isinstance(v, dict):
+            if set(v) - {"filter", "value"} or "value" not in v:
+                raise PlanError(f"{param.name}: a condition has the keys filter and value")
+            f = v.get("filter")
+            if f is not None and not isinstance(f, str):
+                raise PlanError(f"{param.name}: filter must be a substring of tensor names, not {f!r}")
+            inner = v["value"]
+            out.append({"filter": f, "value": _setting(inner, param) if isinstance(inner, (list, tuple))
+                        else param.check(_float(inner, param))})
+        else:
+            out.append(param.check(_float(v, param)))
+    if not out:
+        raise PlanError(f"{param.name} is an empty list")
+    return out
 
 
 def _float(value, param: Param) -> float:

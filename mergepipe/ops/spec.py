@@ -73,6 +73,10 @@ class Param:
     page_low: float | None = None
     step: float = 0.1
     decimals: int | None = None
+    # a merge-wide value that may be a mergekit gradient or filter list (slerp's t): one value per tensor,
+    # the same for every model; ``required``: mergekit gives it no default (the merge must set it)
+    gradient: bool = False
+    required: bool = False
 
     @property
     def kind(self) -> type:
@@ -144,6 +148,15 @@ class OpSpec:
     extras: tuple[Param, ...] = ()  # parameters beyond the common ones (gamma, epsilon)
     whole_models: bool = False  # linear: averages x_i, not base + deltas
     reference: str = ""  # the paper or page the operator follows
+    # --- the interpolation methods (ops/slerp.py, nuslerp.py, model_stock.py, ...): not additive ---
+    nonlinear: bool = False  # output not base + fixed coefficients x deltas: no error bound, own block kernel
+    joint: bool = False  # a block is read for every expert or for none (the planner selects groups)
+    gram: bool = False  # needs the per-tensor Gram statistics of ANALYZE (norms and pairwise dots)
+    common: tuple[str, ...] | None = None  # the common parameters it takes (None: all of them)
+    min_experts: int = 1
+    max_experts: int | None = None
+    budget_semantics: str = ""  # what an omitted block means (EXPLAIN, README)
+    bound_note: str = ""  # why the error bound does not apply (EXPLAIN)
 
     @property
     def params(self) -> dict:
@@ -158,12 +171,14 @@ class OpSpec:
             _flag_param("normalize", self.normalize, "divide by the sum of the weights"),
             _flag_param("rescale", self.rescale, "rescale the kept entries to the L1 norm of the delta (per tensor for TIES, per block otherwise)"),
         ]
+        if self.common is not None:
+            common = [p for p in common if p.name in self.common]
         return tuple(common) + self.extras
 
     @property
     def additive(self) -> bool:
         """Fixed-coefficient additive operators: the planner's error bound holds for these."""
-        return self.sparsify is None and not self.consensus
+        return self.sparsify is None and not self.consensus and not self.nonlinear
 
     @property
     def random(self) -> bool:

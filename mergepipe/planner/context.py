@@ -28,6 +28,7 @@ from mergepipe.errors import PlanError
 from mergepipe.manifest.build import canonical
 from mergepipe.ops.core import coefficient, lookup_thresholds, tensor_statistics, threshold_fractions, useful_blocks
 from mergepipe.ops.spec import OpSpec
+from mergepipe.planner import methods
 from mergepipe.planner.bounds import Bounds
 from mergepipe.planner.budget import Budget
 from mergepipe.planner.candidates import Candidates
@@ -57,6 +58,8 @@ class PlanContext(StrategyScores, Bounds):
         self.tensors = [t for t in catalog.tensors(self.base["id"])]
         self.tensor_index = {t["name"]: i for i, t in enumerate(self.tensors)}
         self.experts = self._expert_specs(request.experts, request.density, request.weight)
+        if self.op.nonlinear:  # interpolation methods: expert counts, statistics present (planner/methods.py)
+            methods.check_experts(self.op, self.experts)
         self._check_finite()
         self.block_bytes = catalog.grid_block_bytes(self.base["id"]) or DEFAULT_BLOCK_BYTES
         names = [t["name"] for t in self.tensors]
@@ -70,6 +73,7 @@ class PlanContext(StrategyScores, Bounds):
                                      for row in self.weight_matrix]).reshape(self.weight_matrix.shape)
         self.thresholds = self._thresholds()
         self.candidates = self._candidates()
+        self.method_scalars = methods.tensor_scalars(self) if self.op.nonlinear else None
 
     def _expert_specs(self, experts, density, weight=None) -> list[dict]:
         if not experts:
@@ -264,6 +268,8 @@ class PlanContext(StrategyScores, Bounds):
         else:
             budget_bytes = budget.bytes_of(full) if full else 0
         chosen = cands.select(budget_bytes) if full else np.zeros(0, dtype=np.int64)
+        if self.op.joint and full:  # all experts' blocks of a (tensor, block) or none
+            chosen = methods.select_joint(cands, budget_bytes)
         return self._build(chosen, budget.spec, budget_bytes, target_bound)
 
     def _build(self, chosen: np.ndarray, budget_spec: str, budget_bytes: int, target_bound,
@@ -310,6 +316,9 @@ class PlanContext(StrategyScores, Bounds):
         }
         if self.request.tokenizer:  # only when set: plans of the base's tokenizer keep their digests
             core["tokenizer"] = self.request.tokenizer
+        if self.op.nonlinear:  # the interpolation methods' per-tensor scalars and budget-omitted blocks
+            core["coefficients"] = self.method_scalars
+            core["omitted"] = methods.omitted_blocks(self, chosen)
         digest = hashlib.sha256(canonical(core)).hexdigest()
         data = dict(core)
         data.update({

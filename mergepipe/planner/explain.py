@@ -28,6 +28,12 @@ def explain_plan(p: dict) -> str:
         if "blockwise" in b:  # plans stored before the blockwise bound existed lack it
             lines.append(f"  tighter    ||M_full - M_A|| <= {b['blockwise']:.6g}  (relative "
                          f"{b['blockwise_relative']:.3e}; blocks at different positions are disjoint)")
+    elif p.get("coefficients") is not None:  # an interpolation method (planner/methods.py)
+        from mergepipe.ops.core import get_op
+        op = get_op(p["operator"])
+        lines.append(f"  bound      {op.bound_note or 'n/a'}")
+        omitted = sum(b - a for rs in p.get("omitted", {}).values() for a, b in rs)
+        lines.append(f"  omitted    {omitted} blocks not read; {op.budget_semantics}")
     tok = p.get("tokenizer")
     if tok:  # the base's tokenizer files otherwise (no line)
         template = tok.get("chat_template")

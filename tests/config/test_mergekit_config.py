@@ -292,9 +292,9 @@ def _bad(fam):
         ("missing models", f"merge_method: linear\nbase_model: {base}\n", ["`models:` is required"]),
         ("empty models", f"merge_method: linear\nbase_model: {base}\nmodels: []\n", ["non-empty list"]),
         ("missing method", f"base_model: {base}\n{ok_models}", ["merge_method` is required"]),
-        ("unknown method slerp", f"merge_method: slerp\nbase_model: {base}\n{ok_models}",
-         ["merge_method `slerp` is not supported", "ties"]),
-        ("unknown method model_stock", f"merge_method: model_stock\nbase_model: {base}\n{ok_models}",
+        ("unknown method arcee_fusion", f"merge_method: arcee_fusion\nbase_model: {base}\n{ok_models}",
+         ["merge_method `arcee_fusion` is not supported", "ties"]),
+        ("model_stock with one model", f"merge_method: model_stock\nbase_model: {base}\n{ok_models}",
          ["model_stock"]),
         ("unknown method", f"merge_method: frobnicate\nbase_model: {base}\n{ok_models}",
          ["unknown merge_method `frobnicate`"]),
@@ -327,8 +327,8 @@ def _bad(fam):
                                 f"    parameters: {{weight: abc}}\n"), ["models[0].parameters.weight", "number"]),
         ("weight nan", (f"merge_method: linear\nbase_model: {base}\nmodels:\n  - model: {e1}\n"
                        f"    parameters: {{weight: .nan}}\n"), ["finite"]),
-        ("unknown parameter", f"merge_method: ties\nbase_model: {base}\n{ok_models}parameters: {{t: 0.5}}\n",
-         ["unsupported parameter `t`"]),
+        ("unknown parameter", f"merge_method: ties\nbase_model: {base}\n{ok_models}parameters: {{frobnicity: 0.5}}\n",
+         ["unsupported parameter `frobnicity`"]),
         ("unknown key", f"merge_method: linear\nbase_model: {base}\n{ok_models}name: x\n", ["unsupported key `name`"]),
         ("unknown model key", f"merge_method: linear\nbase_model: {base}\nmodels:\n  - model: {e1}\n    lora: x\n",
          ["unsupported key `lora` in models[0]"]),
@@ -533,7 +533,7 @@ def test_parse_config_fields():
     assert (cfg.normalize, cfg.rescale, cfg.lam, cfg.epsilon, cfg.gamma) == (False, True, 1.5, 0.05, None)
     assert (cfg.dtype, cfg.budget, cfg.strategy, cfg.seed, cfg.plan_id) == ("F32", "0.25", "random", 9, "plan-0123")
     with pytest.raises(MergePipeError, match=r"^x\.yml: "):
-        parse_config("merge_method: slerp\n", source="x.yml")
+        parse_config("merge_method: arcee_fusion\n", source="x.yml")
 
 
 # --- export: explain --as-mergekit round-trips ----------------------------------------------------------

@@ -19,8 +19,14 @@ from mergepipe.ops.spec import Consensus, Param, Sparsify, all_parameters
 
 def test_every_operator_declares_itself():
     assert list(OPERATORS) == ["linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs",
-                               "breadcrumbs_ties", "della", "della_linear"]
+                               "breadcrumbs_ties", "della", "della_linear", "slerp", "nuslerp", "model_stock",
+                               "multislerp", "karcher", "nearswap", "sce", "ram", "ramplus_tl"]
     for spec in OPERATORS.values():
+        if spec.nonlinear:  # the interpolation methods (ops/interp.py): their own parameters only
+            assert spec.joint and not spec.additive and spec.budget_semantics and spec.bound_note.startswith("n/a")
+            assert {p.name for p in spec.parameters} <= {"weight"} | {p.name for p in spec.extras}
+            assert spec.reference and all(isinstance(p, Param) and p.help for p in spec.parameters)
+            continue
         assert spec.reference.startswith(("model soups", "task arithmetic", "TIES", "DARE", "model breadcrumbs",
                                           "DELLA")) and "arxiv.org" in spec.reference
         assert spec.sparsify is None or isinstance(spec.sparsify, Sparsify)

@@ -1,0 +1,116 @@
+"""ANALYZE's per-tensor Gram statistics, gathered in the existing single pass (``stats._first_pass``).
+
+For each base tensor and the experts analyzed together (one task covers every expert of that base):
+||base||^2, <base, delta_i> and <delta_i, delta_j> for i <= j, where delta_i = x_i - base is formed in
+float32 exactly as mergekit forms it, and the products are accumulated in float64 block by block. These
+are what the interpolation methods need (slerp's angle, model_stock's pairwise angles, nuslerp's,
+multislerp's and karcher's norms and dots): the planner derives each tensor's coefficients from them, so a
+budgeted merge never reads a whole tensor to learn an angle.
+
+For ramplus_tl it also counts, per expert, the entries with |delta| > 1e-5 that another expert of the run
+also changes (shared) or that only it changes (unique): rows keyed by the set of experts of the run.
+
+Pairwise dots exist only between experts analyzed in the same run: ``mergepipe analyze --force A B C``
+analyzes a set together. Experts whose deltas are stored as delta checkpoints do not read the base: then
+||base||^2 and <base, delta_i> are not known (methods that need them refuse).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mergepipe.catalog.gram import set_key
+
+RAM_EPSILON = 1e-5  # mergekit's default epsilon of ram / ramplus_tl (ops/ram.py)
+
+
+def as_float(arr: np.ndarray | None, dtype: str) -> np.ndarray | None:
+    """The float32 (float64 for F64) values of a kernels' raw view (stats.RAW_VIEW)."""
+    if arr is None:
+        return None
+    if arr.dtype == np.float32 or arr.dtype == np.float64:
+        return arr
+    if dtype == "BF16":
+        return (arr.astype(np.uint32) << 16).view(np.float32)
+    if dtype == "F16":
+        return arr.view(np.float16).astype(np.float32)
+    return arr.astype(np.float32)
+
+
+def _fill(dst: np.ndarray, arr: np.ndarray, dtype: str) -> None:
+    """Write the float values of a kernels' raw view (or a float32 LoRA delta) into ``dst``."""
+    arr = arr.reshape(-1)
+    if dtype == "BF16" and arr.dtype == np.uint16 and dst.dtype == np.float32:
+        np.left_shift(arr, 16, out=dst.view(np.uint32), dtype=np.uint32)
+    elif dtype == "F16" and arr.dtype == np.int16:
+        dst[:] = arr.view(np.float16)
+    elif arr.dtype == np.uint16:  # bf16 into a float64 row
+        dst[:] = as_float(arr, "BF16")
+    else:
+        dst[:] = arr
+
+
+class GramAccumulator:
+    """The Gram statistics of one base tensor for the passes (experts) of one ANALYZE task."""
+
+    def __init__(self, passes, binfo):
+        self.passes, self.binfo = passes, binfo
+        k = len(passes)
+        self.bb = 0.0
+        self.has_base = any(p.source.needs_base for p in passes)  # the base is read
+        self.bd = np.zeros(k)
+        self.dd = np.zeros((k, k))
+        # ramplus_tl: per expert, entries with |delta| > RAM_EPSILON shared with another expert / unique to it
+        self.shared = np.zeros(k, dtype=np.int64)
+        self.unique = np.zeros(k, dtype=np.int64)
+
+    def add(self, base_raw: np.ndarray | None, expert_arrays: list[np.ndarray]) -> None:
+        """One block: the float32 deltas as mergekit forms them (written into one [rows, n] array, the
+        base first when it was read), then their Gram matrix accumulated in float64 and the shared/unique
+        counts, by compiled loops (analyze/kernels.py)."""
+        from mergepipe.analyze import kernels
+        name = self.binfo.name
+        kinds = [(p.source.kind, e, self.binfo.dtype if p.source.kind == "lora" else
+                  p.source.checkpoint.tensors[name].dtype) for p, e in zip(self.passes, expert_arrays)]
+        wide = self.binfo.dtype == "F64" or any(d == "F64" for _, _, d in kinds)
+        first = 0 if base_raw is None else 1
+        n = (base_raw if base_raw is not None else expert_arrays[0]).size
+        m = np.empty((first + len(kinds), n), dtype=np.float64 if wide else np.float32)
+        b = None
+        if base_raw is not None:
+            _fill(m[0], base_raw, self.binfo.dtype)
+            b = m[0]
+        for i, (kind, e, dtype) in enumerate(kinds, start=first):
+            _fill(m[i], e, dtype)
+            if kind == "full":
+                np.subtract(m[i], b, out=m[i])  # float32, as mergekit's x - base
+        kernels.shared_unique_counts(m[first:], m.dtype.type(RAM_EPSILON), self.shared, self.unique)
+        g = np.zeros((len(m), len(m)))
+        kernels.gram_accumulate(m, g)
+        if b is not None:
+            self.bb += float(g[0, 0])
+            self.bd += g[0, 1:]
+            g = g[1:, 1:]
+        self.dd += g
+
+    def rows(self) -> list[tuple[str, str, float]]:
+        """(a, b, value) with '' for the base: ('', '') = ||base||^2, ('', e) = <base, delta_e>,
+        (e, f) = <delta_e, delta_f> with e <= f."""
+        ids = [p.job.expert_id for p in self.passes]
+        out = []
+        if self.has_base:
+            out.append(("", "", self.bb))
+            out += [("", e, float(v)) for e, v in zip(ids, self.bd)]
+        for i, e in enumerate(ids):
+            for j in range(i, len(ids)):
+                a, b = sorted((e, ids[j]))
+                out.append((a, b, float(self.dd[i, j])))  # symmetric: the upper triangle
+        key = set_key(ids)
+        out += [(f"~shared:{key}", e, float(v)) for e, v in zip(ids, self.shared)]
+        out += [(f"~unique:{key}", e, float(v)) for e, v in zip(ids, self.unique)]
+        return out
+
+    def finish(self) -> None:
+        rows = self.rows()
+        for p in self.passes:
+            p.job.store_gram(self.binfo.name, rows)

@@ -1,0 +1,93 @@
+"""Karcher mean (mergekit's ``karcher``): the weighted Riemannian mean of the models on the unit sphere,
+rescaled by their mean norm. mergekit averages every entry of the group with equal weights: the models
+and, when ``base_model`` is given (MergePipe always has one), the base as well.
+
+The iteration is per tensor and over the whole tensor, but every iterate is a linear combination of the
+unit vectors x_i / |x_i|: so MergePipe runs mergekit's iteration (``max_iter``, ``tol``, its branches) on
+coefficient vectors, with inner products from the catalog's Gram statistics (<x_i, x_j> from ||base||^2,
+<base, delta_i>, <delta_i, delta_j>) in float64, and the engine applies the final coefficients block by
+block: out = sum_i c_i x_i. No extra read, no whole tensor in memory. mergekit iterates in float32, so
+the outputs differ by float32 rounding of that iteration (measured in the README).
+
+Budget: a block is read for all experts or for none; an omitted block keeps the base's values.
+The additive error bound does not apply.
+"""
+
+from __future__ import annotations
+
+import math
+
+from mergepipe.ops.interp import Gram, f32
+from mergepipe.ops.spec import Consensus, OpSpec, Param
+
+MAX_ITER = Param("max_iter", 10.0, "karcher: most iterations of the mean", low=0.0, step=1.0, decimals=0)
+TOL = Param("tol", 1e-5, "karcher: convergence tolerance", low=0.0, step=1e-5)
+
+SPECS = (OpSpec("karcher", None, Consensus.NONE, False, False, extras=(MAX_ITER, TOL), nonlinear=True, joint=True,
+                gram=True, common=(), min_experts=1,
+                reference="mergekit karcher, https://arxiv.org/abs/2603.04972",
+                budget_semantics="all experts' blocks are read or none; an omitted block keeps the base's values",
+                bound_note="n/a: the Karcher mean is not additive (an iteration over whole-tensor angles)"),)
+
+
+def scalars(spec: OpSpec, gram: Gram, settings: dict, params: dict, ndim: int) -> list[float]:
+    """Coefficients of [x_1, ..., x_K, base] in the output."""
+    import numpy as np
+    k = len(gram.bd)
+    n = k + 1
+    g = np.zeros((n, n))
+    for i in range(k):
+        for j in range(k):
+            g[i, j] = gram.xx(i, j)
+        g[i, k] = g[k, i] = gram.bx(i)
+    g[k, k] = gram.bb
+    max_iter, tol = int(params["max_iter"]), params["tol"]
+    alphas = [1.0 / n] * n
+    norms = [float(f32(math.sqrt(max(g[i, i], 0.0)))) for i in range(n)]
+
+    def unit(i):
+        c = np.zeros(n)
+        if norms[i] != 0.0:
+            c[i] = 1.0 / norms[i]
+        return c
+
+    def norm(c):
+        return math.sqrt(max(float(c @ g @ c), 0.0))
+
+    valid = [i for i in range(n) if norms[i] > tol]
+    if not valid:
+        return [0.0] * n
+    asum = sum(alphas[i] for i in valid)
+    na = [alphas[i] / asum for i in valid]
+    units = [unit(i) for i in valid]
+    mean = sum(a * u for a, u in zip(na, units))
+    mn = norm(mean)
+    mean = units[0].copy() if mn < tol else mean / mn
+    for _ in range(max_iter):
+        tangent = np.zeros(n)
+        for a, u in zip(na, units):
+            dot = min(1.0, max(-1.0, float(mean @ g @ u)))
+            theta = math.acos(dot)
+            if theta < tol:
+                continue
+            tangent += a * (theta / math.sin(theta)) * (u - dot * mean)
+        tn = norm(tangent)
+        if tn < tol:
+            break
+        mean = math.cos(tn) * mean + math.sin(tn) * (tangent / tn)
+        un = norm(mean)
+        if un > tol:
+            mean = mean / un
+    scale = sum(a * nm for a, nm in zip(alphas, norms))
+    return [float(v) for v in scale * mean]
+
+
+def block(spec: OpSpec, base, xs, scalars: list[float], params: dict, ndim: int):
+    out = None
+    for c, x in zip(scalars, list(xs) + [base]):
+        term = f32(c) * x
+        out = term if out is None else out + term
+    return out
+
+
+METHODS = {"karcher": (scalars, block)}

@@ -1,0 +1,149 @@
+"""Planning the interpolation methods (ops with ``spec.nonlinear``: slerp, nuslerp, model_stock, nearswap):
+expert counts, per-tensor scalars from the catalog's Gram statistics, and joint block selection.
+
+- Scalars: each float tensor's coefficients (slerp's ca/cb, model_stock's t, ...) are computed here from
+  ANALYZE's Gram statistics (catalog/gram.py) and the tensor's settings (t resolved per tensor from a
+  gradient or filters; the experts' weights per tensor) and recorded in the plan (``coefficients``, part of
+  the digest): the engine merges block by block with them and reads no extra byte.
+- Joint selection (``spec.joint``): a block (tensor, index) is read for every expert that changed it, or
+  for none; groups are taken greedily by summed score per summed byte (ties: tensor, block), while they fit
+  the budget. ``omitted`` lists, per tensor, the blocks some expert changed that the plan does not read:
+  the engine keeps the base's values there. Every other block of a float tensor is merged (an expert that
+  did not change a block has x = base there and is not read).
+- The additive error bound does not apply (EXPLAIN says n/a and why).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from mergepipe.catalog import analyses
+from mergepipe.catalog.gram import load_gram, load_set_counts, set_key
+from mergepipe.errors import PlanError
+from mergepipe.ops.core import METHODS
+from mergepipe.ops.interp import Gram
+from mergepipe.planner.plan import compact_ranges
+from mergepipe.planner.settings import layer_t, num_layers, resolve, tensor_weight
+from mergepipe.storage.safetensors import FLOAT_DTYPES
+
+
+class NeedsAnalysis(PlanError):
+    """The catalog lacks statistics these experts need together: ``mergepipe analyze --force`` them (the
+    mergekit config path does it by itself)."""
+
+
+def check_experts(op, experts: list[dict]) -> None:
+    k = len(experts)
+    if k < op.min_experts or (op.max_experts is not None and k > op.max_experts):
+        if op.max_experts == op.min_experts:
+            want = f"exactly {op.min_experts} model{'s' if op.min_experts > 1 else ''} besides the base"
+        else:
+            want = f"at least {op.min_experts} models besides the base"
+        raise PlanError(f"{op.name} needs {want} ({k} given)"
+                        + (": base_model must be one of the two models (mergekit: exactly 2 models, the base "
+                           "among them)" if op.name in ("slerp", "nearswap") else ""))
+    if any(e.get("analyze") for e in experts):
+        missing = ", ".join(e["id"] for e in experts if e.get("analyze"))
+        raise NeedsAnalysis(f"{op.name} needs the experts' statistics before planning (not analyzed: {missing}); "
+                        f"run `mergepipe analyze {' '.join(e['id'] for e in experts)}` first")
+    if op.common is not None and "weight" not in op.common:
+        if any(e.get("weight") not in (None, 1.0) or e.get("tensors") for e in experts):
+            raise PlanError(f"{op.name} takes no weights (mergekit's {op.name} has no weight parameter)")
+
+
+def tensor_scalars(ctx) -> dict[str, list[float]]:
+    """Per float tensor, the method's scalars (ops/<method>.py ``scalars``)."""
+    op, params = ctx.op, ctx.params
+    scalars_fn, _ = METHODS[op.name]
+    ids = [e["id"] for e in ctx.experts]
+    gram = load_gram(ctx.catalog, ctx.base["id"], ids) if op.gram else {}
+    changed = {e: set(analyses.changed_tensors(ctx.catalog, e)) for e in ids} if op.gram else {}
+    counts = load_set_counts(ctx.catalog, ctx.base["id"], set_key(ids)) if op.name == "ramplus_tl" else None
+    names = [t["name"] for t in ctx.tensors]
+    layers = num_layers(names, json.loads(ctx.base["config"] or "{}"))
+    out = {}
+    for t in ctx.tensors:
+        if t["dtype"] not in FLOAT_DTYPES:
+            continue
+        name = t["name"]
+        settings = {"weights": [tensor_weight(e, name) for e in ctx.experts]}
+        if counts is not None:
+            per = counts.get(name)
+            if per is None or set(per) != set(ids):
+                raise NeedsAnalysis(f"{op.name} needs the counts of shared and unique entries of exactly these experts "
+                                    f"analyzed together, which the catalog does not hold for tensor {name}: "
+                                    f"`mergepipe analyze --force {' '.join(ids)}`")
+            settings["ram_counts"] = ([per[e][0] for e in ids], [per[e][1] for e in ids])
+        if "t" in params:
+            settings["t"] = resolve([params["t"]], name, layer_t(name, layers), 0.0)
+        zero = {e for e in ids if name not in changed[e]} if op.gram else set()
+        g = _gram(op, gram.get(name, {}), ids, name, t, zero) if op.gram else None
+        out[name] = [float(v) for v in scalars_fn(op, g, settings, params, len(t["shape"]))]
+    return out
+
+
+def _gram(op, rows: dict, ids: list[str], name: str, t, zero: set) -> Gram:
+    """The tensor's Gram statistics; a pair with an expert whose delta is zero on this tensor (a LoRA
+    adapter that does not target it has no rows) is 0."""
+    def get(a, b, what):
+        key = tuple(sorted((a, b))) if a and b else (a, b)
+        if key not in rows and (a in zero or b in zero):
+            return 0.0
+        if key not in rows:
+            raise NeedsAnalysis(f"{op.name} needs {what} on tensor {name}, which the catalog does not hold: the "
+                            f"experts must be analyzed together (`mergepipe analyze --force {' '.join(ids)}`)"
+                            + ("; the base is not read for delta checkpoints" if a == "" else ""))
+        return rows[key]
+    needs_base = op.name in ("slerp", "karcher")
+    bb = get("", "", "||base||^2") if needs_base else rows.get(("", ""))
+    bd = tuple(get("", e, "<base, delta>") if needs_base else rows.get(("", e), 0.0) for e in ids)
+    dd = tuple(tuple(get(a, b, "the dot products of the experts' deltas") for b in ids) for a in ids)
+    return Gram(bb, bd, dd, int(np.prod(t["shape"])))
+
+
+def select_joint(cands, budget_bytes: int) -> np.ndarray:
+    """Greedy over (tensor, block) groups: all of a group's candidates or none, within the budget."""
+    n = len(cands.nbytes)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    width = int(cands.block.max()) + 1
+    key = cands.tensor.astype(np.int64) * width + cands.block.astype(np.int64)
+    groups, inverse = np.unique(key, return_inverse=True)
+    gbytes = np.bincount(inverse, weights=cands.nbytes.astype(np.float64))
+    gscore = np.bincount(inverse, weights=cands.score)
+    ratio = np.where(gbytes > 0, gscore / np.maximum(gbytes, 1), np.inf)
+    if cands.priority is not None:  # strategies random / uniform: the group's mean priority
+        ratio = np.bincount(inverse, weights=cands.priority) / np.bincount(inverse)
+    order = np.lexsort((groups, -ratio))  # groups sort by (tensor, block)
+    members = [[] for _ in groups]
+    for c, g in enumerate(inverse):
+        members[g].append(c)
+    chosen, used, paid = [], 0, set()
+    for g in order:
+        extra = 0
+        new_paid = []
+        for c in members[g]:
+            extra += int(cands.nbytes[c])
+            pg = int(cands.group[c])
+            if pg not in paid and pg not in new_paid:
+                extra += int(cands.setup[c])
+                new_paid.append(pg)
+        if used + extra <= budget_bytes:
+            chosen.extend(members[g])
+            used += extra
+            paid.update(new_paid)
+    return np.array(sorted(chosen, key=lambda c: (cands.tensor[c], cands.block[c], cands.expert[c])), dtype=np.int64)
+
+
+def omitted_blocks(ctx, chosen: np.ndarray) -> dict[str, list]:
+    """Per tensor, the blocks an expert changed that the plan does not read (compact ranges)."""
+    cands = ctx.candidates
+    mask = np.ones(len(cands.nbytes), dtype=bool)
+    mask[chosen] = False
+    names = [t["name"] for t in ctx.tensors]
+    out: dict[str, set] = {}
+    for ti, b in zip(cands.tensor[mask], cands.block[mask]):
+        out.setdefault(names[int(ti)], set()).add(int(b))
+    return {t: compact_ranges(sorted(bs)) for t, bs in sorted(out.items())}
