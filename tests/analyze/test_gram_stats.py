@@ -55,6 +55,7 @@ def test_v4_catalog_migrates_to_the_gram_table(tmp_path):
     Catalog(db).close()
     conn = sqlite3.connect(db)
     conn.execute("DROP TABLE gram")
+    conn.execute("ALTER TABLE tensor_stats DROP COLUMN topk")  # what v5 adds
     conn.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
     conn.commit()
     conn.close()
