@@ -24,7 +24,8 @@ def _add_register(p):
     p.add_argument("--model-id", help="id of the one checkpoint given by --uri (or by one PATH)")
     p.add_argument("--uri", help="checkpoint directory or .safetensors file")
     p.add_argument("--base", dest="base_id", help="id of the base model (for experts)")
-    p.add_argument("--kind", default="full", choices=["full", "delta", "lora"])
+    p.add_argument("--kind", default="full", choices=["full", "delta", "lora"],
+                   help="full checkpoint (default), delta (expert - base) or a PEFT LoRA adapter")
     p.add_argument("--content-hash", action="store_true", help="also hash every byte (slow)")
     p.add_argument("--replace", action="store_true", help="replace an id registered with other content")
 
