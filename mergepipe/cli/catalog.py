@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mergepipe.cli.common import command, emit, open_catalog, progress_bar, table
+from mergepipe.cli.common import command, emit, open_catalog, progress_bar, short_tensor, table
 from mergepipe.errors import MergePipeError
 
 
@@ -122,8 +122,10 @@ def cmd_models(args):
     for r in rows:
         r["analyzed"] = bool(r["base_id"]) and cat.is_analyzed(r["id"])
     emit(args, rows, lambda rs: table(
-        [{**r, "bytes": human_bytes(r["bytes"]), "fingerprint": r["fingerprint"][7:19]} for r in rs],
-        ["id", "kind", "base_id", "architecture", "dtype", "params", "bytes", "fingerprint", "analyzed"]))
+        [{**r, "bytes": human_bytes(r["bytes"]), "fingerprint": r["fingerprint"][7:19],
+          "analyzed": "yes" if r["analyzed"] else ("no" if r["base_id"] and not r["snapshot_id"] else "-")} for r in rs],
+        ["id", "kind", "base_id", "architecture", "dtype", "params", "bytes", "fingerprint", "analyzed"],
+        headers={"base_id": "base", "bytes": "size", "fingerprint": "fp"}, wide=("architecture", "params")))
 
 
 @command("blocks", "per-block statistics of an analyzed expert")
@@ -136,8 +138,13 @@ def cmd_blocks(args):
     rows = cat.blocks(args.model_id, args.tensor)
     if not rows:
         raise MergePipeError(f"{args.model_id!r} has no block statistics yet (run `mergepipe analyze`)")
-    emit(args, rows, lambda rs: table(rs, ["tensor", "block", "row_start", "row_end", "offset", "nbytes",
-                                           "delta_l2", "delta_max_abs", "delta_nnz"]))
+    from mergepipe.api import human_bytes
+    emit(args, rows, lambda rs: table(
+        [{**r, "tensor": short_tensor(r["tensor"]), "rows": f"{r['row_start']}-{r['row_end']}",
+          "nbytes": human_bytes(r["nbytes"])} for r in rs],
+        ["tensor", "block", "rows", "offset", "nbytes", "delta_l2", "delta_max_abs", "delta_nnz"],
+        headers={"delta_l2": "|d|_2", "delta_max_abs": "max|d|", "delta_nnz": "nnz", "nbytes": "size"},
+        wide=("offset",)))
 
 
 @command("make-family", "write a synthetic base + K experts family")

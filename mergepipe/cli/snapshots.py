@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mergepipe.cli.common import command, emit, open_catalog, table
+from mergepipe.cli.common import command, emit, open_catalog, short_date, table
 
 
 @command("verify", "re-hash a snapshot against its manifest (exit 1 on mismatch)")
@@ -23,10 +23,14 @@ def cmd_verify(args):
 
 @command("snapshots", "list published snapshots")
 def cmd_snapshots(args):
-    from mergepipe.api import snapshots
+    from mergepipe.api import human_bytes, snapshots
     cat = open_catalog(args)
-    emit(args, snapshots(cat), lambda rs: table(rs, ["id", "model_id", "operator", "plan_id", "out",
-                                                      "expert_read_bytes", "manifest_hash", "created_at"]))
+    emit(args, snapshots(cat), lambda rs: table(
+        [{**r, "read": human_bytes(r["expert_read_bytes"]) + (
+            f" ({r['expert_read_bytes'] / r['full_expert_bytes']:.0%})" if r.get("full_expert_bytes") else ""),
+          "created_at": short_date(r["created_at"])} for r in rs],
+        ["id", "model_id", "operator", "read", "created_at", "out"],
+        headers={"model_id": "model", "operator": "op", "created_at": "created"}, wide=("out",)))
 
 
 @command("lineage", "ancestors and descendants of a model (the whole DAG without an id)")

@@ -84,3 +84,21 @@ def test_every_option_has_help():
         if not (action.help or "").strip():
             missing.append(f"{' '.join(path) or 'mergepipe'} {'/'.join(action.option_strings) or action.dest}")
     assert not missing, missing
+
+
+def test_listings_fit_80_columns(tmp_path, monkeypatch, capsys):
+    from dashboard_helpers import build_catalog
+    built = build_catalog(tmp_path)
+    monkeypatch.setenv("COLUMNS", "80")
+    for cmd in (["models"], ["snapshots"], ["blocks", "--model-id", "expert_1"]):
+        assert main(["--db", str(built.db), *cmd]) == 0
+        out = capsys.readouterr().out
+        lines = out.splitlines()
+        assert lines and all(len(line) <= 80 for line in lines), cmd
+        assert "…" not in out, cmd  # nothing cut: long cells wrap
+    main(["--db", str(built.db), "snapshots"])
+    out = capsys.readouterr().out
+    assert built.snapshot_id in out and "merged-1" in out and "(" in out  # read bytes with the share of full
+    monkeypatch.setenv("COLUMNS", "160")
+    main(["--db", str(built.db), "snapshots"])
+    assert str(built.merged) in capsys.readouterr().out  # the output folder on a wide terminal
