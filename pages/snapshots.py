@@ -49,9 +49,23 @@ with ui.user_errors(), ui.catalog() as cat:
         st.download_button("Download manifest JSON", manifest.to_json(), file_name=f"{sid}.json",
                            mime="application/json", key="download")
 
-    c1, c2 = st.columns(2)
-    c1.plotly_chart(views.bytes_figure(views.bytes_by_expert_df(manifest), "expert"), key="bytes_expert")
-    c2.plotly_chart(views.bytes_figure(views.bytes_by_tensor_df(manifest, plan), "tensor"), key="bytes_tensor")
+    st.subheader("Estimated vs realized expert bytes")
+    by_expert = views.bytes_by_expert_df(manifest)
+    st.plotly_chart(views.bytes_bars(by_expert, "expert"), key="bytes_expert")
+    by_tensor = views.bytes_by_tensor_df(manifest, plan)
+    c1, c2, c3 = st.columns([2, 1, 1])
+    search = c1.text_input("Find tensors", key="tensor_search", placeholder="e.g. layers.3 mlp (all words must match)")
+    sort = c2.radio("Top tensors by", list(views.TENSOR_SORTS), key="tensor_sort", horizontal=True)
+    n = c3.number_input("How many", min_value=1, max_value=200, value=20, step=5, key="tensor_top")
+    top, matching = views.top_tensors(by_tensor, int(n), sort, search)
+    if matching == 0:
+        st.info(f"No tensor name contains {search!r}.")
+    else:
+        st.caption(f"{len(top)} of {matching} matching tensors ({len(by_tensor)} in all), largest {sort} first.")
+        st.plotly_chart(views.bytes_bars(top, "tensor"), key="bytes_tensor")
+        with st.expander("As a table"):
+            st.dataframe(views.bytes_table(top), hide_index=True, key="bytes_tensor_table",
+                         column_config={"tensor": st.column_config.TextColumn(width="large")})
     st.plotly_chart(views.touched_heatmap(ui.touched(ui.db(), views.stats_version(cat), sid)), key="touched_chart")
     with st.expander("Raw manifest (JSON)"):
         st.json(manifest.to_dict(), expanded=2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from mergepipe.cli.common import command, emit, open_catalog, progress_bar, short_tensor, table
@@ -108,10 +109,15 @@ def cmd_analyze(args):
             if r["skipped"]:
                 print(f"{r['model_id']}: unchanged, skipped")
             else:
-                rate = r["bytes_read"] / r["seconds"] / 1e6 if r["seconds"] else 0
+                rate = r["bytes_read"] / r["seconds"] if r["seconds"] else 0
                 print(f"{r['model_id']}: {r['n_blocks']} blocks, read {human_bytes(r['bytes_read'])} "
-                      f"in {r['seconds']:.2f} s ({rate:.0f} MB/s)")
+                      f"in {r['seconds']:.2f} s ({human_bytes(rate)}/s)")
     emit(args, out, render)
+    from mergepipe.api import outlier_warnings
+    done = {r["model_id"] for r in out}
+    for base in sorted({m["base_id"] for m in cat.models() if m["id"] in done and m["base_id"]}):
+        for w in outlier_warnings(cat, base, sorted(done)):
+            print(f"warning: {w}", file=sys.stderr)
 
 
 @command("models", "list registered models")

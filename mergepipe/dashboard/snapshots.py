@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 from mergepipe import api
 from mergepipe.catalog.db import Catalog
 from mergepipe.dashboard.figures import (
-    MAX_CELLS, aggregate, block_layout, heatmap_figure, tensor_sort_key,
+    MAX_CELLS, aggregate, block_layout, state_figure, tensor_sort_key,
 )
 from mergepipe.dashboard.formatting import fmt_bound, fmt_bytes, fmt_pct, short_fp
 from mergepipe.dashboard.plan import _mask_array, block_labels
@@ -48,7 +48,7 @@ def manifest_summary(manifest: Manifest) -> pd.DataFrame:
         ("grid", fmt_bytes(c["grid"]["block_bytes"]) + " blocks"),
         ("budget", f"{fmt_bytes(c['budget']['bytes'])} ({c['budget']['spec']})"),
         ("expert read", f"{fmt_bytes(real['expert_read'])} realized / {fmt_bytes(est['expert_read'])} estimated "
-                        f"/ {fmt_bytes(c['full_expert_bytes'])} full"),
+                        f"/ {fmt_bytes(c['full_expert_bytes'])} changed (delta != 0)"),
         ("base read", f"{fmt_bytes(real['base_read'])} realized / {fmt_bytes(est['base_read'])} estimated"),
         ("write", f"{fmt_bytes(real['output_write'])} realized / {fmt_bytes(est['output_write'])} estimated"),
         ("error bound", fmt_bound(c["error_bound"])),
@@ -97,6 +97,79 @@ def bytes_figure(df: pd.DataFrame, by: str) -> go.Figure:
     return fig
 
 
+TENSOR_SORTS = ("bytes", "|difference|")
+
+
+def signed_bytes(n) -> str:
+    """+1536 -> '+1.50 KiB'; 0 -> '0 B'."""
+    if n is None:
+        return "-"
+    return ("+" if n > 0 else "-" if n < 0 else "") + fmt_bytes(abs(n))
+
+
+def with_difference(df: pd.DataFrame) -> pd.DataFrame:
+    """Adds realized - estimated ('difference', bytes) and realized / estimated ('ratio'; NaN without an
+    estimate or when nothing was estimated)."""
+    d = df.copy()
+    est = pd.to_numeric(d["estimated"], errors="coerce")
+    d["difference"] = d["realized"] - est
+    d["ratio"] = (d["realized"] / est.where(est > 0)).astype(float)
+    return d
+
+
+def top_tensors(df: pd.DataFrame, n: int = 20, sort: str = "bytes", search: str = "") -> tuple[pd.DataFrame, int]:
+    """(the ``n`` tensors to chart, how many match) from a bytes_by_tensor_df: those whose name contains
+    ``search`` (case-insensitive; several words must all match), ranked by bytes (the larger of estimated
+    and realized) or by |realized - estimated|, largest first."""
+    if sort not in TENSOR_SORTS:
+        raise ValueError(f"unknown sort {sort!r} ({', '.join(TENSOR_SORTS)})")
+    d = with_difference(df)
+    for word in (search or "").lower().split():
+        d = d[d["tensor"].str.lower().str.contains(word, regex=False)]
+    if sort == "bytes":
+        key = pd.concat([pd.to_numeric(d["estimated"], errors="coerce").fillna(0), d["realized"]], axis=1).max(axis=1)
+    else:
+        key = d["difference"].abs().fillna(d["realized"])
+    d = d.assign(_k=key).sort_values(["_k", "tensor"], ascending=[False, True]).drop(columns="_k")
+    return d.head(max(1, int(n))).reset_index(drop=True), len(d)
+
+
+def bytes_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Estimated vs realized bytes for display: binary units, the difference as bytes and as a ratio."""
+    d = with_difference(df) if "difference" not in df else df
+    by = "tensor" if "tensor" in d else "expert"
+    return pd.DataFrame({
+        by: d[by], "estimated": d["estimated"].map(lambda v: "-" if pd.isna(v) else fmt_bytes(v)),
+        "realized": d["realized"].map(fmt_bytes),
+        "difference": d["difference"].map(lambda v: "-" if pd.isna(v) else signed_bytes(v)),
+        "ratio": d["ratio"].map(lambda v: "-" if pd.isna(v) else f"{v:.3f}x"),
+    })
+
+
+def bytes_bars(df: pd.DataFrame, by: str, title: str | None = None) -> go.Figure:
+    """Horizontal bars, one row per ``by`` (names readable on the y axis), estimated and realized side by
+    side; each row's label at the right gives the difference as bytes and as a ratio."""
+    d = with_difference(df) if "difference" not in df else df
+    names = d[by].astype(str).tolist()
+    fig = go.Figure()
+    has_est = d["estimated"].notna().any()
+    if has_est:
+        fig.add_trace(go.Bar(y=names, x=d["estimated"], name="estimated", orientation="h", marker_color="#9ecae1",
+                             hovertemplate="%{y}<br>estimated %{x:,} B<extra></extra>"))
+    text = [("" if pd.isna(diff) else f"{signed_bytes(diff)}" + ("" if pd.isna(r) else f" ({r:.2f}x)"))
+            for diff, r in zip(d["difference"], d["ratio"])]
+    fig.add_trace(go.Bar(y=names, x=d["realized"], name="realized", orientation="h", marker_color="#08519c",
+                         text=text, textposition="outside", cliponaxis=False,
+                         hovertemplate="%{y}<br>realized %{x:,} B<br>%{text}<extra></extra>"))
+    fig.update_layout(barmode="group", title=title or f"expert bytes per {by}: estimated vs realized "
+                      "(label: realized - estimated, realized / estimated)",
+                      xaxis_title="bytes", margin={"l": 10, "r": 120, "t": 60, "b": 10},
+                      height=max(220, 90 + 34 * len(names)),
+                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "right", "x": 1.0})
+    fig.update_yaxes(autorange="reversed", automargin=True, type="category")
+    return fig
+
+
 def touched_matrix(cat: Catalog, manifest: Manifest, max_cells: int = MAX_CELLS) -> pd.DataFrame:
     """Experts x blocks of the base grid: 1 where the merge read the expert's block."""
     c = manifest.core
@@ -107,10 +180,11 @@ def touched_matrix(cat: Catalog, manifest: Manifest, max_cells: int = MAX_CELLS)
     return aggregate(df, max_cells, axis=1, how="mean")
 
 
+TOUCHED_STATES = [(0.0, "not read", "#f0f0f0"), (1.0, "read", "#238b45")]
+
+
 def touched_heatmap(matrix: pd.DataFrame) -> go.Figure:
-    return heatmap_figure(matrix, "touched blocks per expert (1 = read)", "read",
-                          colorscale=[[0, "#f0f0f0"], [1, "#238b45"]], zmin=0, zmax=1,
-                          height=max(200, 80 + 28 * len(matrix.index)))
+    return state_figure(matrix, "touched blocks: what the merge read of each expert", TOUCHED_STATES)
 
 
 def verify_text(result: dict) -> str:
