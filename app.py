@@ -2,9 +2,13 @@
 
 Pages only render; everything they show is computed by mergepipe.dashboard.views."""
 
+from pathlib import Path
+
 import streamlit as st
 
-st.set_page_config(page_title="MergePipe", page_icon=":material/merge:", layout="wide")
+# A local image: a ":material/...:" page icon makes the browser fetch it from fonts.gstatic.com.
+ICON = Path(__file__).resolve().parent / "assets" / "favicon.png"
+st.set_page_config(page_title="MergePipe", page_icon=str(ICON), layout="wide")
 
 PAGES = [
     st.Page("pages/home.py", title="Home", icon=":material/home:", default=True),

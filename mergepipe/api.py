@@ -40,6 +40,7 @@ _LAZY = {
     "Plan": "mergepipe.planner.plan", "load_plan": "mergepipe.planner.plan", "save_plan": "mergepipe.planner.plan",
     "Planner": "mergepipe.planner.context", "STRATEGIES": "mergepipe.planner.strategies",
     "MergekitConfig": "mergepipe.config.model", "export_mergekit": "mergepipe.config.export",
+    "export_plan_data": "mergepipe.config.export",
     "load_config": "mergepipe.config.parse", "parse_config": "mergepipe.config.parse",
     "plan_from_config": "mergepipe.config.resolve",
     "DEFAULT_DENSITIES": "mergepipe.analyze.stats", "DEFAULT_SKETCH_SIZE": "mergepipe.catalog.sketch",

@@ -6,6 +6,7 @@ import streamlit as st
 
 from mergepipe.dashboard import views
 from mergepipe.api import STRATEGIES, save_plan
+from mergepipe.errors import MergePipeError
 from pages import _ui as ui
 
 TRI = {"default": None, "on": True, "off": False}
@@ -36,6 +37,23 @@ def load_mergekit():
         s.update(settings)
         ui.flash("success", f"Loaded {source}: {settings['op']} of {', '.join(settings['experts'])} "
                             f"on {settings['base']}.")
+
+
+def apply_yaml():
+    """Apply the edited YAML to the settings (the widgets follow on the next run)."""
+    s = st.session_state
+
+    def fn(cat):
+        return views.check_plan_yaml(cat, s.get("yaml_text", ""), ui.roots())
+
+    res = ui.action(ui.with_catalog, fn)
+    if res:
+        settings, what = res
+        for k in [k for k in s if k.startswith("w_")]:
+            del s[k]
+        s.update(settings)
+        s.pop("yaml_text", None)  # shown again from the settings it now describes
+        ui.flash("success", f"Applied the YAML: {what}.")
 
 
 ui.show_flash()
@@ -149,3 +167,25 @@ with ui.user_errors(), ui.catalog() as cat:
                          icon=":material/play_circle:")
         with st.expander("EXPLAIN"):
             st.code(plan.explain(), language=None)
+        with st.expander("Settings as mergekit YAML (edit, apply, download)", expanded=False):
+            generated = views.plan_yaml(cat, plan)
+            s_ = st.session_state
+            if s_.get("yaml_text") in (None, s_.get("_yaml_generated")):  # not edited: follow the settings
+                s_["yaml_text"] = generated
+            s_["_yaml_generated"] = generated
+            text = st.text_area("mergekit YAML (the `mergepipe:` key holds budget, strategy and seed)",
+                                key="yaml_text", height=380)
+            edited = text != generated
+            try:
+                _, what = views.check_plan_yaml(cat, text, ui.roots())
+            except MergePipeError as exc:
+                st.error(f"Not valid: {exc}", icon=":material/error:")
+                valid = False
+            else:
+                (st.success if edited else st.caption)(f"Valid: {what}." + ("" if edited else " (the current settings)"))
+                valid = True
+            c1, c2 = st.columns(2)
+            c1.button("Apply to the settings", key="yaml_apply", on_click=apply_yaml, disabled=not (valid and edited),
+                      type="primary")
+            c2.download_button("Download YAML", text, file_name=f"{plan.id}.yml", mime="application/x-yaml",
+                               key="yaml_download")

@@ -354,3 +354,21 @@ def url_replacements(given: dict, used: dict, ranges: dict | None = None) -> lis
         shown = f"{value:g}" if isinstance(value, float) else str(value)
         out.append(f"URL parameter {key}={text} is {why}; replaced by {shown}.")
     return out
+
+
+# --- the settings as mergekit YAML (shown, edited and applied on the Plan page) -------------------------
+def plan_yaml(cat: Catalog, plan: Plan | dict) -> str:
+    """The mergekit YAML (with the ``mergepipe:`` key: budget, strategy, seed) of a plan, saved or not."""
+    from mergepipe.config.export import export_plan_data
+    return export_plan_data(cat, plan.data if isinstance(plan, Plan) else plan)
+
+
+def check_plan_yaml(cat: Catalog, text: str, roots: list[Path]) -> tuple[dict, str]:
+    """(Plan-page settings, a one-line description) of an edited YAML; raises a MergePipeError saying what
+    is wrong (syntax, unknown model, a value out of range, what the page cannot show)."""
+    if not (text or "").strip():
+        raise MergePipeError("the YAML is empty")
+    settings = mergekit_plan_settings(cat, text, "the edited YAML", roots)
+    how = (f"target bound {settings['target']:g}" if settings.get("mode") == "target bound"
+           else f"budget {settings['budget']}%" if "budget" in settings else "budget 100%")
+    return settings, f"{settings['op']} of {', '.join(settings['experts'])} on {settings['base']}, {how}"
