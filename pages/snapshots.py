@@ -48,6 +48,21 @@ with ui.user_errors(), ui.catalog() as cat:
         st.button("Verify", on_click=do_verify, args=(sid,), key="verify")
         st.download_button("Download manifest JSON", manifest.to_json(), file_name=f"{sid}.json",
                            mime="application/json", key="download")
+        with ui.user_errors():
+            st.download_button("Download the recipe (mergekit YAML)", views.snapshot_recipe(cat, sid),
+                               file_name=f"{sid}.yml", mime="application/x-yaml", key="download_recipe",
+                               help="The same as `mergepipe explain SNAPSHOT --as-mergekit`: merging from it "
+                                    "gives the same plan.")
+
+    card = views.model_card(manifest)
+    with st.expander("Model card (README.md)", expanded=False):
+        if card is None:
+            st.caption("No model card: this snapshot was published before model cards, or its folder is gone.")
+        else:
+            front, body = card
+            st.caption("Front matter: " + " · ".join(f"{k}: {', '.join(map(str, v)) if isinstance(v, list) else v}"
+                                                     for k, v in front.items()))
+            st.markdown(body)
 
     st.subheader("Estimated vs realized expert bytes")
     by_expert = views.bytes_by_expert_df(manifest)

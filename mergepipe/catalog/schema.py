@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)""",
@@ -52,6 +52,10 @@ SCHEMA = [
     """CREATE TABLE IF NOT EXISTS txns (
         id TEXT PRIMARY KEY, staging TEXT, out TEXT, status TEXT, pid INTEGER, started_at TEXT,
         finished_at TEXT)""",
+    # tags (a JSON list) and a note per snapshot (v5)
+    """CREATE TABLE IF NOT EXISTS snapshot_labels (
+        snapshot_id TEXT PRIMARY KEY, tags TEXT NOT NULL DEFAULT '[]', note TEXT NOT NULL DEFAULT '',
+        updated_at TEXT)""",
     """CREATE INDEX IF NOT EXISTS blocks_model ON blocks (model_id)""",
     """CREATE INDEX IF NOT EXISTS models_base ON models (base_id)""",
 ]
@@ -65,4 +69,8 @@ MIGRATIONS: dict[int, list[str]] = {
     # statistics stored before v4 count as finite (the engine still refuses a non-finite output)
     4: [f"ALTER TABLE {t} ADD COLUMN {c} INTEGER DEFAULT 0" for t in ("blocks", "tensor_stats")
         for c in ("nonfinite", "base_nonfinite")],
+    # tags and a note per snapshot, kept apart from the snapshot rows (written by the user, not the engine)
+    5: ["""CREATE TABLE IF NOT EXISTS snapshot_labels (
+        snapshot_id TEXT PRIMARY KEY, tags TEXT NOT NULL DEFAULT '[]', note TEXT NOT NULL DEFAULT '',
+        updated_at TEXT)"""],
 }

@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     parsers["explain"].add_argument("--as-mergekit", action="store_true",
                                     help="print the equivalent mergekit YAML config instead")
     parsers["explain"].add_argument("--out", help="with --as-mergekit: write the YAML to this file")
+    parsers["delete"].add_argument("ref", help="snapshot id or merged model id")
+    parsers["delete"].add_argument("--force", action="store_true",
+                                   help="delete even when another model's lineage needs it")
     parsers["lineage"].add_argument("model_id", nargs="?", help="a model id (default: the whole DAG)")
     parsers["lineage"].add_argument("--dot", action="store_true", help="print Graphviz DOT")
     parsers["dashboard"].add_argument("--port", type=int, default=8501,

@@ -46,6 +46,17 @@ def cmd_lineage(args):
                                    + f"]-> {e['child_id']}") for e in g["edges"]] or print("(no merges yet)"))
 
 
+@command("delete", "delete a snapshot: its folder and its catalog rows (refused while another model needs it)")
+def cmd_delete(args):
+    from mergepipe.api import delete_snapshot
+    cat = open_catalog(args)
+    res = delete_snapshot(cat, args.ref, force=args.force)
+    emit(args, res, lambda r: print(
+        f"deleted {r['snapshot_id']} ({r['model_id']})" + (f" and {r['out']}" if r["removed_files"] else
+                                                            f"; {r['out']} was already gone")
+        + (f"; forced: {', '.join(r['dependents'])} lose an input" if r["dependents"] else "")))
+
+
 @command("recover", "roll back unfinished merges and clean up their leftovers")
 def cmd_recover(args):
     from mergepipe.api import recover

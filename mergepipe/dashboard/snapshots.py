@@ -190,3 +190,29 @@ def touched_heatmap(matrix: pd.DataFrame) -> go.Figure:
 def verify_text(result: dict) -> str:
     head = f"{'OK' if result['ok'] else 'MISMATCH'}: {result['snapshot_id']}, {result['files_checked']} files checked"
     return head + "".join(f"\n- {p}" for p in result["problems"])
+
+
+# --- model card and recipe -------------------------------------------------------------------------------
+def model_card(manifest: Manifest) -> tuple[dict, str] | None:
+    """(front matter, markdown body) of the snapshot's README.md, or None when it has none (published
+    before model cards) or its folder is gone."""
+    import yaml
+    from pathlib import Path
+    from mergepipe.manifest.card import CARD_NAME
+    path = Path(manifest.run["out"]) / CARD_NAME
+    if CARD_NAME not in manifest.core["outputs"] or not path.is_file():
+        return None
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if text.startswith("---\n") and "\n---\n" in text[4:]:
+        head, body = text[4:].split("\n---\n", 1)
+        try:
+            front = yaml.safe_load(head) or {}
+        except yaml.YAMLError:
+            front = {}
+        return (front if isinstance(front, dict) else {}), body.lstrip("\n")
+    return {}, text
+
+
+def snapshot_recipe(cat: Catalog, snapshot_id: str) -> str:
+    """The snapshot's recipe as mergekit YAML (the same as ``mergepipe explain SNAP --as-mergekit``)."""
+    return api.export_mergekit(cat, snapshot_id)
