@@ -4,7 +4,7 @@ bytes per expert and per tensor, the touched blocks, and a verify button."""
 import streamlit as st
 
 from mergepipe.dashboard import views
-from mergepipe.api import verify
+from mergepipe.api import delete_snapshot, set_snapshot_labels, verify
 from pages import _ui as ui
 
 st.title("Snapshots")
@@ -21,6 +21,23 @@ def do_verify(snapshot_id: str):
     res = ui.action(ui.with_catalog, verify, snapshot_id)
     if res is not None:
         ui.flash("success" if res["ok"] else "error", views.verify_text(res))
+
+
+def do_save_labels(snapshot_id: str):
+    s = st.session_state
+    tags = views.parse_tags(s.get("snap_tags", ""))
+    if ui.action(ui.with_catalog, set_snapshot_labels, snapshot_id, tags, (s.get("snap_note") or "").strip()) is None:
+        ui.flash("success", f"Saved the tags and note of {snapshot_id}.")
+
+
+def do_delete(snapshot_id: str):
+    s = st.session_state
+    res = ui.action(ui.with_catalog, delete_snapshot, snapshot_id, force=bool(s.get("del_force")))
+    if res:
+        s.pop("snapshot", None)
+        s["del_confirm"] = False
+        ui.flash("success", f"Deleted {res['snapshot_id']} ({res['model_id']})"
+                            + (f" and its folder {res['out']}." if res["removed_files"] else "."))
 
 
 ui.show_flash()
@@ -54,6 +71,16 @@ with ui.user_errors(), ui.catalog() as cat:
                                help="The same as `mergepipe explain SNAPSHOT --as-mergekit`: merging from it "
                                     "gives the same plan.")
 
+    with st.expander("Tags and note"):
+        if st.session_state.get("_labels_for") != sid:  # load the stored labels when the snapshot changes
+            lab = views.labels_of(cat, sid)
+            st.session_state["snap_tags"] = ", ".join(lab["tags"])
+            st.session_state["snap_note"] = lab["note"]
+            st.session_state["_labels_for"] = sid
+        st.text_input("Tags (comma or space separated)", key="snap_tags", placeholder="e.g. best, ties, eval-me")
+        st.text_area("Note", key="snap_note", height=80)
+        st.button("Save tags and note", key="save_labels", on_click=do_save_labels, args=(sid,))
+
     card = views.model_card(manifest)
     with st.expander("Model card (README.md)", expanded=False):
         if card is None:
@@ -84,3 +111,15 @@ with ui.user_errors(), ui.catalog() as cat:
     st.plotly_chart(views.touched_heatmap(ui.touched(ui.db(), views.stats_version(cat), sid)), key="touched_chart")
     with st.expander("Raw manifest (JSON)"):
         st.json(manifest.to_dict(), expanded=2)
+
+    with st.expander("Delete this snapshot"):
+        d = views.delete_preview(cat, sid)
+        st.write(f"Deletes **{d['snapshot_id']}** (model `{d['model_id']}`): "
+                 + (f"its folder `{d['out']}` ({d['files']} files, {views.fmt_bytes(d['bytes'])})"
+                    if d["exists"] else f"its catalog rows (the folder `{d['out']}` is already gone)")
+                 + ", its manifest, tags, note and lineage edges. Its inputs stay.")
+        if d["dependents"]:
+            st.warning(f"Needed by {', '.join(d['dependents'])} (lineage): refused unless forced.")
+            st.checkbox("Force: delete it anyway", key="del_force")
+        confirmed = st.checkbox(f"Yes, delete {d['snapshot_id']} for good", key="del_confirm")
+        st.button("Delete", key="delete", type="primary", on_click=do_delete, args=(sid,), disabled=not confirmed)

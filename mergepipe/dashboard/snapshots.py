@@ -22,13 +22,17 @@ from mergepipe.planner.plan import load_plan, Plan
 # --- snapshots -----------------------------------------------------------------------------------------
 def snapshots_df(cat: Catalog) -> pd.DataFrame:
     rows = []
+    labels = api.snapshot_labels(cat)
     for s in reversed(api.snapshots(cat)):
+        lab = labels.get(s["id"], {})
         rows.append({"snapshot": s["id"], "model": s["model_id"], "operator": s["operator"], "plan": s["plan_id"],
                      "expert_read": fmt_bytes(s["expert_read_bytes"]),
                      "of_full": fmt_pct(s["expert_read_bytes"] / s["full_expert_bytes"])
                      if s["full_expert_bytes"] else "-",
-                     "created": s["created_at"], "out": s["out"], "manifest": short_fp(s["manifest_hash"])})
-    cols = ["snapshot", "model", "operator", "plan", "expert_read", "of_full", "created", "out", "manifest"]
+                     "created": s["created_at"], "tags": ", ".join(lab.get("tags", [])), "note": lab.get("note", ""),
+                     "out": s["out"], "manifest": short_fp(s["manifest_hash"])})
+    cols = ["snapshot", "model", "operator", "plan", "expert_read", "of_full", "created", "tags", "note", "out",
+            "manifest"]
     return pd.DataFrame(rows, columns=cols)
 
 
@@ -216,3 +220,32 @@ def model_card(manifest: Manifest) -> tuple[dict, str] | None:
 def snapshot_recipe(cat: Catalog, snapshot_id: str) -> str:
     """The snapshot's recipe as mergekit YAML (the same as ``mergepipe explain SNAP --as-mergekit``)."""
     return api.export_mergekit(cat, snapshot_id)
+
+
+# --- tags, note, deletion ----------------------------------------------------------------------------------
+def parse_tags(text: str) -> list[str]:
+    """'merge, ties  best,ties' -> ['merge', 'ties', 'best'] (commas or spaces; duplicates dropped)."""
+    import re
+    out = []
+    for t in re.split(r"[,\s]+", text or ""):
+        if t and t not in out:
+            out.append(t)
+    return out
+
+
+def labels_of(cat: Catalog, snapshot_id: str) -> dict:
+    return api.snapshot_labels(cat).get(snapshot_id, {"tags": [], "note": ""})
+
+
+def delete_preview(cat: Catalog, snapshot_id: str) -> dict:
+    """What deleting a snapshot removes, and who still needs it (deletion is refused unless forced)."""
+    from pathlib import Path
+    from mergepipe.catalog.snapshots import snapshot_dependents, snapshot_row
+    row = snapshot_row(cat, snapshot_id)
+    if row is None:
+        raise MergePipeError(f"unknown snapshot {snapshot_id!r}")
+    out = Path(row["out"])
+    files = sorted(p for p in out.iterdir() if p.is_file()) if out.is_dir() else []
+    return {"snapshot_id": row["id"], "model_id": row["model_id"], "out": str(out), "exists": out.is_dir(),
+            "files": len(files), "bytes": sum(p.stat().st_size for p in files),
+            "dependents": snapshot_dependents(cat, row["model_id"])}

@@ -28,7 +28,7 @@ from mergepipe.dashboard.models import (  # noqa: F401
     analyzed_experts, bases, expert_warnings, experts_of, KIND_HELP, model_details, models_df, REGISTER_KINDS,
     registration_base, role_of, stats_version, unanalyzed_experts,
 )
-from mergepipe.dashboard.home import totals  # noqa: F401
+from mergepipe.dashboard.home import getting_started, totals  # noqa: F401
 from mergepipe.dashboard.runs import (  # noqa: F401
     _parse_ts, ACTIVE, effective_status, latest_run, run_progress, runs, runs_df,
 )
@@ -45,7 +45,7 @@ from mergepipe.dashboard.plan import (  # noqa: F401
 )
 from mergepipe.dashboard.snapshots import (  # noqa: F401
     bytes_bars, bytes_by_expert_df, bytes_by_tensor_df, bytes_figure, bytes_table, load_manifest, manifest_plan,
-    manifest_summary, model_card, signed_bytes, snapshot_recipe, snapshots_df, TENSOR_SORTS, top_tensors, with_difference, touched_heatmap, touched_matrix, verify_text,
+    delete_preview, labels_of, manifest_summary, model_card, parse_tags, signed_bytes, snapshot_recipe, snapshots_df, TENSOR_SORTS, top_tensors, with_difference, touched_heatmap, touched_matrix, verify_text,
 )
 from mergepipe.dashboard.lineage import (  # noqa: F401
     lineage_dot, lineage_nodes_df, node_target,
