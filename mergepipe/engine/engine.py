@@ -175,9 +175,11 @@ class Engine:
         if result["analysis_read"]:
             core["analyzed_on_the_way"] = {e: {"bytes_read": n} for e, n in sorted(result["analysis_read"].items())}
         if staging is not None:  # the model card, hashed like every output (it follows from the core alone)
-            previous = outputs.get(CARD_NAME)
+            previous = outputs.pop(CARD_NAME, None)  # a README.md copied from the base is replaced
+            if previous:
+                core["realized"]["output_write"] -= previous["bytes"]
             outputs[CARD_NAME] = write_card(staging, core)
-            core["realized"]["output_write"] += outputs[CARD_NAME]["bytes"] - (previous["bytes"] if previous else 0)
+            core["realized"]["output_write"] += outputs[CARD_NAME]["bytes"]
         snapshot_id = "snap-" + os.urandom(6).hex()
         run = {"snapshot_id": snapshot_id, "model_id": model_id, "out": str(out), "created_at": now(),
                "seconds": round(seconds, 4), "timing": {k: round(v, 4) for k, v in result["timing"].items()},

@@ -55,7 +55,10 @@ def model_card(core: dict) -> str:
     experts = core["inputs"]["experts"]
     front = {"base_model": [base["id"], *[e["id"] for e in experts]],
              "tags": ["merge", "mergepipe", core["operator"]], "library_name": "transformers"}
-    est, real = core["estimated"], core["realized"]
+    est, real = core["estimated"], dict(core["realized"])
+    own = (core.get("outputs") or {}).get(CARD_NAME)
+    if own:  # the card's own bytes count in the manifest's realized write, not in the card's table
+        real["output_write"] -= own["bytes"]
     full = core["full_expert_bytes"]
     bound = core.get("error_bound")
     lines = ["---", yaml.safe_dump(front, sort_keys=False).rstrip(), "---", "",
@@ -76,7 +79,7 @@ def model_card(core: dict) -> str:
               f"- budget: {core['budget']['spec']} = {_bytes(core['budget']['bytes'])} of {_bytes(full)} changed "
               f"(delta != 0) expert bytes",
               "", "| | estimated | realized | difference |", "|---|---|---|---|"]
-    for key, label in (("expert_read", "expert read"), ("base_read", "base read"), ("output_write", "write")):
+    for key, label in (("expert_read", "expert read"), ("base_read", "base read"), ("output_write", "write (without this card)")):
         diff = real[key] - est[key]
         lines.append(f"| {label} | {_bytes(est[key])} | {_bytes(real[key])} | {'+' if diff > 0 else '-' if diff < 0 else ''}"
                      f"{_bytes(abs(diff))} |")
