@@ -39,20 +39,19 @@ def load_mergekit():
                             f"on {settings['base']}.")
 
 
-def apply_yaml():
+def apply_yaml(key: str):
     """Apply the edited YAML to the settings (the widgets follow on the next run)."""
     s = st.session_state
 
     def fn(cat):
-        return views.check_plan_yaml(cat, s.get("yaml_text", ""), ui.roots())
+        return views.check_plan_yaml(cat, s.get(key, ""), ui.roots())
 
     res = ui.action(ui.with_catalog, fn)
     if res:
         settings, what = res
         for k in [k for k in s if k.startswith("w_")]:
             del s[k]
-        s.update(settings)
-        s.pop("yaml_text", None)  # shown again from the settings it now describes
+        s.update(settings)  # the YAML area is drawn again from the settings it now describes
         ui.flash("success", f"Applied the YAML: {what}.")
 
 
@@ -167,14 +166,12 @@ with ui.user_errors(), ui.catalog() as cat:
                          icon=":material/play_circle:")
         with st.expander("EXPLAIN"):
             st.code(plan.explain(), language=None)
-        with st.expander("Settings as mergekit YAML (edit, apply, download)", expanded=False):
+        with st.expander("Settings as mergekit YAML (edit, apply, download)", key="yaml_expander"):
             generated = views.plan_yaml(cat, plan)
-            s_ = st.session_state
-            if s_.get("yaml_text") in (None, s_.get("_yaml_generated")):  # not edited: follow the settings
-                s_["yaml_text"] = generated
-            s_["_yaml_generated"] = generated
+            # keyed by what it shows: an edit lasts while the settings stay; new settings draw a fresh area
+            yaml_key = "yaml_" + views.request_key_digest(generated)
             text = st.text_area("mergekit YAML (the `mergepipe:` key holds budget, strategy and seed)",
-                                key="yaml_text", height=380)
+                                value=generated, key=yaml_key, height=380)
             edited = text != generated
             try:
                 _, what = views.check_plan_yaml(cat, text, ui.roots())
@@ -185,7 +182,7 @@ with ui.user_errors(), ui.catalog() as cat:
                 (st.success if edited else st.caption)(f"Valid: {what}." + ("" if edited else " (the current settings)"))
                 valid = True
             c1, c2 = st.columns(2)
-            c1.button("Apply to the settings", key="yaml_apply", on_click=apply_yaml, disabled=not (valid and edited),
-                      type="primary")
+            c1.button("Apply to the settings", key="yaml_apply", on_click=apply_yaml, args=(yaml_key,),
+                      disabled=not (valid and edited), type="primary")
             c2.download_button("Download YAML", text, file_name=f"{plan.id}.yml", mime="application/x-yaml",
                                key="yaml_download")

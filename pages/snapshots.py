@@ -71,7 +71,7 @@ with ui.user_errors(), ui.catalog() as cat:
                                help="The same as `mergepipe explain SNAPSHOT --as-mergekit`: merging from it "
                                     "gives the same plan.")
 
-    with st.expander("Tags and note"):
+    with st.expander("Tags and note", key="labels_expander"):
         if st.session_state.get("_labels_for") != sid:  # load the stored labels when the snapshot changes
             lab = views.labels_of(cat, sid)
             st.session_state["snap_tags"] = ", ".join(lab["tags"])
@@ -82,7 +82,7 @@ with ui.user_errors(), ui.catalog() as cat:
         st.button("Save tags and note", key="save_labels", on_click=do_save_labels, args=(sid,))
 
     card = views.model_card(manifest)
-    with st.expander("Model card (README.md)", expanded=False):
+    with st.expander("Model card (README.md)", key="card_expander"):
         if card is None:
             st.caption("No model card: this snapshot was published before model cards, or its folder is gone.")
         else:
@@ -112,7 +112,7 @@ with ui.user_errors(), ui.catalog() as cat:
     with st.expander("Raw manifest (JSON)"):
         st.json(manifest.to_dict(), expanded=2)
 
-    with st.expander("Delete this snapshot"):
+    with st.expander("Delete this snapshot", key="delete_expander"):
         d = views.delete_preview(cat, sid)
         st.write(f"Deletes **{d['snapshot_id']}** (model `{d['model_id']}`): "
                  + (f"its folder `{d['out']}` ({d['files']} files, {views.fmt_bytes(d['bytes'])})"

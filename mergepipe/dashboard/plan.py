@@ -372,3 +372,9 @@ def check_plan_yaml(cat: Catalog, text: str, roots: list[Path]) -> tuple[dict, s
     how = (f"target bound {settings['target']:g}" if settings.get("mode") == "target bound"
            else f"budget {settings['budget']}%" if "budget" in settings else "budget 100%")
     return settings, f"{settings['op']} of {', '.join(settings['experts'])} on {settings['base']}, {how}"
+
+
+def request_key_digest(text: str) -> str:
+    """A short digest of a text (widget keys that follow what they show)."""
+    import hashlib
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

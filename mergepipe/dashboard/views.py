@@ -41,7 +41,7 @@ from mergepipe.dashboard.plan import (  # noqa: F401
     MASK_STATES, mask_matrix, mergekit_plan_settings, omitted_term, op_info, operators, plan_context, plan_experts_df,
     plan_experts_table,
     check_plan_yaml, PLAN_PAGE_TRI, plan_request, plan_summary, plan_yaml, plans_df, read_config_source, request_key,
-    url_replacements,
+    request_key_digest, url_replacements,
 )
 from mergepipe.dashboard.snapshots import (  # noqa: F401
     bytes_bars, bytes_by_expert_df, bytes_by_tensor_df, bytes_figure, bytes_table, load_manifest, manifest_plan,

@@ -108,7 +108,7 @@ def test_plan_wording_bound_reason_and_expert_names(env):
 
 def test_plan_yaml_validate_apply_download(env):
     at = open_page("plan")
-    area = at.text_area(key="yaml_text")
+    area = at.text_area[0]
     text = area.value
     assert "merge_method: linear" in text and "mergepipe:" in text and "budget: 25%" in text
     assert any(c.startswith("Valid: linear of expert_1, expert_2, expert_3 on base, budget 25%") for c in texts(at.caption))
@@ -120,14 +120,14 @@ def test_plan_yaml_validate_apply_download(env):
     # a valid edit: another operator, density and budget; applying moves the widgets
     edited = (text.replace("merge_method: linear", "merge_method: ties").replace("budget: 25%", "budget: 40%")
               .replace("    weight: 1.0\n", "    weight: 1.0\n    density: 0.4\n"))
-    at.text_area(key="yaml_text").set_value(edited).run()
+    at.text_area[0].set_value(edited).run()
     assert any(s.startswith("Valid: ties of expert_1, expert_2, expert_3 on base, budget 40%") for s in texts(at.success))
     at.button(key="yaml_apply").click().run()
     assert not at.exception
     assert at.selectbox(key="op").value == "ties" and at.number_input(key="density").value == 0.4
     assert at.slider(key="budget").value == 40
     assert any(s.startswith("Applied the YAML: ties of") for s in texts(at.success))
-    assert "merge_method: ties" in at.text_area(key="yaml_text").value  # follows the settings again
+    assert "merge_method: ties" in at.text_area[0].value  # follows the settings again
 
 
 def test_snapshots_tensor_bytes_card_recipe(env, built):
