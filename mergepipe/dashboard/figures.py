@@ -148,15 +148,21 @@ def heatmap_figure(matrix: pd.DataFrame, title: str, colorbar: str, colorscale="
     return fig
 
 
-def group_ticks(columns) -> tuple[list[str], list[str]]:
+def group_ticks(columns, min_gap: int | None = None) -> tuple[list[str], list[str]]:
     """(tick values, tick texts) marking where each layer group starts among block columns labelled
-    'tensor#block' (or aggregated bins 'tensor#block..tensor#block')."""
-    vals, texts, prev = [], [], None
-    for c in columns:
-        g = group_of(str(c).split("#", 1)[0])
+    'tensor#block' (or aggregated bins 'tensor#block..tensor#block'). A group starting less than
+    ``min_gap`` columns after the last ticked one gets no tick (its labels would overlap; the hover still
+    names every block); default: 1/40 of the columns."""
+    columns = [str(c) for c in columns]
+    gap = max(1, len(columns) // 40) if min_gap is None else min_gap
+    vals, texts, prev, last = [], [], None, None
+    for i, c in enumerate(columns):
+        g = group_of(c.split("#", 1)[0])
         if g != prev:
-            vals.append(str(c))
-            texts.append(g)
+            if last is None or i - last >= gap:
+                vals.append(c)
+                texts.append(g)
+                last = i
             prev = g
     return vals, texts
 

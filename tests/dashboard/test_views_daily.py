@@ -152,3 +152,9 @@ def test_plan_wording_and_experts_table(built):
     fig = views.frontier_figure(views.frontier_df(views.plan_context(Catalog(built.db), "base", E, "linear")),
                                 10, 0.5, True, "linear")
     assert fig.layout.margin.t >= 60 and fig.layout.title.yanchor == "top"
+
+
+def test_group_ticks_skip_crowded_groups():
+    cols = [f"model.layers.0.x#{i}" for i in range(80)] + ["model.norm.weight#0", "lm_head.weight#0"]
+    assert views.group_ticks(cols)[1] == ["layer 0", "other"]  # head starts 1 column after other: no tick
+    assert views.group_ticks(cols, min_gap=1)[1] == ["layer 0", "other", "head"]
