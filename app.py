@@ -17,6 +17,7 @@ PAGES = [
     st.Page("pages/plan.py", title="Plan", icon=":material/tune:", url_path="plan"),
     st.Page("pages/run.py", title="Run", icon=":material/play_circle:", url_path="run"),
     st.Page("pages/snapshots.py", title="Snapshots", icon=":material/photo_library:", url_path="snapshots"),
+    st.Page("pages/compare.py", title="Compare", icon=":material/compare_arrows:", url_path="compare"),
     st.Page("pages/lineage.py", title="Lineage", icon=":material/account_tree:", url_path="lineage"),
 ]
 

@@ -50,8 +50,9 @@ with ui.user_errors(), ui.catalog() as cat:
     st.session_state["_snap_ids"] = ids
     st.dataframe(df, hide_index=True, key="snap_table", on_select=pick_row, selection_mode="single-row")
     models = dict(zip(df["snapshot"], df["model"]))
-    sid = st.selectbox("Snapshot", ids, key="snapshot", bind="query-params",
-                       format_func=lambda s: f"{s} · {models.get(s, '')}")
+    # no format_func: a selectbox bound to the URL matches ?snapshot= against the shown labels
+    sid = st.selectbox("Snapshot", ids, key="snapshot", bind="query-params")
+    st.caption(f"model {models.get(sid, '')}")
     manifest = views.load_manifest(cat, sid)
     plan = views.manifest_plan(cat, manifest)
 

@@ -190,3 +190,49 @@ def test_home_getting_started(env, built, tmp_path, monkeypatch):
     monkeypatch.setenv("MERGEPIPE_DB", str(tmp_path / "empty.sqlite"))
     at = open_page("home")
     assert "mergepipe register" in at.code[0].value
+
+
+def test_compare_page(env, built):
+    at = open_page("compare")
+    assert any("needs two snapshots" in i for i in texts(at.info))
+    from mergepipe.api import merge
+    cat = Catalog(env["db"])
+    _, sid2, _ = merge(cat, "base", E, env["tmp"] / "m2", operator="ties", model_id="merged-2", density=0.5,
+                       budget="60%")
+    cat.close()
+    at = open_page("compare")
+    assert {at.selectbox(key="cmp_a").value, at.selectbox(key="cmp_b").value} == {built.snapshot_id, sid2}
+    at = open_page("compare", {"cmp_a": built.snapshot_id, "cmp_b": sid2})
+    assert at.selectbox(key="cmp_a").value == built.snapshot_id and at.selectbox(key="cmp_b").value == sid2
+    settings = [d.value for d in at.dataframe if "same" in d.value.columns][0]
+    assert settings.set_index("field").at["operator", "B"] == "ties"
+    at.toggle(key="cmp_only").set_value(True).run()
+    settings = [d.value for d in at.dataframe if "same" in d.value.columns][0]
+    assert set(settings["same"]) == {"no"}
+    assert any("read differently" in c for c in texts(at.caption))
+    assert spec(at, "cmp_access")["data"][0]["orientation"] == "h"
+    at.selectbox(key="cmp_b").select(built.snapshot_id).run()
+    assert any("two different snapshots" in w for w in texts(at.warning))
+
+
+def test_snapshot_deep_link_with_two_snapshots(env, built):
+    from mergepipe.api import merge
+    cat = Catalog(env["db"])
+    _, sid2, _ = merge(cat, "base", E, env["tmp"] / "m2", operator="ties", model_id="merged-2", density=0.5,
+                       budget="60%")
+    cat.close()
+    for sid in (built.snapshot_id, sid2):
+        at = open_page("snapshots", {"snapshot": sid})
+        assert at.selectbox(key="snapshot").value == sid
+
+
+def test_run_plan_deep_link_with_two_plans(env, built):
+    from mergepipe.api import save_plan
+    c = Catalog(env["db"])
+    plan = views.make_plan(views.plan_context(c, "base", E, "ties", density=0.5), 40)
+    save_plan(c, plan)
+    c.close()
+    for pid in (built.plan_id, plan.id):
+        at = open_page("run", {"plan": pid})
+        assert at.selectbox(key="plan").value == pid
+        assert any(x.startswith(pid) for x in texts(at.caption))

@@ -158,3 +158,49 @@ def test_group_ticks_skip_crowded_groups():
     cols = [f"model.layers.0.x#{i}" for i in range(80)] + ["model.norm.weight#0", "lm_head.weight#0"]
     assert views.group_ticks(cols)[1] == ["layer 0", "other"]  # head starts 1 column after other: no tick
     assert views.group_ticks(cols, min_gap=1)[1] == ["layer 0", "other", "head"]
+
+
+@pytest.fixture(scope="module")
+def two(built, tmp_path_factory):
+    """The built catalog plus a second snapshot: ties, 60 %, merged from merged-1 and two experts."""
+    from mergepipe.api import merge
+    root = tmp_path_factory.mktemp("two")
+    db = copy_catalog(built.db, root / "c.sqlite")
+    c = Catalog(db)
+    try:
+        _, sid, _ = merge(c, "base", ["expert_1", "expert_2", "merged-1"], root / "m2", operator="ties",
+                          model_id="merged-2", density=0.5, budget="60%")
+    finally:
+        c.close()
+    return db, built.snapshot_id, sid
+
+
+def test_compare_two_snapshots(two):
+    db, s1, s2 = two
+    c = Catalog(db)
+    try:
+        a, b = views.load_manifest(c, s1), views.load_manifest(c, s2)
+    finally:
+        c.close()
+    d = views.settings_diff(a, b)
+    row = d.set_index("field")
+    assert row.at["operator", "A"] == "linear" and row.at["operator", "B"] == "ties" and row.at["operator", "same"] == "no"
+    assert row.at["base", "same"] == "yes" and "merged-1" in row.at["experts", "B"]
+    only = views.settings_diff(a, b, only_different=True)
+    assert "base" not in only["field"].tolist() and "operator" in only["field"].tolist()
+    n = views.numbers_df(a, b).set_index("quantity")
+    assert n.at["expert read (realized)", "A"] == views.fmt_bytes(a.core["realized"]["expert_read"])
+    assert n.at["error bound", "B"] == "n/a (ties is not additive)"
+    assert n.at["error bound", "A"].startswith(f"{a.core['error_bound']['absolute']:.4g}")
+    acc = views.access_diff(a, b)
+    assert set(acc.columns) == {"tensor", "A", "B", "both", "only A", "only B"}
+    assert (acc["A"] == acc["both"] + acc["only A"]).all() and (acc["B"] == acc["both"] + acc["only B"]).all()
+    total_a = sum(hi - lo for ts in a.core["touched"].values() for rs in ts.values() for lo, hi in rs)
+    assert acc["A"].sum() == total_a
+    k = (acc["only A"] + acc["only B"]).tolist()
+    assert k == sorted(k, reverse=True)
+    fig = views.access_figure(acc, top=5)
+    assert [t.name for t in fig.data] == ["both", "only A", "only B"] and len(fig.data[0].y) == min(5, len(acc))
+    notes = views.lineage_note(a, b)
+    assert notes[0] == "B (merged-2) was merged from A (merged-1)."
+    assert "Shared inputs: base, expert_1, expert_2." in notes and "Only A: expert_3." in notes
