@@ -173,14 +173,18 @@ with ui.user_errors(), ui.catalog() as cat:
             text = st.text_area("mergekit YAML (the `mergepipe:` key holds budget, strategy and seed)",
                                 value=generated, key=yaml_key, height=380)
             edited = text != generated
-            try:
-                _, what = views.check_plan_yaml(cat, text, ui.roots())
-            except MergePipeError as exc:
-                st.error(f"Not valid: {exc}", icon=":material/error:")
-                valid = False
+            valid = False
+            if not edited:  # no need to resolve the models again on every slider step
+                st.caption("The current settings: edit them here (checked on every change), then apply; or "
+                           "download them.")
             else:
-                (st.success if edited else st.caption)(f"Valid: {what}." + ("" if edited else " (the current settings)"))
-                valid = True
+                try:
+                    _, what = views.check_plan_yaml(cat, text, ui.roots())
+                except MergePipeError as exc:
+                    st.error(f"Not valid: {exc}", icon=":material/error:")
+                else:
+                    st.success(f"Valid: {what}.")
+                    valid = True
             c1, c2 = st.columns(2)
             c1.button("Apply to the settings", key="yaml_apply", on_click=apply_yaml, args=(yaml_key,),
                       disabled=not (valid and edited), type="primary")

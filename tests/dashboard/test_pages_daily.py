@@ -111,7 +111,11 @@ def test_plan_yaml_validate_apply_download(env):
     area = at.text_area[0]
     text = area.value
     assert "merge_method: linear" in text and "mergepipe:" in text and "budget: 25%" in text
-    assert any(c.startswith("Valid: linear of expert_1, expert_2, expert_3 on base, budget 25%") for c in texts(at.caption))
+    assert any(c.startswith("The current settings: edit them here") for c in texts(at.caption))
+    c = Catalog(env["db"])  # the shown YAML is valid and describes these settings
+    assert views.check_plan_yaml(c, text, [env["built"].root, env["tmp"]])[1] == \
+        "linear of expert_1, expert_2, expert_3 on base, budget 25%"
+    c.close()
     assert "Download YAML" in downloads(at)
     # an error shows inline, and Apply stays off
     area.set_value(text.replace("merge_method: linear", "merge_method: nonsense")).run()
