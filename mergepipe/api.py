@@ -13,12 +13,15 @@ from typing import TYPE_CHECKING
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.models import has_tensor, named_by_path, register, register_many, schema_version  # noqa: F401
 from mergepipe.catalog.analyses import outlier_warnings  # noqa: F401  (an expert far from its siblings)
+from mergepipe.catalog.evaluations import evaluation, evaluations, record_evaluation  # noqa: F401
 from mergepipe.catalog.plans import find_plan_id, has_plan
 from mergepipe.catalog.snapshots import (  # noqa: F401
     set_snapshot_labels, snapshot_count, snapshot_labels, snapshot_rows,
 )
 from mergepipe.engine.delete import delete_snapshot  # noqa: F401
-from mergepipe.engine.runs import RunProgress, cancel_run, get_run, launch_analyze, launch_run, log_tail  # noqa: F401
+from mergepipe.engine.runs import (  # noqa: F401
+    RunProgress, cancel_run, get_run, launch_analyze, launch_evaluate, launch_run, log_tail,
+)
 from mergepipe.engine.txn import check_output_path, recover
 from mergepipe.errors import ExecutionError, MergePipeError
 from mergepipe.manifest.lineage import lineage, lineage_dot  # noqa: F401  (lineage_dot: for the CLI)

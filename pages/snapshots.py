@@ -4,7 +4,7 @@ bytes per expert and per tensor, the touched blocks, and a verify button."""
 import streamlit as st
 
 from mergepipe.dashboard import views
-from mergepipe.api import delete_snapshot, set_snapshot_labels, verify
+from mergepipe.api import delete_snapshot, launch_evaluate, set_snapshot_labels, verify
 from pages import _ui as ui
 
 st.title("Snapshots")
@@ -40,6 +40,22 @@ def do_delete(snapshot_id: str):
                             + (f" and its folder {res['out']}." if res["removed_files"] else "."))
 
 
+def do_evaluate(model_ids: list):
+    s = st.session_state
+
+    def fn(cat):
+        text = views.check_path(s.get("eval_text", ""), ui.roots())
+        return launch_evaluate(ui.db(), cat, list(model_ids), str(text), views.log_dir(ui.db()))
+
+    res = ui.action(ui.with_catalog, fn)
+    if res:
+        run_id, proc = res
+        ui.keep_process(run_id, proc)
+        s["eval_watch"] = run_id
+        ui.flash("info", f"evaluate run {run_id} started for {', '.join(model_ids)}")
+
+
+ui.reap()
 ui.show_flash()
 with ui.user_errors(), ui.catalog() as cat:
     df = views.snapshots_df(cat)
@@ -91,6 +107,41 @@ with ui.user_errors(), ui.catalog() as cat:
             st.caption("Front matter: " + " · ".join(f"{k}: {', '.join(map(str, v)) if isinstance(v, list) else v}"
                                                      for k, v in front.items()))
             st.markdown(body)
+
+    with st.expander("Evaluate: perplexity on a held-out text (budget vs quality)", key="eval_expander"):
+        evals = views.evaluation_df(cat, manifest)
+        line = views.budget_quality(manifest, evals)
+        if line:
+            st.success(line)
+        todo = views.evaluation_models(cat, manifest)
+        st.text_input("Held-out text file (UTF-8)", key="eval_text",
+                      help="Under an allowed folder: " + ", ".join(map(str, ui.roots())))
+        st.button(f"Evaluate {len(todo)} models", key="evaluate", on_click=do_evaluate, args=(todo,),
+                  help="The snapshot, its base and its full-checkpoint experts, in a separate process; results "
+                       "are stored by model fingerprint and text hash, so a model already scored on this text "
+                       "is not scored again.")
+        st.caption("Models: " + ", ".join(todo))
+        last = views.latest_run(cat, "evaluate")
+        running = bool(last) and views.run_progress(last)["running"]
+
+        @st.fragment(run_every=1.0 if running else None)
+        def evaluate_progress():
+            with ui.user_errors(), ui.catalog() as c2:
+                run = views.latest_run(c2, "evaluate")
+                if not run:
+                    return
+                p = views.run_progress(run)
+                st.progress(p["fraction"], text=f"evaluate run {p['id']} {p['status']}: {p['text']} "
+                                                f"({p['elapsed_text']})")
+                if p["status"] == "failed":
+                    st.error(f"evaluate run {p['id']} failed: {p['error'] or 'the process died'}")
+                if not p["running"] and st.session_state.get("eval_watch") == p["id"]:
+                    st.session_state.pop("eval_watch")
+                    st.rerun(scope="app")
+
+        evaluate_progress()
+        if not evals.empty:
+            st.dataframe(evals, hide_index=True, key="eval_table")
 
     st.subheader("Estimated vs realized expert bytes")
     by_expert = views.bytes_by_expert_df(manifest)

@@ -56,6 +56,11 @@ SCHEMA = [
     """CREATE TABLE IF NOT EXISTS snapshot_labels (
         snapshot_id TEXT PRIMARY KEY, tags TEXT NOT NULL DEFAULT '[]', note TEXT NOT NULL DEFAULT '',
         updated_at TEXT)""",
+    # evaluation results by model fingerprint and dataset sha256 (v5)
+    """CREATE TABLE IF NOT EXISTS evaluations (
+        model_id TEXT NOT NULL, fingerprint TEXT NOT NULL, dataset TEXT NOT NULL, dataset_name TEXT,
+        metric TEXT NOT NULL, value REAL, tokens INTEGER, evaluated_at TEXT,
+        PRIMARY KEY (model_id, fingerprint, dataset, metric))""",
     """CREATE INDEX IF NOT EXISTS blocks_model ON blocks (model_id)""",
     """CREATE INDEX IF NOT EXISTS models_base ON models (base_id)""",
 ]
@@ -72,5 +77,10 @@ MIGRATIONS: dict[int, list[str]] = {
     # tags and a note per snapshot, kept apart from the snapshot rows (written by the user, not the engine)
     5: ["""CREATE TABLE IF NOT EXISTS snapshot_labels (
         snapshot_id TEXT PRIMARY KEY, tags TEXT NOT NULL DEFAULT '[]', note TEXT NOT NULL DEFAULT '',
-        updated_at TEXT)"""],
+        updated_at TEXT)""",
+        # and evaluation results (perplexity on a held-out text), reused while model and text are unchanged
+        """CREATE TABLE IF NOT EXISTS evaluations (
+        model_id TEXT NOT NULL, fingerprint TEXT NOT NULL, dataset TEXT NOT NULL, dataset_name TEXT,
+        metric TEXT NOT NULL, value REAL, tokens INTEGER, evaluated_at TEXT,
+        PRIMARY KEY (model_id, fingerprint, dataset, metric))"""],
 }

@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     parsers["explain"].add_argument("--as-mergekit", action="store_true",
                                     help="print the equivalent mergekit YAML config instead")
     parsers["explain"].add_argument("--out", help="with --as-mergekit: write the YAML to this file")
+    ev = parsers["evaluate"]
+    ev.add_argument("model_ids", nargs="+", metavar="MODEL", help="registered full checkpoints (snapshots too)")
+    ev.add_argument("--text", required=True, help="a held-out UTF-8 text file to score")
+    ev.add_argument("--window", type=int, default=256, help="tokens per scored window (default 256)")
+    ev.add_argument("--max-tokens", type=int, default=8192, help="score at most this many tokens (default 8192)")
+    ev.add_argument("--force", action="store_true", help="score again even when a stored result applies")
+    ev.add_argument("--run-id", type=int, help=argparse.SUPPRESS)
     parsers["delete"].add_argument("ref", help="snapshot id or merged model id")
     parsers["delete"].add_argument("--force", action="store_true",
                                    help="delete even when another model's lineage needs it")

@@ -23,15 +23,20 @@ from mergepipe.planner.plan import load_plan, Plan
 def snapshots_df(cat: Catalog) -> pd.DataFrame:
     rows = []
     labels = api.snapshot_labels(cat)
+    ppl = {}
+    for e in api.evaluations(cat):  # newest first: the latest perplexity of each model
+        ppl.setdefault(e["model_id"], e["value"] if e["metric"] == "perplexity" else None)
     for s in reversed(api.snapshots(cat)):
         lab = labels.get(s["id"], {})
         rows.append({"snapshot": s["id"], "model": s["model_id"], "operator": s["operator"], "plan": s["plan_id"],
                      "expert_read": fmt_bytes(s["expert_read_bytes"]),
                      "of_full": fmt_pct(s["expert_read_bytes"] / s["full_expert_bytes"])
                      if s["full_expert_bytes"] else "-",
+                     "perplexity": ppl.get(s["model_id"]),
                      "created": s["created_at"], "tags": ", ".join(lab.get("tags", [])), "note": lab.get("note", ""),
                      "out": s["out"], "manifest": short_fp(s["manifest_hash"])})
-    cols = ["snapshot", "model", "operator", "plan", "expert_read", "of_full", "created", "tags", "note", "out",
+    cols = ["snapshot", "model", "operator", "plan", "expert_read", "of_full", "perplexity", "created", "tags", "note",
+            "out",
             "manifest"]
     return pd.DataFrame(rows, columns=cols)
 
@@ -249,3 +254,49 @@ def delete_preview(cat: Catalog, snapshot_id: str) -> dict:
     return {"snapshot_id": row["id"], "model_id": row["model_id"], "out": str(out), "exists": out.is_dir(),
             "files": len(files), "bytes": sum(p.stat().st_size for p in files),
             "dependents": snapshot_dependents(cat, row["model_id"])}
+
+
+# --- evaluation -------------------------------------------------------------------------------------------
+def evaluation_models(cat: Catalog, manifest: Manifest) -> list[str]:
+    """What Evaluate scores for a snapshot: the merged model, its base and its full-checkpoint experts."""
+    c = manifest.core
+    ids = [manifest.run["model_id"], c["inputs"]["base"]["id"]] + [e["id"] for e in c["inputs"]["experts"]]
+    return [i for i in dict.fromkeys(ids) if cat.has_model(i) and cat.model(i)["kind"] == "full"]
+
+
+def evaluation_df(cat: Catalog, manifest: Manifest) -> pd.DataFrame:
+    """Stored perplexities of the snapshot, its base and experts (current fingerprints only), with the
+    snapshot's expert read and error bound beside them: budget vs quality."""
+    c = manifest.core
+    roles = {manifest.run["model_id"]: "snapshot", c["inputs"]["base"]["id"]: "base",
+             **{e["id"]: "expert" for e in c["inputs"]["experts"]}}
+    rows = []
+    for e in api.evaluations(cat, list(roles)):
+        rows.append({"model": e["model_id"], "role": roles[e["model_id"]], "metric": e["metric"],
+                     "value": round(float(e["value"]), 4), "tokens": e["tokens"], "text": e["dataset_name"],
+                     "text sha256": short_fp(e["dataset"]), "evaluated": e["evaluated_at"]})
+    order = {"snapshot": 0, "base": 1, "expert": 2}
+    df = pd.DataFrame(rows, columns=["model", "role", "metric", "value", "tokens", "text", "text sha256", "evaluated"])
+    return df.sort_values(["text", "role", "model"], key=lambda s: s.map(order) if s.name == "role" else s) \
+        .reset_index(drop=True)
+
+
+def budget_quality(manifest: Manifest, evals: pd.DataFrame) -> str | None:
+    """One line: what the snapshot read and its perplexity next to its base's and experts' (same text)."""
+    snap = evals[evals["role"] == "snapshot"]
+    if snap.empty:
+        return None
+    text = snap.iloc[0]["text sha256"]
+    same = evals[evals["text sha256"] == text]
+    c = manifest.core
+    full = c["full_expert_bytes"]
+    parts = [f"read {fmt_bytes(c['realized']['expert_read'])}"
+             + (f" ({fmt_pct(c['realized']['expert_read'] / full)} of the changed expert bytes)" if full else ""),
+             f"perplexity {snap.iloc[0]['value']:.4g}"]
+    base = same[same["role"] == "base"]
+    if len(base):
+        parts.append(f"base {base.iloc[0]['value']:.4g}")
+    ex = same[same["role"] == "expert"]
+    if len(ex):
+        parts.append(f"experts {ex['value'].min():.4g} to {ex['value'].max():.4g}")
+    return " · ".join(parts) + f" (on {snap.iloc[0]['text']})"

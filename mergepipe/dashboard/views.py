@@ -45,7 +45,7 @@ from mergepipe.dashboard.plan import (  # noqa: F401
 )
 from mergepipe.dashboard.snapshots import (  # noqa: F401
     bytes_bars, bytes_by_expert_df, bytes_by_tensor_df, bytes_figure, bytes_table, load_manifest, manifest_plan,
-    delete_preview, labels_of, manifest_summary, model_card, parse_tags, signed_bytes, snapshot_recipe, snapshots_df, TENSOR_SORTS, top_tensors, with_difference, touched_heatmap, touched_matrix, verify_text,
+    budget_quality, delete_preview, evaluation_df, evaluation_models, labels_of, manifest_summary, model_card, parse_tags, signed_bytes, snapshot_recipe, snapshots_df, TENSOR_SORTS, top_tensors, with_difference, touched_heatmap, touched_matrix, verify_text,
 )
 from mergepipe.dashboard.compare import (  # noqa: F401
     access_diff, access_figure, lineage_note, numbers_df, settings_diff,

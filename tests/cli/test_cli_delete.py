@@ -101,3 +101,26 @@ def test_v4_catalog_gets_the_labels_table(tmp_path):
     assert cat.query("SELECT value FROM meta WHERE key='schema_version'")[0]["value"] == str(SCHEMA_VERSION)
     assert cat.query("SELECT * FROM snapshot_labels") == []
     cat.close()
+
+
+def test_evaluate_stores_and_reuses(db, tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
+    assert main(["--db", str(db), "--json", "evaluate", "base", "merged-1", "--text", str(text)]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert [r["model_id"] for r in first] == ["base", "merged-1"] and not any(r["cached"] for r in first)
+    assert all(r["perplexity"] > 1 and r["tokens"] > 10 for r in first)
+    assert main(["--db", str(db), "--json", "evaluate", "merged-1", "--text", str(text)]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again[0]["cached"] and again[0]["perplexity"] == pytest.approx(first[1]["perplexity"])
+    cat = Catalog(db)
+    from mergepipe.api import evaluations
+    assert {e["model_id"] for e in evaluations(cat)} == {"base", "merged-1"}
+    cat.close()
+    assert main(["--db", str(db), "delete", "merged-1"]) == 0  # its results go with it
+    capsys.readouterr()
+    cat = Catalog(db)
+    assert {e["model_id"] for e in evaluations(cat)} == {"base"}
+    cat.close()
+    assert main(["--db", str(db), "evaluate", "base", "--text", str(tmp_path / "nope.txt")]) == 2
+    assert "is not a file" in capsys.readouterr().err

@@ -158,6 +158,14 @@ def test_snapshots_tensor_bytes_card_recipe(env, built):
 
 
 def test_snapshots_tags_note_and_delete(env, built):
+    import shutil
+    own = env["tmp"] / "m1"  # deletion removes the folder: give this catalog its own copy
+    shutil.copytree(built.merged, own)
+    c = Catalog(env["db"])
+    c.conn.execute("UPDATE snapshots SET out = ?", [str(own)])
+    c.conn.execute("UPDATE models SET uri = ? WHERE id = 'merged-1'", [str(own)])
+    c.conn.commit()
+    c.close()
     at = open_page("snapshots")
     at.text_input(key="snap_tags").input("best, ties best").run()
     at.text_area(key="snap_note").input("keep this one").run()
@@ -183,7 +191,7 @@ def test_snapshots_tags_note_and_delete(env, built):
     assert any(s.startswith(f"Deleted {built.snapshot_id} (merged-1)") for s in texts(at.success)), texts(at.success)
     assert any("No snapshots yet" in i for i in texts(at.info))
     cat = Catalog(env["db"])
-    assert not cat.has_model("merged-1")
+    assert not cat.has_model("merged-1") and not own.exists() and built.merged.is_dir()
     cat.close()
 
 
@@ -240,3 +248,32 @@ def test_run_plan_deep_link_with_two_plans(env, built):
         at = open_page("run", {"plan": pid})
         assert at.selectbox(key="plan").value == pid
         assert any(x.startswith(pid) for x in texts(at.caption))
+
+
+def test_snapshots_evaluate_with_progress(env, built):
+    from dashboard_helpers import wait_until
+    from mergepipe.engine.runs import get_run
+    text = env["tmp"] / "heldout.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 12)
+    at = open_page("snapshots")
+    at.text_input(key="eval_text").input("/etc/hostname")
+    at.button(key="evaluate").click().run()
+    assert any("outside the allowed folders" in e for e in texts(at.error))
+    at.text_input(key="eval_text").input(str(text))
+    at.button(key="evaluate").click().run()
+    assert any("evaluate run" in i for i in texts(at.info)), texts(at.info)
+    c = Catalog(env["db"])
+    run_id = views.latest_run(c, "evaluate")["id"]
+    wait_until(lambda: get_run(c, run_id)["status"] not in ("queued", "running"), timeout=180, what="evaluate run")
+    assert get_run(c, run_id)["status"] == "succeeded", get_run(c, run_id)
+    c.close()
+    at.run()
+    assert not at.exception
+    assert any("succeeded" in p.proto.text and "100%" in p.proto.text for p in at.get("progress"))
+    evals = [d.value for d in at.dataframe if "text sha256" in d.value.columns][0]
+    assert set(evals["model"]) == {"merged-1", "base", *E} and (evals["metric"] == "perplexity").all()
+    assert evals.iloc[0]["role"] == "snapshot" and (evals["value"] > 1).all()
+    line = [s for s in texts(at.success) if s.startswith("read ")][0]
+    assert "perplexity" in line and "base" in line and "experts" in line and "heldout.txt" in line
+    snaps = [d.value for d in at.dataframe if "perplexity" in d.value.columns and "snapshot" in d.value.columns][0]
+    assert snaps.iloc[0]["perplexity"] == pytest.approx(evals.iloc[0]["value"], rel=1e-3)
