@@ -2,9 +2,13 @@
 
 Pages only render; everything they show is computed by mergepipe.dashboard.views."""
 
+from pathlib import Path
+
 import streamlit as st
 
-st.set_page_config(page_title="MergePipe", page_icon=":material/merge:", layout="wide")
+# A local image: a ":material/...:" page icon makes the browser fetch it from fonts.gstatic.com.
+ICON = Path(__file__).resolve().parent / "assets" / "favicon.png"
+st.set_page_config(page_title="MergePipe", page_icon=str(ICON), layout="wide")
 
 PAGES = [
     st.Page("pages/home.py", title="Home", icon=":material/home:", default=True),
@@ -13,6 +17,7 @@ PAGES = [
     st.Page("pages/plan.py", title="Plan", icon=":material/tune:", url_path="plan"),
     st.Page("pages/run.py", title="Run", icon=":material/play_circle:", url_path="run"),
     st.Page("pages/snapshots.py", title="Snapshots", icon=":material/photo_library:", url_path="snapshots"),
+    st.Page("pages/compare.py", title="Compare", icon=":material/compare_arrows:", url_path="compare"),
     st.Page("pages/lineage.py", title="Lineage", icon=":material/account_tree:", url_path="lineage"),
 ]
 

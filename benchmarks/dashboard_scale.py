@@ -239,6 +239,7 @@ def time_views(db: Path, experts: list[str], snapshot_id: str) -> list[tuple[str
     fr = rec("frontier_df", views.frontier_df, ctx)
     x, y = rec("current_point", views.current_point, ctx, plan, True)
     rec("frontier_figure + to_json", lambda: views.frontier_figure(fr, x, y, True, "linear").to_json())
+    rec("plan_yaml (settings as mergekit YAML)", views.plan_yaml, cat, plan)
 
     def slider_step():
         p = views.make_plan(ctx, budget_pct=26)
@@ -252,6 +253,11 @@ def time_views(db: Path, experts: list[str], snapshot_id: str) -> list[tuple[str
     rec("manifest_summary", views.manifest_summary, man)
     rec("bytes_by_expert_df", views.bytes_by_expert_df, man)
     rec("bytes_by_tensor_df", views.bytes_by_tensor_df, man, views.manifest_plan(cat, man))
+    bt = views.bytes_by_tensor_df(man, views.manifest_plan(cat, man))
+    rec("top_tensors + bytes_bars + to_json", lambda: views.bytes_bars(views.top_tensors(bt, 20, "|difference|")[0],
+                                                                       "tensor").to_json())
+    rec("model_card", views.model_card, man)
+    rec("expert_warnings", views.expert_warnings, cat)
     tm = rec("touched_matrix", views.touched_matrix, cat, man)
     rec("touched_heatmap + to_json", lambda: views.touched_heatmap(tm).to_json())
     rec("lineage_dot", views.lineage_dot, cat)
@@ -264,7 +270,8 @@ APPTEST_PAGES = [
     ("home", {}), ("models", {}), ("catalog", {}), ("catalog", {"rows": "block"}),
     ("catalog", {"view": "Tensors"}), ("catalog", {"view": "Blocks", "layer": "layer 10"}),
     ("catalog", {"view": "Conflicts", "clayer": "layer 10"}), ("plan", {}), ("plan", {"budget": "60"}),
-    ("run", {}), ("snapshots", {}), ("lineage", {}),
+    ("catalog", {"scale": "log", "norm": "per expert"}), ("plan", {"op": "ties"}),
+    ("run", {}), ("snapshots", {}), ("compare", {}), ("lineage", {}),
 ]
 
 

@@ -12,9 +12,16 @@ from typing import TYPE_CHECKING
 
 from mergepipe.catalog.db import Catalog, integrity_findings
 from mergepipe.catalog.models import check_unchanged, has_tensor, named_by_path, register, register_many, schema_version  # noqa: F401
+from mergepipe.catalog.analyses import outlier_warnings  # noqa: F401  (an expert far from its siblings)
+from mergepipe.catalog.evaluations import evaluation, evaluations, record_evaluation  # noqa: F401
 from mergepipe.catalog.plans import find_plan_id, has_plan
-from mergepipe.catalog.snapshots import snapshot_count, snapshot_rows  # noqa: F401
-from mergepipe.engine.runs import RunProgress, cancel_run, get_run, launch_analyze, launch_run, log_tail  # noqa: F401
+from mergepipe.catalog.snapshots import (  # noqa: F401
+    set_snapshot_labels, snapshot_count, snapshot_labels, snapshot_rows,
+)
+from mergepipe.engine.delete import delete_snapshot  # noqa: F401
+from mergepipe.engine.runs import (  # noqa: F401
+    RunProgress, cancel_run, get_run, launch_analyze, launch_evaluate, launch_run, log_tail,
+)
 from mergepipe.engine.txn import check_output_path, recover, recovery_findings
 from mergepipe.errors import CatalogError, ExecutionError, MergePipeError
 from mergepipe.manifest.lineage import lineage, lineage_dot  # noqa: F401  (lineage_dot: for the CLI)
@@ -39,6 +46,7 @@ _LAZY = {
     "Plan": "mergepipe.planner.plan", "load_plan": "mergepipe.planner.plan", "save_plan": "mergepipe.planner.plan",
     "Planner": "mergepipe.planner.context", "STRATEGIES": "mergepipe.planner.strategies",
     "MergekitConfig": "mergepipe.config.model", "export_mergekit": "mergepipe.config.export",
+    "export_plan_data": "mergepipe.config.export",
     "load_config": "mergepipe.config.parse", "parse_config": "mergepipe.config.parse",
     "plan_from_config": "mergepipe.config.resolve",
     "DEFAULT_DENSITIES": "mergepipe.analyze.stats", "DEFAULT_SKETCH_SIZE": "mergepipe.catalog.sketch",

@@ -45,13 +45,19 @@ with ui.user_errors(), ui.catalog() as cat:
     first_layer = next((g for g in groups if g.startswith("layer ")), groups[0])
     view = st.radio("View", VIEWS, key="view", horizontal=True, bind="query-params", label_visibility="collapsed")
 
+    if view in ("Heatmap", "Blocks"):
+        o1, o2, o3 = st.columns(3)
+        scale = o2.radio("Colour scale", list(views.NORM_SCALES), index=1, key="scale", horizontal=True,
+                         bind="query-params", help="log: one outlier expert no longer flattens the others")
+        mode = o3.radio("Normalise", list(views.NORM_MODES), key="norm", horizontal=True, bind="query-params",
+                        help="per expert: each expert's cells divided by its own largest value")
     if view == "Heatmap":
-        level = st.radio("Rows", ["layer", "tensor", "block"], key="rows", horizontal=True, bind="query-params")
+        level = o1.radio("Rows", ["layer", "tensor", "block"], key="rows", horizontal=True, bind="query-params")
         m = ui.norm_matrix(db, version, ex, level)
         if level == "block" and m.index.name == "block" and len(m) and ".." in str(m.index[0]):
             st.caption(f"{len(m)} row bins: the block matrix is aggregated (norms combine as sqrt of sum of "
                        f"squares); choose a layer under **Blocks** for the detail.")
-        st.plotly_chart(views.norm_heatmap(m, level), key="norm_chart",
+        st.plotly_chart(views.norm_heatmap(m, level, scale, mode), key="norm_chart",
                         on_select=drill_down if level == "layer" else "ignore",
                         selection_mode="points")
         if level == "layer":
@@ -72,8 +78,10 @@ with ui.user_errors(), ui.catalog() as cat:
         group = st.selectbox("Layer", groups, key="layer", bind="query-params")
         tensors = tuple(views.tensors_in_group(layout, group))
         m = ui.norm_matrix(db, version, ex, "block", tensors)
-        st.plotly_chart(views.heatmap_figure(m, f"||delta||_2 per block of {group}", "||delta||", show_x_labels=True),
-                        key="block_chart")
+        bm, label = views.norm_transform(m, scale, mode)
+        st.plotly_chart(views.heatmap_figure(bm, f"||delta||_2 per block of {group} ({scale} scale"
+                                             + (", per expert" if mode == "per expert" else "") + ")", label,
+                                             show_x_labels=True), key="block_chart")
         df = ui.block_stats(db, version, ex, tensors)
         st.dataframe(df, hide_index=True, key="block_table", height=420)
 

@@ -22,6 +22,12 @@ with ui.user_errors(), ui.catalog() as cat:
     if t["models"] == 0:
         st.info("The catalog is empty: register a base and its experts on the **Models** page, analyze them, "
                 "then make a plan on the **Plan** page.")
+    snaps = views.snapshots_df(cat).head(10)
+    with st.expander("Getting started: this catalog from the command line", expanded=t["models"] == 0):
+        st.code(views.getting_started(ui.db(), snaps["snapshot"].iloc[0] if len(snaps) else None,
+                                      empty=t["models"] == 0), language="bash")
+        st.caption("Models → register and analyze · Plan → budget and settings (also as mergekit YAML) · "
+                   "Run → merge · Snapshots → manifest, model card, tags, delete.")
     st.subheader("Last runs")
     runs = views.runs_df(cat, limit=10)
     if runs.empty:
@@ -31,7 +37,6 @@ with ui.user_errors(), ui.catalog() as cat:
                      column_config={"progress": st.column_config.ProgressColumn("progress", min_value=0, max_value=100,
                                                                                 format="%.0f%%")})
     st.subheader("Latest snapshots")
-    snaps = views.snapshots_df(cat).head(10)
     if snaps.empty:
         st.caption("No snapshots yet.")
     else:

@@ -117,6 +117,8 @@ with ui.user_errors(), ui.catalog() as cat:
 
         analyze_progress()
 
+    for w in views.expert_warnings(cat):
+        st.warning(w, icon=":material/warning:")
     st.subheader("Registered models")
     if df.empty:
         st.caption("No models registered yet.")

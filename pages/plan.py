@@ -6,6 +6,7 @@ import streamlit as st
 
 from mergepipe.dashboard import views
 from mergepipe.api import STRATEGIES, save_plan
+from mergepipe.errors import MergePipeError
 from pages import _ui as ui
 
 TRI = {"default": None, "on": True, "off": False}
@@ -38,7 +39,27 @@ def load_mergekit():
                             f"on {settings['base']}.")
 
 
+def apply_yaml(key: str):
+    """Apply the edited YAML to the settings (the widgets follow on the next run)."""
+    s = st.session_state
+
+    def fn(cat):
+        return views.check_plan_yaml(cat, s.get(key, ""), ui.roots())
+
+    res = ui.action(ui.with_catalog, fn)
+    if res:
+        settings, what = res
+        for k in [k for k in s if k.startswith("w_")]:
+            del s[k]
+        s.update(settings)  # the YAML area is drawn again from the settings it now describes
+        ui.flash("success", f"Applied the YAML: {what}.")
+
+
 ui.show_flash()
+# What the URL asked for when the page loaded: a value the widgets cannot take is replaced (and said so).
+if not st.session_state.get("_plan_url_seen"):
+    st.session_state["_plan_url_given"] = st.query_params.to_dict()
+    st.session_state["_plan_url_seen"] = True
 with ui.user_errors(), ui.catalog() as cat:
     version = views.stats_version(cat)
     bases = [b for b in views.bases(cat) if views.experts_of(cat, b)]
@@ -60,6 +81,8 @@ with ui.user_errors(), ui.catalog() as cat:
         options = [e for e in views.experts_of(cat, base) if not models[e]["snapshot_id"] or e in analyzed]
         experts = st.multiselect("Experts", options, default=analyzed, key="experts", bind="query-params",
                                  format_func=lambda e: e if e in analyzed else f"{e} (not analyzed)")
+        if experts:  # the chips above cut long names: the full list, wrapped
+            st.caption(f"{len(experts)} expert{'s' if len(experts) != 1 else ''}: " + ", ".join(experts))
         op = st.selectbox("Operator", views.operators(), index=views.operators().index("linear"), key="op",
                           bind="query-params")
         info = views.op_info(op)
@@ -94,37 +117,49 @@ with ui.user_errors(), ui.catalog() as cat:
         modes = ["budget", "target bound"] if info["additive"] else ["budget"]
         mode = st.radio("Choose by", modes, key="mode", horizontal=True, bind="query-params")
         if mode == "budget":
-            budget = st.slider("Expert-read budget (% of the full expert read)", min_value=0, max_value=100, value=25,
+            budget = st.slider("Expert-read budget (% of the changed expert bytes)", min_value=0, max_value=100, value=25,
                                step=1, format="%d%%", key="budget", bind="query-params")
             target = None
         else:
             target = st.number_input("Target relative error bound", min_value=0.0, value=1.0, step=0.05,
                                      format="%.3f", key="target", bind="query-params")
             budget = None
+        ranges = {"budget": (0, 100), **{p["key"]: (p["min"], p["max"]) for p in info["params"]
+                                          if p["kind"] == "float" and p["place"] != "weights"}}
+        used = {k: st.session_state.get(k) for k in st.session_state.get("_plan_url_given", {})}
+        for msg in views.url_replacements(st.session_state.pop("_plan_url_given", {}), used, ranges):
+            st.warning(msg, icon=":material/link_off:")
 
     with result, ui.user_errors():
         request = views.plan_request(base, experts, op, weights=list(weights) or None, seed=seed, strategy=strategy,
                                      **values)
         ctx = ui.plan_context(ui.db(), version, views.request_key(request), request)
         plan = views.make_plan(ctx, budget_pct=budget, target_rel=target)
-        s = views.plan_summary(plan)
+        size = sum(models[e]["bytes"] or 0 for e in experts if e in models)
+        s = views.plan_summary(plan, size)
         if s["first_merge"]:
             st.info(s["first_merge"])
+        for w in plan.data.get("warnings", ()):
+            st.warning(w, icon=":material/warning:")
         c = st.columns(2)
-        c[0].metric("Estimated expert read", s["expert_read"], help=f"{s['expert_read_pct']} of {s['full_expert']}")
-        c[1].metric("Error bound", "n/a" if s["bound_abs"] is None else f"{s['bound_abs']:.4g}", help=s["bound"])
+        c[0].metric("Estimated expert read", s["expert_read"], help=f"{s['expert_read_pct']} of {s['full_text']}")
+        c[1].metric("Error bound", "n/a" if s["bound_abs"] is None else f"{s['bound_abs']:.4g}",
+                    help=s["bound_why"] or s["bound"])
         c = st.columns(2)
         c[0].metric("Base read", s["base_read"])
         c[1].metric("Write", s["write"])
-        st.caption(f"Budget {s['budget']} · read {s['expert_read']} = {s['expert_read_pct']} of {s['full_expert']} · "
-                   f"mask: {s['blocks']} · bound {s['bound']}")
+        st.caption(f"Budget {s['budget']} · read {s['expert_read']} = {s['expert_read_pct']} of {s['full_text']} · "
+                   f"mask: {s['blocks']} · bound {'n/a' if s['bound_why'] else s['bound']}")
+        if s["bound_why"]:
+            st.caption(f"Error bound n/a: {s['bound_why']}.")
         if target is not None:
             st.success(f"Smallest budget for a relative bound <= {target:g}: {s['budget']}")
         st.plotly_chart(views.mask_heatmap(views.mask_matrix(ctx, plan)), key="mask_chart")
         relative = info["additive"]
         x, y = views.current_point(ctx, plan, relative)
         st.plotly_chart(views.frontier_figure(views.frontier_df(ctx), x, y, relative, op), key="frontier_chart")
-        st.dataframe(views.plan_experts_df(plan).drop(columns=["read"]), hide_index=True, key="plan_experts")
+        st.dataframe(views.plan_experts_table(plan), hide_index=True, key="plan_experts",
+                     column_config={"expert": st.column_config.TextColumn(width="large")})
         if st.button("Save plan", type="primary", key="save_plan"):
             save_plan(cat, plan)
             st.success(f"Saved {plan.id}.")
@@ -132,3 +167,27 @@ with ui.user_errors(), ui.catalog() as cat:
                          icon=":material/play_circle:")
         with st.expander("EXPLAIN"):
             st.code(plan.explain(), language=None)
+        with st.expander("Settings as mergekit YAML (edit, apply, download)", key="yaml_expander"):
+            generated = views.plan_yaml(cat, plan)
+            # keyed by what it shows: an edit lasts while the settings stay; new settings draw a fresh area
+            yaml_key = "yaml_" + views.request_key_digest(generated)
+            text = st.text_area("mergekit YAML (the `mergepipe:` key holds budget, strategy and seed)",
+                                value=generated, key=yaml_key, height=380)
+            edited = text != generated
+            valid = False
+            if not edited:  # no need to resolve the models again on every slider step
+                st.caption("The current settings: edit them here (checked on every change), then apply; or "
+                           "download them.")
+            else:
+                try:
+                    _, what = views.check_plan_yaml(cat, text, ui.roots())
+                except MergePipeError as exc:
+                    st.error(f"Not valid: {exc}", icon=":material/error:")
+                else:
+                    st.success(f"Valid: {what}.")
+                    valid = True
+            c1, c2 = st.columns(2)
+            c1.button("Apply to the settings", key="yaml_apply", on_click=apply_yaml, args=(yaml_key,),
+                      disabled=not (valid and edited), type="primary")
+            c2.download_button("Download YAML", text, file_name=f"{plan.id}.yml", mime="application/x-yaml",
+                               key="yaml_download")

@@ -43,8 +43,9 @@ with ui.user_errors(), ui.catalog() as cat:
     else:
         plan_labels = {r.plan: f"{r.plan} · {r.operator} · {r.budget} · {r.expert_read} · {r.experts}"
                   for r in plans.itertuples()}
-        plan_id = st.selectbox("Saved plan", plans["plan"].tolist(), key="plan", bind="query-params",
-                               format_func=lambda p: plan_labels.get(p, p))
+        # no format_func: a selectbox bound to the URL matches ?plan= against the shown labels
+        plan_id = st.selectbox("Saved plan", plans["plan"].tolist(), key="plan", bind="query-params")
+        st.caption(plan_labels.get(plan_id, ""))
         n = len(cat.query("SELECT id FROM runs")) + len(cat.query("SELECT id FROM snapshots")) + 1
         if st.session_state.get("_out_for") != plan_id:
             out = views.default_out(ui.db(), plan_id, n)

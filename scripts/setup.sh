@@ -16,3 +16,9 @@ if [ ! -x /usr/bin/chromium ]; then
         echo "note: /usr/bin/chromium missing; browser tests need: sudo apt-get install -y chromium" >&2
     fi
 fi
+# axe-core (npm) for the dashboard's accessibility test; skipped with a note when npm is missing
+if command -v npm >/dev/null; then
+    npm install --silent --no-audit --no-fund >/dev/null
+else
+    echo "note: npm missing; the accessibility test needs: npm install (axe-core, see package.json)" >&2
+fi

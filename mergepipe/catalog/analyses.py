@@ -151,3 +151,48 @@ def stats_version_row(catalog: Catalog) -> tuple:
                      FROM (SELECT * FROM analyses ORDER BY model_id)),
                   (SELECT group_concat(base_id || ':' || block_bytes, ',') FROM (SELECT * FROM grids ORDER BY base_id)),
                   (SELECT COUNT(*) FROM plans), (SELECT COUNT(*) FROM snapshots)""").fetchone()
+
+
+# --- an expert far from its siblings (fine-tuned from another base?) ---------------------------------
+OUTLIER_FACTOR = 100.0
+
+
+def delta_rms_by_expert(catalog: Catalog, base_id: str) -> dict[str, float]:
+    """Each analyzed expert of ``base_id``: its relative delta norm, the RMS of its delta over the tensors
+    it changes (sqrt(sum ||delta||^2 / sum numel)), from the stored tensor statistics. Comparable across
+    experts that change different numbers of tensors (a LoRA adapter, a full fine-tune)."""
+    rows = catalog.query(
+        "SELECT t.model_id AS id, SUM(t.delta_l2 * t.delta_l2) AS sq, "
+        "SUM(CASE WHEN t.delta_nnz > 0 THEN t.numel ELSE 0 END) AS n "
+        "FROM tensor_stats t JOIN analyses a ON a.model_id = t.model_id WHERE a.base_id = ? "
+        "GROUP BY t.model_id ORDER BY t.model_id", [base_id])
+    return {r["id"]: (float(r["sq"] or 0.0) / r["n"]) ** 0.5 if r["n"] else 0.0 for r in rows}
+
+
+def outlier_experts(rms: dict[str, float], factor: float = OUTLIER_FACTOR) -> dict[str, float]:
+    """expert -> ratio of its relative delta norm to the median of its siblings' (experts with at least
+    one sibling with a non-zero delta), for those above ``factor``."""
+    import statistics
+    out = {}
+    for e, v in rms.items():
+        others = [w for o, w in rms.items() if o != e and w > 0]
+        if not others or v <= 0:
+            continue
+        ratio = v / statistics.median(others)
+        if ratio > factor:
+            out[e] = ratio
+    return out
+
+
+def outlier_message(expert_id: str, base_id: str, ratio: float) -> str:
+    return (f"expert {expert_id!r} has a delta {ratio:,.0f}x larger than the median of the other experts of "
+            f"{base_id!r} (relative delta norm, from its stored statistics): was it fine-tuned from a different "
+            f"base? A budgeted plan would spend most of its budget on it")
+
+
+def outlier_warnings(catalog: Catalog, base_id: str, experts=None, factor: float = OUTLIER_FACTOR) -> list[str]:
+    """Warnings for the experts of ``base_id`` (only ``experts`` when given) whose delta is far larger than
+    their siblings'."""
+    found = outlier_experts(delta_rms_by_expert(catalog, base_id), factor)
+    keep = None if experts is None else set(experts)
+    return [outlier_message(e, base_id, r) for e, r in found.items() if keep is None or e in keep]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 # ANALYZE's per-tensor Gram statistics (catalog/gram.py): a = b = '' is ||base||^2, a = '' <base, delta_b>,
 # else <delta_a, delta_b> (a <= b), for the experts analyzed together.
@@ -59,6 +59,15 @@ SCHEMA = [
         id TEXT PRIMARY KEY, staging TEXT, out TEXT, status TEXT, pid INTEGER, started_at TEXT,
         finished_at TEXT)""",
     GRAM_TABLE,
+    # tags (a JSON list) and a note per snapshot (v7)
+    """CREATE TABLE IF NOT EXISTS snapshot_labels (
+        snapshot_id TEXT PRIMARY KEY, tags TEXT NOT NULL DEFAULT '[]', note TEXT NOT NULL DEFAULT '',
+        updated_at TEXT)""",
+    # evaluation results by model fingerprint and dataset sha256 (v7)
+    """CREATE TABLE IF NOT EXISTS evaluations (
+        model_id TEXT NOT NULL, fingerprint TEXT NOT NULL, dataset TEXT NOT NULL, dataset_name TEXT,
+        metric TEXT NOT NULL, value REAL, tokens INTEGER, evaluated_at TEXT,
+        PRIMARY KEY (model_id, fingerprint, dataset, metric))""",
     """CREATE INDEX IF NOT EXISTS blocks_model ON blocks (model_id)""",
     """CREATE INDEX IF NOT EXISTS models_base ON models (base_id)""",
 ]
@@ -79,4 +88,13 @@ MIGRATIONS: dict[int, list[str]] = {
     # per-tensor norms and pairwise dot products for the interpolation methods (slerp, model_stock, ...);
     # catalogs from before v6 have none: re-analyze the experts of such a merge together (--force)
     6: [GRAM_TABLE],
+    # tags and a note per snapshot, kept apart from the snapshot rows (written by the user, not the engine)
+    7: ["""CREATE TABLE IF NOT EXISTS snapshot_labels (
+        snapshot_id TEXT PRIMARY KEY, tags TEXT NOT NULL DEFAULT '[]', note TEXT NOT NULL DEFAULT '',
+        updated_at TEXT)""",
+        # and evaluation results (perplexity on a held-out text), reused while model and text are unchanged
+        """CREATE TABLE IF NOT EXISTS evaluations (
+        model_id TEXT NOT NULL, fingerprint TEXT NOT NULL, dataset TEXT NOT NULL, dataset_name TEXT,
+        metric TEXT NOT NULL, value REAL, tokens INTEGER, evaluated_at TEXT,
+        PRIMARY KEY (model_id, fingerprint, dataset, metric))"""],
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from mergepipe.catalog.db import Catalog
+from mergepipe.errors import CatalogError
 
 
 def record_snapshot(catalog: Catalog, snapshot_id: str, model_id: str, plan_id: str, out: str, manifest_hash: str,
@@ -60,3 +61,54 @@ def parents_of(catalog: Catalog, model_id: str) -> list[dict]:
 def children_of(catalog: Catalog, model_id: str) -> list[str]:
     return [r["child_id"] for r in catalog.query(
         "SELECT DISTINCT child_id FROM lineage WHERE parent_id = ? ORDER BY child_id", [model_id])]
+
+
+# --- tags, notes and deletion (housekeeping) -------------------------------------------------------------
+def snapshot_row(catalog: Catalog, ref: str) -> dict | None:
+    """A snapshot by id or merged model id; None if unknown."""
+    rows = catalog.query("SELECT * FROM snapshots WHERE id = ? OR model_id = ?", [ref, ref])
+    return rows[0] if rows else None
+
+
+def snapshot_labels(catalog: Catalog) -> dict[str, dict]:
+    """snapshot id -> {'tags': [...], 'note': str} for the snapshots that have any."""
+    import json
+    return {r["snapshot_id"]: {"tags": json.loads(r["tags"] or "[]"), "note": r["note"] or ""}
+            for r in catalog.query("SELECT snapshot_id, tags, note FROM snapshot_labels")}
+
+
+def set_snapshot_labels(catalog: Catalog, snapshot_id: str, tags: list[str], note: str) -> None:
+    import json
+    from mergepipe.catalog.db import now
+    if snapshot_row(catalog, snapshot_id) is None:
+        raise CatalogError(f"unknown snapshot {snapshot_id!r}")
+    with catalog.transaction():
+        catalog.conn.execute(
+            "INSERT OR REPLACE INTO snapshot_labels (snapshot_id, tags, note, updated_at) VALUES (?, ?, ?, ?)",
+            [snapshot_id, json.dumps(list(tags)), note, now()])
+
+
+def snapshot_dependents(catalog: Catalog, model_id: str) -> list[str]:
+    """Models whose lineage needs ``model_id``: merges that took it as an input, models registered on it
+    as their base."""
+    rows = catalog.query("SELECT child_id AS id FROM lineage WHERE parent_id = ? UNION "
+                         "SELECT id FROM models WHERE base_id = ? ORDER BY id", [model_id, model_id])
+    return [r["id"] for r in rows]
+
+
+def delete_snapshot_rows(catalog: Catalog, snapshot_id: str, model_id: str) -> None:
+    """Remove a snapshot and its merged model from the catalog (the caller holds the transaction):
+    the snapshot, manifest, labels, its lineage edges as a child, the model, its tensors and any statistics
+    of it. Runs keep their history."""
+    ex = catalog.conn.execute
+    for sql, arg in (("DELETE FROM snapshots WHERE id = ?", snapshot_id),
+                     ("DELETE FROM manifests WHERE snapshot_id = ?", snapshot_id),
+                     ("DELETE FROM snapshot_labels WHERE snapshot_id = ?", snapshot_id),
+                     ("DELETE FROM lineage WHERE child_id = ?", model_id),
+                     ("DELETE FROM tensors WHERE model_id = ?", model_id),
+                     ("DELETE FROM blocks WHERE model_id = ?", model_id),
+                     ("DELETE FROM tensor_stats WHERE model_id = ?", model_id),
+                     ("DELETE FROM analyses WHERE model_id = ?", model_id),
+                     ("DELETE FROM evaluations WHERE model_id = ?", model_id),
+                     ("DELETE FROM models WHERE id = ?", model_id)):
+        ex(sql, [arg])

@@ -30,22 +30,23 @@ def build_parser() -> argparse.ArgumentParser:
         parsers[name].set_defaults(func=fn)
     _add_register(parsers["register"])
     _add_analyze(parsers["analyze"])
-    parsers["blocks"].add_argument("--model-id", required=True)
-    parsers["blocks"].add_argument("--tensor")
+    parsers["blocks"].add_argument("--model-id", required=True, help="the analyzed expert")
+    parsers["blocks"].add_argument("--tensor", help="only this tensor's blocks")
     mf = parsers["make-family"]
-    mf.add_argument("out")
-    mf.add_argument("--experts", type=int, default=4)
-    mf.add_argument("--size", default="small", choices=["tiny", "small", "medium", "qwen3-0.6b"])
-    mf.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
-    mf.add_argument("--shard-bytes", type=int, default=256 << 20)
-    mf.add_argument("--seed", type=int, default=0)
+    mf.add_argument("out", help="directory to write base/ and expert_1/ ... into")
+    mf.add_argument("--experts", type=int, default=4, help="number of experts (default 4)")
+    mf.add_argument("--size", default="small", choices=["tiny", "small", "medium", "qwen3-0.6b"],
+                    help="tensor shapes (default small)")
+    mf.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="dtype (default bf16)")
+    mf.add_argument("--shard-bytes", type=int, default=256 << 20, help="bytes per shard (default 256 MiB)")
+    mf.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     demo = parsers["demo"]
     demo.add_argument("--dir", default="mergepipe-demo", help="where the demo family and catalog go")
     demo.add_argument("--no-dashboard", action="store_true", help="stop after the merge")
-    demo.add_argument("--port", type=int, default=8501)
+    demo.add_argument("--port", type=int, default=8501, help="dashboard port on 127.0.0.1 (default 8501)")
     _add_plan_args(parsers["plan"], with_out=False)
     _add_plan_args(parsers["merge"], with_out=True)
-    parsers["execute"].add_argument("plan_id")
+    parsers["execute"].add_argument("plan_id", help="a stored plan (see `mergepipe plan`)")
     _add_out_args(parsers["execute"])
     parsers["execute"].add_argument("--run-id", type=int, help=argparse.SUPPRESS)
     for name in ("explain", "verify"):
@@ -55,9 +56,20 @@ def build_parser() -> argparse.ArgumentParser:
     parsers["explain"].add_argument("--as-mergekit", action="store_true",
                                     help="print the equivalent mergekit YAML config instead")
     parsers["explain"].add_argument("--out", help="with --as-mergekit: write the YAML to this file")
-    parsers["lineage"].add_argument("model_id", nargs="?")
+    ev = parsers["evaluate"]
+    ev.add_argument("model_ids", nargs="+", metavar="MODEL", help="registered full checkpoints (snapshots too)")
+    ev.add_argument("--text", required=True, help="a held-out UTF-8 text file to score")
+    ev.add_argument("--window", type=int, default=256, help="tokens per scored window (default 256)")
+    ev.add_argument("--max-tokens", type=int, default=8192, help="score at most this many tokens (default 8192)")
+    ev.add_argument("--force", action="store_true", help="score again even when a stored result applies")
+    ev.add_argument("--run-id", type=int, help=argparse.SUPPRESS)
+    parsers["delete"].add_argument("ref", help="snapshot id or merged model id")
+    parsers["delete"].add_argument("--force", action="store_true",
+                                   help="delete even when another model's lineage needs it")
+    parsers["lineage"].add_argument("model_id", nargs="?", help="a model id (default: the whole DAG)")
     parsers["lineage"].add_argument("--dot", action="store_true", help="print Graphviz DOT")
-    parsers["dashboard"].add_argument("--port", type=int, default=8501)
+    parsers["dashboard"].add_argument("--port", type=int, default=8501,
+                                      help="port on 127.0.0.1 (default 8501; refused when taken)")
     parsers["dashboard"].add_argument(
         "--allow-root", action="append", metavar="DIR",
         help="also let the dashboard read checkpoints from and write merges into DIR (repeatable); added to "

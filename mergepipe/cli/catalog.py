@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from mergepipe.cli.common import command, emit, open_catalog, progress_bar, table
+from mergepipe.cli.common import command, emit, open_catalog, progress_bar, short_tensor, table
 from mergepipe.errors import MergePipeError
 
 
@@ -24,7 +25,8 @@ def _add_register(p):
     p.add_argument("--model-id", help="id of the one checkpoint given by --uri (or by one PATH)")
     p.add_argument("--uri", help="checkpoint directory or .safetensors file")
     p.add_argument("--base", dest="base_id", help="id of the base model (for experts)")
-    p.add_argument("--kind", default="full", choices=["full", "delta", "lora"])
+    p.add_argument("--kind", default="full", choices=["full", "delta", "lora"],
+                   help="full checkpoint (default), delta (expert - base) or a PEFT LoRA adapter")
     p.add_argument("--content-hash", action="store_true", help="also hash every byte (slow)")
     p.add_argument("--replace", action="store_true", help="replace an id registered with other content")
 
@@ -107,10 +109,15 @@ def cmd_analyze(args):
             if r["skipped"]:
                 print(f"{r['model_id']}: unchanged, skipped")
             else:
-                rate = r["bytes_read"] / r["seconds"] / 1e6 if r["seconds"] else 0
+                rate = r["bytes_read"] / r["seconds"] if r["seconds"] else 0
                 print(f"{r['model_id']}: {r['n_blocks']} blocks, read {human_bytes(r['bytes_read'])} "
-                      f"in {r['seconds']:.2f} s ({rate:.0f} MB/s)")
+                      f"in {r['seconds']:.2f} s ({human_bytes(rate)}/s)")
     emit(args, out, render)
+    from mergepipe.api import outlier_warnings
+    done = {r["model_id"] for r in out}
+    for base in sorted({m["base_id"] for m in cat.models() if m["id"] in done and m["base_id"]}):
+        for w in outlier_warnings(cat, base, sorted(done)):
+            print(f"warning: {w}", file=sys.stderr)
 
 
 @command("models", "list registered models")
@@ -121,8 +128,10 @@ def cmd_models(args):
     for r in rows:
         r["analyzed"] = bool(r["base_id"]) and cat.is_analyzed(r["id"])
     emit(args, rows, lambda rs: table(
-        [{**r, "bytes": human_bytes(r["bytes"]), "fingerprint": r["fingerprint"][7:19]} for r in rs],
-        ["id", "kind", "base_id", "architecture", "dtype", "params", "bytes", "fingerprint", "analyzed"]))
+        [{**r, "bytes": human_bytes(r["bytes"]), "fingerprint": r["fingerprint"][7:19],
+          "analyzed": "yes" if r["analyzed"] else ("no" if r["base_id"] and not r["snapshot_id"] else "-")} for r in rs],
+        ["id", "kind", "base_id", "architecture", "dtype", "params", "bytes", "fingerprint", "analyzed"],
+        headers={"base_id": "base", "bytes": "size", "fingerprint": "fp"}, wide=("architecture", "params")))
 
 
 @command("blocks", "per-block statistics of an analyzed expert")
@@ -135,8 +144,13 @@ def cmd_blocks(args):
     rows = cat.blocks(args.model_id, args.tensor)
     if not rows:
         raise MergePipeError(f"{args.model_id!r} has no block statistics yet (run `mergepipe analyze`)")
-    emit(args, rows, lambda rs: table(rs, ["tensor", "block", "row_start", "row_end", "offset", "nbytes",
-                                           "delta_l2", "delta_max_abs", "delta_nnz"]))
+    from mergepipe.api import human_bytes
+    emit(args, rows, lambda rs: table(
+        [{**r, "tensor": short_tensor(r["tensor"]), "rows": f"{r['row_start']}-{r['row_end']}",
+          "nbytes": human_bytes(r["nbytes"])} for r in rs],
+        ["tensor", "block", "rows", "offset", "nbytes", "delta_l2", "delta_max_abs", "delta_nnz"],
+        headers={"delta_l2": "|d|_2", "delta_max_abs": "max|d|", "delta_nnz": "nnz", "nbytes": "size"},
+        wide=("offset",)))
 
 
 @command("make-family", "write a synthetic base + K experts family")

@@ -38,15 +38,37 @@ def emit(args, data, render=None) -> None:
         render(data)
 
 
-def table(rows: list[dict], columns: list[str], title: str | None = None) -> None:
+def table(rows: list[dict], columns: list[str], title: str | None = None, headers: dict | None = None,
+          wide: tuple = (), wide_width: int = 120) -> None:
+    """A table that stays readable at 80 columns: light borders, and cells that wrap (fold) instead of
+    being cut with an ellipsis; ``headers`` renames columns for display; ``wide`` columns are shown only
+    on a terminal at least ``wide_width`` columns wide (they stay in --json)."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
-    t = Table(title=title)
+    console = Console()
+    if console.width < wide_width:
+        columns = [c for c in columns if c not in wide]
+    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
     for c in columns:
-        t.add_column(c)
+        t.add_column((headers or {}).get(c, c), overflow="fold")
     for r in rows:
         t.add_row(*[_fmt(r.get(c)) for c in columns])
-    Console().print(t)
+    console.print(t)
+
+
+def short_tensor(name: str) -> str:
+    """'model.layers.3.self_attn.q_proj.weight' -> 'L3.self_attn.q_proj' (tables at 80 columns; --json
+    keeps the full name)."""
+    import re
+    n = re.sub(r"^model\.", "", name)
+    n = re.sub(r"(^|\.)layers\.(\d+)\.", r"\1L\2.", n)
+    return n.removesuffix(".weight")
+
+
+def short_date(ts: str | None) -> str:
+    """'2026-12-03T14:30:34Z' -> '2026-12-03 14:30'."""
+    return "-" if not ts else ts.replace("T", " ")[:16]
 
 
 def _fmt(v) -> str:

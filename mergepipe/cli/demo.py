@@ -3,10 +3,13 @@ the dashboard on the demo catalog."""
 
 from __future__ import annotations
 
+import shlex
 import time
 from pathlib import Path
 
-from mergepipe.api import Catalog, analyze, merge, merge_summary, register, register_many, snapshot_count
+from mergepipe.api import (
+    Catalog, analyze, human_bytes, merge, merge_summary, register, register_many, snapshot_count,
+)
 from mergepipe.research.family import make_family
 
 DEMO_EXPERTS = 4
@@ -27,22 +30,46 @@ def build_demo(root: Path, log=print) -> dict:
     experts = [f"expert_{i}" for i in range(1, DEMO_EXPERTS + 1)]
     register_many(cat, [(e, str(fam / e)) for e in experts], base_id="base")
     for r in analyze(cat, experts, block_bytes=256 << 10):
-        log(f"analyze {r.model_id}: " + ("unchanged" if r.skipped else f"{r.n_blocks} blocks, {r.bytes_read / 1e6:.1f} MB "
-                                          f"in {r.seconds:.2f} s"))
+        log(f"analyze {r.model_id}: " + ("unchanged" if r.skipped else f"{r.n_blocks} blocks, "
+                                          f"{human_bytes(r.bytes_read)} in {r.seconds:.2f} s"))
     n = snapshot_count(cat)
     out = root / "merged" / f"ties-25pct-{n + 1}"
     out.parent.mkdir(exist_ok=True)
     plan, sid, manifest = merge(cat, "base", experts, out, operator="ties", model_id=f"demo-ties-25pct-{n + 1}",
                                 density=0.3, budget="25%")
     s = merge_summary(plan, manifest)
-    log(f"merged (ties, density 0.3, budget 25%): read {s['realized']['expert_read'] / 1e6:.1f} MB of "
-        f"{s['full_expert_bytes'] / 1e6:.1f} MB expert bytes -> {sid} at {out}")
-    log(f"demo ready in {time.perf_counter() - t0:.1f} s; catalog: {db}")
+    log(f"merged (ties, density 0.3, budget 25%): read {human_bytes(s['realized']['expert_read'])} of "
+        f"{human_bytes(s['full_expert_bytes'])} changed (delta != 0) expert bytes -> {sid} at {out}")
+    model_id = s["model_id"]
     cat.close()
-    return {"db": str(db), "snapshot_id": sid, "out": str(out)}
+    res = {"db": str(db), "snapshot_id": sid, "out": str(out), "base": "base", "experts": experts,
+           "model_id": model_id, "plan_id": plan.id}
+    log(f"demo ready in {time.perf_counter() - t0:.1f} s")
+    for line in next_steps(res):
+        log(line)
+    return res
+
+
+def next_steps(res: dict) -> list[str]:
+    """What to type next: the model ids and the CLI line for the demo catalog."""
+    db = shlex.quote(res["db"])
+    return [
+        f"catalog:  {res['db']}",
+        f"models:   base {res['base']}; experts {', '.join(res['experts'])}; merged {res['model_id']} "
+        f"({res['snapshot_id']})",
+        "use it from the command line:",
+        f"  export MERGEPIPE_DB={db}      # or add --db {db} to each command",
+        "  mergepipe snapshots",
+        f"  mergepipe explain {res['snapshot_id']}",
+        f"  mergepipe plan --base {res['base']} --experts {' '.join(res['experts'])} --op ties --density 0.3 "
+        f"--budget 40%",
+    ]
 
 
 def run_demo(root: Path, dashboard: bool = True, port: int = 8501) -> dict:
+    if dashboard:  # refuse a taken port before building anything
+        from mergepipe.dashboard.server import check_port_free
+        check_port_free(port)
     res = build_demo(root)
     if dashboard:
         from mergepipe.dashboard.server import run_dashboard

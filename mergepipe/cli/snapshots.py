@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mergepipe.cli.common import command, emit, open_catalog, table
+from mergepipe.cli.common import command, emit, open_catalog, short_date, table
+from mergepipe.errors import MergePipeError
 
 
 @command("verify", "re-hash a snapshot against its manifest (exit 1 on mismatch)")
@@ -23,10 +24,14 @@ def cmd_verify(args):
 
 @command("snapshots", "list published snapshots")
 def cmd_snapshots(args):
-    from mergepipe.api import snapshots
+    from mergepipe.api import human_bytes, snapshots
     cat = open_catalog(args)
-    emit(args, snapshots(cat), lambda rs: table(rs, ["id", "model_id", "operator", "plan_id", "out",
-                                                      "expert_read_bytes", "manifest_hash", "created_at"]))
+    emit(args, snapshots(cat), lambda rs: table(
+        [{**r, "read": human_bytes(r["expert_read_bytes"]) + (
+            f" ({r['expert_read_bytes'] / r['full_expert_bytes']:.0%})" if r.get("full_expert_bytes") else ""),
+          "created_at": short_date(r["created_at"])} for r in rs],
+        ["id", "model_id", "operator", "read", "created_at", "out"],
+        headers={"model_id": "model", "operator": "op", "created_at": "created"}, wide=("out",)))
 
 
 @command("lineage", "ancestors and descendants of a model (the whole DAG without an id)")
@@ -40,6 +45,62 @@ def cmd_lineage(args):
     emit(args, g, lambda g: [print(f"{e['parent_id']} -[{e['role']}"
                                    + (f" w={e['weight']:g}" if e["weight"] is not None else "")
                                    + f"]-> {e['child_id']}") for e in g["edges"]] or print("(no merges yet)"))
+
+
+@command("delete", "delete a snapshot: its folder and its catalog rows (refused while another model needs it)")
+def cmd_delete(args):
+    from mergepipe.api import delete_snapshot
+    cat = open_catalog(args)
+    res = delete_snapshot(cat, args.ref, force=args.force)
+    emit(args, res, lambda r: print(
+        f"deleted {r['snapshot_id']} ({r['model_id']})" + (f" and {r['out']}" if r["removed_files"] else
+                                                            f"; {r['out']} was already gone")
+        + (f"; forced: {', '.join(r['dependents'])} lose an input" if r["dependents"] else "")))
+
+
+@command("evaluate", "perplexity of models on a held-out text (results stored; reused while unchanged)")
+def cmd_evaluate(args):
+    import hashlib
+    from mergepipe import api
+    from mergepipe.research.evaluate import perplexity
+    cat = open_catalog(args)
+    text_path = Path(args.text)
+    if not text_path.is_file():
+        raise MergePipeError(f"{text_path} is not a file")
+    data = text_path.read_bytes()
+    dataset = "sha256:" + hashlib.sha256(data).hexdigest()
+    text = data.decode("utf-8", errors="replace")
+    run = api.RunProgress(cat, args.run_id) if args.run_id is not None else None
+    ids = list(args.model_ids)
+    results = []
+    try:
+        for i, mid in enumerate(ids):
+            m = cat.model(mid)
+            if m["kind"] != "full":
+                raise MergePipeError(f"{mid} is a {m['kind']} checkpoint: only full checkpoints can be evaluated")
+            cached = None if args.force else api.evaluation(cat, mid, m["fingerprint"], dataset, "perplexity")
+            if cached is None:
+                def progress(done, total, i=i):
+                    if run:
+                        run(int((i + done / total) * 1000), len(ids) * 1000, 0)
+                r = perplexity(m["uri"], text, window=args.window, max_tokens=args.max_tokens, progress=progress)
+                api.record_evaluation(cat, mid, m["fingerprint"], dataset, text_path.name, "perplexity",
+                                      r["perplexity"], r["tokens"])
+                results.append({"model_id": mid, **r, "cached": False})
+            else:
+                results.append({"model_id": mid, "perplexity": cached["value"], "tokens": cached["tokens"],
+                                "cached": True})
+            if run:
+                run((i + 1) * 1000, len(ids) * 1000, 0)
+    except BaseException as exc:
+        if run:
+            run.fail("cancelled" if isinstance(exc, KeyboardInterrupt) else "failed", str(exc))
+        raise
+    if run:
+        run.finish()
+    emit(args, results, lambda rs: [print(f"{r['model_id']}: perplexity {r['perplexity']:.4g} on {r['tokens']} tokens "
+                                          f"of {text_path.name}" + (" (stored)" if r["cached"] else ""))
+                                    for r in rs])
 
 
 @command("recover", "roll back unfinished merges and clean up their leftovers")

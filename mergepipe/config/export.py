@@ -11,6 +11,7 @@ from mergepipe.config.model import MERGEKIT_DTYPE
 from mergepipe.errors import MergePipeError
 from mergepipe.ops.core import get_op
 from mergepipe.storage.dtypes import float_dtype, label_float_dtype
+from mergepipe.planner.budget import human_bytes
 from mergepipe.storage.registry import open_checkpoint
 
 
@@ -21,11 +22,7 @@ def _record(cat: Catalog | None, ref: str) -> dict:
     from mergepipe.planner.plan import load_plan
 
     if cat is not None and find_plan_id(cat, ref) is not None:
-        p = load_plan(cat, ref).data
-        return {"plan_id": p["id"], "digest": p["digest"], "base": p["base"], "experts": p["experts"],
-                "operator": p["operator"], "params": p["params"], "seed": p["seed"], "strategy": p["strategy"],
-                "budget": p["budget"], "target_bound": p.get("target_bound"), "snapshot_id": None,
-                "full_expert_bytes": p["full_expert_bytes"], "tokenizer": p.get("tokenizer")}
+        return _plan_record(load_plan(cat, ref).data)
     try:
         m = load_manifest(cat, ref)
     except MergePipeError:
@@ -37,6 +34,13 @@ def _record(cat: Catalog | None, ref: str) -> dict:
             "experts": c["inputs"]["experts"], "operator": c["operator"], "params": c["params"], "seed": c["seed"],
             "strategy": c["strategy"], "budget": c["budget"], "target_bound": target,
             "snapshot_id": m.snapshot_id, "full_expert_bytes": c["full_expert_bytes"], "tokenizer": c.get("tokenizer")}
+
+
+def _plan_record(p: dict) -> dict:
+    return {"plan_id": p["id"], "digest": p["digest"], "base": p["base"], "experts": p["experts"],
+            "operator": p["operator"], "params": p["params"], "seed": p["seed"], "strategy": p["strategy"],
+            "budget": p["budget"], "target_bound": p.get("target_bound"), "snapshot_id": None,
+            "full_expert_bytes": p["full_expert_bytes"], "tokenizer": p.get("tokenizer")}
 
 
 def _base_dtype(cat: Catalog | None, base: dict) -> str | None:
@@ -73,7 +77,16 @@ def export_mergekit(cat: Catalog | None, ref: str) -> str:
     Paths are the registered uris; a LoRA expert is written as ``BASE+ADAPTER``. ``dtype: float32`` and
     ``out_dtype`` (the base's dtype) say what MergePipe does. The budget, strategy, seed and plan id go
     in the ``mergepipe:`` key (and in a comment), so merging from this YAML reproduces the plan digest."""
-    r = _record(cat, ref)
+    return _to_yaml(cat, _record(cat, ref))
+
+
+def export_plan_data(cat: Catalog | None, plan_data: dict) -> str:
+    """The mergekit YAML of a plan that need not be stored (``Plan.data``): what the dashboard's Plan
+    page shows and edits for its current settings."""
+    return _to_yaml(cat, _plan_record(plan_data))
+
+
+def _to_yaml(cat: Catalog | None, r: dict) -> str:
     op = get_op(r["operator"])
     base = r["base"]
     models = []
@@ -118,8 +131,9 @@ def export_mergekit(cat: Catalog | None, ref: str) -> str:
     doc["mergepipe"] = ext
     source = f"snapshot {r['snapshot_id']} " if r["snapshot_id"] else ""
     header = [f"# mergekit config exported by MergePipe from {source}plan {r['plan_id']} ({r['digest']})",
-              (f"# budget {r['budget']['spec']} = {r['budget']['bytes']} B of {r['full_expert_bytes']} B expert read, "
-              f"strategy {r['strategy']}, seed {r['seed']}"),
+              (f"# budget {r['budget']['spec']} = {human_bytes(r['budget']['bytes'])} of "
+               f"{human_bytes(r['full_expert_bytes'])} changed (delta != 0) expert bytes, "
+               f"strategy {r['strategy']}, seed {r['seed']}"),
               ("# MergePipe computes in float32 and writes the base's dtype. The `mergepipe:` key holds what mergekit "
               "has no key for; mergekit ignores it."), *notes]
     body = yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, allow_unicode=True)

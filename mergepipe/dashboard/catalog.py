@@ -80,8 +80,34 @@ def norm_matrix(df: pd.DataFrame, level: str, experts: list[str], max_cells: int
     return aggregate(m, max_cells, axis=0, how="l2")
 
 
-def norm_heatmap(matrix: pd.DataFrame, level: str) -> go.Figure:
-    return heatmap_figure(matrix, f"||delta||_2 per {level} and expert", "||delta||", clickable=(level == "layer"),
+NORM_SCALES = ("log", "linear")
+NORM_MODES = ("absolute", "per expert")
+
+
+def norm_transform(matrix: pd.DataFrame, scale: str = "log", mode: str = "absolute") -> tuple[pd.DataFrame, str]:
+    """(matrix, colour-bar label) as drawn: ``mode`` 'per expert' divides each expert's column by its
+    largest value (so an outlier expert no longer flattens the others); ``scale`` 'log' takes log10
+    (zeros, i.e. unchanged rows, stay blank)."""
+    if scale not in NORM_SCALES:
+        raise ValueError(f"unknown scale {scale!r}")
+    if mode not in NORM_MODES:
+        raise ValueError(f"unknown normalisation {mode!r}")
+    m = matrix.astype(float)
+    label = "||delta||"
+    if mode == "per expert":
+        peak = m.max(axis=0).replace(0.0, np.nan)
+        m = m.div(peak, axis=1).fillna(0.0)
+        label = "||delta|| / expert max"
+    if scale == "log":
+        m = np.log10(m.where(m > 0))
+        label = f"log10 {label}"
+    return m, label
+
+
+def norm_heatmap(matrix: pd.DataFrame, level: str, scale: str = "linear", mode: str = "absolute") -> go.Figure:
+    m, label = norm_transform(matrix, scale, mode)
+    what = "||delta||_2" + (" / each expert's max" if mode == "per expert" else "")
+    return heatmap_figure(m, f"{what} per {level} and expert ({scale} scale)", label, clickable=(level == "layer"),
                           show_x_labels=True)
 
 

@@ -146,3 +146,54 @@ def heatmap_figure(matrix: pd.DataFrame, title: str, colorbar: str, colorscale="
     fig.update_yaxes(autorange="reversed", type="category")
     fig.update_xaxes(type="category", showticklabels=(len(x) <= 60) if show_x_labels is None else show_x_labels)
     return fig
+
+
+def group_ticks(columns, min_gap: int | None = None) -> tuple[list[str], list[str]]:
+    """(tick values, tick texts) marking where each layer group starts among block columns labelled
+    'tensor#block' (or aggregated bins 'tensor#block..tensor#block'). A group starting less than
+    ``min_gap`` columns after the last ticked one gets no tick (its labels would overlap; the hover still
+    names every block); default: 1/40 of the columns."""
+    columns = [str(c) for c in columns]
+    gap = max(1, len(columns) // 40) if min_gap is None else min_gap
+    vals, texts, prev, last = [], [], None, None
+    for i, c in enumerate(columns):
+        g = group_of(c.split("#", 1)[0])
+        if g != prev:
+            if last is None or i - last >= gap:
+                vals.append(c)
+                texts.append(g)
+                last = i
+            prev = g
+    return vals, texts
+
+
+def state_figure(matrix: pd.DataFrame, title: str, states: list[tuple[float, str, str]],
+                 height: int | None = None) -> go.Figure:
+    """Experts x blocks in a few discrete states (value, legend label, colour): a heatmap without a colour
+    bar, a legend with one entry per state, the x axis labelled with the layer groups (ticks where each
+    starts; the hover names the tensor and block), the y axis with the full expert names. Aggregated bins
+    hold the mean of their blocks and are drawn between the states' colours."""
+    states = sorted(states)
+    lo, hi = states[0][0], states[-1][0]
+    span = (hi - lo) or 1.0
+    scale = [[(v - lo) / span, colour] for v, _, colour in states]
+    x = [str(c) for c in matrix.columns]
+    y = [str(i) for i in matrix.index]
+    z = matrix.to_numpy(dtype=np.float64)
+    names = "; ".join(f"{v:g} = {label}" for v, label, _ in states)
+    fig = go.Figure(go.Heatmap(z=z, x=x, y=y, colorscale=scale, zmin=lo, zmax=hi, showscale=False,
+                               hovertemplate="%{y}<br>%{x}<br>%{z:.2f} (" + names + ")<extra></extra>"))
+    for _, label, colour in reversed(states):
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=label, showlegend=True,
+                                 marker={"symbol": "square", "size": 12, "color": colour,
+                                         "line": {"color": "#888", "width": 1}}))
+    vals, texts = group_ticks(x)
+    binned = any(".." in c for c in x[:1])
+    fig.update_layout(title=title, height=height or max(240, 120 + 28 * len(y)),
+                      margin={"l": 10, "r": 10, "t": 40, "b": 10},
+                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "right", "x": 1.0})
+    fig.update_xaxes(type="category", tickmode="array", tickvals=vals, ticktext=texts, tickangle=-45,
+                     title_text="blocks of each tensor in model order (tensor#block" + (", binned" if binned else "")
+                     + "); ticks: where each layer starts", showgrid=False)
+    fig.update_yaxes(type="category", autorange="reversed", title_text="expert", automargin=True)
+    return fig

@@ -21,11 +21,19 @@ def fmt_pct(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def fmt_bound(bound: dict | None) -> str:
+def fmt_bound(bound: dict | None, operator: str | None = None) -> str:
     """The planner's error bound as one line (or why there is none)."""
     if not bound:
-        return "n/a (not an additive operator)"
+        return "n/a (not an additive operator)" if operator is None else f"n/a: {no_bound_reason(operator)}"
     return f"{bound['absolute']:.4g} (relative {bound['relative']:.3g})"
+
+
+def no_bound_reason(operator: str) -> str:
+    """Why a plan of ``operator`` has no error bound."""
+    return (f"{operator} is not additive (it trims, elects signs or drops entries per expert, so the merged delta "
+            f"is not a weighted sum of the experts' deltas); the bound ||M_full - M_A|| <= sum of the omitted "
+            f"|c|*||delta|| holds only for linear and task_arithmetic. The frontier shows that omitted sum as a "
+            f"guide, not a bound")
 
 
 def fmt_seconds(s) -> str:

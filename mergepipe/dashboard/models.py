@@ -103,3 +103,9 @@ def stats_version(cat: Catalog) -> str:
     """Changes when models, analyses or grids change (not on run progress): a cache key for statistics."""
     row = analyses.stats_version_row(cat)
     return hashlib.sha256(repr(tuple(row)).encode()).hexdigest()[:16]
+
+
+def expert_warnings(cat: Catalog) -> list[str]:
+    """Warnings about registered experts from their stored statistics: an expert whose delta is far
+    larger than its siblings' (fine-tuned from a different base?)."""
+    return [w for b in bases(cat) for w in analyses.outlier_warnings(cat, b)]

@@ -12,8 +12,8 @@ import plotly.graph_objects as go
 
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.plans import plan_rows
-from mergepipe.dashboard.figures import MAX_CELLS, aggregate, heatmap_figure, layout_of
-from mergepipe.dashboard.formatting import fmt_bound, fmt_bytes, fmt_pct
+from mergepipe.dashboard.figures import MAX_CELLS, aggregate, layout_of, state_figure
+from mergepipe.dashboard.formatting import fmt_bound, fmt_bytes, fmt_pct, no_bound_reason
 from mergepipe.dashboard.paths import check_path
 from mergepipe.errors import MergePipeError, PlanError
 from mergepipe.ops.core import get_op, OPERATORS
@@ -160,8 +160,10 @@ def _whole_percent(budget: Budget, source: str) -> int:
     return round(pct)
 
 
-def plan_summary(plan: Plan | dict) -> dict:
-    """Formatted estimates of a plan (strings) plus the raw numbers they come from."""
+def plan_summary(plan: Plan | dict, experts_bytes: int | None = None) -> dict:
+    """Formatted estimates of a plan (strings) plus the raw numbers they come from. ``full_expert`` is
+    the experts' changed (delta != 0) bytes, what a budget percentage is a share of; ``experts_size``
+    their size on disk (``experts_bytes``, when given)."""
     p = plan.data if isinstance(plan, Plan) else plan
     full = p["full_expert_bytes"]
     est = p["estimate"]
@@ -175,7 +177,11 @@ def plan_summary(plan: Plan | dict) -> dict:
         "expert_read_pct": fmt_pct(est["expert_read"] / full) if full else "-",
         "base_read": fmt_bytes(est["base_read"]), "write": fmt_bytes(est["output_write"]),
         "full_expert": fmt_bytes(full),
+        "full_text": f"{fmt_bytes(full)} changed (delta != 0) expert bytes"
+        + (f" of {fmt_bytes(experts_bytes)} expert size" if experts_bytes else ""),
+        "experts_size": fmt_bytes(experts_bytes) if experts_bytes else None,
         "bound": fmt_bound(p["error_bound"]),
+        "bound_why": None if p["error_bound"] else no_bound_reason(p["operator"]),
         "bound_abs": p["error_bound"]["absolute"] if p["error_bound"] else None,
         "bound_rel": p["error_bound"]["relative"] if p["error_bound"] else None,
         "blocks": f"{selected} of {candidates} candidate blocks ({p['blocks_total']} per model)",
@@ -201,8 +207,15 @@ def plan_experts_df(plan: Plan | dict) -> pd.DataFrame:
         eid = e["id"]
         rows.append({"expert": eid, "weight": e["weight"], "density": e.get("density"),
                      "blocks": p["blocks_selected"][eid], "candidates": p["blocks_candidate"][eid],
-                     "read": p["expert_read_by_expert"][eid], "read_text": fmt_bytes(p["expert_read_by_expert"][eid])})
-    return pd.DataFrame(rows, columns=["expert", "weight", "density", "blocks", "candidates", "read", "read_text"])
+                     "read": p["expert_read_by_expert"][eid]})
+    return pd.DataFrame(rows, columns=["expert", "weight", "density", "blocks", "candidates", "read"])
+
+
+def plan_experts_table(plan: Plan | dict) -> pd.DataFrame:
+    """The per-expert selection for display: the bytes read in binary units (no raw byte column)."""
+    df = plan_experts_df(plan)
+    df["read"] = df["read"].map(fmt_bytes)
+    return df.rename(columns={"blocks": "blocks read", "candidates": "changed blocks"})
 
 
 def _mask_array(layout: pd.DataFrame, experts: list[str], access: dict) -> np.ndarray:
@@ -243,11 +256,12 @@ def mask_matrix(ctx: PlanContext, plan: Plan | dict, max_cells: int = MAX_CELLS)
     return aggregate(df, max_cells, axis=1, how="mean")
 
 
+MASK_STATES = [(0.0, "no delta (nothing to read)", "#f0f0f0"), (0.5, "changed, left out by the budget", "#9ecae1"),
+               (1.0, "read", "#08519c")]
+
+
 def mask_heatmap(mask: pd.DataFrame) -> go.Figure:
-    fig = heatmap_figure(mask, "access mask: blocks read per expert (1 = read, 0.5 = left out, 0 = no delta)",
-                         "read", colorscale=[[0, "#f0f0f0"], [0.5, "#9ecae1"], [1, "#08519c"]], zmin=0, zmax=1,
-                         height=max(200, 80 + 28 * len(mask.index)))
-    return fig
+    return state_figure(mask, "access mask: which blocks each expert reads", MASK_STATES)
 
 
 def omitted_term(ctx: PlanContext, plan: Plan | dict) -> float:
@@ -280,14 +294,17 @@ def frontier_figure(frontier: pd.DataFrame, current_pct: float, current_bound: f
     y = "bound_rel" if relative and frontier["bound_rel"].notna().all() else "bound_abs"
     yt = ("relative error bound" if y == "bound_rel" else
           ("error bound ||M_full - M_A||" if op_info(operator)["additive"] else
-           f"omitted sum |c|*||delta|| (not a bound for {operator})"))
+           f"omitted |c|*||delta|| (not a bound for {operator})"))
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=frontier["budget_pct"], y=frontier[y], mode="lines", name="frontier",
                              hovertemplate="budget %{x:.1f}%<br>%{y:.4g}<extra></extra>"))
     fig.add_trace(go.Scatter(x=[current_pct], y=[current_bound], mode="markers", name="this plan",
                              marker={"size": 12, "color": "crimson", "symbol": "x"}))
-    fig.update_layout(title="budget vs bound", xaxis_title="expert-read budget (% of full)", yaxis_title=yt,
-                      margin={"l": 10, "r": 10, "t": 40, "b": 10}, height=320, showlegend=False)
+    # the title sits above the plot area (pad, top margin) so the y-axis label never reaches it
+    fig.update_layout(title={"text": "budget vs bound", "y": 0.98, "yanchor": "top", "pad": {"b": 10}},
+                      xaxis_title="expert-read budget (% of the changed expert bytes)",
+                      yaxis={"title": {"text": yt, "font": {"size": 11}, "standoff": 6}},
+                      margin={"l": 10, "r": 10, "t": 60, "b": 10}, height=380, showlegend=False)
     return fig
 
 
@@ -314,3 +331,54 @@ def plans_df(cat: Catalog) -> pd.DataFrame:
                      "bound": "-" if r["error_bound"] is None else f"{r['error_bound']:.4g}"})
     cols = ["plan", "created", "base", "operator", "experts", "budget", "expert_read", "of_full", "bound"]
     return pd.DataFrame(rows, columns=cols)
+
+
+def url_replacements(given: dict, used: dict, ranges: dict | None = None) -> list[str]:
+    """Messages for URL query parameters the page could not use as given (out of range, not an option):
+    ``given`` is the URL's key -> text when the page loaded, ``used`` the widgets' values after it drew
+    them, ``ranges`` key -> (low, high) for the numeric ones."""
+    out = []
+    for key, text in given.items():
+        if key not in used or isinstance(used[key], (list, tuple)):
+            continue
+        value = used[key]
+        try:
+            same = float(text) == float(value)
+        except (TypeError, ValueError):
+            same = str(text) == str(value)
+        if same:
+            continue
+        low, high = (ranges or {}).get(key, (None, None))
+        why = (f"outside {low:g} to {high:g}" if low is not None and high is not None else "not one of the choices")
+        try:
+            float(text)
+        except ValueError:
+            if low is not None:
+                why = "not a number"
+        shown = f"{value:g}" if isinstance(value, float) else str(value)
+        out.append(f"URL parameter {key}={text} is {why}; replaced by {shown}.")
+    return out
+
+
+# --- the settings as mergekit YAML (shown, edited and applied on the Plan page) -------------------------
+def plan_yaml(cat: Catalog, plan: Plan | dict) -> str:
+    """The mergekit YAML (with the ``mergepipe:`` key: budget, strategy, seed) of a plan, saved or not."""
+    from mergepipe.config.export import export_plan_data
+    return export_plan_data(cat, plan.data if isinstance(plan, Plan) else plan)
+
+
+def check_plan_yaml(cat: Catalog, text: str, roots: list[Path]) -> tuple[dict, str]:
+    """(Plan-page settings, a one-line description) of an edited YAML; raises a MergePipeError saying what
+    is wrong (syntax, unknown model, a value out of range, what the page cannot show)."""
+    if not (text or "").strip():
+        raise MergePipeError("the YAML is empty")
+    settings = mergekit_plan_settings(cat, text, "the edited YAML", roots)
+    how = (f"target bound {settings['target']:g}" if settings.get("mode") == "target bound"
+           else f"budget {settings['budget']}%" if "budget" in settings else "budget 100%")
+    return settings, f"{settings['op']} of {', '.join(settings['experts'])} on {settings['base']}, {how}"
+
+
+def request_key_digest(text: str) -> str:
+    """A short digest of a text (widget keys that follow what they show)."""
+    import hashlib
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

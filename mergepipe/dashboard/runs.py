@@ -44,7 +44,11 @@ def run_progress(run: dict, now_ts: float | None = None) -> dict:
     if end is None:
         end = now_ts if now_ts is not None else time.time()
     elapsed = max(0.0, end - start) if start is not None else None
-    if run.get("kind") == "analyze":
+    if run.get("kind") == "evaluate":
+        n = len([m for m in (run["model_id"] or "").split(",") if m])
+        text = f"evaluate {run['model_id']}: {frac:.0%} ({n} model{'s' if n != 1 else ''})"
+        detail = "perplexity on a held-out text"
+    elif run.get("kind") == "analyze":
         n = len([m for m in (run["model_id"] or "").split(",") if m])
         text = f"analyze {run['model_id']}: {frac:.0%} ({n} model{'s' if n != 1 else ''})"
         detail = f"{fmt_bytes(run['expert_bytes_done'])} of the current model read"

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 from mergepipe.errors import MergePipeError
@@ -38,7 +41,38 @@ def dashboard_env(db_path, extra_roots=None, base_env=None) -> dict[str, str]:
     return env
 
 
-def run_dashboard(db_path, port: int = 8501, extra_roots=None, wait: bool = True, stdout=None):
+def check_port_free(port: int, host: str = "127.0.0.1") -> None:
+    """Refuse a port something already listens on (another dashboard would otherwise answer the URL
+    we print, showing another catalog)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, int(port)))
+        except OSError as exc:
+            raise MergePipeError(f"port {port} on {host} is already in use ({exc.strerror or exc}); "
+                                 f"stop what runs there or choose another with --port") from None
+
+
+def wait_until_serving(proc: subprocess.Popen, port: int, timeout: float = 120.0, host: str = "127.0.0.1") -> None:
+    """Wait until the server answers its health check; a child that exits first is an error."""
+    url = f"http://{host}:{int(port)}/_stcore/health"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        code = proc.poll()
+        if code is not None:
+            raise MergePipeError(f"the dashboard server exited with status {code} before serving on port {port} "
+                                 f"(is the port taken, or streamlit missing?)")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise MergePipeError(f"the dashboard server did not answer on port {port} within {timeout:.0f} s")
+
+
+def run_dashboard(db_path, port: int = 8501, extra_roots=None, wait: bool = True, stdout=None,
+                  startup_timeout: float = 120.0):
     """Start ``python -m streamlit run app.py`` on 127.0.0.1:port for the catalog at ``db_path``,
     print the URL and wait for it (Ctrl-C stops it). With ``wait=False`` return the Popen (the
     server's output goes to ``stdout``, a file, when given). The app may read and write under the
@@ -51,13 +85,21 @@ def run_dashboard(db_path, port: int = 8501, extra_roots=None, wait: bool = True
     db = Path(db_path).expanduser().absolute()
     if not db.parent.is_dir():
         raise MergePipeError(f"{db.parent}: directory does not exist")
+    check_port_free(port)
     # Run from the app's folder: Streamlit reads .streamlit/config.toml (the security settings) from
     # its working directory, and puts that directory first on the import path.
     proc = subprocess.Popen(dashboard_command(port), env=dashboard_env(db, extra_roots), stdin=subprocess.DEVNULL,
                             stdout=stdout, stderr=subprocess.STDOUT if stdout is not None else None, cwd=APP.parent)
-    print(f"MergePipe dashboard for {db}: http://127.0.0.1:{int(port)}/  (Ctrl-C to stop)", flush=True)
     if not wait:
         return proc
+    try:
+        wait_until_serving(proc, port, startup_timeout)
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        raise
+    print(f"MergePipe dashboard for {db}: http://127.0.0.1:{int(port)}/  (Ctrl-C to stop)", flush=True)
 
     def _interrupt(signum, frame):
         raise KeyboardInterrupt

@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 from mergepipe import api
 from mergepipe.catalog.db import Catalog
 from mergepipe.dashboard.figures import (
-    MAX_CELLS, aggregate, block_layout, heatmap_figure, tensor_sort_key,
+    MAX_CELLS, aggregate, block_layout, state_figure, tensor_sort_key,
 )
 from mergepipe.dashboard.formatting import fmt_bound, fmt_bytes, fmt_pct, short_fp
 from mergepipe.dashboard.plan import _mask_array, block_labels
@@ -22,13 +22,22 @@ from mergepipe.planner.plan import load_plan, Plan
 # --- snapshots -----------------------------------------------------------------------------------------
 def snapshots_df(cat: Catalog) -> pd.DataFrame:
     rows = []
+    labels = api.snapshot_labels(cat)
+    ppl = {}
+    for e in api.evaluations(cat):  # newest first: the latest perplexity of each model
+        ppl.setdefault(e["model_id"], e["value"] if e["metric"] == "perplexity" else None)
     for s in reversed(api.snapshots(cat)):
+        lab = labels.get(s["id"], {})
         rows.append({"snapshot": s["id"], "model": s["model_id"], "operator": s["operator"], "plan": s["plan_id"],
                      "expert_read": fmt_bytes(s["expert_read_bytes"]),
                      "of_full": fmt_pct(s["expert_read_bytes"] / s["full_expert_bytes"])
                      if s["full_expert_bytes"] else "-",
-                     "created": s["created_at"], "out": s["out"], "manifest": short_fp(s["manifest_hash"])})
-    cols = ["snapshot", "model", "operator", "plan", "expert_read", "of_full", "created", "out", "manifest"]
+                     "perplexity": ppl.get(s["model_id"]),
+                     "created": s["created_at"], "tags": ", ".join(lab.get("tags", [])), "note": lab.get("note", ""),
+                     "out": s["out"], "manifest": short_fp(s["manifest_hash"])})
+    cols = ["snapshot", "model", "operator", "plan", "expert_read", "of_full", "perplexity", "created", "tags", "note",
+            "out",
+            "manifest"]
     return pd.DataFrame(rows, columns=cols)
 
 
@@ -48,7 +57,7 @@ def manifest_summary(manifest: Manifest) -> pd.DataFrame:
         ("grid", fmt_bytes(c["grid"]["block_bytes"]) + " blocks"),
         ("budget", f"{fmt_bytes(c['budget']['bytes'])} ({c['budget']['spec']})"),
         ("expert read", f"{fmt_bytes(real['expert_read'])} realized / {fmt_bytes(est['expert_read'])} estimated "
-                        f"/ {fmt_bytes(c['full_expert_bytes'])} full"),
+                        f"/ {fmt_bytes(c['full_expert_bytes'])} changed (delta != 0)"),
         ("base read", f"{fmt_bytes(real['base_read'])} realized / {fmt_bytes(est['base_read'])} estimated"),
         ("write", f"{fmt_bytes(real['output_write'])} realized / {fmt_bytes(est['output_write'])} estimated"),
         ("error bound", fmt_bound(c["error_bound"])),
@@ -97,6 +106,79 @@ def bytes_figure(df: pd.DataFrame, by: str) -> go.Figure:
     return fig
 
 
+TENSOR_SORTS = ("bytes", "|difference|")
+
+
+def signed_bytes(n) -> str:
+    """+1536 -> '+1.50 KiB'; 0 -> '0 B'."""
+    if n is None:
+        return "-"
+    return ("+" if n > 0 else "-" if n < 0 else "") + fmt_bytes(abs(n))
+
+
+def with_difference(df: pd.DataFrame) -> pd.DataFrame:
+    """Adds realized - estimated ('difference', bytes) and realized / estimated ('ratio'; NaN without an
+    estimate or when nothing was estimated)."""
+    d = df.copy()
+    est = pd.to_numeric(d["estimated"], errors="coerce")
+    d["difference"] = d["realized"] - est
+    d["ratio"] = (d["realized"] / est.where(est > 0)).astype(float)
+    return d
+
+
+def top_tensors(df: pd.DataFrame, n: int = 20, sort: str = "bytes", search: str = "") -> tuple[pd.DataFrame, int]:
+    """(the ``n`` tensors to chart, how many match) from a bytes_by_tensor_df: those whose name contains
+    ``search`` (case-insensitive; several words must all match), ranked by bytes (the larger of estimated
+    and realized) or by |realized - estimated|, largest first."""
+    if sort not in TENSOR_SORTS:
+        raise ValueError(f"unknown sort {sort!r} ({', '.join(TENSOR_SORTS)})")
+    d = with_difference(df)
+    for word in (search or "").lower().split():
+        d = d[d["tensor"].str.lower().str.contains(word, regex=False)]
+    if sort == "bytes":
+        key = pd.concat([pd.to_numeric(d["estimated"], errors="coerce").fillna(0), d["realized"]], axis=1).max(axis=1)
+    else:
+        key = d["difference"].abs().fillna(d["realized"])
+    d = d.assign(_k=key).sort_values(["_k", "tensor"], ascending=[False, True]).drop(columns="_k")
+    return d.head(max(1, int(n))).reset_index(drop=True), len(d)
+
+
+def bytes_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Estimated vs realized bytes for display: binary units, the difference as bytes and as a ratio."""
+    d = with_difference(df) if "difference" not in df else df
+    by = "tensor" if "tensor" in d else "expert"
+    return pd.DataFrame({
+        by: d[by], "estimated": d["estimated"].map(lambda v: "-" if pd.isna(v) else fmt_bytes(v)),
+        "realized": d["realized"].map(fmt_bytes),
+        "difference": d["difference"].map(lambda v: "-" if pd.isna(v) else signed_bytes(v)),
+        "ratio": d["ratio"].map(lambda v: "-" if pd.isna(v) else f"{v:.3f}x"),
+    })
+
+
+def bytes_bars(df: pd.DataFrame, by: str, title: str | None = None) -> go.Figure:
+    """Horizontal bars, one row per ``by`` (names readable on the y axis), estimated and realized side by
+    side; each row's label at the right gives the difference as bytes and as a ratio."""
+    d = with_difference(df) if "difference" not in df else df
+    names = d[by].astype(str).tolist()
+    fig = go.Figure()
+    has_est = d["estimated"].notna().any()
+    if has_est:
+        fig.add_trace(go.Bar(y=names, x=d["estimated"], name="estimated", orientation="h", marker_color="#9ecae1",
+                             hovertemplate="%{y}<br>estimated %{x:,} B<extra></extra>"))
+    text = [("" if pd.isna(diff) else f"{signed_bytes(diff)}" + ("" if pd.isna(r) else f" ({r:.2f}x)"))
+            for diff, r in zip(d["difference"], d["ratio"])]
+    fig.add_trace(go.Bar(y=names, x=d["realized"], name="realized", orientation="h", marker_color="#08519c",
+                         text=text, textposition="outside", cliponaxis=False,
+                         hovertemplate="%{y}<br>realized %{x:,} B<br>%{text}<extra></extra>"))
+    fig.update_layout(barmode="group", title=title or f"expert bytes per {by}: estimated vs realized "
+                      "(label: realized - estimated, realized / estimated)",
+                      xaxis_title="bytes", margin={"l": 10, "r": 120, "t": 60, "b": 10},
+                      height=max(220, 90 + 34 * len(names)),
+                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "right", "x": 1.0})
+    fig.update_yaxes(autorange="reversed", automargin=True, type="category")
+    return fig
+
+
 def touched_matrix(cat: Catalog, manifest: Manifest, max_cells: int = MAX_CELLS) -> pd.DataFrame:
     """Experts x blocks of the base grid: 1 where the merge read the expert's block."""
     c = manifest.core
@@ -107,12 +189,114 @@ def touched_matrix(cat: Catalog, manifest: Manifest, max_cells: int = MAX_CELLS)
     return aggregate(df, max_cells, axis=1, how="mean")
 
 
+TOUCHED_STATES = [(0.0, "not read", "#f0f0f0"), (1.0, "read", "#238b45")]
+
+
 def touched_heatmap(matrix: pd.DataFrame) -> go.Figure:
-    return heatmap_figure(matrix, "touched blocks per expert (1 = read)", "read",
-                          colorscale=[[0, "#f0f0f0"], [1, "#238b45"]], zmin=0, zmax=1,
-                          height=max(200, 80 + 28 * len(matrix.index)))
+    return state_figure(matrix, "touched blocks: what the merge read of each expert", TOUCHED_STATES)
 
 
 def verify_text(result: dict) -> str:
     head = f"{'OK' if result['ok'] else 'MISMATCH'}: {result['snapshot_id']}, {result['files_checked']} files checked"
     return head + "".join(f"\n- {p}" for p in result["problems"])
+
+
+# --- model card and recipe -------------------------------------------------------------------------------
+def model_card(manifest: Manifest) -> tuple[dict, str] | None:
+    """(front matter, markdown body) of the snapshot's README.md, or None when it has none (published
+    before model cards) or its folder is gone."""
+    import yaml
+    from pathlib import Path
+    from mergepipe.manifest.card import CARD_NAME
+    path = Path(manifest.run["out"]) / CARD_NAME
+    if CARD_NAME not in manifest.core["outputs"] or not path.is_file():
+        return None
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if text.startswith("---\n") and "\n---\n" in text[4:]:
+        head, body = text[4:].split("\n---\n", 1)
+        try:
+            front = yaml.safe_load(head) or {}
+        except yaml.YAMLError:
+            front = {}
+        return (front if isinstance(front, dict) else {}), body.lstrip("\n")
+    return {}, text
+
+
+def snapshot_recipe(cat: Catalog, snapshot_id: str) -> str:
+    """The snapshot's recipe as mergekit YAML (the same as ``mergepipe explain SNAP --as-mergekit``)."""
+    return api.export_mergekit(cat, snapshot_id)
+
+
+# --- tags, note, deletion ----------------------------------------------------------------------------------
+def parse_tags(text: str) -> list[str]:
+    """'merge, ties  best,ties' -> ['merge', 'ties', 'best'] (commas or spaces; duplicates dropped)."""
+    import re
+    out = []
+    for t in re.split(r"[,\s]+", text or ""):
+        if t and t not in out:
+            out.append(t)
+    return out
+
+
+def labels_of(cat: Catalog, snapshot_id: str) -> dict:
+    return api.snapshot_labels(cat).get(snapshot_id, {"tags": [], "note": ""})
+
+
+def delete_preview(cat: Catalog, snapshot_id: str) -> dict:
+    """What deleting a snapshot removes, and who still needs it (deletion is refused unless forced)."""
+    from pathlib import Path
+    from mergepipe.catalog.snapshots import snapshot_dependents, snapshot_row
+    row = snapshot_row(cat, snapshot_id)
+    if row is None:
+        raise MergePipeError(f"unknown snapshot {snapshot_id!r}")
+    out = Path(row["out"])
+    files = sorted(p for p in out.iterdir() if p.is_file()) if out.is_dir() else []
+    return {"snapshot_id": row["id"], "model_id": row["model_id"], "out": str(out), "exists": out.is_dir(),
+            "files": len(files), "bytes": sum(p.stat().st_size for p in files),
+            "dependents": snapshot_dependents(cat, row["model_id"])}
+
+
+# --- evaluation -------------------------------------------------------------------------------------------
+def evaluation_models(cat: Catalog, manifest: Manifest) -> list[str]:
+    """What Evaluate scores for a snapshot: the merged model, its base and its full-checkpoint experts."""
+    c = manifest.core
+    ids = [manifest.run["model_id"], c["inputs"]["base"]["id"]] + [e["id"] for e in c["inputs"]["experts"]]
+    return [i for i in dict.fromkeys(ids) if cat.has_model(i) and cat.model(i)["kind"] == "full"]
+
+
+def evaluation_df(cat: Catalog, manifest: Manifest) -> pd.DataFrame:
+    """Stored perplexities of the snapshot, its base and experts (current fingerprints only), with the
+    snapshot's expert read and error bound beside them: budget vs quality."""
+    c = manifest.core
+    roles = {manifest.run["model_id"]: "snapshot", c["inputs"]["base"]["id"]: "base",
+             **{e["id"]: "expert" for e in c["inputs"]["experts"]}}
+    rows = []
+    for e in api.evaluations(cat, list(roles)):
+        rows.append({"model": e["model_id"], "role": roles[e["model_id"]], "metric": e["metric"],
+                     "value": round(float(e["value"]), 4), "tokens": e["tokens"], "text": e["dataset_name"],
+                     "text sha256": short_fp(e["dataset"]), "evaluated": e["evaluated_at"]})
+    order = {"snapshot": 0, "base": 1, "expert": 2}
+    df = pd.DataFrame(rows, columns=["model", "role", "metric", "value", "tokens", "text", "text sha256", "evaluated"])
+    return df.sort_values(["text", "role", "model"], key=lambda s: s.map(order) if s.name == "role" else s) \
+        .reset_index(drop=True)
+
+
+def budget_quality(manifest: Manifest, evals: pd.DataFrame) -> str | None:
+    """One line: what the snapshot read and its perplexity next to its base's and experts' (same text)."""
+    snap = evals[evals["role"] == "snapshot"]
+    if snap.empty:
+        return None
+    text = snap.iloc[0]["text sha256"]
+    same = evals[evals["text sha256"] == text]
+    c = manifest.core
+    full = c["full_expert_bytes"]
+    parts = [f"read {fmt_bytes(c['realized']['expert_read'])}"
+             + (f" ({fmt_pct(c['realized']['expert_read'] / full)} of the changed expert bytes)" if full else ""),
+             f"perplexity {snap.iloc[0]['value']:.4g}"]
+    base = same[same["role"] == "base"]
+    if len(base):
+        parts.append(f"base {base.iloc[0]['value']:.4g}")
+    ex = same[same["role"] == "expert"]
+    if len(ex):
+        parts.append(f"experts {ex['value'].min():.4g} to {ex['value'].max():.4g}")
+    return " · ".join(parts) + f" (on {snap.iloc[0]['text']})"

@@ -15,35 +15,40 @@ from __future__ import annotations
 import pandas as pd  # noqa: F401  (pages annotate with views.pd.DataFrame)
 
 from mergepipe.dashboard.formatting import (  # noqa: F401
-    fmt_bound, fmt_bytes, fmt_pct, fmt_seconds, short_fp,
+    fmt_bound, fmt_bytes, fmt_pct, fmt_seconds, no_bound_reason, short_fp,
 )
 from mergepipe.dashboard.paths import (  # noqa: F401
     allowed_roots, check_out_path, check_path, db_path, default_out, log_dir,
 )
 from mergepipe.dashboard.figures import (  # noqa: F401
-    aggregate, block_layout, group_of, groups, heatmap_figure, layer_of, layout_of, MAX_CELLS,
+    aggregate, block_layout, group_of, group_ticks, groups, heatmap_figure, state_figure, layer_of, layout_of, MAX_CELLS,
     tensor_sort_key, tensors_in_group,
 )
 from mergepipe.dashboard.models import (  # noqa: F401
-    analyzed_experts, bases, experts_of, KIND_HELP, model_details, models_df, REGISTER_KINDS,
+    analyzed_experts, bases, expert_warnings, experts_of, KIND_HELP, model_details, models_df, REGISTER_KINDS,
     registration_base, role_of, stats_version, unanalyzed_experts,
 )
-from mergepipe.dashboard.home import totals  # noqa: F401
+from mergepipe.dashboard.home import getting_started, totals  # noqa: F401
 from mergepipe.dashboard.runs import (  # noqa: F401
     _parse_ts, ACTIVE, effective_status, latest_run, run_progress, runs, runs_df,
 )
 from mergepipe.dashboard.catalog import (  # noqa: F401
-    block_stats_df, conflict_heatmap, conflict_matrix, norm_heatmap, norm_matrix, pairwise, sketch_matrix,
-    tensor_stats_df,
+    block_stats_df, conflict_heatmap, conflict_matrix, norm_heatmap, norm_matrix, NORM_MODES, NORM_SCALES,
+    norm_transform, pairwise, sketch_matrix, tensor_stats_df,
 )
 from mergepipe.dashboard.plan import (  # noqa: F401
     block_labels, current_point, first_merge_note, frontier_df, frontier_figure, make_plan, mask_heatmap,
-    mask_matrix, mergekit_plan_settings, omitted_term, op_info, operators, plan_context, plan_experts_df,
-    PLAN_PAGE_TRI, plan_request, plan_summary, plans_df, read_config_source, request_key,
+    MASK_STATES, mask_matrix, mergekit_plan_settings, omitted_term, op_info, operators, plan_context, plan_experts_df,
+    plan_experts_table,
+    check_plan_yaml, PLAN_PAGE_TRI, plan_request, plan_summary, plan_yaml, plans_df, read_config_source, request_key,
+    request_key_digest, url_replacements,
 )
 from mergepipe.dashboard.snapshots import (  # noqa: F401
-    bytes_by_expert_df, bytes_by_tensor_df, bytes_figure, load_manifest, manifest_plan, manifest_summary,
-    snapshots_df, touched_heatmap, touched_matrix, verify_text,
+    bytes_bars, bytes_by_expert_df, bytes_by_tensor_df, bytes_figure, bytes_table, load_manifest, manifest_plan,
+    budget_quality, delete_preview, evaluation_df, evaluation_models, labels_of, manifest_summary, model_card, parse_tags, signed_bytes, snapshot_recipe, snapshots_df, TENSOR_SORTS, top_tensors, with_difference, touched_heatmap, touched_matrix, verify_text,
+)
+from mergepipe.dashboard.compare import (  # noqa: F401
+    access_diff, access_figure, lineage_note, numbers_df, settings_diff,
 )
 from mergepipe.dashboard.lineage import (  # noqa: F401
     lineage_dot, lineage_nodes_df, node_target,

@@ -31,6 +31,7 @@ from mergepipe.engine.pipeline import MergePipeline
 from mergepipe.engine.txn import Transaction, check_output_path
 from mergepipe.errors import ExecutionError
 from mergepipe.manifest.build import Manifest
+from mergepipe.manifest.card import CARD_NAME, write_card
 from mergepipe.planner.plan import Plan, load_plan
 from mergepipe.storage.grid import DEFAULT_BLOCK_BYTES
 from mergepipe.storage.paths import check_output
@@ -128,7 +129,7 @@ class Engine:
             result = self._run(plan, staging, out_shard_bytes, progress)
             self._check_inputs_after_reads(plan)
             result["content_hashed"] = hashed
-            manifest = self._manifest(plan, result, model_id, out, time.perf_counter() - t0)
+            manifest = self._manifest(plan, result, model_id, out, time.perf_counter() - t0, staging)
             manifest.write(staging)
             txn.publish()
             txn.commit(lambda: self._register(plan, manifest, model_id, out, run_id, result["inflight"]))
@@ -146,7 +147,8 @@ class Engine:
         return MergePipeline(self, plan, staging, out_shard_bytes, progress).run()
 
     # --- manifest and catalog ----------------------------------------------------------------------
-    def _manifest(self, plan: Plan, result: dict, model_id: str, out: Path, seconds: float) -> Manifest:
+    def _manifest(self, plan: Plan, result: dict, model_id: str, out: Path, seconds: float,
+                  staging: Path | None = None) -> Manifest:
         outputs = dict(result["outputs"])
         core = {
             "format": "mergepipe.manifest/1",
@@ -174,6 +176,12 @@ class Engine:
             core["content_verified"] = {e: {"bytes_hashed": n} for e, n in sorted(result["content_hashed"].items())}
         if result["analysis_read"]:
             core["analyzed_on_the_way"] = {e: {"bytes_read": n} for e, n in sorted(result["analysis_read"].items())}
+        if staging is not None:  # the model card, hashed like every output (it follows from the core alone)
+            previous = outputs.pop(CARD_NAME, None)  # a README.md copied from the base is replaced
+            if previous:
+                core["realized"]["output_write"] -= previous["bytes"]
+            outputs[CARD_NAME] = write_card(staging, core)
+            core["realized"]["output_write"] += outputs[CARD_NAME]["bytes"]
         snapshot_id = "snap-" + os.urandom(6).hex()
         run = {"snapshot_id": snapshot_id, "model_id": model_id, "out": str(out), "created_at": now(),
                "seconds": round(seconds, 4), "timing": {k: round(v, 4) for k, v in result["timing"].items()},

@@ -86,6 +86,26 @@ def launch_analyze(db_path: str | Path, catalog: Catalog, model_ids: list[str], 
     return run_id, proc
 
 
+def launch_evaluate(db_path: str | Path, catalog: Catalog, model_ids: list[str], text_path: str | Path,
+                    log_dir: str | Path) -> tuple[int, subprocess.Popen]:
+    """Start ``mergepipe evaluate`` (perplexity on a held-out text) in its own process; progress lands in
+    the runs table (kind 'evaluate': models done of total, as thousandths)."""
+    from mergepipe.catalog.evaluations import insert_evaluate_run
+    if not model_ids:
+        raise ExecutionError("choose at least one model to evaluate")
+    for mid in model_ids:
+        catalog.model(mid)
+    if not Path(text_path).is_file():
+        raise ExecutionError(f"{text_path} is not a file")
+    with catalog.transaction():
+        run_id = insert_evaluate_run(catalog, model_ids)
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    proc = _spawn(catalog, db_path, ["evaluate", *model_ids, "--text", str(text_path), "--run-id", str(run_id)],
+                  run_id, log_dir / f"evaluate-{run_id}.log")
+    return run_id, proc
+
+
 class RunProgress:
     """Progress callback for the engine that writes the run row at most every PROGRESS_INTERVAL_S."""
 

@@ -68,7 +68,8 @@ class PlanContext(StrategyScores, Bounds):
                                       dtype=np.float64).reshape(len(self.experts), len(names))
         self.weight_sums = self.weight_matrix.sum(axis=0)
         self._check_normalize(names)
-        self.warnings = self._zero_delta_warnings(names)
+        self.warnings = self._zero_delta_warnings(names) + analyses.outlier_warnings(
+            catalog, self.base["id"], [e["id"] for e in self.experts if not e.get("analyze")])
         self.coef_matrix = np.array([[coefficient(self.op, w, ws, self.params) for w, ws in zip(row, self.weight_sums)]
                                      for row in self.weight_matrix]).reshape(self.weight_matrix.shape)
         self.thresholds = self._thresholds()

@@ -326,3 +326,34 @@ def _run(args) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+@torch.no_grad()
+def perplexity(model_or_dir, text: str, tokenizer=None, window: int = 256, max_tokens: int = 8192,
+               progress=None) -> dict:
+    """Perplexity of a causal LM on ``text``: non-overlapping windows of ``window`` tokens (the first
+    ``max_tokens`` tokens of the text), exp of the mean next-token negative log-likelihood.
+    ``progress(done, total)`` is called after each window. Returns {'perplexity', 'nll', 'tokens'}."""
+    model = load_model(model_or_dir) if isinstance(model_or_dir, (str, Path)) else model_or_dir
+    tok = tokenizer or load_tokenizer(model_or_dir)
+    try:
+        ids = tok.encode(text)[:max_tokens]
+    except KeyError as exc:
+        raise MergePipeError(f"the text holds a character the model's vocabulary lacks: {exc}") from None
+    if len(ids) < 2:
+        raise MergePipeError("the text is too short to score (fewer than 2 tokens)")
+    window = max(2, int(window))
+    chunks = [ids[i:i + window] for i in range(0, len(ids), window)]
+    chunks = [c for c in chunks if len(c) >= 2]
+    total_nll, count = 0.0, 0
+    for k, chunk in enumerate(chunks):
+        x = torch.tensor([chunk], dtype=torch.long)
+        logits = model(input_ids=x).logits.float()
+        logp = torch.log_softmax(logits[0, :-1], dim=-1)
+        nll = -logp.gather(1, x[0, 1:].unsqueeze(1)).sum().item()
+        total_nll += nll
+        count += len(chunk) - 1
+        if progress:
+            progress(k + 1, len(chunks))
+    mean = total_nll / count
+    return {"perplexity": math.exp(mean), "nll": mean, "tokens": count}

@@ -23,6 +23,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from urllib.parse import urlparse
+
 import pytest
 
 from dashboard_helpers import REPO, free_port, wait_for_health
@@ -175,6 +177,9 @@ def write_lora_adapter(base_dir: Path, out: Path, r: int = 4) -> None:
 
 def test_dashboard_end_to_end(server, page):
     t0 = time.monotonic()
+    hosts = set()  # every request the page makes must stay on 127.0.0.1 (no CDN, no fonts, no icons)
+    page.on("request", lambda r: hosts.add(urlparse(r.url).hostname) if urlparse(r.url).scheme in (
+        "http", "https", "ws", "wss") else None)
     page.goto(server["url"] + "/")
     expect(page.locator("h1", has_text="MergePipe")).to_be_visible(timeout=60_000)
     expect(page.get_by_text("The catalog is empty")).to_be_visible()
@@ -270,6 +275,22 @@ def test_dashboard_end_to_end(server, page):
     expect(page.get_by_role("spinbutton", name="Density")).to_have_value("0.40")
     mask_selected(page)
     no_exception(page)
+    # the settings as mergekit YAML: edit the budget in place, validated, then applied to the slider
+    page.get_by_text("Settings as mergekit YAML").click()
+    area = page.locator("[data-testid='stTextArea'] textarea")
+    expect(area).to_contain_text("merge_method: ties")
+    text = area.input_value()
+    assert "budget: 34%" in text, text
+    area.fill(text.replace("budget: 34%", "budget: 30%"))
+    area.press("Control+Enter")
+    idle(page)
+    expect(page.get_by_text("Valid: ties of expert_1, expert_2 on base, budget 30%.")).to_be_visible()
+    page.get_by_role("button", name="Apply to the settings").click()
+    expect(page.get_by_text("Applied the YAML: ties of expert_1, expert_2 on base, budget 30%.")).to_be_visible()
+    expect(slider).to_have_value("30")
+    idle(page)
+    expect(caption).to_contain_text("(30%)")
+    no_exception(page)
     page.get_by_role("button", name="Save plan").click()
     expect(page.get_by_text(re.compile(r"Saved plan-[0-9a-f]{16}\."))).to_be_visible()
     plan_id = re.search(r"plan-[0-9a-f]{16}", page.get_by_text(re.compile(r"Saved plan-")).inner_text()).group(0)
@@ -299,6 +320,10 @@ def test_dashboard_end_to_end(server, page):
     expect(page.get_by_role("combobox", name="Snapshot")).to_have_value(re.compile(snap))
     page.get_by_role("button", name="Verify").click()
     expect(page.get_by_text(f"OK: {snap}")).to_be_visible()
+    page.get_by_text("Model card (README.md)").click()
+    expect(page.get_by_role("heading", name="Recipe")).to_be_visible()
+    expect(page.get_by_text("library_name: transformers")).to_be_visible()
+    no_exception(page)
     shot(page, "snapshots")
 
     # --- Lineage: the merged node, then open its manifest -------------------------------------------------
@@ -319,5 +344,22 @@ def test_dashboard_end_to_end(server, page):
     nav(page, "Home", "MergePipe")
     assert metric(page, "Snapshots") == "1" and metric(page, "Experts analyzed") == "3"
     shot(page, "home")
+
+    # --- Snapshots: delete it (confirmation first): files and catalog rows go ---------------------------------
+    out = Path(cat.query("SELECT out FROM snapshots WHERE id = ?", [snap])[0]["out"])
+    assert (out / "README.md").is_file()
+    nav(page, "Snapshots")
+    page.get_by_text("Delete this snapshot").click()
+    delete = page.get_by_role("button", name="Delete", exact=True)
+    expect(delete).to_be_disabled()
+    page.get_by_text(f"Yes, delete {snap} for good").click()
+    idle(page)
+    expect(delete).to_be_enabled()
+    delete.click()
+    expect(page.get_by_text(f"Deleted {snap} (merged-e2e)")).to_be_visible()
+    expect(page.get_by_text("No snapshots yet")).to_be_visible()
+    assert not out.exists() and cat.query("SELECT id FROM snapshots") == []
+    no_exception(page)
     cat.close()
-    assert time.monotonic() - t0 < 180
+    assert hosts == {"127.0.0.1"}, hosts
+    assert time.monotonic() - t0 < 200

@@ -382,7 +382,8 @@ def test_snapshots_manifest_and_verify(env, built):
     man = views.load_manifest(c, built.snapshot_id)
     bars = chart_spec(at, "bytes_expert")
     want = [man.core["realized_by_expert"][e] for e in E]
-    assert arr(bars["data"][0]["y"]).tolist() == arr(bars["data"][1]["y"]).tolist() == want
+    assert bars["data"][0]["y"] == E  # horizontal bars: names on the y axis, bytes on x
+    assert arr(bars["data"][0]["x"]).tolist() == arr(bars["data"][1]["x"]).tolist() == want
     touched = arr(chart_spec(at, "touched_chart")["data"][0]["z"])
     assert touched.shape == (3, 109) and int(touched.sum()) == views.manifest_plan(c, man).selected_blocks
     assert at.json[0].proto.body and json.loads(at.json[0].proto.body)["manifest_hash"] == man.manifest_hash

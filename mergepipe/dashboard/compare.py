@@ -1,0 +1,123 @@
+"""The Compare page: two snapshots side by side -- settings diff, bytes, bound, per-tensor access
+difference, lineage -- all from their manifests (no checkpoint is read)."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import plotly.graph_objects as go
+
+from mergepipe.dashboard.figures import tensor_sort_key
+from mergepipe.dashboard.formatting import fmt_bound, fmt_bytes, fmt_pct
+from mergepipe.manifest.build import Manifest
+
+
+def _experts(core: dict) -> str:
+    parts = []
+    for e in core["inputs"]["experts"]:
+        w = (e.get("settings") or {}).get("weight", e.get("weight"))
+        d = (e.get("settings") or {}).get("density", e.get("density"))
+        parts.append(e["id"] + (f" w={w:g}" if isinstance(w, (int, float)) else "")
+                     + (f" d={d:g}" if isinstance(d, (int, float)) else ""))
+    return ", ".join(parts)
+
+
+def settings_rows(m: Manifest) -> dict[str, str]:
+    c = m.core
+    return {
+        "model": m.run["model_id"], "plan": c["plan_id"], "operator": c["operator"],
+        "params": json.dumps(c["params"], sort_keys=True), "seed": str(c["seed"]), "strategy": c["strategy"],
+        "base": c["inputs"]["base"]["id"], "base fingerprint": c["inputs"]["base"]["fingerprint"],
+        "experts": _experts(c), "grid": fmt_bytes(c["grid"]["block_bytes"]) + " blocks",
+        "budget": f"{c['budget']['spec']} = {fmt_bytes(c['budget']['bytes'])}",
+    }
+
+
+def settings_diff(a: Manifest, b: Manifest, only_different: bool = False) -> pd.DataFrame:
+    """field | A | B | same, for the settings of two snapshots."""
+    ra, rb = settings_rows(a), settings_rows(b)
+    rows = [{"field": k, "A": ra[k], "B": rb[k], "same": "yes" if ra[k] == rb[k] else "no"} for k in ra]
+    df = pd.DataFrame(rows, columns=["field", "A", "B", "same"])
+    return df[df["same"] == "no"].reset_index(drop=True) if only_different else df
+
+
+def numbers_df(a: Manifest, b: Manifest) -> pd.DataFrame:
+    """Bytes (estimated, realized), the share of the changed expert bytes read, and the error bound."""
+    def row(m: Manifest) -> dict:
+        c = m.core
+        full = c["full_expert_bytes"]
+        return {
+            "expert read (estimated)": fmt_bytes(c["estimated"]["expert_read"]),
+            "expert read (realized)": fmt_bytes(c["realized"]["expert_read"]),
+            "share of changed expert bytes": fmt_pct(c["realized"]["expert_read"] / full) if full else "-",
+            "changed (delta != 0) expert bytes": fmt_bytes(full),
+            "base read": fmt_bytes(c["realized"]["base_read"]),
+            "write": fmt_bytes(c["realized"]["output_write"]),
+            "error bound": fmt_bound(c["error_bound"]) if c.get("error_bound") else
+            f"n/a ({c['operator']} is not additive)",
+            "seconds": f"{m.run.get('seconds', 0):.2f}",
+        }
+    ra, rb = row(a), row(b)
+    return pd.DataFrame([{"quantity": k, "A": ra[k], "B": rb[k]} for k in ra], columns=["quantity", "A", "B"])
+
+
+def _blocks_by_tensor(core: dict) -> dict[str, set]:
+    out: dict[str, set] = {}
+    for expert, tensors in core["touched"].items():
+        for t, ranges in tensors.items():
+            s = out.setdefault(t, set())
+            for lo, hi in ranges:
+                s.update((expert, i) for i in range(lo, hi))
+    return out
+
+
+def access_diff(a: Manifest, b: Manifest) -> pd.DataFrame:
+    """Per tensor: (expert, block) pairs read by A, by B, by both, only by A, only by B; sorted by how
+    much they differ."""
+    ta, tb = _blocks_by_tensor(a.core), _blocks_by_tensor(b.core)
+    rows = []
+    for t in sorted(set(ta) | set(tb), key=tensor_sort_key):
+        sa, sb = ta.get(t, set()), tb.get(t, set())
+        rows.append({"tensor": t, "A": len(sa), "B": len(sb), "both": len(sa & sb), "only A": len(sa - sb),
+                     "only B": len(sb - sa)})
+    df = pd.DataFrame(rows, columns=["tensor", "A", "B", "both", "only A", "only B"])
+    if len(df):
+        df = df.assign(_k=df["only A"] + df["only B"]).sort_values(["_k", "tensor"], ascending=[False, True]) \
+            .drop(columns="_k").reset_index(drop=True)
+    return df
+
+
+def access_figure(df: pd.DataFrame, top: int = 20) -> go.Figure:
+    """Horizontal stacked bars of the ``top`` most different tensors: blocks read by both, only A, only B."""
+    d = df.head(top)
+    names = d["tensor"].tolist()
+    fig = go.Figure()
+    for col, colour in (("both", "#9ecae1"), ("only A", "#08519c"), ("only B", "#e6550d")):
+        fig.add_trace(go.Bar(y=names, x=d[col], name=col, orientation="h", marker_color=colour,
+                             hovertemplate="%{y}<br>" + col + " %{x} blocks<extra></extra>"))
+    fig.update_layout(barmode="stack", title="blocks read per tensor (expert blocks): both, only A, only B",
+                      xaxis_title="blocks", height=max(220, 90 + 26 * len(names)),
+                      margin={"l": 10, "r": 10, "t": 60, "b": 10},
+                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "right", "x": 1.0})
+    fig.update_yaxes(autorange="reversed", automargin=True, type="category")
+    return fig
+
+
+def lineage_note(a: Manifest, b: Manifest) -> list[str]:
+    """How the two snapshots relate: shared inputs, one merged from the other."""
+    pa = {p["id"] for p in a.core["parents"]}
+    pb = {p["id"] for p in b.core["parents"]}
+    ma, mb = a.run["model_id"], b.run["model_id"]
+    notes = []
+    if ma in pb:
+        notes.append(f"B ({mb}) was merged from A ({ma}).")
+    if mb in pa:
+        notes.append(f"A ({ma}) was merged from B ({mb}).")
+    shared = sorted(pa & pb)
+    notes.append(f"Shared inputs: {', '.join(shared)}." if shared else "No shared inputs.")
+    if pa - pb:
+        notes.append(f"Only A: {', '.join(sorted(pa - pb))}.")
+    if pb - pa:
+        notes.append(f"Only B: {', '.join(sorted(pb - pa))}.")
+    return notes

@@ -1,0 +1,49 @@
+"""Compare: two snapshots side by side -- settings diff, bytes, bound, per-tensor access difference,
+lineage -- from their manifests."""
+
+import streamlit as st
+
+from mergepipe.dashboard import views
+from pages import _ui as ui
+
+st.title("Compare")
+
+with ui.user_errors(), ui.catalog() as cat:
+    df = views.snapshots_df(cat)
+    if len(df) < 2:
+        st.info("Compare needs two snapshots: launch another merge on the **Run** page.")
+        st.stop()
+    ids = df["snapshot"].tolist()
+    models = dict(zip(df["snapshot"], df["model"]))
+    for key, i in (("cmp_a", 1), ("cmp_b", 0)):  # default: the two latest, older one as A
+        if st.session_state.get(key) not in ids and st.query_params.get(key) not in ids:
+            st.session_state[key] = ids[i]
+    c1, c2 = st.columns(2)
+    # no format_func: a selectbox bound to the URL matches the URL's value against the shown labels
+    a_id = c1.selectbox("Snapshot A", ids, key="cmp_a", bind="query-params")
+    c1.caption(f"model {models.get(a_id, '')}")
+    b_id = c2.selectbox("Snapshot B", ids, key="cmp_b", bind="query-params")
+    c2.caption(f"model {models.get(b_id, '')}")
+    if a_id == b_id:
+        st.warning("Choose two different snapshots.")
+        st.stop()
+    a, b = views.load_manifest(cat, a_id), views.load_manifest(cat, b_id)
+
+    st.subheader("Settings")
+    only = st.toggle("Only the differences", key="cmp_only")
+    st.dataframe(views.settings_diff(a, b, only), hide_index=True, key="cmp_settings",
+                 column_config={"A": st.column_config.TextColumn(width="large"),
+                                "B": st.column_config.TextColumn(width="large")})
+    st.subheader("Bytes and bound")
+    st.dataframe(views.numbers_df(a, b), hide_index=True, key="cmp_numbers")
+    st.subheader("Access")
+    diff = views.access_diff(a, b)
+    st.caption(f"{int((diff['only A'] + diff['only B'] > 0).sum())} of {len(diff)} tensors read differently; "
+               f"{int(diff['only A'].sum())} expert blocks only by A, {int(diff['only B'].sum())} only by B.")
+    st.plotly_chart(views.access_figure(diff), key="cmp_access")
+    with st.expander("Per-tensor table"):
+        st.dataframe(diff, hide_index=True, key="cmp_access_table",
+                     column_config={"tensor": st.column_config.TextColumn(width="large")})
+    st.subheader("Lineage")
+    for line in views.lineage_note(a, b):
+        st.write(line)
