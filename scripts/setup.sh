@@ -16,7 +16,10 @@ if [ ! -x /usr/bin/chromium ]; then
         echo "note: /usr/bin/chromium missing; browser tests need: sudo apt-get install -y chromium" >&2
     fi
 fi
-# axe-core (npm) for the dashboard's accessibility test; skipped with a note when npm is missing
+# axe-core (npm) for the dashboard's accessibility test (Debian's npm when missing and root)
+if ! command -v npm >/dev/null && [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm) >/dev/null
+fi
 if command -v npm >/dev/null; then
     npm install --silent --no-audit --no-fund >/dev/null
 else
