@@ -18,11 +18,12 @@ from mergepipe.config.model import (
     REFUSED_TOP_KEYS, SHARED_PARAMS, TOKENIZER_KEYS, TOP_KEYS,
 )
 from mergepipe.config.templates import CHAT_TEMPLATES
-from mergepipe.errors import PlanError
+from mergepipe.errors import PlanError, StorageError
 from mergepipe.ops.core import OPERATORS
 from mergepipe.planner.budget import Budget
 from mergepipe.planner.settings import check_setting
 from mergepipe.planner.strategies import STRATEGIES
+from mergepipe.storage.paths import read_regular
 
 
 # --- parsing ----------------------------------------------------------------------------------------
@@ -55,8 +56,10 @@ def load_config(path: str | Path) -> MergekitConfig:
         raise ConfigError(f"{p}: no such config file")
     if p.stat().st_size > MAX_CONFIG_BYTES:
         raise ConfigError(f"{p}: {p.stat().st_size} bytes is too large for a merge config")
-    try:
-        text = p.read_bytes().decode("utf-8")
+    try:  # through the path checks: inside the allowed roots, a regular file
+        text = read_regular(p, MAX_CONFIG_BYTES).decode("utf-8")
+    except StorageError as exc:
+        raise ConfigError(str(exc)) from None
     except UnicodeDecodeError:
         raise ConfigError(f"{p}: not a UTF-8 text file") from None
     return parse_config(text, source=p.name)

@@ -21,6 +21,7 @@ from mergepipe.planner.budget import Budget
 from mergepipe.planner.context import PlanContext
 from mergepipe.planner.plan import Plan
 from mergepipe.planner.request import MergeRequest
+from mergepipe.storage.paths import read_regular
 
 
 # --- plans ---------------------------------------------------------------------------------------------
@@ -98,7 +99,7 @@ def read_config_source(upload: bytes | None, path: str | None, roots: list[Path]
         raise MergePipeError(f"{p} is not a file")
     if p.stat().st_size > MAX_CONFIG_BYTES:
         raise MergePipeError(f"{p}: {p.stat().st_size} bytes is too large for a merge config")
-    return p.read_bytes(), p.name
+    return read_regular(p, MAX_CONFIG_BYTES), p.name
 
 
 def mergekit_plan_settings(cat: Catalog, text: str | bytes, source: str, roots: list[Path]) -> dict:

@@ -90,7 +90,9 @@ def test_base_tokenizer_files_carried_and_hashed(fam, tmp_path):
     for name in CARRIED + ["config.json"]:
         assert (out / name).read_bytes() == (b / name).read_bytes(), name
         assert outputs[name]["sha256"] == sha(out / name), name
-    assert not (out / "README.md").exists() and not (out / "training_args.bin").exists()
+    # the base's README.md is not carried: the output's README.md is its own model card
+    assert (out / "README.md").read_bytes() != (b / "README.md").read_bytes()
+    assert (out / "README.md").read_text().startswith("---\n") and not (out / "training_args.bin").exists()
     assert "tokenizer.json" not in outputs  # only what the base has
     assert verify(cat, snap)["ok"]
     tok = transformers.AutoTokenizer.from_pretrained(str(out), local_files_only=True)

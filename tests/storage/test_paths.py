@@ -159,3 +159,22 @@ def test_a_linked_tokenizer_file_does_not_carry_an_outside_file_into_the_output(
     res = run_cli(["--db", db, "merge", "--base", "base", "--experts", "e1", "--out", tmp_path / "merged"])
     assert res.returncode == 2 and "outside the allowed folders" in res.stderr and SECRET[:10] not in res.stderr
     assert not (tmp_path / "merged").exists()
+
+
+def test_merge_configs_are_read_through_the_path_checks(tmp_path, family, monkeypatch):
+    from mergepipe.config.model import ConfigError
+    from mergepipe.config.parse import load_config
+    secret = family["outside"] / "merge.yml"
+    secret.write_text(f"# {SECRET}\nmerge_method: linear\nmodels: []\n")
+    link = family["allowed"] / "linked.yml"
+    if not link.exists():
+        link.symlink_to(secret)
+    monkeypatch.setenv(ROOTS_ENV, str(family["allowed"]))
+    with pytest.raises(ConfigError, match="outside the allowed folders") as err:
+        load_config(link)
+    assert SECRET[:10] not in str(err.value)
+    fifo = tmp_path / "fifo.yml"
+    os.mkfifo(fifo)
+    monkeypatch.delenv(ROOTS_ENV)
+    with pytest.raises(ConfigError, match="no such config file"):  # not a regular file: never opened
+        load_config(fifo)

@@ -109,7 +109,8 @@ def test_a_merge_reads_only_through_the_registered_storage(tmp_path, family, cou
     plan_r, _, _ = merge(remote, "base", ["e1", "e2"], tmp_path / "out-counted", operator, **settings)
 
     assert plan_r["access"] == plan_l["access"]
-    assert dir_hashes(tmp_path / "out-counted") == dir_hashes(tmp_path / "out-local")
+    # the weights are identical; the model cards differ only in the inputs' URIs
+    assert dir_hashes(tmp_path / "out-counted", "*.safetensors") == dir_hashes(tmp_path / "out-local", "*.safetensors")
     expert_read = sum(counted.bytes_read(Path(e).resolve()) for e in family["experts"])
     assert expert_read == plan_r["estimate"]["expert_read"]
     assert 0 < expert_read < plan_r["full_expert_bytes"]
