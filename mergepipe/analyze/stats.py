@@ -96,8 +96,12 @@ class ExpertAnalysis:
     its settings, and the rows of every tensor analyzed so far. Tensors may be analyzed concurrently."""
 
     def __init__(self, expert: dict, base: dict, base_ck: Checkpoint, block_bytes: int,
-                 sketch_size: int = DEFAULT_SKETCH_SIZE, densities=DEFAULT_DENSITIES, grid_seen: int | None = None):
+                 sketch_size: int = DEFAULT_SKETCH_SIZE, densities=DEFAULT_DENSITIES, grid_seen: int | None = None,
+                 with_gram: bool = False):
         self.expert, self.base = expert, base
+        # the interpolation methods' Gram statistics: opt-in, their K^2 dot products cost more than
+        # everything else ANALYZE computes (measured: ANALYZE of 4 experts 2.7x slower with them)
+        self.with_gram = with_gram
         self.grid_seen = grid_seen  # the base's grid when the job was made (compare-and-set on store)
         self.base_ck = base_ck
         self.source = open_source(expert["kind"], expert["uri"])
@@ -201,7 +205,7 @@ def _first_pass(passes: list["_TensorPass"], binfo: TensorInfo) -> None:
                 for span in spans]
     keep = binfo.numel * 4 <= IN_MEMORY_TENSOR_BYTES and sum(per_span) <= KEEP_TASK_BYTES
     arena = _Arena(sum(per_span) if keep else max(per_span))
-    gram = GramAccumulator(passes, binfo)
+    gram = GramAccumulator(passes, binfo) if any(p.job.with_gram for p in passes) else None
     with passes[0].job.base_ck.reader(sequential=True) as base_reader:
         for i, span in enumerate(spans):
             for ahead in spans[i + PREFETCH_BLOCKS:i + PREFETCH_BLOCKS + 1] if i else spans[:PREFETCH_BLOCKS + 1]:
@@ -212,8 +216,11 @@ def _first_pass(passes: list["_TensorPass"], binfo: TensorInfo) -> None:
             if needs_base:
                 rng = (binfo.file, binfo.offset + span.rel_offset, span.nbytes)
                 base = _read(base_reader, rng, binfo.dtype, arena.take(span.nbytes))
-            gram.add(base, [p.add_block(span, base, arena, keep) for p in passes])
-    gram.finish()
+            blocks = [p.add_block(span, base, arena, keep) for p in passes]
+            if gram is not None:
+                gram.add(base, blocks)
+    if gram is not None:
+        gram.finish()
 
 
 class _TensorPass:

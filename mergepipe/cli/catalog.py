@@ -66,6 +66,9 @@ def _add_analyze(p):
     p.add_argument("--sketch-size", type=int, default=None, help="sketch samples per block (default 2048)")
     p.add_argument("--densities", type=float, nargs="*", help="extra top-k densities to store thresholds for")
     p.add_argument("--force", action="store_true", help="re-analyze even if unchanged")
+    p.add_argument("--gram", action="store_true",
+                   help="also the pairwise statistics of these experts, analyzed together, that slerp, model_stock "
+                        "and the other interpolation methods need (implies --force)")
     p.add_argument("--run-id", type=int, help=argparse.SUPPRESS)
 
 
@@ -75,7 +78,7 @@ def cmd_analyze(args):
     cat = open_catalog(args, write=True)
     if args.ids:
         args.model_ids = [*(args.model_ids or []), *args.ids]
-    kw = {"force": args.force, "sketch_size": DEFAULT_SKETCH_SIZE if args.sketch_size is None else args.sketch_size,
+    kw = {"force": args.force, "gram": args.gram, "sketch_size": DEFAULT_SKETCH_SIZE if args.sketch_size is None else args.sketch_size,
           "densities": tuple(DEFAULT_DENSITIES) + tuple(args.densities or ())}
     if args.block_bytes is not None:
         kw["block_bytes"] = args.block_bytes

@@ -363,6 +363,6 @@ def _plan_method(cat: Catalog, planner: Planner, resolved: Resolved, save: bool)
     except NeedsAnalysis:
         pass
     from mergepipe.analyze.runner import analyze
-    analyze(cat, [e["model"] for e in resolved.experts], force=True)
+    analyze(cat, [e["model"] for e in resolved.experts], gram=True)
     return planner.plan(resolved.request(), save=save)
 

@@ -30,7 +30,7 @@ from mergepipe.storage.safetensors import FLOAT_DTYPES
 
 
 class NeedsAnalysis(PlanError):
-    """The catalog lacks statistics these experts need together: ``mergepipe analyze --force`` them (the
+    """The catalog lacks statistics these experts need together: ``mergepipe analyze --gram`` them together (the
     mergekit config path does it by itself)."""
 
 
@@ -74,7 +74,7 @@ def tensor_scalars(ctx) -> dict[str, list[float]]:
             if per is None or set(per) != set(ids):
                 raise NeedsAnalysis(f"{op.name} needs the counts of shared and unique entries of exactly these experts "
                                     f"analyzed together, which the catalog does not hold for tensor {name}: "
-                                    f"`mergepipe analyze --force {' '.join(ids)}`")
+                                    f"`mergepipe analyze --gram {' '.join(ids)}`")
             settings["ram_counts"] = ([per[e][0] for e in ids], [per[e][1] for e in ids])
         if "t" in params:
             settings["t"] = resolve([params["t"]], name, layer_t(name, layers), 0.0)
@@ -93,7 +93,7 @@ def _gram(op, rows: dict, ids: list[str], name: str, t, zero: set) -> Gram:
             return 0.0
         if key not in rows:
             raise NeedsAnalysis(f"{op.name} needs {what} on tensor {name}, which the catalog does not hold: the "
-                            f"experts must be analyzed together (`mergepipe analyze --force {' '.join(ids)}`)"
+                            f"experts must be analyzed together (`mergepipe analyze --gram {' '.join(ids)}`)"
                             + ("; the base is not read for delta checkpoints" if a == "" else ""))
         return rows[key]
     needs_base = op.name in ("slerp", "karcher")

@@ -25,6 +25,8 @@ def test_gram_equals_float64_of_float32_deltas(fam, tmp_path):
     cat = open_copy(fam, tmp_path / "c.sqlite")
     try:
         ids = fam.expert_ids
+        assert load_gram(cat, "base", ids) == {}  # opt-in: the template was analyzed without --gram
+        analyze(cat, ids, gram=True, block_bytes=fam.spec.block_bytes)
         gram = load_gram(cat, "base", ids)
         base = load_dir(fam.base)
         xs = [load_dir(p) for p in fam.experts[:len(ids)]]
@@ -41,11 +43,15 @@ def test_gram_equals_float64_of_float32_deltas(fam, tmp_path):
                     key = tuple(sorted((e, f)))
                     assert rows[key] == pytest.approx(float(deltas[i] @ deltas[j]), rel=1e-9, abs=1e-12)
         # re-analyzing one expert alone drops its pairs with the others (they need a joint run)
-        analyze(cat, [ids[0]], force=True, block_bytes=fam.spec.block_bytes)
+        analyze(cat, [ids[0]], gram=True, block_bytes=fam.spec.block_bytes)
         gram = load_gram(cat, "base", ids)
         some = next(iter(gram.values()))
         assert tuple(sorted((ids[0], ids[1]))) not in some and (ids[0], ids[0]) in some
         assert tuple(sorted((ids[1], ids[2]))) in some
+        # re-analyzing without --gram drops the expert's stale rows and stores none
+        analyze(cat, [ids[1]], force=True, block_bytes=fam.spec.block_bytes)
+        some = next(iter(load_gram(cat, "base", ids).values()))
+        assert not any(ids[1] in key for key in some) and (ids[0], ids[0]) in some
     finally:
         cat.close()
 
