@@ -187,18 +187,58 @@ def count_low_bits(e, b, slot_of, dense):
 
 
 @njit(**_C)
-def count_patterns(e, b, pats, out):
-    """out[p] += entries of one block whose |d| has the float32 pattern pats[p] (``pats`` sorted)."""
+def count_patterns(e, b, pats, first, out):
+    """out[p] += entries of one block whose |d| has the float32 pattern pats[p] (``pats`` sorted;
+    ``first[top]``: the index of the first pattern whose top 16 bits are ``top``, -1 for none -- one
+    table lookup per entry, as most entries share no top bits with any pattern)."""
     P = pats.size
-    lo = pats[0]
-    hi = pats[P - 1]
     for i in range(e.size):
         bits = np.float32(abs(_delta(e, b, i))).view(np.uint32)
-        if bits < lo or bits > hi:
+        top = bits >> 16
+        p = first[top]
+        if p < 0:
             continue
-        p = np.searchsorted(pats, bits)
-        if p < P and pats[p] == bits:
-            out[p] += 1
+        while p < P and (pats[p] >> 16) == top:
+            if pats[p] == bits:
+                out[p] += 1
+                break
+            p += 1
+
+
+@njit(**_C)
+def hist_delta(hist, prev, bins, counts):
+    """The bins of the (lanes, bins) histogram that grew since ``prev`` (the lane sums last time, updated)
+    into bins[:n] / counts[:n] (how much each grew); returns n. One block's histogram, sparse."""
+    n = 0
+    for j in range(hist.shape[1]):
+        s = 0
+        for lane in range(hist.shape[0]):
+            s += hist[lane, j]
+        d = s - prev[j]
+        if d != 0:
+            bins[n] = j
+            counts[n] = d
+            prev[j] = s
+            n += 1
+    return n
+
+
+@njit(**_C)
+def count_keys(keys, pats, first, eq, same_top):
+    """Over one block's collected low-bit keys: eq[p] += keys equal to pats[p], same_top[p] += keys in
+    pats[p]'s top-16 bin (``first`` as in count_patterns). No pass over the block's data."""
+    P = pats.size
+    for i in range(keys.size):
+        k = keys[i]
+        top = k >> 16
+        p = first[top]
+        if p < 0:
+            continue
+        while p < P and (pats[p] >> 16) == top:
+            same_top[p] += 1
+            if pats[p] == k:
+                eq[p] += 1
+            p += 1
 
 
 @njit(**_C)

@@ -289,12 +289,14 @@ class _TensorPass:
         s2, s1, m, n, low, self.nkeys = kernels.block_stats(e, b, self.hist, self.keys, before, self.l1hist)
         if self.nkeys - before < low:
             self._collect_rest(e, b, before, low)
-        if not keep:  # this block's histogram counts, sparse (the exact-k cuts need no second read)
-            now = self.hist.sum(axis=0, dtype=np.int64)
-            diff = now if self._hist_before is None else now - self._hist_before
-            self._hist_before = now
-            bins = np.flatnonzero(diff)
-            self.block_bins.append((bins, diff[bins], before, self.nkeys))
+        # this block's histogram counts, sparse: the exact-k cuts then need no second pass over the data
+        if self._hist_before is None:
+            width = self.hist.shape[1]
+            self._hist_before = np.zeros(width, dtype=np.int64)
+            self._bin_scratch = (np.empty(width, dtype=np.int64), np.empty(width, dtype=np.int64))
+        bins, counts = self._bin_scratch
+        n_bins = kernels.hist_delta(self.hist, self._hist_before, bins, counts)
+        self.block_bins.append((bins[:n_bins].copy(), counts[:n_bins].copy(), before, self.nkeys))
         m = float(m)
         nonfinite = kernels.nonfinite_in_hist(self.hist) - self.nonfinite  # this block's (a histogram read)
         base_nonfinite = kernels.count_nonfinite(b) if nonfinite and b is not None else 0  # bad blocks only
@@ -336,10 +338,10 @@ class _TensorPass:
 
     def _tie_cuts(self, topk: dict, thresholds: dict) -> None:
         """Fill the exact-k cuts of ``topk`` (analyze/thresholds.tie_cut_queries), only where entries tied
-        at a threshold straddle the top k, from the count of tied entries in each block: counted in
-        memory when the first pass kept the tensor; for a larger tensor from what the first pass recorded
-        (each block's histogram counts and its collected low-bit keys: no second read); only when the
-        first pass ran out of room for keys (the select then re-reads as well), by a re-read."""
+        at a threshold straddle the top k, from the count of tied entries in each block, taken from what
+        the first pass recorded (each block's histogram counts and its collected low-bit keys: no second
+        pass); only when the first pass ran out of room for keys (the select then re-reads as well), by a
+        pass over the kept blocks or a re-read."""
         for entry in topk.values():
             entry[3], entry[4], entry[8], entry[9] = NO_CUT, 0, NO_CUT, 0
         queries = tie_cut_queries(topk, thresholds, self.binfo.numel)
@@ -347,21 +349,24 @@ class _TensorPass:
             return
         pats = np.array(sorted({q[0] for q in queries}), dtype=np.uint32)
         per_block = np.zeros((len(self.spans), pats.size), dtype=np.int64)
-        if not self.keep and self.keys is not _NO_KEYS and len(self.block_bins) == len(self.spans):
+        first = np.full(1 << 16, -1, dtype=np.int32)
+        tops, at = np.unique(pats >> 16, return_index=True)  # pats sorted: the first pattern of each top
+        first[tops] = at
+        if self.keys is not _NO_KEYS and len(self.block_bins) == len(self.spans):
+            low = (pats & 0xFFFF) != 0
+            eq, same_top = np.zeros(pats.size, np.int64), np.zeros(pats.size, np.int64)
             for i, (bins, counts, k0, k1) in enumerate(self.block_bins):
-                keys = self.keys[k0:k1]
-                for j, pat in enumerate(pats.tolist()):
-                    top, low = pat >> 16, pat & 0xFFFF
-                    if low:
-                        per_block[i, j] = int((keys == pat).sum())
-                    else:  # the bin's entries with low bits 0: its count less its listed keys
-                        at = np.searchsorted(bins, top)
-                        in_bin = int(counts[at]) if at < bins.size and bins[at] == top else 0
-                        per_block[i, j] = in_bin - int(((keys >> 16) == top).sum())
+                eq[:], same_top[:] = 0, 0
+                kernels.count_keys(self.keys[k0:k1], pats, first, eq, same_top)
+                # a pattern with low bits 0 is never a key: its bin's count less the bin's listed keys
+                where = np.searchsorted(bins, pats >> 16).clip(max=max(bins.size - 1, 0))
+                in_bin = np.where((bins.size > 0) & (bins[where] == (pats >> 16)), counts[where], 0) \
+                    if bins.size else np.zeros(pats.size, np.int64)
+                per_block[i] = np.where(low, eq, in_bin - same_top)
         else:
             blocks = self.cached if self.keep else (self.reread(s) for s in self.spans)
             for i, (e, b) in enumerate(blocks):
-                kernels.count_patterns(e, b, pats, per_block[i])
+                kernels.count_patterns(e, b, pats, first, per_block[i])
         column = {int(p): j for j, p in enumerate(pats.tolist())}
         for pat, m, d, at in queries:
             b, r = block_cut(per_block[:, column[pat]], m)
