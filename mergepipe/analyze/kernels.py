@@ -206,11 +206,12 @@ def count_patterns(e, b, pats, first, out):
 
 
 @njit(**_C)
-def hist_delta(hist, prev, bins, counts):
-    """The bins of the (lanes, bins) histogram that grew since ``prev`` (the lane sums last time, updated)
-    into bins[:n] / counts[:n] (how much each grew); returns n. One block's histogram, sparse."""
+def hist_delta(hist, prev, bins, counts, upto):
+    """The bins below ``upto`` of the (lanes, bins) histogram that grew since ``prev`` (the lane sums last
+    time, updated) into bins[:n] / counts[:n] (how much each grew); returns n. One block's histogram,
+    sparse (``upto``: one past the top bin of the block's max |d|: no entry of it lies above)."""
     n = 0
-    for j in range(hist.shape[1]):
+    for j in range(min(upto, hist.shape[1])):
         s = 0
         for lane in range(hist.shape[0]):
             s += hist[lane, j]

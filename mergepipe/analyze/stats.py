@@ -295,7 +295,8 @@ class _TensorPass:
             self._hist_before = np.zeros(width, dtype=np.int64)
             self._bin_scratch = (np.empty(width, dtype=np.int64), np.empty(width, dtype=np.int64))
         bins, counts = self._bin_scratch
-        n_bins = kernels.hist_delta(self.hist, self._hist_before, bins, counts)
+        top = int(np.float32(m).view(np.uint32)) >> 16 if np.isfinite(m) else self.hist.shape[1]
+        n_bins = kernels.hist_delta(self.hist, self._hist_before, bins, counts, top + 1)
         self.block_bins.append((bins[:n_bins].copy(), counts[:n_bins].copy(), before, self.nkeys))
         m = float(m)
         nonfinite = kernels.nonfinite_in_hist(self.hist) - self.nonfinite  # this block's (a histogram read)
