@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
+from mergepipe.units import human_bytes
 
 # --- formatting ------------------------------------------------------------------------------------
-def fmt_bytes(n) -> str:
-    """1536 -> '1.50 KiB'; None -> '-'."""
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
+fmt_bytes = human_bytes  # 1536 -> '1.50 KiB'; None -> '-'
 
 
 def fmt_pct(x) -> str:

@@ -14,19 +14,12 @@ from pathlib import Path
 
 import yaml
 
+from mergepipe.units import human_bytes
+
 CARD_NAME = "README.md"
 
 
-def _bytes(n) -> str:
-    """Binary units, as everywhere in MergePipe: 1536 -> '1.50 KiB'."""
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
+_bytes = human_bytes
 
 
 def _setting(e: dict, key: str):
