@@ -98,3 +98,28 @@ def wait_until(pred, timeout: float = 60.0, interval: float = 0.2, what: str = "
             return v
         time.sleep(interval)
     raise TimeoutError(f"timed out waiting for {what}")
+
+
+# --- AppTest ------------------------------------------------------------------------------------
+PAGE_TIMEOUT = 60
+
+
+def page_env(built: Built, tmp_path: Path, monkeypatch) -> dict:
+    """A private copy of the built catalog, shown by the app; checkpoints and tmp_path are allowed roots."""
+    db = copy_catalog(built.db, tmp_path / "catalog.sqlite")
+    monkeypatch.setenv("MERGEPIPE_DB", str(db))
+    monkeypatch.setenv("MERGEPIPE_ALLOWED_ROOTS", f"{built.root}:{tmp_path}")
+    return {"db": db, "tmp": tmp_path, "built": built}
+
+
+def open_page(name: str, query: dict | None = None):
+    """The app at page ``name`` (``home`` or pages/<name>.py) after one run, with no exception."""
+    from streamlit.testing.v1 import AppTest
+    at = AppTest.from_file(str(REPO / "app.py"), default_timeout=PAGE_TIMEOUT)
+    for k, v in (query or {}).items():
+        at.query_params[k] = v
+    at.run()
+    if name != "home":
+        at.switch_page(f"pages/{name}.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at

@@ -8,16 +8,14 @@ import json
 
 import numpy as np
 import pytest
-from streamlit.testing.v1 import AppTest
 
-from dashboard_helpers import EXPERTS, REPO, build_catalog, copy_catalog, wait_until
+from dashboard_helpers import EXPERTS, build_catalog, open_page, page_env, wait_until
 from mergepipe.dashboard import views
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.models import register
 from mergepipe.engine.runs import get_run
 
 E = list(EXPERTS)
-TIMEOUT = 60
 
 
 @pytest.fixture(scope="module")
@@ -27,22 +25,7 @@ def built(tmp_path_factory):
 
 @pytest.fixture
 def env(built, tmp_path, monkeypatch):
-    """A private copy of the built catalog, shown by the app; checkpoints and tmp_path are allowed roots."""
-    db = copy_catalog(built.db, tmp_path / "catalog.sqlite")
-    monkeypatch.setenv("MERGEPIPE_DB", str(db))
-    monkeypatch.setenv("MERGEPIPE_ALLOWED_ROOTS", f"{built.root}:{tmp_path}")
-    return {"db": db, "tmp": tmp_path, "built": built}
-
-
-def open_page(name: str, query: dict | None = None) -> AppTest:
-    at = AppTest.from_file(str(REPO / "app.py"), default_timeout=TIMEOUT)
-    for k, v in (query or {}).items():
-        at.query_params[k] = v
-    at.run()
-    if name != "home":
-        at.switch_page(f"pages/{name}.py").run()
-    assert not at.exception, [e.value for e in at.exception]
-    return at
+    return page_env(built, tmp_path, monkeypatch)
 
 
 def metrics(at) -> dict:

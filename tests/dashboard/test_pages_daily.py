@@ -7,15 +7,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from streamlit.testing.v1 import AppTest
 
-from dashboard_helpers import EXPERTS, REPO, build_catalog, copy_catalog
+from dashboard_helpers import EXPERTS, build_catalog, open_page, page_env
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.models import register
 from mergepipe.dashboard import views
 
 E = list(EXPERTS)
-TIMEOUT = 60
 
 
 @pytest.fixture(scope="module")
@@ -25,21 +23,7 @@ def built(tmp_path_factory):
 
 @pytest.fixture
 def env(built, tmp_path, monkeypatch):
-    db = copy_catalog(built.db, tmp_path / "catalog.sqlite")
-    monkeypatch.setenv("MERGEPIPE_DB", str(db))
-    monkeypatch.setenv("MERGEPIPE_ALLOWED_ROOTS", f"{built.root}:{tmp_path}")
-    return {"db": db, "tmp": tmp_path, "built": built}
-
-
-def open_page(name: str, query: dict | None = None) -> AppTest:
-    at = AppTest.from_file(str(REPO / "app.py"), default_timeout=TIMEOUT)
-    for k, v in (query or {}).items():
-        at.query_params[k] = v
-    at.run()
-    if name != "home":
-        at.switch_page(f"pages/{name}.py").run()
-    assert not at.exception, [e.value for e in at.exception]
-    return at
+    return page_env(built, tmp_path, monkeypatch)
 
 
 def spec(at, key: str) -> dict:
