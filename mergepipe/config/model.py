@@ -15,11 +15,9 @@ from mergepipe.planner.budget import Budget
 
 MAX_CONFIG_BYTES = 1 << 20  # a merge config is a few hundred bytes; refuse to parse anything huge
 
-TOP_KEYS = ("models", "base_model", "merge_method", "parameters", "dtype", "out_dtype", "tokenizer_source",
-            "tokenizer", "chat_template", "mergepipe")
+TOP_KEYS = ("models", "slices", "base_model", "merge_method", "parameters", "dtype", "out_dtype",
+            "tokenizer_source", "tokenizer", "chat_template", "mergepipe")
 REFUSED_TOP_KEYS = {
-    "slices": "layer slices (`slices:`) are not supported: MergePipe merges whole models with the same "
-              "tensors; use `models:`",
     "modules": "per-module definitions (`modules:`) are not supported; use one `models:` list",
 }
 # mergekit's `tokenizer:` block
@@ -95,6 +93,7 @@ class MergekitConfig:
     pad_to_multiple_of: int | None = None
     chat_template: str | None = None  # "auto", a template name or the template text
     method_params: dict = dataclasses.field(default_factory=dict)  # METHOD_PARAMS given (t, filter_wise, ...)
+    slices: tuple | None = None  # `slices:` as config/slices.py reads it (OutputSlice, ...); None: `models:`
 
     def with_overrides(self, operator=None, budget=None, target_bound=None, strategy=None, seed=None,
                        **params) -> MergekitConfig:

@@ -17,6 +17,7 @@ from mergepipe.config.model import (
     GRADIENT_PARAMS, MERGEKIT_ONLY_METHODS, METHOD_PARAMS, MODEL_PARAMS, MergekitConfig, PARAMS, PER_TENSOR,
     REFUSED_TOP_KEYS, SHARED_PARAMS, TOKENIZER_KEYS, TOP_KEYS,
 )
+from mergepipe.config.slices import read_slices
 from mergepipe.config.templates import CHAT_TEMPLATES
 from mergepipe.errors import PlanError, StorageError
 from mergepipe.ops.core import OPERATORS
@@ -91,10 +92,15 @@ def _cut(msg: str) -> str:
 def _parse(text, source: str) -> MergekitConfig:
     doc = _load(text)
     method = _method(doc)
-    base = _base(doc)
     globals_ = _global_params(doc)
-    entries = _model_entries(doc)
-    models, values = _models(entries, globals_)
+    slices = None
+    if "slices" in doc:  # layer ranges (config/slices.py); the models are those the slices name
+        base, models, slices = read_slices(doc, method, globals_, _ref)
+        values = {p: globals_.get(p) for p in SHARED_PARAMS}
+    else:
+        base = _base(doc)
+        entries = _model_entries(doc)
+        models, values = _models(entries, globals_)
     # The compute dtype: MergePipe always computes in float32, at least as precise as any float dtype
     # asked for (outputs may differ from mergekit's bf16/fp16 arithmetic by that dtype's rounding).
     dtype = _dtype(doc.get("dtype"), "dtype")
@@ -109,7 +115,8 @@ def _parse(text, source: str) -> MergekitConfig:
         lam=values["lambda"], gamma=values["gamma"], epsilon=values["epsilon"],
         dtype=dtype, out_dtype=out_dtype, budget=budget, target_bound=target, strategy=strategy, seed=seed,
         plan_id=plan_id, tokenizer_source=tokenizer_source, tokenizer_tokens=tokens,
-        pad_to_multiple_of=pad, chat_template=chat_template, method_params=_method_params(globals_, values))
+        pad_to_multiple_of=pad, chat_template=chat_template, method_params=_method_params(globals_, values),
+        slices=slices)
 
 
 def _method_params(globals_: dict, values: dict) -> dict:

@@ -8,6 +8,7 @@ a config that fails anywhere before the merge starts leaves the catalog unchange
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,9 @@ class Resolved:
     to_register: list[dict] = field(default_factory=list)  # register() keyword arguments, in order
     reused: dict[str, str] = field(default_factory=dict)  # reference as written -> registered id it matched
     tokenizer: dict | None = None  # {"source", "source_uri", "chat_template"}: None = the base's tokenizer
+    ids: dict[str, str] = field(default_factory=dict)  # reference as written -> catalog id
+    layout: dict | None = None  # a `slices:` config's output layout (config/slices.py)
+    method_params: dict | None = None  # a `slices:` config's per-tensor t (None: the config's own)
 
     @property
     def pending(self) -> bool:
@@ -46,10 +50,11 @@ class Resolved:
     def request(self) -> MergeRequest:
         """The merge request this config makes (its models as catalog ids)."""
         c = self.config
+        method_params = c.method_params if self.method_params is None else self.method_params
         return MergeRequest.build(self.base, self.experts, c.method, budget=c.budget, target_bound=c.target_bound,
                                   lam=c.lam, normalize=c.normalize, rescale=c.rescale, gamma=c.gamma,
                                   epsilon=c.epsilon, seed=c.seed, strategy=c.strategy, tokenizer=self.tokenizer,
-                                  **c.method_params)
+                                  layout=self.layout, **method_params)
 
 
 PathCheck = Callable[[str], Path]
@@ -180,13 +185,15 @@ def prepare(cat: Catalog, cfg: MergekitConfig, register_paths: bool = True, chec
     op = get_op(cfg.method)
     resolve_params(op, normalize=cfg.normalize, rescale=cfg.rescale, lam=cfg.lam,
                             **{k: v for k, v in (("gamma", cfg.gamma), ("epsilon", cfg.epsilon)) if v is not None},
-                            **cfg.method_params)
+                            **{k: v for k, v in cfg.method_params.items() if not (cfg.slices and k == "scale")})
     r = _Resolver(cat, cfg, register_paths, check_path, reserved_ids)
     base_id, base_path = r.base()
     r.out.base, r.base_path = base_id, base_path
     _check_out_dtype(cat, cfg, base_id, base_path)
+    r.out.ids[cfg.base] = base_id
     for m in cfg.models:
         mid = r.expert(m, base_id, base_path)
+        r.out.ids[m.ref] = base_id if mid is None else mid
         if mid is None:
             if op.whole_models:
                 raise ConfigError(f"{cfg.source}: {m.where}: the base model is listed among the models; MergePipe's "
@@ -199,10 +206,35 @@ def prepare(cat: Catalog, cfg: MergekitConfig, register_paths: bool = True, chec
         if m.density is not None:
             spec["density"] = m.density
         r.out.experts.append(spec)
-    if not r.out.experts:
+    if cfg.slices is not None:
+        _expand_slices(r, base_id)
+    elif not r.out.experts:
         raise ConfigError(f"{cfg.source}: `models:` lists no model other than the base")
     r.out.tokenizer = _tokenizer(r, base_id, base_path)
     return r.out
+
+
+def _expand_slices(r: _Resolver, base_id: str) -> None:
+    """A `slices:` config's layout and per-tensor settings (config/slices.py), from the models' tensors."""
+    from mergepipe.config.slices import expand, model_layers, read_config
+    uris = {kw["model_id"]: kw["uri"] for kw in r.out.to_register}
+    tensors, layers = {}, {}
+    for mid in set(r.out.ids.values()):
+        if r.cat.has_model(mid):
+            shapes = {t["name"]: tuple(t["shape"]) for t in r.cat.tensors(mid)}
+            config = json.loads(r.cat.model(mid)["config"] or "{}")
+        else:
+            shapes = {n: tuple(t.shape) for n, t in open_checkpoint(uris[mid]).tensors.items()}
+            config = read_config(Path(uris[mid]))
+        tensors[mid], layers[mid] = shapes, model_layers(config, shapes)
+    ex = expand(r.cfg, r.out.ids, base_id, tensors, layers)
+    r.out.layout, r.out.method_params = ex.layout, ex.method_params
+    for spec in r.out.experts:
+        spec.pop("weight", None)
+        spec.pop("density", None)
+        spec.update({k: v for k, v in ex.settings.get(spec["model"], {}).items() if v is not None})
+    if not r.out.experts and not get_op(r.cfg.method).copies:
+        raise ConfigError(f"{r.cfg.source}: `slices:` name no model other than the base")
 
 
 def _tokenizer(r: _Resolver, base_id: str, base_path: Path | None) -> dict | None:
@@ -346,7 +378,7 @@ def plan_from_config(cat: Catalog, cfg: MergekitConfig, save: bool = True, reser
     kept. Experts without statistics are read in full and analyzed by the merge (the plan says so)."""
     resolved = prepare(cat, cfg, register_paths=register_paths, check_path=check_path, reserved_ids=reserved_ids)
     planner = Planner(cat)
-    if not resolved.pending and not get_op(cfg.method).nonlinear:
+    if not resolved.pending and not get_op(cfg.method).nonlinear and resolved.layout is None:
         return planner.plan(resolved.request(), save=save), resolved
     with cat.transaction():
         apply(cat, resolved)

@@ -188,10 +188,19 @@ class Engine:
                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         return Manifest(core, run)
 
+    def _output_base(self, plan: Plan) -> str | None:
+        """The merged model is registered against the base, unless a `slices:` layout gave it other tensors
+        (a frankenmerge's extra or fewer layers): then it is a model of its own (no base)."""
+        layout = plan.data.get("layout")
+        if layout is None:
+            return plan["base"]["id"]
+        names = {t["name"] for t in self.catalog.tensors(plan["base"]["id"])}
+        return plan["base"]["id"] if {t[0] for t in layout["tensors"]} == names else None
+
     def _register(self, plan: Plan, manifest: Manifest, model_id: str, out: Path, run_id, inflight=None) -> None:
         if inflight:
             inflight.store(self.catalog)
-        register(self.catalog, model_id, str(out), base_id=plan["base"]["id"], snapshot_id=manifest.snapshot_id)
+        register(self.catalog, model_id, str(out), base_id=self._output_base(plan), snapshot_id=manifest.snapshot_id)
         record_snapshot(self.catalog, manifest.snapshot_id, model_id, plan.id, str(out), manifest.manifest_hash,
                         manifest.run["created_at"], manifest.to_json(), manifest.core["parents"])
         if run_id is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from mergepipe.engine.blocks import merge_block, warm_kernels
@@ -28,7 +29,7 @@ from mergepipe.storage.grid import BlockSpan, tensor_grid
 from mergepipe.storage.registry import open_checkpoint
 from mergepipe.storage.safetensors import FLOAT_DTYPES, TensorInfo
 from mergepipe.storage.sources import open_source
-from mergepipe.storage.writers import ShardWriter, finish_files, plan_shards
+from mergepipe.storage.writers import ShardWriter, finish_files, plan_shards, write_layout_config
 
 
 def block_groups(tensors: list[TensorInfo], block_bytes: int, group_bytes: int, span_cost=None,
@@ -65,7 +66,13 @@ class MergePipeline:
         self.experts = experts = plan["experts"]
         self.base_ck = base_ck = open_checkpoint(plan["base"]["uri"])
         self.sources = [open_source(e["kind"], e["uri"]) for e in experts]
-        self.order = order = sorted(base_ck.tensors.values(), key=lambda t: (t.file, t.offset))
+        # output tensors in file order; each is made of one input tensor (its own name, in the base, unless
+        # the plan has a layout: a `slices:` config's renumbered, repeated or copied layers)
+        self.layout = plan.data.get("layout")
+        self.inputs = {plan["base"]["id"]: base_ck}
+        self.inputs.update({e["id"]: src.checkpoint for e, src in zip(experts, self.sources)
+                            if self.layout and getattr(src, "kind", None) == "full"})
+        self.order = order = self._output_tensors()
         self.shards = plan_shards(order, out_shard_bytes)
         self.shard_of = {n: s for s in self.shards for n in s.offsets}
         self.selected = {e["id"]: {t: set(expand_ranges(rs)) for t, rs in plan["access"][e["id"]].items()}
@@ -73,7 +80,7 @@ class MergePipeline:
         self.inflight = inflight = (InflightAnalysis(plan, base_ck, order) if any(e.get("analyze") for e in experts)
                                     else None)
         self.thresholds = {**plan["thresholds"], **(inflight.thresholds if inflight else {})}
-        self.weight_sums = {t.name: sum(tensor_weight(e, t.name) or 0.0 for e in experts) for t in order}
+        self.weight_sums = {n: sum(tensor_weight(e, n) or 0.0 for e in experts) for n in set(self.input_name.values())}
         # interpolation methods: per-tensor scalars, and the budget-omitted blocks (which keep the base)
         self.coefficients = plan.data.get("coefficients") or {}
         self.omitted = {t: set(expand_ranges(rs)) for t, rs in (plan.data.get("omitted") or {}).items()}
@@ -85,6 +92,8 @@ class MergePipeline:
         self.readers = [src.checkpoint.reader() for src in self.sources]
         self.fixed_cache: list[tuple[str, list] | None] = [None] * len(experts)  # LoRA A of the current tensor
         self.base_reader = base_ck.reader(sequential=True)
+        self.input_readers = {m: (self.base_reader if ck is base_ck else ck.reader(sequential=True))
+                              for m, ck in self.inputs.items()}
         self.writers = {s.fname: ShardWriter(staging, s) for s in self.shards}
         self.by_tensor: dict[str, int] = {}
         self.touched: dict[str, dict[str, list[int]]] = {e["id"]: {} for e in experts}
@@ -94,6 +103,26 @@ class MergePipeline:
         self.pending: deque = deque()  # (writer, offset, future-or-bytes, span count, bytes released) in output order
         self.queued = deque((item, sum(self.span_cost(item[0], s) for s in item[1])) for item in self.work)
         self.held_bytes = 0  # cost of the groups submitted for reading whose blocks are not all written yet
+
+    def _output_tensors(self) -> list[TensorInfo]:
+        """The output tensors in output order (each an input tensor's info under its output name), with
+        ``input_name``, ``input_model`` and ``scale`` of each."""
+        base_id = self.plan["base"]["id"]
+        if self.layout is None:
+            order = sorted(self.base_ck.tensors.values(), key=lambda t: (t.file, t.offset))
+            self.input_name = {t.name: t.name for t in order}
+            self.input_model = {t.name: base_id for t in order}
+            self.scale = {}
+            return order
+        order = []
+        self.input_name, self.input_model, self.scale = {}, {}, {}
+        for out, model, name, scale in self.layout["tensors"]:
+            if model not in self.inputs:
+                raise ExecutionError(f"the layout copies {name} from {model}, which is not an input of plan "
+                                     f"{self.plan.id}")
+            order.append(replace(self.inputs[model].tensors[name], name=out))
+            self.input_name[out], self.input_model[out], self.scale[out] = name, model, scale
+        return order
 
     # --- what a block needs ----------------------------------------------------------------------------
     def takes_part(self, ei: int, name: str, block: int) -> bool:
@@ -111,9 +140,10 @@ class MergePipeline:
     def span_cost(self, info, span) -> int:
         """Bytes one block makes the engine hold: base + selected experts."""
         cost = span.nbytes
+        name = self.input_name[info.name]
         for ei, e in enumerate(self.experts):
-            if span.index in self.selected[e["id"]].get(info.name, ()):
-                cost += sum(n for _, _, n in self.sources[ei].block_ranges(info.name, span))
+            if span.index in self.selected[e["id"]].get(name, ()):
+                cost += sum(n for _, _, n in self.sources[ei].block_ranges(name, span))
         return cost
 
     # --- reads ----------------------------------------------------------------------------------------
@@ -122,22 +152,23 @@ class MergePipeline:
         info, group = item
         experts, sources, readers, fixed_cache = self.experts, self.sources, self.readers, self.fixed_cache
         start, end = group[0], group[-1]
-        base_buf = self.base_reader.read(info.file, info.offset + start.rel_offset,
-                                         end.rel_offset + end.nbytes - start.rel_offset)
+        base_buf = self.input_readers[self.input_model[info.name]].read(
+            info.file, info.offset + start.rel_offset, end.rel_offset + end.nbytes - start.rel_offset)
+        name = self.input_name[info.name]
         exp_bufs, nread = [], 0
         for ei, e in enumerate(experts):
-            sel = self.selected[e["id"]].get(info.name, ())
+            sel = self.selected[e["id"]].get(name, ())
             spans = [s for s in group if s.index in sel]
             if not spans:
                 exp_bufs.append({})
                 continue
             src = sources[ei]
-            if fixed_cache[ei] is None or fixed_cache[ei][0] != info.name:
-                ranges = src.fixed_ranges(info.name)
-                fixed_cache[ei] = (info.name, readers[ei].read_ranges(ranges))
+            if fixed_cache[ei] is None or fixed_cache[ei][0] != name:
+                ranges = src.fixed_ranges(name)
+                fixed_cache[ei] = (name, readers[ei].read_ranges(ranges))
                 nread += sum(n for _, _, n in ranges)
             fixed = fixed_cache[ei][1]
-            per_span = [src.block_ranges(info.name, s) for s in spans]
+            per_span = [src.block_ranges(name, s) for s in spans]
             views = readers[ei].read_ranges([r for rs in per_span for r in rs])
             nread += sum(n for rs in per_span for _, _, n in rs)
             out, pos = {}, 0
@@ -160,7 +191,7 @@ class MergePipeline:
 
     # --- merges ---------------------------------------------------------------------------------------
     def merge_one(self, info, span, raw, contributors):
-        """A block task (run by the executor): the merged bytes of one block."""
+        """A block task (run by the executor): the merged bytes of one block (``info``: the input tensor's)."""
         t_c = time.perf_counter()
         data = merge_block(self.engine.fused, self.op, self.params, self.plan["seed"], self.experts, self.sources,
                            self.weight_sums[info.name], info, span, raw, contributors, self.thresholds,
@@ -174,20 +205,31 @@ class MergePipeline:
         writer = self.writers[shard.fname]
         base_off = shard.offsets[info.name]
         g0 = group[0].rel_offset
+        name = self.input_name[info.name]
+        scale = self.scale.get(info.name)
+        in_info = replace(info, name=name)
         for k, span in enumerate(group):
             raw = memoryview(base_buf)[span.rel_offset - g0: span.rel_offset - g0 + span.nbytes]
             contributors = [(ei, bufs[span.index]) for ei, bufs in enumerate(exp_bufs)
-                            if span.index in bufs and self.takes_part(ei, info.name, span.index)]
-            if info.dtype not in FLOAT_DTYPES or (not contributors and self.passthrough_ok(info.name)
-                                                  and not self.method_merges(info.name, span.index)):
+                            if span.index in bufs and self.takes_part(ei, name, span.index)]
+            if self.op.copies:  # passthrough: the input tensor as it is, or times its scale
+                data = raw if scale is None or info.dtype not in FLOAT_DTYPES else self.executor.submit(
+                    self.scale_one, in_info, span, raw, scale)
+            elif info.dtype not in FLOAT_DTYPES or (not contributors and self.passthrough_ok(name)
+                                                    and not self.method_merges(name, span.index)):
                 data = raw
             else:
-                data = self.executor.submit(self.merge_one, info, span, raw, contributors)
+                data = self.executor.submit(self.merge_one, in_info, span, raw, contributors)
             last = k == len(group) - 1
             self.pending.append((writer, base_off + span.rel_offset, data, len(group) if last else 0,
                                  cost if last else 0))
             for ei, _ in contributors:
-                self.touched[self.experts[ei]["id"]].setdefault(info.name, []).append(span.index)
+                self.touched[self.experts[ei]["id"]].setdefault(name, []).append(span.index)
+
+    def scale_one(self, info, span, raw, scale):
+        """A passthrough block with a scale (the operator's block kernel, the scale as its scalar)."""
+        return merge_block(False, self.op, self.params, self.plan["seed"], [], [], 0.0, info, span, raw, [], {},
+                           [scale])
 
     # --- writes ---------------------------------------------------------------------------------------
     def write_in_order(self, limit: int) -> None:
@@ -218,7 +260,8 @@ class MergePipeline:
             self.inflight.ready(info)
         self.merge_group(info, group, cost, base_buf, exp_bufs)
         if nread:
-            self.by_tensor[info.name] = self.by_tensor.get(info.name, 0) + nread
+            name = self.input_name[info.name]
+            self.by_tensor[name] = self.by_tensor.get(name, 0) + nread
         del base_buf, exp_bufs  # the pending blocks hold what they need
         self.write_in_order(4 * self.engine.workers)
         self.schedule_reads()
@@ -242,7 +285,8 @@ class MergePipeline:
             self.executor.shutdown()
             for r in self.readers:
                 r.close()
-            self.base_reader.close()
+            for r in self.input_readers.values():
+                r.close()
             if self.inflight:
                 self.inflight.close()
         return self.finish()
@@ -252,6 +296,8 @@ class MergePipeline:
         plan, experts, staging = self.plan, self.experts, self.staging
         outputs = {name: w.close() for name, w in self.writers.items()}
         finish_files(self.base_ck, staging, self.shards, plan.data.get("tokenizer"))
+        if self.layout is not None:
+            write_layout_config(staging, self.layout)
         for extra in sorted(p for p in staging.rglob("*") if p.is_file()):  # config, index, tokenizer files
             name = extra.relative_to(staging).as_posix()
             if name not in outputs:
@@ -268,7 +314,7 @@ class MergePipeline:
         return {
             "outputs": outputs, "realized_by_expert": realized_by_expert, "realized_by_tensor": self.by_tensor,
             "touched": {e: {t: compact_ranges(b) for t, b in sorted(ts.items())} for e, ts in self.touched.items()},
-            "base_read": self.base_reader.bytes_read, "timing": self.timing, "inflight": inflight,
+            "base_read": sum(r.bytes_read for r in self.input_readers.values()), "timing": self.timing, "inflight": inflight,
             "analysis_read": inflight.bytes_read() if inflight else {},
             "output_write": sum(o["bytes"] for o in outputs.values()),
         }

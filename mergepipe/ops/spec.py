@@ -155,6 +155,7 @@ class OpSpec:
     common: tuple[str, ...] | None = None  # the common parameters it takes (None: all of them)
     min_experts: int = 1
     max_experts: int | None = None
+    copies: bool = False  # passthrough: reads no delta, each output tensor copies one input (plan ``layout``)
     budget_semantics: str = ""  # what an omitted block means (EXPLAIN, README)
     bound_note: str = ""  # why the error bound does not apply (EXPLAIN)
 

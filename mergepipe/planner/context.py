@@ -55,7 +55,11 @@ class PlanContext(StrategyScores, Bounds):
         self.seed = int(request.seed)
         self.strategy = request.strategy
         self.base = catalog.model(request.base)
-        self.tensors = [t for t in catalog.tensors(self.base["id"])]
+        self.layout = request.layout
+        if self.op.copies and self.layout is None:
+            raise PlanError(f"{self.op.name} copies the layers a `slices:` config names (mergekit frankenmerges): "
+                            f"merge from such a config (--config)")
+        self.tensors = layout_tensors(self.layout, self.base["id"], catalog.tensors(self.base["id"]), self.op.copies)
         self.tensor_index = {t["name"]: i for i, t in enumerate(self.tensors)}
         self.experts = self._expert_specs(request.experts, request.density, request.weight)
         if self.op.nonlinear:  # interpolation methods: expert counts, statistics present (planner/methods.py)
@@ -73,11 +77,15 @@ class PlanContext(StrategyScores, Bounds):
         self.coef_matrix = np.array([[coefficient(self.op, w, ws, self.params) for w, ws in zip(row, self.weight_sums)]
                                      for row in self.weight_matrix]).reshape(self.weight_matrix.shape)
         self.thresholds = self._thresholds()
+        if self.layout is not None and self.to_analyze:  # a layout's merge reads renamed tensors: analyze first
+            raise methods.NeedsAnalysis(f"a `slices:` merge needs its experts analyzed first (not analyzed: "
+                                        f"{', '.join(e['id'] for e in self.to_analyze)}): `mergepipe analyze "
+                                        f"{' '.join(e['id'] for e in self.to_analyze)}`")
         self.candidates = self._candidates()
         self.method_scalars = methods.tensor_scalars(self) if self.op.nonlinear else None
 
     def _expert_specs(self, experts, density, weight=None) -> list[dict]:
-        if not experts:
+        if not experts and self.op.min_experts > 0:
             raise PlanError("no experts given")
         specs = [dict(e) for e in experts]
         ids = [s["model"] for s in specs]
@@ -95,7 +103,7 @@ class PlanContext(StrategyScores, Bounds):
             w = check_setting(s["weight"], f"weight of {row['id']}") if s.get("weight") is not None else None
             d = check_setting(s["density"], f"density of {row['id']}") if s.get("density") is not None else None
             spec = {"id": row["id"], "uri": row["uri"], "fingerprint": row["fingerprint"], "kind": row["kind"]}
-            if not self.catalog.is_analyzed(row["id"]):
+            if not self.catalog.is_analyzed(row["id"]) and not self.op.copies:  # a copy needs no statistics
                 spec["analyze"] = "not analyzed"
             if all(v is None or is_scalar(v) for v in (w, d, global_w, global_d)):
                 spec["weight"] = w if w is not None else (global_w if global_w is not None else 1.0)
@@ -132,7 +140,7 @@ class PlanContext(StrategyScores, Bounds):
         out = []
         floats = [i for i, t in enumerate(self.tensors) if t["dtype"] in FLOAT_DTYPES]
         for ei, e in enumerate(self.experts):
-            if e.get("analyze"):
+            if e.get("analyze") or self.op.copies:
                 continue
             changed = set(analyses.changed_tensors(self.catalog, e["id"]))
             weighted = {names[i] for i in floats if self.weight_matrix[ei, i] != 0}
@@ -212,7 +220,7 @@ class PlanContext(StrategyScores, Bounds):
     def _candidates(self) -> Candidates:
         float_tensor = {t["name"] for t in self.tensors if t["dtype"] in FLOAT_DTYPES}
         parts = []
-        for ei, e in enumerate(self.experts):
+        for ei, e in enumerate(self.experts if not self.op.copies else ()):  # passthrough reads no delta
             if e.get("analyze"):
                 parts.append(self._all_blocks(ei, e))
                 continue
@@ -249,6 +257,10 @@ class PlanContext(StrategyScores, Bounds):
 
     # --- estimates -------------------------------------------------------------------------------
     def base_bytes(self) -> int:
+        """Bytes of input tensors read as they are (the base's; a layout's copies from any model) =
+        bytes written."""
+        if self.layout is not None:
+            return sum(self.tensors[self.tensor_index[t[2]]]["nbytes"] for t in self.layout["tensors"])
         return sum(t["nbytes"] for t in self.tensors)
 
     def plan(self, budget=None, budget_mb=None, target_bound: float | None = None) -> Plan:
@@ -317,6 +329,8 @@ class PlanContext(StrategyScores, Bounds):
         }
         if self.request.tokenizer:  # only when set: plans of the base's tokenizer keep their digests
             core["tokenizer"] = self.request.tokenizer
+        if self.layout is not None:  # a `slices:` config: which input tensor each output tensor is made of
+            core["layout"] = self.layout
         if self.op.nonlinear:  # the interpolation methods' per-tensor scalars and budget-omitted blocks
             core["coefficients"] = self.method_scalars
             core["omitted"] = methods.omitted_blocks(self, chosen)
@@ -339,6 +353,26 @@ class PlanContext(StrategyScores, Bounds):
         if self.warnings:  # outside the digest: they follow from the catalog, like the estimates
             data["warnings"] = list(self.warnings)
         return Plan(data)
+
+
+def layout_tensors(layout: dict | None, base_id: str, rows: list[dict], copies: bool = False) -> list[dict]:
+    """The base's tensors a merge reads: all of them, or those a layout names. A merging operator reads
+    each input tensor of the base at most once (its blocks, coefficients and statistics are the input's);
+    passthrough copies any model's tensors, as often as the layout says."""
+    if layout is None:
+        return list(rows)
+    known = {r["name"] for r in rows}
+    names = [t[2] for t in layout["tensors"]]
+    missing = sorted(set(names) - known)
+    if missing:
+        raise PlanError(f"the layout names {missing[0]}, which {base_id} does not have")
+    if not copies:
+        if any(t[1] != base_id for t in layout["tensors"]):
+            raise PlanError(f"a merging layout takes every output tensor from the base {base_id} (merged with the experts)")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise PlanError(f"the layout merges {twice[0]} twice: a merge reads each input tensor once")
+    return [r for r in rows if r["name"] in set(names)]
 
 
 def _info(row: dict) -> TensorInfo:

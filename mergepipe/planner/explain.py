@@ -10,7 +10,7 @@ def explain_plan(p: dict) -> str:
     from mergepipe.planner.budget import human_bytes  # formatting only
 
     lines = [f"PLAN {p['id']}  ({p['digest']})",
-             f"  operator   {p['operator']}  params {json.dumps(p['params'], sort_keys=True)}  seed {p['seed']}  "
+             f"  operator   {p['operator']}  params {json.dumps(_short(p['params']), sort_keys=True)}  seed {p['seed']}  "
              f"strategy {p['strategy']}",
              f"  base       {p['base']['id']}  {p['base']['fingerprint'][:19]}",
              f"  grid       {human_bytes(p['grid']['block_bytes'])} blocks, {p['blocks_total']} per model",
@@ -34,6 +34,8 @@ def explain_plan(p: dict) -> str:
         lines.append(f"  bound      {op.bound_note or 'n/a'}")
         omitted = sum(b - a for rs in p.get("omitted", {}).values() for a, b in rs)
         lines.append(f"  omitted    {omitted} blocks not read; {op.budget_semantics}")
+    if p.get("layout"):
+        lines.append(layout_line(p))
     tok = p.get("tokenizer")
     if tok:  # the base's tokenizer files otherwise (no line)
         template = tok.get("chat_template")
@@ -60,3 +62,23 @@ def explain_plan(p: dict) -> str:
                 parts.append(f"{e['id']}:" + ",".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in rs))
         lines.append(f"    {t:<48} {human_bytes(p['expert_read_by_tensor'].get(t, 0)):>12}  {' '.join(parts)}")
     return "\n".join(lines)
+
+
+def _short(params: dict) -> dict:
+    """Parameters for the operator line: a per-tensor condition list (a `slices:` config's t) as its size."""
+    return {k: f"per tensor ({len(v)} tensors)" if isinstance(v, list) and len(v) > 8 else v for k, v in params.items()}
+
+
+def layout_line(p: dict) -> str:
+    """A `slices:` plan's output layers as runs: ``0-2 <- base 0-2, 3-5 <- e1 1-3``."""
+    runs: list[list] = []  # [out start, out end, model, in start]
+    for j, (model, i) in enumerate(p["layout"]["layers"]):
+        last = runs[-1] if runs else None
+        if last and last[2] == model and last[3] + (j - last[0]) == i:
+            last[1] = j
+        else:
+            runs.append([j, j, model, i])
+    text = ", ".join(f"{a}-{b} <- {m} {i}-{i + b - a}" if b > a else f"{a} <- {m} {i}" for a, b, m, i in runs)
+    copies = sum(1 for t in p["layout"]["tensors"] if t[0] != t[2] or t[1] != p["base"]["id"])
+    return (f"  layout     {len(p['layout']['tensors'])} output tensors, {len(p['layout']['layers'])} layers: {text}"
+            f" ({copies} renumbered or taken from another model)")

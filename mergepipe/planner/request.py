@@ -57,12 +57,17 @@ class MergeRequest:
     # the output tokenizer when not the base's files as they are: {"source": id, "source_uri": folder,
     # "chat_template": text} (either key may be absent); recorded in the plan (and its digest) when set
     tokenizer: dict | None = None
+    # a `slices:` config's output layout (config/slices.py): {"tensors": [[out name, model id, input name,
+    # scale or None], ...] in output order, "layers": [[model id, input layer], ...] per output layer};
+    # None: the output has the base's tensors under their own names
+    layout: dict | None = None
 
     @classmethod
     def build(cls, base: str, experts, operator: str = "linear", *, weights=None, weight=None, density=None,
               lam=None, normalize=None, rescale=None, gamma=None, epsilon=None, budget=None, budget_mb=None,
               target_bound=None, strategy: str | None = None, seed: int | None = None, out=None,
-              model_id: str | None = None, tokenizer: dict | None = None, **unknown) -> MergeRequest:
+              model_id: str | None = None, tokenizer: dict | None = None, layout: dict | None = None,
+              **unknown) -> MergeRequest:
         """Shape keyword arguments (the API's, the CLI's flags, a page's widgets) into a validated request.
         ``weights`` lists one weight per expert, in order; ``budget`` is any spelling :class:`Budget` takes."""
         params = {k: v for k, v in (("lam", lam), ("normalize", normalize), ("rescale", rescale),
@@ -78,7 +83,7 @@ class MergeRequest:
                       params=params, budget=Budget.of(budget, mb=budget_mb, target_bound=target_bound),
                       strategy="norm" if strategy is None else strategy, seed=0 if seed is None else seed,
                       out=None if out is None else str(out), model_id=model_id,
-                      tokenizer=_tokenizer_setting(tokenizer))
+                      tokenizer=_tokenizer_setting(tokenizer), layout=_layout_setting(layout))
         return request.validated()
 
     def validated(self) -> MergeRequest:
@@ -139,6 +144,21 @@ def _tokenizer_setting(tokenizer) -> dict | None:
     if ("source" in tokenizer) != ("source_uri" in tokenizer):
         raise PlanError("a tokenizer source needs both its id (source) and its folder (source_uri)")
     return dict(sorted(tokenizer.items()))
+
+
+def _layout_setting(layout) -> dict | None:
+    if layout is None:
+        return None
+    ok = isinstance(layout, dict) and set(layout) == {"tensors", "layers"} and isinstance(layout["tensors"], list) \
+        and all(isinstance(t, (list, tuple)) and len(t) == 4 and all(isinstance(x, str) for x in t[:3])
+                and (t[3] is None or is_scalar(t[3])) for t in layout["tensors"]) and layout["tensors"]
+    if not ok:
+        raise PlanError("layout must be {tensors: [[output name, model id, input name, scale], ...], layers: [...]}")
+    outs = [t[0] for t in layout["tensors"]]
+    if len(set(outs)) != len(outs):
+        raise PlanError("layout names an output tensor twice")
+    return {"tensors": [[t[0], t[1], t[2], None if t[3] is None else float(t[3])] for t in layout["tensors"]],
+            "layers": [[str(m), int(i)] for m, i in layout["layers"]]}
 
 
 def _expert_list(experts) -> list[dict]:

@@ -156,6 +156,21 @@ def finish_files(base_ck: Checkpoint, staging: Path, shards: list[OutShard], tok
         raise write_failure(exc, "copying tokenizer files into", staging) from exc
 
 
+def write_layout_config(staging: Path, layout: dict) -> None:
+    """A `slices:` output's config.json: ``num_hidden_layers`` is the number of output layers (as mergekit
+    writes it), and a per-layer ``layer_types`` list follows the layers the output took."""
+    path = staging / "config.json"
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text())
+    layers = layout["layers"]
+    types = config.get("layer_types")
+    if isinstance(types, list) and all(0 <= i < len(types) for _, i in layers):
+        config["layer_types"] = [types[i] for _, i in layers]
+    config["num_hidden_layers"] = len(layers)
+    write_text(path, json.dumps(config, indent=2) + "\n")
+
+
 def write_text(path: Path, text: str) -> None:
     """Write one small file of an output (index, manifest); failures are one-line ExecutionErrors."""
     try:

@@ -1,0 +1,307 @@
+"""mergekit's ``slices:``: output layers stacked from layer ranges of the input models.
+
+A config lists output slices; each has ``sources`` (``model``, ``layer_range: [start, end)``, optional
+``parameters``) and optional ``parameters``. mergekit (plan.py) writes the output layers in order: layer
+``start + i`` of every source of a slice, merged, becomes the next output layer, renumbered; gradients
+are interpolated over the slice (t = i / (n - 1), 1 for a one-layer slice); the tensors outside the
+layers take the first slice's models (embeddings, t = 0) and the last slice's (final norm, lm_head, t = 0);
+config.json's ``num_hidden_layers`` is the number of output layers. Parameters resolve with mergekit's
+precedence: a source's own (for per-input parameters: weight, density, scale), then the slice's, then the
+merge-wide ``parameters``; per-input filters match the input tensor's name, merge-wide ones (t) the
+output's.
+
+This module reads ``slices:`` (:func:`read_slices`, at parse time) and expands it against the models'
+tensors (:func:`expand`, at resolve time) into data the planner and engine already understand:
+
+* a **layout** (the plan's ``layout``): per output tensor, the model and input tensor it is made of (and
+  passthrough's scale); the engine reads, merges and writes by it;
+* per-tensor settings for the merge (each expert's weight and density, slerp's t) as exact-name
+  conditions: the operators merge each input tensor as they always do.
+
+What MergePipe cannot do exactly is refused: a merging method (not passthrough) merges a layer with the
+same layer of the other models, every slice lists the same models with the base among them, and each
+input layer is merged at most once (repeat layers with passthrough).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from mergepipe.config.model import ConfigError, ConfigModel, GRADIENT_PARAMS, PER_TENSOR
+from mergepipe.planner.settings import check_setting, evaluate
+
+SLICE_KEYS = ("sources",)
+SOURCE_KEYS = ("model", "layer_range", "parameters")
+# the parameters a slice or a source may give: the per-input ones and the merge-wide gradients (t, scale)
+SLICE_PARAMS = tuple(dict.fromkeys(PER_TENSOR + GRADIENT_PARAMS))
+LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class SliceSource:
+    ref: str
+    start: int
+    end: int
+    params: dict
+    where: str
+
+
+@dataclass(frozen=True)
+class OutputSlice:
+    sources: tuple[SliceSource, ...]
+    params: dict
+    where: str
+
+    @property
+    def length(self) -> int:
+        return self.sources[0].end - self.sources[0].start
+
+
+# --- parse time -----------------------------------------------------------------------------------------
+def read_slices(doc: dict, method: str, globals_: dict, ref_of) -> tuple[str, list[ConfigModel], tuple]:
+    """(base reference, the other models, the slices) of a ``slices:`` config. ``ref_of(value, where)``
+    checks a model reference (parse.py's); the models carry the merge-wide weight and density."""
+    if "models" in doc:
+        raise ConfigError("give either `models:` or `slices:`, not both (mergekit takes exactly one)")
+    raw = doc["slices"]
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError("`slices:` must be a non-empty list of `- sources: [...]` entries")
+    slices = tuple(_slice(item, f"slices[{i}]", ref_of) for i, item in enumerate(raw))
+    base = doc.get("base_model")
+    if base is None:
+        if method != "passthrough":
+            raise ConfigError(f"`base_model` is required for {method} over slices (it must be a source of every slice)")
+        base = slices[0].sources[0].ref  # mergekit's passthrough has no base: the first source is the reference
+    base = ref_of(base, "base_model")
+    _check_models(slices, method, base)
+    refs = list(dict.fromkeys(s.ref for sl in slices for s in sl.sources if s.ref != base))
+    models = [ConfigModel(ref, globals_.get("weight"), globals_.get("density"), f"slices (model {ref})") for ref in refs]
+    return base, models, slices
+
+
+def _slice(item, where: str, ref_of) -> OutputSlice:
+    if not isinstance(item, dict) or "sources" not in item:
+        raise ConfigError(f"{where} must be a mapping with `sources` (a list of model and layer_range)")
+    for key in item:
+        if key not in ("sources", "parameters"):
+            raise ConfigError(f"unsupported key `{key}` in {where} (MergePipe reads sources and parameters)")
+    raw = item["sources"]
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError(f"{where}.sources must be a non-empty list of `- model: ..., layer_range: [start, end]`")
+    sources = tuple(_source(s, f"{where}.sources[{j}]", ref_of) for j, s in enumerate(raw))
+    lengths = {s.end - s.start for s in sources}
+    if len(lengths) > 1:
+        ranges = ", ".join(f"{s.ref} [{s.start}, {s.end}]" for s in sources)
+        raise ConfigError(f"{where}: the sources cover different numbers of layers ({ranges}); every source of a "
+                          f"slice must cover the same number of layers")
+    return OutputSlice(sources, _params(item.get("parameters"), f"{where}.parameters"), where)
+
+
+def _source(item, where: str, ref_of) -> SliceSource:
+    if not isinstance(item, dict):
+        raise ConfigError(f"{where} must be a mapping with `model` and `layer_range`")
+    for key in item:
+        if key not in SOURCE_KEYS:
+            raise ConfigError(f"unsupported key `{key}` in {where} (a source has {', '.join(SOURCE_KEYS)})")
+    if "model" not in item or "layer_range" not in item:
+        raise ConfigError(f"{where} needs `model` and `layer_range`")
+    ref = ref_of(item["model"], f"{where}.model")
+    rng = item["layer_range"]
+    if not (isinstance(rng, list) and len(rng) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
+                                                             for v in rng) and 0 <= rng[0] < rng[1]):
+        raise ConfigError(f"{where}.layer_range must be [start, end] with 0 <= start < end (integers), not {rng!r}")
+    return SliceSource(ref, rng[0], rng[1], _params(item.get("parameters"), f"{where}.parameters"), where)
+
+
+def _params(raw, where: str) -> dict:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a mapping of parameter names to values")
+    out = {}
+    for k, v in raw.items():
+        if k not in SLICE_PARAMS:
+            raise ConfigError(f"unsupported parameter `{k}` in {where} (a slice or source may give "
+                              f"{', '.join(SLICE_PARAMS)}; give the others once under the top-level `parameters:`)")
+        if isinstance(v, dict) and set(v) <= {"value", "filter"} and "value" in v and v.get("filter") in (None, "*"):
+            v = v["value"]
+        out[k] = check_setting(v, f"{where}.{k}", ConfigError)
+    return out
+
+
+def _check_models(slices, method: str, base: str) -> None:
+    """What MergePipe merges exactly (see the module docstring)."""
+    from mergepipe.ops.core import get_op
+    if get_op(method).whole_models:
+        raise ConfigError(f"{method} over `slices:` averages the base with the other sources, which MergePipe's "
+                          f"{method} does not (it averages the models besides the base); use `models:`")
+    if method == "passthrough":
+        for sl in slices:
+            if len(sl.sources) != 1:
+                raise ConfigError(f"{sl.where}: passthrough copies one source per slice ({len(sl.sources)} given)")
+        return
+    models = None
+    merged: dict[int, str] = {}
+    for sl in slices:
+        refs = [s.ref for s in sl.sources]
+        if base not in refs:
+            raise ConfigError(f"{sl.where}: the base model {base} is not among the sources; {method} over slices "
+                              f"merges the other models into the base's layers")
+        if len(set(refs)) != len(refs):
+            raise ConfigError(f"{sl.where}: a model is listed twice among the sources")
+        if models is not None and set(refs) != models:
+            raise ConfigError(f"{sl.where}: the sources are not the models of {slices[0].where} "
+                              f"({', '.join(sorted(models))}); MergePipe merges the same models in every slice")
+        models = set(refs)
+        starts = {s.start for s in sl.sources}
+        if len(starts) > 1:
+            raise ConfigError(f"{sl.where}: the sources start at different layers ({', '.join(f'{s.ref} {s.start}' for s in sl.sources)}); "
+                              f"MergePipe merges a layer with the same layer of the other models: give every source "
+                              f"the same layer_range")
+        for layer in range(sl.sources[0].start, sl.sources[0].end):
+            if layer in merged:
+                raise ConfigError(f"{sl.where}: layer {layer} is merged again (also in {merged[layer]}); MergePipe "
+                                  f"merges each input layer once (repeat layers with `merge_method: passthrough`)")
+            merged[layer] = sl.where
+
+
+# --- resolve time ---------------------------------------------------------------------------------------
+@dataclass
+class Expansion:
+    """What a ``slices:`` config asks of the planner: the layout, each expert's weight and density settings,
+    and the merge-wide gradient parameters (t) per tensor."""
+
+    layout: dict | None
+    settings: dict  # expert id -> {"weight": setting, "density": setting}
+    method_params: dict
+
+
+def expand(cfg, ids: dict[str, str], base_id: str, tensors: dict[str, dict[str, tuple]],
+           layers: dict[str, int]) -> Expansion:
+    """``ids``: reference as written -> catalog id; ``tensors``: model id -> {name: shape};
+    ``layers``: model id -> its number of layers."""
+    slices, copies = cfg.slices, cfg.method == "passthrough"
+    for sl in slices:
+        for s in sl.sources:
+            n = layers[ids[s.ref]]
+            if s.end > n:
+                raise ConfigError(f"{cfg.source}: {s.where}.layer_range [{s.start}, {s.end}] is out of range: "
+                                  f"{s.ref} has {n} layers (0-{n - 1})")
+    base_names = list(tensors[base_id])
+    by_layer: dict[int, list[str]] = {}
+    outside = []
+    for name in base_names:
+        m = LAYER.search(name)
+        if m:
+            by_layer.setdefault(int(m.group(1)), []).append(name)
+        else:
+            outside.append(name)
+    pre = [n for n in outside if "embed" in n]
+    post = [n for n in outside if "embed" not in n]
+    entries = []  # (out name, slice, source or None: every source, input name, t)
+    for name in pre:
+        entries.append((name, slices[0], name, 0.0))
+    out_layers = []
+    j = 0
+    for sl in slices:
+        for i in range(sl.length):
+            t = i / (sl.length - 1) if sl.length > 1 else 1.0
+            src_layer = sl.sources[0].start + i
+            for name in by_layer.get(src_layer, ()):
+                entries.append((_renumber(name, j), sl, name, t))
+            out_layers.append([ids[sl.sources[0].ref] if copies else base_id, src_layer])
+            j += 1
+    for name in post:
+        entries.append((name, slices[-1], name, 0.0))
+    layout = {"tensors": [], "layers": out_layers}
+    if copies:
+        for out, sl, name, t in entries:
+            src = sl.sources[0]
+            mid = ids[src.ref]
+            if name not in tensors[mid] or tensors[mid][name] != tensors[base_id][name]:
+                raise ConfigError(f"{cfg.source}: {src.where}: {src.ref} has no tensor {name} of the base's shape")
+            scale = _resolve([src.params.get("scale"), sl.params.get("scale"), cfg.method_params.get("scale")],
+                             name, t)
+            layout["tensors"].append([out, mid, name, scale])
+        return Expansion(layout, {}, {})
+    layout["tensors"] = [[out, base_id, name, None] for out, _, name, _ in entries]
+    if all(out == name for out, _, name, _ in entries) and len(entries) == len(base_names):
+        layout = None  # the base's own tensors, in place: a plain merge
+    settings = {}
+    for ref, mid in ids.items():
+        if mid == base_id:
+            continue
+        settings[mid] = {}
+        for p in ("weight", "density"):
+            per = {}
+            for out, sl, name, t in entries:
+                src = next(s for s in sl.sources if s.ref == ref)
+                per[name] = _resolve([src.params.get(p), sl.params.get(p), _global(cfg, ref, p)], name, t)
+            settings[mid][p] = _exact(per, 1.0)
+    method_params = dict(cfg.method_params)
+    for p in GRADIENT_PARAMS:
+        if p == "scale":
+            method_params.pop(p, None)
+            continue
+        per = {name: _resolve([sl.params.get(p), cfg.method_params.get(p)], out, t) for out, sl, name, t in entries}
+        value = _exact(per, None)
+        if value is not None:
+            method_params[p] = value
+    return Expansion(layout, settings, method_params)
+
+
+def _global(cfg, ref: str, p: str):
+    """The merge-wide value of a per-input parameter (parse keeps it on every model)."""
+    m = next((m for m in cfg.models if m.ref == ref), None)
+    return getattr(m, p, None) if m is not None else None
+
+
+def _renumber(name: str, layer: int) -> str:
+    m = LAYER.search(name)
+    return name[:m.start(1)] + str(layer) + name[m.end(1):]
+
+
+def _resolve(settings, tensor: str, t: float):
+    for s in settings:
+        if s is not None:
+            v = evaluate(s, tensor, t)
+            if v is not None:
+                return float(v)
+    return None
+
+
+def _exact(per: dict[str, float | None], default: float | None):
+    """One value per tensor as a setting: a number when they agree, else one exact-name condition per
+    tensor (longest names first: a name that is a substring of another must not match it first). A tensor
+    without a value takes ``default`` (None: the parameter is required)."""
+    values = set(per.values())
+    if values == {None}:
+        return None
+    if None in values:
+        if default is None:
+            missing = sorted(n for n, v in per.items() if v is None)[0]
+            raise ConfigError(f"a per-slice parameter is given for some slices only, and not for {missing}; give it "
+                              f"for every slice or under the top-level `parameters:`")
+        per = {n: default if v is None else v for n, v in per.items()}
+        values = set(per.values())
+    if len(values) == 1:
+        return values.pop()
+    return [{"filter": n, "value": v} for n, v in sorted(per.items(), key=lambda kv: (-len(kv[0]), kv[0]))]
+
+
+def model_layers(config: dict, names) -> int:
+    n = config.get("num_hidden_layers") or config.get("n_layer") or config.get("num_layers")
+    if isinstance(n, int) and n > 0:
+        return n
+    found = [int(m.group(1)) for name in names if (m := LAYER.search(name))]
+    return max(found) + 1 if found else 0
+
+
+def read_config(root: Path) -> dict:
+    try:
+        return json.loads((Path(root) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,219 @@
+"""mergekit ``slices:`` configs against mergekit 0.1.5 at full budget: gradient SLERP over a slice
+(LazyMergekit's recipe), passthrough frankenmerges (repeated and reordered layers from two models, with
+and without ``scale``), multi-slice configs with per-slice and per-source parameters and reordered merged
+layers; and the refusals of what cannot be expressed, with their exact messages, leaving the catalog
+unchanged.
+
+Tolerances: passthrough copies are bit-equal; merged tensors are within 8 float32 ulps of the tensor's
+largest value (the slerp angle and task arithmetic sums come from the catalog's float64 statistics, as
+in test_parity_methods.py / test_parity_existing.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from mergepipe import api
+from mergepipe.config.model import ConfigError
+from mergepipe.config.parse import parse_config
+
+from merge_helpers import dump_db, load_dir, open_copy, run_cli, shared_family
+from mergekit_runner import mergekit_merge
+
+EPS32 = 2.0 ** -23
+ULPS = 8  # the small family's larger tensors: float32 reductions in mergekit, float64 statistics here
+GRADIENT_T = [{"filter": "self_attn", "value": [0, 0.5, 0.3, 0.7, 1]},
+              {"filter": "mlp", "value": [1, 0.5, 0.7, 0.3, 0]}, {"value": 0.5}]
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    fam = shared_family(tmp_path_factory, "small-fp32")  # 4 layers
+    work = tmp_path_factory.mktemp("slices-small")
+    cat = open_copy(fam, work / "cat.sqlite")
+    yield fam, cat, work
+    cat.close()
+
+
+@pytest.fixture(scope="module", params=["tiny-fp32", "tiny-bf16"])
+def tiny(request, tmp_path_factory):
+    fam = shared_family(tmp_path_factory, request.param)  # 2 layers
+    work = tmp_path_factory.mktemp(f"slices-{request.param}")
+    cat = open_copy(fam, work / "cat.sqlite")
+    yield request.param, fam, cat, work
+    cat.close()
+
+
+def _src(model, start, end, **params):
+    s = {"model": str(model), "layer_range": [start, end]}
+    if params:
+        s["parameters"] = params
+    return s
+
+
+def _both(fam, start, end, **slice_params):
+    sl = {"sources": [_src(fam.base, start, end), _src(fam.experts[0], start, end)]}
+    if slice_params:
+        sl["parameters"] = slice_params
+    return sl
+
+
+def _merge_both(cat, work, cfg, name, out_dtype=None):
+    cfg = dict(cfg, dtype="float32", **({"out_dtype": out_dtype} if out_dtype else {}))
+    ref = mergekit_merge(cfg, work / f"mk-{name}")
+    plan, _, manifest = api.merge_config(cat, parse_config(yaml.safe_dump(cfg)), work / f"mp-{name}",
+                                         model_id=f"mp-{name}")
+    return plan, manifest, load_dir(work / f"mp-{name}"), ref
+
+
+def _close(got, ref):
+    assert sorted(got) == sorted(ref)
+    for name in ref:
+        a, b = got[name], ref[name]
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert float((a - b).abs().max()) <= ULPS * EPS32 * float(b.abs().max()), name
+
+
+def _layers(path):
+    return json.loads((path / "config.json").read_text())["num_hidden_layers"]
+
+
+def test_gradient_slerp_over_a_slice_equals_mergekit(small):
+    """LazyMergekit's default: one slice over every layer of two models, slerp with filtered gradients."""
+    fam, cat, work = small
+    cfg = {"slices": [_both(fam, 0, 4)], "merge_method": "slerp", "base_model": str(fam.base),
+           "parameters": {"t": GRADIENT_T}}
+    plan, manifest, got, ref = _merge_both(cat, work, cfg, "gradient")
+    _close(got, ref)
+    assert "layout" not in plan.data  # the base's own tensors in place: a plain merge with per-tensor t
+    t = {c["filter"]: c["value"] for c in plan["params"]["t"]}
+    # t = layer / 3 over the slice; gradient [0, .5, .3, .7, 1] at 1/3 -> scaled 4/3 -> .5 + (.3 - .5) / 3
+    assert t["model.layers.1.self_attn.q_proj.weight"] == pytest.approx(0.5 - 0.2 / 3)
+    assert t["model.layers.3.mlp.up_proj.weight"] == 0.0 and t["model.norm.weight"] == 0.5
+    assert manifest.core["realized"]["expert_read"] == plan["full_expert_bytes"]
+    assert _layers(work / "mp-gradient") == 4
+
+
+def test_multi_slice_per_slice_parameters_equal_mergekit(small):
+    """Two slices, each with its own t (a number; a gradient over that slice only); the embeddings take
+    the first slice's settings at t = 0, the final norm and lm_head the last slice's."""
+    fam, cat, work = small
+    cfg = {"slices": [_both(fam, 0, 2, t=0.2), _both(fam, 2, 4, t=[0.9, 0.1])], "merge_method": "slerp",
+           "base_model": str(fam.base), "parameters": {"t": 0.5}}
+    plan, _, got, ref = _merge_both(cat, work, cfg, "per-slice")
+    _close(got, ref)
+    t = {c["filter"]: c["value"] for c in plan["params"]["t"]}
+    assert t["model.layers.1.mlp.up_proj.weight"] == 0.2 and t["model.embed_tokens.weight"] == 0.2
+    assert t["model.layers.2.mlp.up_proj.weight"] == pytest.approx(0.9)
+    assert t["model.layers.3.mlp.up_proj.weight"] == pytest.approx(0.1) and t["lm_head.weight"] == pytest.approx(0.9)
+
+
+def test_per_source_weights_and_reordered_merged_layers_equal_mergekit(small):
+    """task_arithmetic over two slices in reverse order (output layers 0-1 are input layers 2-3, merged)
+    with a per-source weight that differs between the slices (a number, then a gradient)."""
+    fam, cat, work = small
+    base, e1 = fam.base, fam.experts[0]
+    cfg = {"slices": [{"sources": [_src(base, 2, 4), _src(e1, 2, 4, weight=0.3)]},
+                      {"sources": [_src(base, 0, 2), _src(e1, 0, 2, weight=[1.5, 0.5])]}],
+           "merge_method": "task_arithmetic", "base_model": str(base)}
+    plan, manifest, got, ref = _merge_both(cat, work, cfg, "reordered")
+    _close(got, ref)
+    layout = {t[0]: t[2] for t in plan["layout"]["tensors"]}
+    assert layout["model.layers.0.mlp.up_proj.weight"] == "model.layers.2.mlp.up_proj.weight"
+    assert layout["model.layers.3.self_attn.q_proj.weight"] == "model.layers.1.self_attn.q_proj.weight"
+    assert plan["layout"]["layers"] == [["base", 2], ["base", 3], ["base", 0], ["base", 1]]
+    assert manifest.core["realized_by_expert"] == plan["expert_read_by_expert"]
+    assert _layers(work / "mp-reordered") == 4
+
+
+FRANKEN = lambda fam: [{"sources": [_src(fam.base, 0, 2)]}, {"sources": [_src(fam.experts[0], 1, 2)]},
+                       {"sources": [_src(fam.experts[1], 0, 2)]}, {"sources": [_src(fam.base, 0, 1)]}]
+
+
+def test_passthrough_frankenmerge_is_bit_equal_to_mergekit(tiny):
+    """Layers 0-1 of the base, layer 1 of e1, layers 0-1 of e2, layer 0 of the base again: 6 layers,
+    renumbered; every tensor a copy (no expert delta read)."""
+    dtype, fam, cat, work = tiny
+    cfg = {"slices": FRANKEN(fam), "merge_method": "passthrough", "base_model": str(fam.base)}
+    out_dtype = "bfloat16" if dtype.endswith("bf16") else None
+    plan, manifest, got, ref = _merge_both(cat, work, cfg, "franken", out_dtype)
+    assert sorted(got) == sorted(ref)
+    assert {n for n in got if ".layers.5." in n} and not {n for n in got if ".layers.6." in n}
+    for name in ref:
+        assert got[name].dtype == ref[name].dtype and torch.equal(got[name], ref[name]), name
+    e1 = load_dir(fam.experts[0])
+    assert torch.equal(got["model.layers.2.mlp.up_proj.weight"], e1["model.layers.1.mlp.up_proj.weight"])
+    assert _layers(work / "mp-franken") == _layers(work / "mk-franken") == 6
+    assert [m for m, _ in plan["layout"]["layers"]] == ["base", "base", "e1", "e2", "e2", "base"]
+    core = manifest.core
+    assert plan["full_expert_bytes"] == 0 and core["realized"]["expert_read"] == 0
+    assert core["realized"]["base_read"] == plan["estimate"]["base_read"] == sum(
+        v.numel() * v.element_size() for v in got.values())
+    assert cat.model("mp-franken")["base_id"] is None  # other tensors than the base: a model of its own
+    text = api.explain(cat, plan.id)
+    assert "layout     57 output tensors, 6 layers: 0-1 <- base 0-1, 2 <- e1 1, 3-4 <- e2 0-1, 5 <- base 0" in text
+
+
+def test_passthrough_scale_per_slice_equals_mergekit(tiny):
+    """mergekit's per-input ``scale`` (filter conditions on a slice, a number on a source)."""
+    dtype, fam, cat, work = tiny
+    slices = FRANKEN(fam)
+    slices[1]["parameters"] = {"scale": [{"filter": "o_proj", "value": 0.0}, {"filter": "down_proj", "value": 0.5},
+                                         {"value": 1.0}]}
+    slices[2]["sources"][0]["parameters"] = {"scale": 0.75}
+    cfg = {"slices": slices, "merge_method": "passthrough", "base_model": str(fam.base)}
+    out_dtype = "bfloat16" if dtype.endswith("bf16") else None
+    _, _, got, ref = _merge_both(cat, work, cfg, "scaled", out_dtype)
+    assert sorted(got) == sorted(ref)
+    for name in ref:
+        assert torch.equal(got[name], ref[name]), name
+    assert not got["model.layers.2.self_attn.o_proj.weight"].any()
+
+
+def _counts(db):
+    dump = dump_db(db)
+    return {t: len(dump[t]) for t in ("models", "plans", "snapshots") if t in dump}
+
+
+REFUSALS = [
+    (lambda f: {"slices": [{"sources": [_src(f.base, 0, 3)]}], "merge_method": "passthrough"},
+     "slices[0].sources[0].layer_range [0, 3] is out of range: {base} has 2 layers (0-1)"),
+    (lambda f: {"slices": [{"sources": [_src(f.base, 0, 2), _src(f.experts[0], 0, 1)]}], "merge_method": "slerp",
+                "base_model": str(f.base), "parameters": {"t": 0.5}},
+     "slices[0]: the sources cover different numbers of layers ({base} [0, 2], {e1} [0, 1]); every source of a "
+     "slice must cover the same number of layers"),
+    (lambda f: {"slices": [{"sources": [_src(f.base, 1, 0)]}], "merge_method": "passthrough"},
+     "slices[0].sources[0].layer_range must be [start, end] with 0 <= start < end (integers), not [1, 0]"),
+    (lambda f: {"slices": [{"sources": [_src(f.base, 0, 1), _src(f.experts[0], 1, 2)]}], "merge_method": "slerp",
+                "base_model": str(f.base), "parameters": {"t": 0.5}},
+     "slices[0]: the sources start at different layers ({base} 0, {e1} 1); MergePipe merges a layer with the "
+     "same layer of the other models: give every source the same layer_range"),
+    (lambda f: {"slices": [_both(f, 0, 2), _both(f, 1, 2)], "merge_method": "slerp", "base_model": str(f.base),
+                "parameters": {"t": 0.5}},
+     "slices[1]: layer 1 is merged again (also in slices[0]); MergePipe merges each input layer once (repeat "
+     "layers with `merge_method: passthrough`)"),
+    (lambda f: {"slices": [_both(f, 0, 2)], "merge_method": "passthrough"},
+     "slices[0]: passthrough copies one source per slice (2 given)"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(REFUSALS)))
+def test_bad_slices_are_refused_and_change_nothing(tmp_path, tiny, case):
+    dtype, fam, cat, work = tiny
+    make, message = REFUSALS[case]
+    cfg = make(fam)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    db = work / "cat.sqlite"
+    before = _counts(db)
+    expected = f"bad.yaml: {message.format(base=fam.base, e1=fam.experts[0])}"
+    with pytest.raises(ConfigError) as exc:
+        api.merge_config(cat, path, tmp_path / "out", model_id="bad")
+    assert str(exc.value) == expected
+    r = run_cli(["--db", db, "merge", "--config", path, "--out", tmp_path / "cli-out", "--model-id", "bad-cli"])
+    assert r.returncode != 0 and r.stderr.strip() == f"error: {expected}", r.stderr
+    assert _counts(db) == before and not (tmp_path / "out").exists() and not (tmp_path / "cli-out").exists()
