@@ -33,14 +33,15 @@ def _record(cat: Catalog | None, ref: str) -> dict:
     return {"plan_id": c["plan_id"], "digest": c["plan_digest"], "base": c["inputs"]["base"],
             "experts": c["inputs"]["experts"], "operator": c["operator"], "params": c["params"], "seed": c["seed"],
             "strategy": c["strategy"], "budget": c["budget"], "target_bound": target,
-            "snapshot_id": m.snapshot_id, "full_expert_bytes": c["full_expert_bytes"], "tokenizer": c.get("tokenizer")}
+            "snapshot_id": m.snapshot_id, "full_expert_bytes": c["full_expert_bytes"], "tokenizer": c.get("tokenizer"),
+            "layout": c.get("layout")}
 
 
 def _plan_record(p: dict) -> dict:
     return {"plan_id": p["id"], "digest": p["digest"], "base": p["base"], "experts": p["experts"],
             "operator": p["operator"], "params": p["params"], "seed": p["seed"], "strategy": p["strategy"],
             "budget": p["budget"], "target_bound": p.get("target_bound"), "snapshot_id": None,
-            "full_expert_bytes": p["full_expert_bytes"], "tokenizer": p.get("tokenizer")}
+            "full_expert_bytes": p["full_expert_bytes"], "tokenizer": p.get("tokenizer"), "layout": p.get("layout")}
 
 
 def _base_dtype(cat: Catalog | None, base: dict) -> str | None:
@@ -115,6 +116,13 @@ def _to_yaml(cat: Catalog | None, r: dict) -> str:
         params[key] = r["params"][key]
     doc: dict = {"merge_method": op.name, "base_model": base["uri"], "models": models, "parameters": params,
                  "dtype": "float32"}
+    if r.get("layout"):  # a `slices:` merge: its layers as slices (config/slices.py)
+        from mergepipe.config.slices import export_slices
+        slices, changes = export_slices(r["layout"], base, r["experts"], params, op.copies)
+        params.update(changes)
+        params = {k: v for k, v in params.items() if v is not None}
+        doc = {"merge_method": op.name, "base_model": base["uri"], "slices": slices, "parameters": params,
+               "dtype": "float32"}
     base_dtype = _base_dtype(cat, base)
     if base_dtype in MERGEKIT_DTYPE:
         doc["out_dtype"] = MERGEKIT_DTYPE[base_dtype]

@@ -225,7 +225,7 @@ def expand(cfg, ids: dict[str, str], base_id: str, tensors: dict[str, dict[str, 
                 raise ConfigError(f"{cfg.source}: {src.where}: {src.ref} has no tensor {name} of the base's shape")
             scale = _resolve([src.params.get("scale"), sl.params.get("scale"), cfg.method_params.get("scale")],
                              name, t)
-            layout["tensors"].append([out, mid, name, scale])
+            layout["tensors"].append([out, mid, name, None if scale == 1.0 else scale])  # x * 1.0 is x
         return Expansion(layout, {}, {})
     layout["tensors"] = [[out, base_id, name, None] for out, _, name, _ in entries]
     if all(out == name for out, _, name, _ in entries) and len(entries) == len(base_names):
@@ -305,3 +305,58 @@ def read_config(root: Path) -> dict:
         return json.loads((Path(root) / "config.json").read_text())
     except (OSError, ValueError):
         return {}
+
+
+# --- export ---------------------------------------------------------------------------------------------
+def export_slices(layout: dict, base: dict, experts: list[dict], params: dict, copies: bool) -> tuple[list, dict]:
+    """(``slices:``, merge-wide ``parameters`` changes) that plan back to ``layout`` and its per-tensor
+    settings: one slice per run of consecutive input layers of one model; per-tensor values as exact-name
+    conditions (per-input ones on the input names, per source; t on the output names)."""
+    uris = {base["id"]: base["uri"], **{e["id"]: e["uri"] for e in experts}}
+    runs: list[list] = []  # [model, first input layer, last input layer, [layout entries]]
+    for model, i in layout["layers"]:
+        if runs and runs[-1][0] == model and runs[-1][2] + 1 == i:
+            runs[-1][2] = i
+        else:
+            runs.append([model, i, i, []])
+    first_out = {}
+    j = 0
+    for k, run in enumerate(runs):
+        for _ in range(run[1], run[2] + 1):
+            first_out[j] = k
+            j += 1
+    seen_layer = False
+    for entry in layout["tensors"]:
+        m = LAYER.search(entry[0])
+        seen_layer = seen_layer or bool(m)
+        runs[first_out[int(m.group(1))] if m else (-1 if seen_layer else 0)][3].append(entry)
+    slices = []
+    for model, lo, hi, entries in runs:
+        rng = [lo, hi + 1]
+        if copies:
+            source = {"model": uris[model], "layer_range": rng}
+            scale = _exact({e[2]: e[3] for e in entries}, 1.0)
+            if scale is not None:
+                source["parameters"] = {"scale": scale}
+            slices.append({"sources": [source]})
+            continue
+        sources = [{"model": base["uri"], "layer_range": rng}]
+        for e in experts:
+            source = {"model": uris[e["id"]], "layer_range": rng}
+            own = {}
+            for i, key in ((0, "weight"), (1, "density")):
+                per = {t[2]: (e["tensors"][t[2]][i] if e.get("tensors") and t[2] in e["tensors"] else e.get(key))
+                       for t in entries}
+                value = _exact(per, 1.0)
+                if value is not None and not (key == "density" and value == 1.0):
+                    own[key] = value
+            if own:
+                source["parameters"] = own
+            sources.append(source)
+        slices.append({"sources": sources})
+    changes = {"scale": None} if copies else {}  # passthrough's scale is per tensor, in the slices
+    out_of = {t[2]: t[0] for t in layout["tensors"]}
+    for key, value in params.items():
+        if isinstance(value, list):  # t per input tensor -> per output tensor (mergekit matches t on outputs)
+            changes[key] = _exact({out_of[c["filter"]]: c["value"] for c in value if c["filter"] in out_of}, None)
+    return slices, changes

@@ -172,6 +172,8 @@ class Engine:
         }
         if plan.data.get("tokenizer"):
             core["tokenizer"] = plan["tokenizer"]
+        if plan.data.get("layout"):  # a `slices:` merge: which input tensor each output tensor is made of
+            core["layout"] = plan["layout"]
         if result["content_hashed"]:
             core["content_verified"] = {e: {"bytes_hashed": n} for e, n in sorted(result["content_hashed"].items())}
         if result["analysis_read"]:

@@ -217,3 +217,32 @@ def test_bad_slices_are_refused_and_change_nothing(tmp_path, tiny, case):
     r = run_cli(["--db", db, "merge", "--config", path, "--out", tmp_path / "cli-out", "--model-id", "bad-cli"])
     assert r.returncode != 0 and r.stderr.strip() == f"error: {expected}", r.stderr
     assert _counts(db) == before and not (tmp_path / "out").exists() and not (tmp_path / "cli-out").exists()
+
+
+@pytest.mark.parametrize("name", ["franken", "scaled"])
+def test_passthrough_plan_exports_as_slices_and_round_trips(tiny, name):
+    """``explain --as-mergekit`` of a frankenmerge writes `slices:` that mergekit merges to the same bytes
+    and MergePipe plans to the same digest."""
+    dtype, fam, cat, work = tiny
+    from mergepipe.config.export import export_mergekit
+    from mergepipe.config.resolve import plan_from_config
+    plan_id = cat.conn.execute("SELECT plan_id FROM snapshots WHERE model_id = ?", (f"mp-{name}",)).fetchone()[0]
+    text = export_mergekit(cat, plan_id)
+    assert "slices:" in text and "models:" not in text
+    again, _ = plan_from_config(cat, parse_config(text), save=False)
+    assert again.id == plan_id
+    cfg = yaml.safe_load(text)
+    cfg.pop("mergepipe")
+    ref = mergekit_merge(cfg, work / f"mk-export-{name}")
+    got = load_dir(work / f"mp-{name}")
+    assert sorted(got) == sorted(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+def test_reordered_merge_exports_as_slices_and_round_trips(small):
+    fam, cat, work = small
+    from mergepipe.config.export import export_mergekit
+    from mergepipe.config.resolve import plan_from_config
+    for name in ("reordered", "per-slice"):
+        plan_id = cat.conn.execute("SELECT plan_id FROM snapshots WHERE model_id = ?", (f"mp-{name}",)).fetchone()[0]
+        again, _ = plan_from_config(cat, parse_config(export_mergekit(cat, plan_id)), save=False)
+        assert again.id == plan_id, name
