@@ -113,6 +113,9 @@ def mergekit_plan_settings(cat: Catalog, text: str | bytes, source: str, roots: 
     cfg = parse_config(text, source)
     r = prepare(cat, cfg, register_paths=False, check_path=lambda t: check_path(t, roots))
     spec = get_op(cfg.method)
+    if r.layout is not None:
+        raise PlanError(f"{source}: its `slices:` renumber, repeat or copy layers, which the Plan page cannot show; "
+                        f"use `mergepipe merge --config`")
     experts = [e["model"] for e in r.experts]
     for e in experts:
         if cat.model(e)["base_id"] != r.base:

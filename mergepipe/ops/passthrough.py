@@ -17,7 +17,7 @@ SCALE = Param("scale", 1.0, "passthrough: factor applied to a copied tensor (a n
               label="scale", step=0.05)
 
 SPECS = (OpSpec("passthrough", None, Consensus.NONE, False, False, extras=(SCALE,), nonlinear=True, common=(),
-                min_experts=0, copies=True,
+                joint=True, min_experts=0, copies=True,
                 reference="mergekit passthrough (frankenmerges: layers stacked from `slices:`)",
                 budget_semantics="reads no expert delta: each output tensor is a copy of one input tensor "
                                  "(times scale); the budget has nothing to choose",

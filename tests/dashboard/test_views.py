@@ -627,6 +627,8 @@ def test_mergekit_plan_settings(cat, built, tmp_path):
     ("merge_method: linear\nmodels: [expert_1]\nmergepipe: {budget: 512MiB}\n", "not a whole percentage"),
     ("merge_method: ties\nmodels: [expert_1]\nmergepipe: {target_bound: 0.1}\n", "additive"),
     ("merge_method: linear\nmodels: [expert_1]\nslices: []\n", "slices"),
+    ("merge_method: passthrough\nslices:\n  - sources: [{model: FAMILY/base, layer_range: [0, 2]}]\n"
+     "  - sources: [{model: FAMILY/base, layer_range: [1, 2]}]\n", "Plan page cannot show"),
     ("merge_method: slerp\nmodels: [expert_1]\n", "slerp"),
     ("merge_method: ties\nmodels: [expert_1]\nparameters: {density: [0.3, 0.5]}\n", "varies per tensor"),
     ("merge_method: linear\nmodels: [/etc]\n", "outside the allowed folders"),
