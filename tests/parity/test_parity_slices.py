@@ -246,3 +246,68 @@ def test_reordered_merge_exports_as_slices_and_round_trips(small):
         plan_id = cat.conn.execute("SELECT plan_id FROM snapshots WHERE model_id = ?", (f"mp-{name}",)).fetchone()[0]
         again, _ = plan_from_config(cat, parse_config(export_mergekit(cat, plan_id)), save=False)
         assert again.id == plan_id, name
+
+
+def test_budget_over_slices_reads_only_the_layers_used_and_keeps_the_base_where_omitted(small):
+    """slerp over layers 2-3 then 0 (layer 1 unused) at 50 %: the plan reads only the input tensors the
+    layout names, realized == planned <= budget, and each output block is the full-budget merge's or,
+    where omitted, the base's input tensor."""
+    fam, cat, work = small
+    from mergepipe.planner.plan import expand_ranges
+    from mergepipe.storage.grid import tensor_grid
+    from mergepipe.storage.registry import open_checkpoint
+    base = str(fam.base)
+    slices = [_both(fam, 2, 4), _both(fam, 0, 1)]
+    full_cfg = {"slices": slices, "merge_method": "slerp", "base_model": base, "parameters": {"t": 0.4}}
+    half_cfg = dict(full_cfg, mergepipe={"budget": "50%"})
+    full, _, m_full = api.merge_config(cat, parse_config(yaml.safe_dump(full_cfg)), work / "b-full", model_id="b-full")
+    half, _, m = api.merge_config(cat, parse_config(yaml.safe_dump(half_cfg)), work / "b-half", model_id="b-half")
+    read = {t for ts in full["access"].values() for t in ts}
+    assert read and not any(".layers.1." in t for t in read)
+    assert {t[2] for t in half["layout"]["tensors"]} >= read
+    assert 0 < half["estimate"]["expert_read"] <= half["budget"]["bytes"] < full["estimate"]["expert_read"]
+    assert m.core["realized_by_expert"] == half["expert_read_by_expert"]
+    assert m.core["layout"] == half["layout"]
+    assert _layers(work / "b-half") == 3
+    ref = mergekit_merge(dict(full_cfg, dtype="float32"), work / "b-mk")
+    got_full, got_half = load_dir(work / "b-full"), load_dir(work / "b-half")
+    _close(got_full, ref)
+    inputs = load_dir(fam.base)
+    infos = open_checkpoint(fam.base).tensors
+    omitted = {t: set(expand_ranges(rs)) for t, rs in half["omitted"].items()}
+    kept = merged = 0
+    for out, _, name, _ in half["layout"]["tensors"]:
+        for span in tensor_grid(infos[name], half["grid"]["block_bytes"]):
+            rows = slice(span.row_start, span.row_end)
+            if span.index in omitted.get(name, ()):
+                assert torch.equal(got_half[out][rows], inputs[name][rows]), (out, span.index)
+                kept += 1
+            else:
+                assert torch.equal(got_half[out][rows], got_full[out][rows]), (out, span.index)
+                merged += 1
+    assert kept >= 5 and merged >= 5
+
+
+def test_fresh_paths_are_registered_and_analyzed_for_a_slices_merge(small, tmp_path):
+    """A slices config naming unregistered paths (a merging method with a layout, and a passthrough):
+    registered, analyzed where the merge needs statistics, and equal to the merge from the shared catalog."""
+    fam, cat, work = small
+    from mergepipe.catalog.db import Catalog
+    fresh = Catalog(tmp_path / "fresh.sqlite")
+    try:
+        for name in ("reordered", "franken-small"):
+            if name == "reordered":
+                cfg = {"slices": [{"sources": [_src(fam.base, 2, 4), _src(fam.experts[0], 2, 4, weight=0.3)]},
+                                  {"sources": [_src(fam.base, 0, 2), _src(fam.experts[0], 0, 2, weight=[1.5, 0.5])]}],
+                       "merge_method": "task_arithmetic", "base_model": str(fam.base), "dtype": "float32"}
+            else:
+                cfg = {"slices": [{"sources": [_src(fam.experts[1], 0, 3)]}, {"sources": [_src(fam.base, 1, 4)]}],
+                       "merge_method": "passthrough", "dtype": "float32"}
+                api.merge_config(cat, parse_config(yaml.safe_dump(cfg)), work / f"mp-{name}", model_id=f"mp-{name}")
+            api.merge_config(fresh, parse_config(yaml.safe_dump(cfg)), tmp_path / name, model_id=name)
+            a, b = load_dir(tmp_path / name), load_dir(work / f"mp-{name}")
+            assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in b), name
+        ids = {r[0]: r[1] for r in fresh.conn.execute("SELECT id, base_id FROM models")}
+        assert ids["franken-small"] is None and ids["reordered"] is not None
+    finally:
+        fresh.close()
