@@ -8,11 +8,13 @@ lets them keep doing so:
 * :func:`parse_config` (parse.py) validates the YAML without touching a catalog. ``weight`` and ``density`` may be
   mergekit settings (per-tensor ``filter`` conditions, gradients over the layers), resolved with
   mergekit's precedence (a model's own value, else the global one) by the planner. Everything
-  MergePipe cannot do exactly is refused with one message naming the key (``slices``, filters or
+  MergePipe cannot do exactly is refused with one message naming the key (filters or
   gradients of the other parameters, unknown merge methods and parameters, an output dtype other than
   the base's float dtype, tokenizer settings that would move embedding rows); nothing is silently
   approximated. Tokenizer settings are resolved against the models' vocabularies by resolve.py. The compute ``dtype`` may be any float type: MergePipe
   computes in float32 whatever it says, which is at least as precise.
+* ``slices:`` and ``modules:`` (slices.py): layer ranges, frankenmerges and per-slice parameters are
+  expanded into the plan's ``layout`` and per-tensor settings (see that module for what is refused).
 * :func:`prepare` (resolve.py) maps each model reference to a catalog model: a registered id is used as is; a path
   is matched to a registered model by uri and fingerprint, or else registered under an id derived
   from its folder name (the merge analyzes it on the way); ``BASE+ADAPTER`` registers a PEFT LoRA adapter against the base.

@@ -15,11 +15,9 @@ from mergepipe.planner.budget import Budget
 
 MAX_CONFIG_BYTES = 1 << 20  # a merge config is a few hundred bytes; refuse to parse anything huge
 
-TOP_KEYS = ("models", "slices", "base_model", "merge_method", "parameters", "dtype", "out_dtype",
+TOP_KEYS = ("models", "slices", "modules", "base_model", "merge_method", "parameters", "dtype", "out_dtype",
             "tokenizer_source", "tokenizer", "chat_template", "mergepipe")
-REFUSED_TOP_KEYS = {
-    "modules": "per-module definitions (`modules:`) are not supported; use one `models:` list",
-}
+REFUSED_TOP_KEYS: dict[str, str] = {}
 # mergekit's `tokenizer:` block
 TOKENIZER_KEYS = ("source", "tokens", "pad_to_multiple_of")
 UNION_REFUSAL = ("a union of different vocabularies is not supported yet: it re-orders and extends the "

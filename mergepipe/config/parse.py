@@ -17,7 +17,7 @@ from mergepipe.config.model import (
     GRADIENT_PARAMS, MERGEKIT_ONLY_METHODS, METHOD_PARAMS, MODEL_PARAMS, MergekitConfig, PARAMS, PER_TENSOR,
     REFUSED_TOP_KEYS, SHARED_PARAMS, TOKENIZER_KEYS, TOP_KEYS,
 )
-from mergepipe.config.slices import read_slices
+from mergepipe.config.slices import lift_modules, read_slices
 from mergepipe.config.templates import CHAT_TEMPLATES
 from mergepipe.errors import PlanError, StorageError
 from mergepipe.ops.core import OPERATORS
@@ -90,7 +90,7 @@ def _cut(msg: str) -> str:
 
 
 def _parse(text, source: str) -> MergekitConfig:
-    doc = _load(text)
+    doc = lift_modules(_load(text), _raw_fallback)
     method = _method(doc)
     globals_ = _global_params(doc)
     slices = None
@@ -407,6 +407,19 @@ def _with_fallback(own, merge_wide):
     if isinstance(merge_wide, list) and isinstance(merge_wide[0], dict):
         return own + merge_wide
     return own + [{"filter": None, "value": merge_wide}]
+
+
+def _raw_fallback(own, merge_wide):
+    """A module's parameter over the merge-wide one, as written (a condition list falls back to it)."""
+    if isinstance(own, dict):
+        own = [own]
+    if not isinstance(own, list) or not own or not isinstance(own[0], dict):
+        return own
+    if isinstance(merge_wide, dict):
+        merge_wide = [merge_wide]
+    if isinstance(merge_wide, list) and merge_wide and isinstance(merge_wide[0], dict):
+        return own + merge_wide
+    return own + [{"value": merge_wide}]
 
 
 def _number(value, where: str) -> float:

@@ -360,3 +360,45 @@ def export_slices(layout: dict, base: dict, experts: list[dict], params: dict, c
         if isinstance(value, list):  # t per input tensor -> per output tensor (mergekit matches t on outputs)
             changes[key] = _exact({out_of[c["filter"]]: c["value"] for c in value if c["filter"] in out_of}, None)
     return slices, changes
+
+
+# --- modules ---------------------------------------------------------------------------------------------
+MODULE_KEYS = ("slices", "models", "parameters")
+
+
+def lift_modules(doc: dict, fallback) -> dict:
+    """mergekit's ``modules:`` for a single-module model (its module is named ``default``) as the
+    equivalent top-level config: the module's ``slices`` or ``models``, its ``parameters`` taking
+    precedence over the merge-wide ones (a module condition list falls back to the merge-wide value, as
+    mergekit resolves them: ``fallback(own, merge_wide)``)."""
+    if "modules" not in doc:
+        return doc
+    modules = doc["modules"]
+    if "models" in doc or "slices" in doc:
+        raise ConfigError("give one of `models:`, `slices:` or `modules:` (mergekit takes exactly one)")
+    if not isinstance(modules, dict) or not modules:
+        raise ConfigError("`modules:` must map a module name to its `slices:` or `models:`")
+    names = list(modules)
+    if names != ["default"]:
+        raise ConfigError(f"modules: MergePipe merges single-module models, whose one module mergekit names "
+                          f"`default` (got {', '.join(map(str, names))})")
+    module = modules["default"]
+    if not isinstance(module, dict):
+        raise ConfigError("modules.default must be a mapping with `slices:` or `models:` and optional `parameters`")
+    for key in module:
+        if key not in MODULE_KEYS:
+            raise ConfigError(f"unsupported key `{key}` in modules.default (a module has {', '.join(MODULE_KEYS)})")
+    if ("slices" in module) == ("models" in module):
+        raise ConfigError("modules.default needs exactly one of `slices:` or `models:`")
+    out = {k: v for k, v in doc.items() if k != "modules"}
+    body = "slices" if "slices" in module else "models"
+    out[body] = module[body]
+    own = module.get("parameters") or {}
+    if not isinstance(own, dict):
+        raise ConfigError("modules.default.parameters must be a mapping of parameter names to values")
+    merged = dict(doc.get("parameters") or {})
+    for name, value in own.items():
+        merged[name] = fallback(value, merged.get(name)) if name in merged else value
+    if merged:
+        out["parameters"] = merged
+    return out

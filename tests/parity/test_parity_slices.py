@@ -311,3 +311,35 @@ def test_fresh_paths_are_registered_and_analyzed_for_a_slices_merge(small, tmp_p
         assert ids["franken-small"] is None and ids["reordered"] is not None
     finally:
         fresh.close()
+
+
+def test_modules_default_equals_mergekit(small):
+    """mergekit's ``modules:`` (a single-module model's module is ``default``): module parameters rank below
+    a slice's and above the merge-wide ones; a module condition list falls back to the merge-wide value."""
+    fam, cat, work = small
+    cfg = {"modules": {"default": {"slices": [_both(fam, 0, 2, t=0.3), _both(fam, 2, 4)],
+                                   "parameters": {"t": [{"filter": "mlp", "value": [0.9, 0.2]}]}}},
+           "merge_method": "slerp", "base_model": str(fam.base), "parameters": {"t": 0.6}}
+    plan, _, got, ref = _merge_both(cat, work, cfg, "modules")
+    _close(got, ref)
+    t = {c["filter"]: c["value"] for c in plan["params"]["t"]}
+    assert t["model.layers.0.mlp.up_proj.weight"] == 0.3 and t["model.layers.3.mlp.up_proj.weight"] == pytest.approx(0.2)
+    assert t["model.layers.3.self_attn.q_proj.weight"] == 0.6
+    models = {"modules": {"default": {"models": [{"model": str(fam.experts[0]), "parameters": {"weight": 0.7}},
+                                                 {"model": str(fam.experts[1])}],
+                                      "parameters": {"weight": 0.4}}},
+              "merge_method": "task_arithmetic", "base_model": str(fam.base)}
+    _, _, got, ref = _merge_both(cat, work, models, "modules-models")
+    _close(got, ref)
+
+
+@pytest.mark.parametrize("modules, message", [
+    ({"decoder": {"models": [{"model": "x"}]}}, "modules: MergePipe merges single-module models, whose one module "
+                                                "mergekit names `default` (got decoder)"),
+    ({"default": {"models": [{"model": "x"}], "slices": []}}, "modules.default needs exactly one of `slices:` or "
+                                                               "`models:`"),
+])
+def test_modules_refusals(modules, message):
+    with pytest.raises(ConfigError) as exc:
+        parse_config(yaml.safe_dump({"modules": modules, "merge_method": "slerp", "base_model": "b"}), "m.yaml")
+    assert str(exc.value) == f"m.yaml: {message}"
