@@ -62,6 +62,8 @@ class PlanContext(StrategyScores, Bounds):
         self.tensors = layout_tensors(self.layout, self.base["id"], catalog.tensors(self.base["id"]), self.op.copies)
         self.tensor_index = {t["name"]: i for i, t in enumerate(self.tensors)}
         self.experts = self._expert_specs(request.experts, request.density, request.weight)
+        if self.layout is not None:
+            self._check_layout_models()
         if self.op.nonlinear:  # interpolation methods: expert counts, statistics present (planner/methods.py)
             methods.check_experts(self.op, self.experts)
         self._check_finite()
@@ -114,6 +116,17 @@ class PlanContext(StrategyScores, Bounds):
                 spec.update(self._per_tensor(row["id"], [w, global_w], [d, global_d]))
             out.append(spec)
         return out
+
+    def _check_layout_models(self) -> None:
+        """A layout takes tensors from the base or from full checkpoints among the experts (a copy needs the
+        model's own values: a delta or LoRA checkpoint has none to copy)."""
+        kinds = {e["id"]: e["kind"] for e in self.experts}
+        for model in sorted({t[1] for t in self.layout["tensors"]} - {self.base["id"]}):
+            if model not in kinds:
+                raise PlanError(f"the layout takes tensors from {model}, which is neither the base nor an expert")
+            if kinds[model] != "full":
+                raise PlanError(f"the layout copies layers of {model}, a {kinds[model]} checkpoint: passthrough "
+                                f"copies full checkpoints (merge the adapter into a model first)")
 
     def _check_finite(self) -> None:
         """Refuse an analyzed expert whose delta holds NaN/Inf in any tensor (see the module docstring)."""

@@ -343,3 +343,24 @@ def test_modules_refusals(modules, message):
     with pytest.raises(ConfigError) as exc:
         parse_config(yaml.safe_dump({"modules": modules, "merge_method": "slerp", "base_model": "b"}), "m.yaml")
     assert str(exc.value) == f"m.yaml: {message}"
+
+
+def test_passthrough_without_a_layout_and_bad_layouts_are_refused(tiny):
+    dtype, fam, cat, work = tiny
+    from mergepipe.errors import PlanError
+    from mergepipe.planner.context import Planner
+    planner = Planner(cat)
+    with pytest.raises(PlanError) as exc:
+        planner.plan("base", [], "passthrough", save=False)
+    assert str(exc.value) == ("passthrough copies the layers a `slices:` config names (mergekit frankenmerges): "
+                              "merge from such a config (--config)")
+    name = "model.layers.0.mlp.up_proj.weight"
+    layout = {"tensors": [[name, "e3", name, None]], "layers": [["e3", 0]]}
+    with pytest.raises(PlanError) as exc:
+        planner.plan("base", ["e1"], "passthrough", layout=layout, save=False)
+    assert str(exc.value) == "the layout takes tensors from e3, which is neither the base nor an expert"
+    twice = {"tensors": [[name, "base", name, None], [name.replace(".0.", ".1."), "base", name, None]],
+             "layers": [["base", 0], ["base", 0]]}
+    with pytest.raises(PlanError) as exc:
+        planner.plan("base", ["e1"], "slerp", t=0.5, layout=twice, save=False)
+    assert str(exc.value) == f"the layout merges {name} twice: a merge reads each input tensor once"
