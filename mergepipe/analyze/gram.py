@@ -10,6 +10,11 @@ budgeted merge never reads a whole tensor to learn an angle.
 For ramplus_tl it also counts, per expert, the entries with |delta| > 1e-5 that another expert of the run
 also changes (shared) or that only it changes (unique): rows keyed by the set of experts of the run.
 
+For arcee_fusion it gathers, per full-checkpoint expert whose base is read, the importance of every entry
+(ops/arcee_fusion.py: |x - base| times the KL divergence of the rows' softmaxes, rows whole inside a block)
+and stores the tensor's threshold (median + 1.5 IQR; from a fixed-seed sample of 1,000,000 entries above
+that size, as mergekit samples): rows ``("~arcee", expert)``.
+
 Pairwise dots exist only between experts analyzed in the same run: ``mergepipe analyze --force A B C``
 analyzes a set together. Experts whose deltas are stored as delta checkpoints do not read the base: then
 ||base||^2 and <base, delta_i> are not known (methods that need them refuse).
@@ -63,6 +68,8 @@ class GramAccumulator:
         # ramplus_tl: per expert, entries with |delta| > RAM_EPSILON shared with another expert / unique to it
         self.shared = np.zeros(k, dtype=np.int64)
         self.unique = np.zeros(k, dtype=np.int64)
+        # arcee_fusion: per expert, the importance of its entries (or of a sample), full checkpoints only
+        self.arcee = [ArceeImportance(binfo) for _ in passes] if self.has_base else None
 
     def add(self, base_raw: np.ndarray | None, expert_arrays: list[np.ndarray]) -> None:
         """One block: the float32 deltas as mergekit forms them (written into one [rows, n] array, the
@@ -82,6 +89,8 @@ class GramAccumulator:
             b = m[0]
         for i, (kind, e, dtype) in enumerate(kinds, start=first):
             _fill(m[i], e, dtype)
+            if self.arcee is not None:
+                self.arcee[i - first].add(m[i], b, n, kind == "full")
             if kind == "full":
                 np.subtract(m[i], b, out=m[i])  # float32, as mergekit's x - base
         kernels.shared_unique_counts(m[first:], m.dtype.type(RAM_EPSILON), self.shared, self.unique)
@@ -108,9 +117,54 @@ class GramAccumulator:
         key = set_key(ids)
         out += [(f"~shared:{key}", e, float(v)) for e, v in zip(ids, self.shared)]
         out += [(f"~unique:{key}", e, float(v)) for e, v in zip(ids, self.unique)]
+        for e, acc in zip(ids, self.arcee or ()):
+            value = acc.threshold()
+            if value is not None:
+                out.append(("~arcee", e, value))
         return out
 
     def finish(self) -> None:
         rows = self.rows()
         for p in self.passes:
             p.job.store_gram(self.binfo.name, rows)
+
+
+class ArceeImportance:
+    """One (expert, tensor)'s arcee_fusion importance values, block by block (all of them, or mergekit-sized
+    sample of them above QUANTILE_SAMPLE_SIZE entries), and their threshold at the end."""
+
+    def __init__(self, binfo):
+        from mergepipe.ops.arcee_fusion import QUANTILE_SAMPLE_SIZE, SAMPLE_SEED
+        self.shape, self.numel = tuple(binfo.shape), binfo.numel
+        self.row = self.shape[-1] if len(self.shape) >= 1 else 1
+        self.ok = True  # False: not computable (a delta/LoRA expert, a 1-D tensor over several blocks)
+        self.offset = 0
+        self.parts: list = []
+        self.sample = None
+        if self.numel > QUANTILE_SAMPLE_SIZE:
+            import torch
+            g = torch.Generator().manual_seed(SAMPLE_SEED)
+            self.sample = torch.sort(torch.randint(self.numel, (QUANTILE_SAMPLE_SIZE,), generator=g)).values
+
+    def add(self, x: np.ndarray, base: np.ndarray | None, n: int, full: bool) -> None:
+        """One block: ``x`` the expert's values, ``base`` the base's (float arrays of ``n`` entries)."""
+        import torch
+        from mergepipe.ops.arcee_fusion import importance
+        start, self.offset = self.offset, self.offset + n
+        if not self.ok or base is None or not full or (len(self.shape) <= 1 and n != self.numel):
+            self.ok = False
+            return
+        xt = torch.from_numpy(np.asarray(x, dtype=np.float32)).reshape(-1, self.row)
+        bt = torch.from_numpy(np.asarray(base, dtype=np.float32)).reshape(-1, self.row)
+        values = importance(xt, bt).reshape(-1)
+        if self.sample is not None:  # the sampled indices that fall in this block (repeats kept)
+            lo, hi = torch.searchsorted(self.sample, torch.tensor([start, start + n]))
+            values = values[self.sample[lo:hi] - start]
+        self.parts.append(values.clone())
+
+    def threshold(self) -> float | None:
+        from mergepipe.ops.arcee_fusion import threshold
+        if not self.ok or not self.parts:
+            return None
+        import torch
+        return threshold(torch.cat(self.parts))

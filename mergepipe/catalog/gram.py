@@ -52,3 +52,10 @@ def load_set_counts(catalog: Catalog, base_id: str, key: str) -> dict[str, dict[
     for tensor, a, b, value in cur:
         out.setdefault(tensor, {}).setdefault(b, [0.0, 0.0])[0 if a.startswith("~shared") else 1] = value
     return {t: {e: tuple(v) for e, v in per.items()} for t, per in out.items()}
+
+
+def load_arcee_thresholds(catalog: Catalog, base_id: str, expert_id: str) -> dict[str, float]:
+    """tensor -> arcee_fusion's importance threshold of this expert (analyze/gram.py, rows ("~arcee", expert))."""
+    cur = catalog.conn.execute("SELECT tensor, value FROM gram WHERE base_id = ? AND a = '~arcee' AND b = ?",
+                               [base_id, expert_id])
+    return dict(cur.fetchall())

@@ -34,14 +34,15 @@ def _record(cat: Catalog | None, ref: str) -> dict:
             "experts": c["inputs"]["experts"], "operator": c["operator"], "params": c["params"], "seed": c["seed"],
             "strategy": c["strategy"], "budget": c["budget"], "target_bound": target,
             "snapshot_id": m.snapshot_id, "full_expert_bytes": c["full_expert_bytes"], "tokenizer": c.get("tokenizer"),
-            "layout": c.get("layout")}
+            "layout": c.get("layout"), "base_member": c["inputs"].get("base_member")}
 
 
 def _plan_record(p: dict) -> dict:
     return {"plan_id": p["id"], "digest": p["digest"], "base": p["base"], "experts": p["experts"],
             "operator": p["operator"], "params": p["params"], "seed": p["seed"], "strategy": p["strategy"],
             "budget": p["budget"], "target_bound": p.get("target_bound"), "snapshot_id": None,
-            "full_expert_bytes": p["full_expert_bytes"], "tokenizer": p.get("tokenizer"), "layout": p.get("layout")}
+            "full_expert_bytes": p["full_expert_bytes"], "tokenizer": p.get("tokenizer"), "layout": p.get("layout"),
+            "base_member": p.get("base_member")}
 
 
 def _base_dtype(cat: Catalog | None, base: dict) -> str | None:
@@ -114,6 +115,10 @@ def _to_yaml(cat: Catalog | None, r: dict) -> str:
             models.insert(0, {"model": base["uri"]})
     for key in op.params:
         params[key] = r["params"][key]
+    member = r.get("base_member")
+    if member:  # a model soup: the base is one of the models (config/soup.py)
+        weight, _ = _expert_setting(member, "weight")
+        models.insert(member["position"], {"model": base["uri"], "parameters": {"weight": weight}})
     doc: dict = {"merge_method": op.name, "base_model": base["uri"], "models": models, "parameters": params,
                  "dtype": "float32"}
     if r.get("layout"):  # a `slices:` merge: its layers as slices (config/slices.py)
@@ -123,11 +128,14 @@ def _to_yaml(cat: Catalog | None, r: dict) -> str:
         params = {k: v for k, v in params.items() if v is not None}
         doc = {"merge_method": op.name, "base_model": base["uri"], "slices": slices, "parameters": params,
                "dtype": "float32"}
+    if member and member.get("reference"):  # no base_model: MergePipe chose the first model as the reference
+        del doc["base_model"]
     base_dtype = _base_dtype(cat, base)
     if base_dtype in MERGEKIT_DTYPE:
         doc["out_dtype"] = MERGEKIT_DTYPE[base_dtype]
     tok = r["tokenizer"] or {}
-    doc["tokenizer_source"] = tok.get("source_uri", "base")
+    if tok.get("source_uri") or "base_model" in doc:
+        doc["tokenizer_source"] = tok.get("source_uri", "base")
     if tok.get("chat_template"):
         doc["chat_template"] = tok["chat_template"]
     ext: dict = {}

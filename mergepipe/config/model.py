@@ -45,6 +45,9 @@ EXTENSION_KEYS = ("budget", "target_bound", "strategy", "seed", "plan")
 MERGEKIT_ONLY_METHODS = ("slerp", "nuslerp", "multislerp", "model_stock", "passthrough", "karcher", "sce",
                          "arcee_fusion", "nearswap", "ram", "core_space", "task_adapter", "cabs", "lrp", "pcb",
                          "zipit", "generalized_anysize", "tokenizer_permute")
+# mergekit methods that ignore or allow an absent base_model but that MergePipe still needs one for (named so
+# that the refusal says so); linear takes none (ops/linear.py: base_optional).
+BASELESS_LATER = ("karcher", "multislerp", "nuslerp", "passthrough")
 # mergekit dtype names -> safetensors dtype names, and back.
 DTYPE_NAMES = {"float32": "F32", "fp32": "F32", "float": "F32", "bfloat16": "BF16", "bf16": "BF16",
                "float16": "F16", "fp16": "F16", "half": "F16", "float64": "F64", "fp64": "F64"}
@@ -72,7 +75,7 @@ class MergekitConfig:
 
     source: str
     method: str
-    base: str
+    base: str | None  # None: a model soup without base_model (the resolver picks a reference model)
     models: tuple[ConfigModel, ...]
     normalize: bool | None = None
     rescale: bool | None = None

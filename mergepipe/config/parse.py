@@ -14,7 +14,7 @@ import yaml
 
 from mergepipe.config.model import (
     ConfigError, ConfigModel, DTYPE_NAMES, EXTENSION_KEYS, GLOBAL_PARAMS, MAX_CONFIG_BYTES,
-    GRADIENT_PARAMS, MERGEKIT_ONLY_METHODS, METHOD_PARAMS, MODEL_PARAMS, MergekitConfig, PARAMS, PER_TENSOR,
+    BASELESS_LATER, GRADIENT_PARAMS, MERGEKIT_ONLY_METHODS, METHOD_PARAMS, MODEL_PARAMS, MergekitConfig, PARAMS, PER_TENSOR,
     REFUSED_TOP_KEYS, SHARED_PARAMS, TOKENIZER_KEYS, TOP_KEYS,
 )
 from mergepipe.config.slices import lift_modules, read_slices
@@ -98,7 +98,7 @@ def _parse(text, source: str) -> MergekitConfig:
         base, models, slices = read_slices(doc, method, globals_, _ref)
         values = {p: globals_.get(p) for p in SHARED_PARAMS}
     else:
-        base = _base(doc)
+        base = _base(doc, method)
         entries = _model_entries(doc)
         models, values = _models(entries, globals_)
     # The compute dtype: MergePipe always computes in float32, at least as precise as any float dtype
@@ -197,12 +197,16 @@ def _method(doc: dict) -> str:
     return method
 
 
-def _base(doc: dict) -> str:
-    """``base_model``: required."""
+def _base(doc: dict, method: str) -> str | None:
+    """``base_model``: required, except by the methods that can merge without one (a model soup: None, the
+    resolver then picks a reference model among the models, config/soup.py)."""
     base = doc.get("base_model")
     if base is None:
-        raise ConfigError("`base_model` is required: MergePipe stores experts as deltas against their base "
-                          "(for linear, name the base the models were fine-tuned from; it is not averaged in)")
+        if OPERATORS[method].base_optional:
+            return None
+        raise ConfigError(f"`base_model` is required by {method}: MergePipe stores experts as deltas against their "
+                          f"base" + (f" (mergekit's {method} can run without one; MergePipe does not support that yet)"
+                                     if method in BASELESS_LATER else ""))
     base = _ref(base, "base_model")
     return base
 

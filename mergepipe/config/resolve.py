@@ -17,6 +17,7 @@ from pathlib import Path
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.models import check_unchanged, is_vocab_tensor, model_ids, models_at, register
 from mergepipe.config.model import ConfigError, ConfigModel, MERGEKIT_DTYPE, MergekitConfig, UNION_REFUSAL
+from mergepipe.config import soup
 from mergepipe.config.parse import _exists
 from mergepipe.config.templates import CHAT_TEMPLATES
 from mergepipe.ops.core import get_op, resolve_params
@@ -42,6 +43,7 @@ class Resolved:
     ids: dict[str, str] = field(default_factory=dict)  # reference as written -> catalog id
     layout: dict | None = None  # a `slices:` config's output layout (config/slices.py)
     method_params: dict | None = None  # a `slices:` config's per-tensor t (None: the config's own)
+    base_member: dict | None = None  # a model soup: the base averaged in (MergeRequest.base_member)
 
     @property
     def pending(self) -> bool:
@@ -54,7 +56,7 @@ class Resolved:
         return MergeRequest.build(self.base, self.experts, c.method, budget=c.budget, target_bound=c.target_bound,
                                   lam=c.lam, normalize=c.normalize, rescale=c.rescale, gamma=c.gamma,
                                   epsilon=c.epsilon, seed=c.seed, strategy=c.strategy, tokenizer=self.tokenizer,
-                                  layout=self.layout, **method_params)
+                                  layout=self.layout, base_member=self.base_member, **method_params)
 
 
 PathCheck = Callable[[str], Path]
@@ -72,6 +74,9 @@ class _Resolver:
         self.taken = model_ids(cat) | set(reserved_ids or ())
         self.out = Resolved(cfg, "", [])
         self.base_path: Path | None = None
+        # a model soup without base_model plans against a reference model (config/soup.py)
+        self.base_text, self.base_where = (cfg.base, "base_model") if cfg.base is not None else \
+            (cfg.models[0].ref, cfg.models[0].where + ".model")
 
     def fail(self, where: str, message: str):
         raise ConfigError(f"{self.cfg.source}: {where}: {message}")
@@ -100,7 +105,7 @@ class _Resolver:
                          f"(Models page, or `mergepipe merge --config` which does it for you)")
 
     def base(self) -> tuple[str, Path | None]:
-        text, where = self.cfg.base, "base_model"
+        text, where = self.base_text, self.base_where
         if self.cat.has_model(text):
             return text, Path(self.cat.model(text)["uri"])
         path = self._path(text, where)
@@ -149,7 +154,7 @@ class _Resolver:
                                             and Path(self.check(left)).resolve() == base_path)
             if not same_base:
                 self.fail(where, f"the adapter {right} is applied to {left}, but the merge base is "
-                                 f"{self.cfg.base}: MergePipe merges adapters trained on the merge base")
+                                 f"{self.base_text}: MergePipe merges adapters trained on the merge base")
             path = self._path(right, where)
         else:
             path = self._path(text, where)
@@ -190,15 +195,20 @@ def prepare(cat: Catalog, cfg: MergekitConfig, register_paths: bool = True, chec
     base_id, base_path = r.base()
     r.out.base, r.base_path = base_id, base_path
     _check_out_dtype(cat, cfg, base_id, base_path)
-    r.out.ids[cfg.base] = base_id
-    for m in cfg.models:
+    models = cfg.models
+    if cfg.base is None:  # a soup: the reference is the first model, averaged in with its own weight
+        r.out.base_member = soup.member(models[0], 0, reference=True)
+        models = models[1:]
+    else:
+        r.out.ids[cfg.base] = base_id
+    for m in models:
         mid = r.expert(m, base_id, base_path)
         r.out.ids[m.ref] = base_id if mid is None else mid
         if mid is None:
-            if op.whole_models:
-                raise ConfigError(f"{cfg.source}: {m.where}: the base model is listed among the models; MergePipe's "
-                                  f"linear averages the other models only (remove it, or give the models' "
-                                  f"weights relative to each other)")
+            if op.whole_models:  # mergekit's linear averages a base_model listed among the models
+                if r.out.base_member is not None:
+                    raise ConfigError(f"{cfg.source}: {m.where}: the model {m.ref} is listed twice")
+                r.out.base_member = soup.member(m, len(r.out.experts), reference=False)
             continue  # mergekit skips the base model in task-vector methods
         spec = {"model": mid}
         if m.weight is not None:
@@ -209,7 +219,8 @@ def prepare(cat: Catalog, cfg: MergekitConfig, register_paths: bool = True, chec
     if cfg.slices is not None:
         _expand_slices(r, base_id)
     elif not r.out.experts:
-        raise ConfigError(f"{cfg.source}: `models:` lists no model other than the base")
+        raise ConfigError(f"{cfg.source}: `models:` lists no model other than the base" if cfg.base is not None else
+                          f"{cfg.source}: `models:` lists one model: a soup without base_model averages two or more")
     r.out.tokenizer = _tokenizer(r, base_id, base_path)
     return r.out
 

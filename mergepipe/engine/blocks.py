@@ -25,10 +25,13 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def merge_block(fused, op, params, seed, experts, sources, weight_sum, info, span, raw, contributors, thresholds,
-                method=None):
+                method=None, soup=None):
     """The merged bytes of one block (``raw``: its base bytes; ``contributors``: (expert index, buffers)),
-    refused when they hold NaN or Inf. ``method``: the tensor's scalars of an interpolation method."""
-    if op.nonlinear:
+    refused when they hold NaN or Inf. ``method``: the tensor's scalars of an interpolation method;
+    ``soup``: a model soup's (weights in config order, the base's position)."""
+    if soup is not None:
+        data = soup_block(params, sources, info, span, raw, contributors, len(experts), *soup)
+    elif op.nonlinear:
         data = method_block(op, params, sources, info, span, raw, contributors, method, len(experts))
     else:
         data = _merged_bytes(fused, op, params, seed, experts, sources, weight_sum, info, span, raw, contributors,
@@ -72,11 +75,16 @@ def _merged_bytes(fused, op, params, seed, experts, sources, weight_sum, info, s
     return tensor_bytes(merged.to(DTYPES[info.dtype][0]))
 
 
-def method_block(op, params, sources, info, span, raw, contributors, scalars, n_experts):
-    """One block of an interpolation method (ops/interp.py): every expert's values in float32 (a full
-    checkpoint's own values; else base + delta; an expert not read for this block changed nothing here,
-    so its values are the base's), then the method's block kernel with the tensor's scalars."""
-    from mergepipe.ops.core import METHODS
+def soup_block(params, sources, info, span, raw, contributors, n_experts, weights, position):
+    """One block of a model soup: mergekit's linear over the base and every expert's values (an expert not
+    read for this block is the base's values there: its delta is omitted, as in any additive merge)."""
+    from mergepipe.ops.linear import soup_block as kernel
+    shape, base, xs = _values(sources, info, span, raw, contributors, n_experts)
+    return tensor_bytes(kernel(base, xs, weights, position, params).reshape(shape).to(DTYPES[info.dtype][0]))
+
+
+def _values(sources, info, span, raw, contributors, n_experts):
+    """(block shape, the base's values, every expert's values) in float32."""
     shape = rows_shape(info, span.row_end - span.row_start)
     base = bytes_to_tensor(raw, info.dtype, shape).float()
     xs = [base] * n_experts
@@ -87,6 +95,15 @@ def method_block(op, params, sources, info, span, raw, contributors, scalars, n_
             xs[ei] = bytes_to_tensor(bufs[0], xinfo.dtype, shape).float()
         else:
             xs[ei] = base + src.delta(info.name, span, bufs, fixed, base).reshape(shape)
+    return shape, base, xs
+
+
+def method_block(op, params, sources, info, span, raw, contributors, scalars, n_experts):
+    """One block of an interpolation method (ops/interp.py): every expert's values in float32 (a full
+    checkpoint's own values; else base + delta; an expert not read for this block changed nothing here,
+    so its values are the base's), then the method's block kernel with the tensor's scalars."""
+    from mergepipe.ops.core import METHODS
+    shape, base, xs = _values(sources, info, span, raw, contributors, n_experts)
     merged = METHODS[op.name][1](op, base, xs, scalars, params, len(info.shape))
     return tensor_bytes(merged.reshape(shape).to(DTYPES[info.dtype][0]))
 

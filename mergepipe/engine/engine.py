@@ -167,9 +167,11 @@ class Engine:
             "error_bound": plan["error_bound"],
             "outputs": outputs,
             "software": {"mergepipe": __version__, "torch": torch.__version__},
-            "parents": [{"id": plan["base"]["id"], "role": "base", "weight": None}]
+            "parents": [_base_parent(plan)]
             + [{"id": e["id"], "role": "expert", "weight": e["weight"]} for e in plan["experts"]],
         }
+        if plan.data.get("base_member"):  # a model soup: the base (reference) is averaged in
+            core["inputs"]["base_member"] = plan["base_member"]
         if plan.data.get("tokenizer"):
             core["tokenizer"] = plan["tokenizer"]
         if plan.data.get("layout"):  # a `slices:` merge: which input tensor each output tensor is made of
@@ -212,3 +214,13 @@ class Engine:
 
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _base_parent(plan: Plan) -> dict:
+    """The base's lineage entry; in a model soup it is averaged in with a weight (the reference model of a
+    config without base_model)."""
+    member = plan.data.get("base_member")
+    if not member:
+        return {"id": plan["base"]["id"], "role": "base", "weight": None}
+    return {"id": plan["base"]["id"], "role": "reference" if member.get("reference") else "base",
+            "weight": member.get("weight")}

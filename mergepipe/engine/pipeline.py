@@ -80,7 +80,11 @@ class MergePipeline:
         self.inflight = inflight = (InflightAnalysis(plan, base_ck, order) if any(e.get("analyze") for e in experts)
                                     else None)
         self.thresholds = {**plan["thresholds"], **(inflight.thresholds if inflight else {})}
-        self.weight_sums = {n: sum(tensor_weight(e, n) or 0.0 for e in experts) for n in set(self.input_name.values())}
+        # a model soup (linear averaging the base in): every float block goes through mergekit's operation order
+        self.base_member = member = plan.data.get("base_member")
+        self.weight_sums = {n: sum(tensor_weight(e, n) or 0.0 for e in experts)
+                            + ((tensor_weight(member, n) or 0.0) if member else 0.0)
+                            for n in set(self.input_name.values())}
         # interpolation methods: per-tensor scalars, and the budget-omitted blocks (which keep the base)
         self.coefficients = plan.data.get("coefficients") or {}
         self.omitted = {t: set(expand_ranges(rs)) for t, rs in (plan.data.get("omitted") or {}).items()}
@@ -130,12 +134,21 @@ class MergePipeline:
         return not (self.inflight and eid in self.inflight.jobs) or self.inflight.keeps(eid, name, block)
 
     def passthrough_ok(self, name: str) -> bool:
-        return not (self.scales_base and self.weight_sums[name] != 1.0)
+        return not self.base_member and not (self.scales_base and self.weight_sums[name] != 1.0)
 
     def method_merges(self, name: str, block: int) -> bool:
         """An interpolation method merges every block of a float tensor that the plan did not omit (an
         unchanged block is not x = base for it: slerp's coefficients do not sum to 1)."""
         return self.op.nonlinear and block not in self.omitted.get(name, ())
+
+    def soup_weights(self, name: str) -> tuple[list[float], int] | None:
+        """A soup's weights on one tensor in config order (the base's at its position), and that position."""
+        member = self.base_member
+        if not member:
+            return None
+        weights = [tensor_weight(e, name) for e in self.experts]
+        weights.insert(member["position"], tensor_weight(member, name))
+        return weights, member["position"]
 
     def span_cost(self, info, span) -> int:
         """Bytes one block makes the engine hold: base + selected experts."""
@@ -195,7 +208,7 @@ class MergePipeline:
         t_c = time.perf_counter()
         data = merge_block(self.engine.fused, self.op, self.params, self.plan["seed"], self.experts, self.sources,
                            self.weight_sums[info.name], info, span, raw, contributors, self.thresholds,
-                           self.coefficients.get(info.name))
+                           self.coefficients.get(info.name), self.soup_weights(info.name))
         self.timing["compute_s"] += time.perf_counter() - t_c
         return data
 

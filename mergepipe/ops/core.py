@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING
 
 from mergepipe.errors import PlanError
 from mergepipe.ops import (
-    breadcrumbs, dare, della, karcher, linear, model_stock, multislerp, nearswap, nuslerp, passthrough, ram, sce, slerp,
-    ties,
+    arcee_fusion, breadcrumbs, dare, della, karcher, linear, model_stock, multislerp, nearswap, nuslerp, passthrough, ram,
+    sce, slerp, ties,
 )
 from mergepipe.ops.topk import NO_CUT
 from mergepipe.ops.spec import (  # noqa: F401
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     import torch
 
 FAMILIES = (linear, ties, dare, breadcrumbs, della, slerp, nuslerp, model_stock, multislerp, karcher, nearswap, sce,
-            ram, passthrough)
+            ram, passthrough, arcee_fusion)
 # Registration order is the order operators are listed in (the CLI, the dashboard, error messages).
 # A family declares SPECS, and for the sparsify kinds it implements SPARSIFY (kind -> block function
 # (delta, density, params, thresholds, seed)) and THRESHOLDS (kind -> top-k fractions (density, params)).

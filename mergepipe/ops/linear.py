@@ -1,5 +1,9 @@
 """Linear (weighted average of whole models) and task arithmetic (base + weighted sum of deltas): the
-additive operators, for which the planner's error bound holds."""
+additive operators, for which the planner's error bound holds.
+
+A model soup (linear over models without a base_model, or with the base among the models) averages the
+base in too: :func:`soup_block` follows mergekit's linear float32 operation order (a weighted sum model by
+model, then one division by the float32 sum of the weights), so the result is bit-equal to mergekit's."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ if TYPE_CHECKING:
     import torch
 
 SPECS = (
-    OpSpec("linear", None, Consensus.NONE, True, False, aliases=("avg",), whole_models=True,
+    OpSpec("linear", None, Consensus.NONE, True, False, aliases=("avg",), whole_models=True, base_optional=True,
            reference="model soups, Wortsman et al. 2022, https://arxiv.org/abs/2203.05482"),
     OpSpec("task_arithmetic", None, Consensus.NONE, False, False,
            reference="task arithmetic, Ilharco et al. 2023, https://arxiv.org/abs/2212.04089"),
@@ -35,3 +39,22 @@ def combine_additive(spec: OpSpec, base: torch.Tensor, deltas: list[tuple[float,
     if lam != 1:
         mixed *= lam
     return base + mixed
+
+
+def soup_block(base: torch.Tensor, xs: list[torch.Tensor], weights: list[float], position: int,
+               params: dict) -> torch.Tensor:
+    """mergekit's linear over the models in config order: ``xs`` (the experts' values) with the base at
+    ``position``; ``weights`` in that order. float32 weights, ``result.addcmul_`` model by model, one
+    division by the weights' float32 sum (normalize), as mergekit's linear_merge; then lambda."""
+    import torch
+    models = list(xs)
+    models.insert(position, base)
+    w = torch.tensor([weights], dtype=torch.float32)  # [batch 1, models]: mergekit's weight tensor
+    shape = (1,) * base.dim()
+    result = torch.zeros_like(base)
+    for x, c in zip(models, w.unbind(1)):
+        result.addcmul_(x, c.reshape(shape))
+    if params["normalize"]:
+        result.div_(w.sum(dim=1).reshape(shape))
+    lam = params["lambda"]
+    return result * lam if lam != 1 else result

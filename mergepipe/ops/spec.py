@@ -147,6 +147,9 @@ class OpSpec:
     aliases: tuple[str, ...] = ()
     extras: tuple[Param, ...] = ()  # parameters beyond the common ones (gamma, epsilon)
     whole_models: bool = False  # linear: averages x_i, not base + deltas
+    # mergekit merges without a base_model (its base is ignored): a model soup, planned against a
+    # reference model (config/soup.py) that is itself averaged in (MergeRequest.base_member)
+    base_optional: bool = False
     reference: str = ""  # the paper or page the operator follows
     # --- the interpolation methods (ops/slerp.py, nuslerp.py, model_stock.py, ...): not additive ---
     nonlinear: bool = False  # output not base + fixed coefficients x deltas: no error bound, own block kernel

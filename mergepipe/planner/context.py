@@ -72,7 +72,10 @@ class PlanContext(StrategyScores, Bounds):
         # [K, T] weight of each expert on each tensor, and its coefficient in the merged delta
         self.weight_matrix = np.array([[tensor_weight(e, n) or 0.0 for n in names] for e in self.experts],
                                       dtype=np.float64).reshape(len(self.experts), len(names))
-        self.weight_sums = self.weight_matrix.sum(axis=0)
+        self.base_member = self._base_member(request.base_member, names)
+        self.base_weights = np.array([tensor_weight(self.base_member, n) or 0.0 for n in names] if self.base_member
+                                     else [0.0] * len(names), dtype=np.float64)
+        self.weight_sums = self.weight_matrix.sum(axis=0) + self.base_weights
         self._check_normalize(names)
         self.warnings = self._zero_delta_warnings(names) + analyses.outlier_warnings(
             catalog, self.base["id"], [e["id"] for e in self.experts if not e.get("analyze")])
@@ -142,11 +145,24 @@ class PlanContext(StrategyScores, Bounds):
         floats = [i for i, t in enumerate(self.tensors) if t["dtype"] in FLOAT_DTYPES]
         seen = set()
         for i in floats:
-            column = tuple(float(w) for w in self.weight_matrix[:, i])
+            column = tuple(float(w) for w in self.weight_matrix[:, i]) + (
+                (float(self.base_weights[i]),) if self.base_member else ())
             if column not in seen:
                 seen.add(column)
                 check_weight_sum(self.op, self.params, column, f" on {names[i]}" if len(self.tensors) > 1 and any(
                     e.get("weight") is None for e in self.experts) else "")
+
+    def _base_member(self, member: dict | None, names: list[str]) -> dict | None:
+        """A soup's base member (MergeRequest.base_member) with its weight per float tensor when that varies."""
+        if member is None:
+            return None
+        out = dict(member)
+        if not is_scalar(member["weight"]):
+            layers = num_layers(names, json.loads(self.base["config"] or "{}"))
+            floats = [t["name"] for t in self.tensors if t["dtype"] in FLOAT_DTYPES]
+            out["tensors"] = {n: [resolve([member["weight"]], n, layer_t(n, layers), 1.0), None] for n in floats}
+            out["settings"], out["weight"] = {"weight": member["weight"]}, None  # as an expert's per-tensor weight
+        return out
 
     def _zero_delta_warnings(self, names: list[str]) -> list[str]:
         """A warning per analyzed expert whose delta is zero everywhere or in every tensor it is weighted in."""
@@ -344,6 +360,8 @@ class PlanContext(StrategyScores, Bounds):
             core["tokenizer"] = self.request.tokenizer
         if self.layout is not None:  # a `slices:` config: which input tensor each output tensor is made of
             core["layout"] = self.layout
+        if self.base_member:  # a soup: the base is averaged in (only then: other plans keep their digests)
+            core["base_member"] = self.base_member
         if self.op.nonlinear:  # the interpolation methods' per-tensor scalars and budget-omitted blocks
             core["coefficients"] = self.method_scalars
             core["omitted"] = methods.omitted_blocks(self, chosen)

@@ -36,6 +36,15 @@ def explain_plan(p: dict) -> str:
         lines.append(f"  omitted    {omitted} blocks not read; {op.budget_semantics}")
     if p.get("layout"):
         lines.append(layout_line(p))
+    member = p.get("base_member")
+    if member:  # a model soup (config/soup.py)
+        weight = "per tensor" if member.get("weight") is None else f"{member['weight']:g}"
+        lines.append(f"  soup       {p['base']['id']} is averaged in with weight {weight} (model {member['position'] + 1} "
+                     "of the soup)" + (
+                         f"; it is the reference model: the config names no base_model, so MergePipe took the first "
+                         f"model listed, read it in full and planned the other models as deltas against it (the "
+                         f"average does not depend on that choice; the budget applies to the others)"
+                         if member.get("reference") else "; the config lists its base_model among the models"))
     tok = p.get("tokenizer")
     if tok:  # the base's tokenizer files otherwise (no line)
         template = tok.get("chat_template")

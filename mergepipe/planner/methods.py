@@ -20,7 +20,7 @@ import json
 import numpy as np
 
 from mergepipe.catalog import analyses
-from mergepipe.catalog.gram import load_gram, load_set_counts, set_key
+from mergepipe.catalog.gram import load_arcee_thresholds, load_gram, load_set_counts, set_key
 from mergepipe.errors import PlanError
 from mergepipe.ops.core import METHODS
 from mergepipe.ops.interp import Gram
@@ -61,6 +61,7 @@ def tensor_scalars(ctx) -> dict[str, list[float]]:
     gram = load_gram(ctx.catalog, ctx.base["id"], ids) if op.gram else {}
     changed = {e: set(analyses.changed_tensors(ctx.catalog, e)) for e in ids} if op.gram else {}
     counts = load_set_counts(ctx.catalog, ctx.base["id"], set_key(ids)) if op.name == "ramplus_tl" else None
+    arcee = load_arcee_thresholds(ctx.catalog, ctx.base["id"], ids[0]) if op.name == "arcee_fusion" else None
     names = [t["name"] for t in ctx.tensors]
     layers = num_layers(names, json.loads(ctx.base["config"] or "{}"))
     out = {}
@@ -76,12 +77,25 @@ def tensor_scalars(ctx) -> dict[str, list[float]]:
                                     f"analyzed together, which the catalog does not hold for tensor {name}: "
                                     f"`mergepipe analyze --gram {' '.join(ids)}`")
             settings["ram_counts"] = ([per[e][0] for e in ids], [per[e][1] for e in ids])
+        if arcee is not None:
+            settings["arcee_threshold"] = _arcee_threshold(arcee, ids[0], t)
         if "t" in params:
             settings["t"] = resolve([params["t"]], name, layer_t(name, layers), 0.0)
         zero = {e for e in ids if name not in changed[e]} if op.gram else set()
         g = _gram(op, gram.get(name, {}), ids, name, t, zero) if op.gram else None
         out[name] = [float(v) for v in scalars_fn(op, g, settings, params, len(t["shape"]))]
     return out
+
+
+def _arcee_threshold(thresholds: dict, expert: str, t) -> float:
+    """An expert's arcee_fusion threshold on one tensor, stored by ANALYZE --gram."""
+    value = thresholds.get(t["name"])
+    if value is None:
+        why = (" (a 1-D tensor is one softmax row: it must fit in one block)" if len(t["shape"]) == 1 else "")
+        raise NeedsAnalysis(f"arcee_fusion needs the importance threshold of {expert} on tensor {t['name']}, which "
+                            f"the catalog does not hold{why}: ANALYZE --gram stores it for full checkpoints whose "
+                            f"base it reads (`mergepipe analyze --gram {expert}`)")
+    return value
 
 
 def _gram(op, rows: dict, ids: list[str], name: str, t, zero: set) -> Gram:

@@ -61,12 +61,17 @@ class MergeRequest:
     # scale or None], ...] in output order, "layers": [[model id, input layer], ...] per output layer};
     # None: the output has the base's tensors under their own names
     layout: dict | None = None
+    # a model soup: the base is averaged in as one of the models (linear only): {"weight": setting,
+    # "position": its index among the models in config order, "reference": true when MergePipe chose it
+    # (a config without base_model) rather than the config listing its base_model among the models}
+    base_member: dict | None = None
 
     @classmethod
     def build(cls, base: str, experts, operator: str = "linear", *, weights=None, weight=None, density=None,
               lam=None, normalize=None, rescale=None, gamma=None, epsilon=None, budget=None, budget_mb=None,
               target_bound=None, strategy: str | None = None, seed: int | None = None, out=None,
               model_id: str | None = None, tokenizer: dict | None = None, layout: dict | None = None,
+              base_member: dict | None = None,
               **unknown) -> MergeRequest:
         """Shape keyword arguments (the API's, the CLI's flags, a page's widgets) into a validated request.
         ``weights`` lists one weight per expert, in order; ``budget`` is any spelling :class:`Budget` takes."""
@@ -83,7 +88,7 @@ class MergeRequest:
                       params=params, budget=Budget.of(budget, mb=budget_mb, target_bound=target_bound),
                       strategy="norm" if strategy is None else strategy, seed=0 if seed is None else seed,
                       out=None if out is None else str(out), model_id=model_id,
-                      tokenizer=_tokenizer_setting(tokenizer), layout=_layout_setting(layout))
+                      tokenizer=_tokenizer_setting(tokenizer), layout=_layout_setting(layout), base_member=base_member)
         return request.validated()
 
     def validated(self) -> MergeRequest:
@@ -91,6 +96,10 @@ class MergeRequest:
         op = get_op(self.operator)
         params = self.resolved_params(op)
         self._check_settings(op, params)
+        if self.base_member is not None:
+            member = _base_member(op, self.base_member, len(self.experts))
+            if member != self.base_member:
+                return replace(self, base_member=member).validated()
         if self.strategy not in STRATEGIES:
             raise PlanError(f"unknown strategy {self.strategy!r} (choose from {', '.join(STRATEGIES)})")
         seed = check_seed(self.seed)
@@ -115,6 +124,8 @@ class MergeRequest:
         if self.weight is not None or any(e.get("weight") is not None for e in self.experts):
             ws = [e["weight"] if e.get("weight") is not None else self.weight for e in self.experts]
             ws = [1.0 if w is None else w for w in ws]
+            if self.base_member is not None:  # a soup: the base's weight is in the sum too
+                ws.append(self.base_member.get("weight", 1.0))
             if all(is_scalar(w) for w in ws):
                 check_weight_sum(op, params, [float(w) for w in ws])
 
@@ -159,6 +170,18 @@ def _layout_setting(layout) -> dict | None:
         raise PlanError("layout names an output tensor twice")
     return {"tensors": [[t[0], t[1], t[2], None if t[3] is None else float(t[3])] for t in layout["tensors"]],
             "layers": [[str(m), int(i)] for m, i in layout["layers"]]}
+def _base_member(op: OpSpec, member, n_experts: int) -> dict:
+    """The soup's base member in its canonical form: weight (checked setting; default 1), position, reference."""
+    if not op.whole_models:
+        raise PlanError(f"{op.name} cannot average the base in as a model (only linear does: a model soup)")
+    if not isinstance(member, dict) or set(member) - {"weight", "position", "reference"}:
+        raise PlanError("base_member must be a mapping of weight, position and reference")
+    position = member.get("position", 0)
+    if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position <= n_experts:
+        raise PlanError(f"base_member position must be an integer in [0, {n_experts}], not {position!r}")
+    weight = member.get("weight")
+    return {"weight": 1.0 if weight is None else check_setting(weight, "weight of the base"),
+            "position": position, "reference": bool(member.get("reference", False))}
 
 
 def _expert_list(experts) -> list[dict]:

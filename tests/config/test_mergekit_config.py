@@ -292,13 +292,14 @@ def _bad(fam):
         ("missing models", f"merge_method: linear\nbase_model: {base}\n", ["`models:` is required"]),
         ("empty models", f"merge_method: linear\nbase_model: {base}\nmodels: []\n", ["non-empty list"]),
         ("missing method", f"base_model: {base}\n{ok_models}", ["merge_method` is required"]),
-        ("unknown method arcee_fusion", f"merge_method: arcee_fusion\nbase_model: {base}\n{ok_models}",
-         ["merge_method `arcee_fusion` is not supported", "ties"]),
+        ("unknown method task_adapter", f"merge_method: task_adapter\nbase_model: {base}\n{ok_models}",
+         ["merge_method `task_adapter` is not supported", "ties"]),
         ("model_stock with one model", f"merge_method: model_stock\nbase_model: {base}\n{ok_models}",
          ["model_stock"]),
         ("unknown method", f"merge_method: frobnicate\nbase_model: {base}\n{ok_models}",
          ["unknown merge_method `frobnicate`"]),
-        ("missing base", f"merge_method: linear\n{ok_models}", ["`base_model` is required"]),
+        ("missing base", f"merge_method: ties\n{ok_models}", ["`base_model` is required by ties"]),
+        ("soup of one model", f"merge_method: linear\n{ok_models}", ["lists one model"]),
         ("slices", (f"merge_method: linear\nbase_model: {base}\nslices:\n  - sources:\n"
                    f"      - model: {e1}\n        layer_range: [0, 2]\n"), ["slices"]),
         ("gamma gradient", (f"merge_method: breadcrumbs\nbase_model: {base}\n{ok_models}parameters:\n"
@@ -350,8 +351,8 @@ def _bad(fam):
         ("nonexistent path", f"merge_method: linear\nbase_model: {base}\nmodels:\n  - model: {base}/../nope\n",
          ["models[0].model", "nope", "neither a registered model id nor an existing path"]),
         ("nonexistent base", f"merge_method: linear\nbase_model: /no/such/base\n{ok_models}", ["base_model"]),
-        ("linear with base", f"merge_method: linear\nbase_model: {base}\n{ok_models}  - model: {base}\n",
-         ["base model is listed"]),
+        ("linear with base twice", f"merge_method: linear\nbase_model: {base}\n{ok_models}  - model: {base}\n"
+         f"  - model: {base}\n", ["models[2]", "is listed twice"]),
         ("mapping reference", f"merge_method: linear\nbase_model: {base}\nmodels:\n  - model: {{path: {e1}}}\n",
          ["mapping form"]),
         ("bad extension", f"merge_method: linear\nbase_model: {base}\n{ok_models}mergepipe: {{budgets: 5%}}\n",

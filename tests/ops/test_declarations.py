@@ -20,7 +20,8 @@ from mergepipe.ops.spec import Consensus, Param, Sparsify, all_parameters
 def test_every_operator_declares_itself():
     assert list(OPERATORS) == ["linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs",
                                "breadcrumbs_ties", "della", "della_linear", "slerp", "nuslerp", "model_stock",
-                               "multislerp", "karcher", "nearswap", "sce", "ram", "ramplus_tl", "passthrough"]
+                               "multislerp", "karcher", "nearswap", "sce", "ram", "ramplus_tl", "passthrough",
+                               "arcee_fusion"]
     for spec in OPERATORS.values():
         if spec.nonlinear:  # the interpolation methods (ops/interp.py): their own parameters only
             assert spec.joint and not spec.additive and spec.budget_semantics and spec.bound_note.startswith("n/a")

@@ -1,4 +1,5 @@
-"""The interpolation methods (slerp, nuslerp, model_stock, multislerp, karcher, nearswap) against mergekit
+"""The interpolation methods (slerp, nuslerp, model_stock, multislerp, karcher, nearswap, sce, ram, ramplus_tl,
+arcee_fusion) against mergekit
 0.1.5 at full budget, through the mergekit YAML path, on the tiny fp32 and bf16 families; and their budget
 semantics at 50 %: realized == planned <= budget, omitted blocks keep the base, joint reads.
 
@@ -72,11 +73,12 @@ CASES = {
     "ram": lambda f: {"merge_method": "ram", "models": _models(f, 3)},
     "ramplus_tl": lambda f: {"merge_method": "ramplus_tl", "models": _models(f, 3),
                              "parameters": {"r": 0.5, "alpha": 0.3}},
+    "arcee_fusion": lambda f: {"merge_method": "arcee_fusion", "models": _models(f, 1, with_base=True)},
 }
 # fp32: max |ours - mergekit| per tensor, in float32 ulps of the tensor's largest |value| (None: bit-equal)
 FP32_ULPS = {"slerp": 4, "slerp-gradient": 4, "slerp-filters": 4, "nearswap": None, "nuslerp": 4,
              "nuslerp-rows": 4, "model_stock": 4, "model_stock-filter_wise": 4, "multislerp": 4,
-             "karcher": 8192, "sce": 4, "ram": None, "ramplus_tl": None}  # ~1e-3: see the module docstring
+             "karcher": 8192, "sce": 4, "ram": None, "ramplus_tl": None, "arcee_fusion": None}  # ~1e-3: see the module docstring
 # bf16: fraction of entries allowed to differ (by one bf16 ulp); 0: bit-equal
 BF16_DIFF = {"multislerp": 0.01, "karcher": 0.05, "sce": 0.01}
 
@@ -118,7 +120,7 @@ def _blocks(fam, block_bytes):
 
 
 @pytest.mark.parametrize("op,experts,kw", [("slerp", 1, {"t": 0.4}), ("model_stock", 3, {}),
-                                           ("nuslerp", 2, {"weights": [1.0, 2.0]})])
+                                           ("nuslerp", 2, {"weights": [1.0, 2.0]}), ("arcee_fusion", 1, {})])
 def test_half_budget_reads_jointly_and_keeps_the_base_where_omitted(setup, op, experts, kw):
     dtype, fam, cat, work = setup
     ids = fam.expert_ids[:experts]
@@ -163,13 +165,15 @@ def test_declarations_and_refusals(setup):
     assert {"t", "nuslerp_flatten", "nuslerp_row_wise", "filter_wise", "normalize_weights", "max_iter",
             "tol"} <= names
     ops = {s.name: s for s in api.operators()}
-    for name in ("slerp", "nuslerp", "model_stock", "multislerp", "karcher", "nearswap"):
+    for name in ("slerp", "nuslerp", "model_stock", "multislerp", "karcher", "nearswap", "arcee_fusion"):
         assert not ops[name].additive and ops[name].joint and ops[name].budget_semantics
     planner = Planner(cat)
     with pytest.raises(PlanError, match="exactly 1 model"):
         planner.plan("base", fam.expert_ids[:2], "slerp", t=0.5)
     with pytest.raises(PlanError, match="needs the parameter t"):
         planner.plan("base", fam.expert_ids[:1], "slerp")
+    with pytest.raises(PlanError, match="arcee_fusion needs exactly 1 model besides the base"):
+        planner.plan("base", fam.expert_ids[:2], "arcee_fusion")
     with pytest.raises(PlanError, match="at least 2"):
         planner.plan("base", fam.expert_ids[:1], "model_stock")
     with pytest.raises(PlanError, match="takes no parameter lambda"):
@@ -180,6 +184,8 @@ def test_declarations_and_refusals(setup):
     cfg["parameters"]["t"] = "x"
     with pytest.raises(MergePipeError):
         parse_config(yaml.safe_dump(cfg))
+    # the three analyzed together (a one-expert method's config merge, e.g. arcee_fusion's, analyzes its one alone)
+    api.analyze(cat, fam.expert_ids[:3], gram=True, block_bytes=fam.spec.block_bytes)
     text = api.explain(cat, planner.plan("base", fam.expert_ids[:3], "model_stock", budget=0.5).id)
     assert "bound      n/a" in text and "omitted" in text
 
