@@ -63,18 +63,38 @@ def __getattr__(name: str):
     return value
 
 
-def _execute(catalog: Catalog, plan: Plan, out, model_id, out_shard_bytes: int | None, progress, run_id=None):
-    from mergepipe.engine.engine import DEFAULT_SHARD_BYTES, Engine
+EXECUTORS = ("local", "ray")
+
+
+def make_engine(catalog: Catalog, executor: str = "local", address: str | None = None):
+    """An Engine whose merges run on ``executor``: ``local`` (threads in this process) or ``ray`` (range
+    tasks on the Ray cluster at ``address``, or a new local one; needs the ``ray`` extra)."""
+    from mergepipe.engine.engine import Engine
+    if executor not in EXECUTORS:
+        raise MergePipeError(f"unknown executor {executor!r}; choose one of: {', '.join(EXECUTORS)}")
+    if executor == "local":
+        if address is not None:
+            raise MergePipeError("--address goes with --executor ray")
+        return Engine(catalog)
+    from mergepipe.engine.ray_executor import RayExecutor
+    return Engine(catalog, executor=RayExecutor(address))
+
+
+def _execute(catalog: Catalog, plan: Plan, out, model_id, out_shard_bytes: int | None, progress, run_id=None,
+             executor: str = "local", address: str | None = None):
+    from mergepipe.engine.engine import DEFAULT_SHARD_BYTES
     if out_shard_bytes is None:
         out_shard_bytes = DEFAULT_SHARD_BYTES
-    return Engine(catalog).execute(plan, out=out, model_id=model_id, out_shard_bytes=out_shard_bytes,
-                                   progress=progress, **({"run_id": run_id} if run_id is not None else {}))
+    engine = make_engine(catalog, executor, address)
+    return engine.execute(plan, out=out, model_id=model_id, out_shard_bytes=out_shard_bytes,
+                          progress=progress, **({"run_id": run_id} if run_id is not None else {}))
 
 
 def execute(catalog: Catalog, plan: Plan | str, out, model_id: str | None = None, out_shard_bytes: int | None = None,
-            progress=None, run_id: int | None = None):
-    """Execute a plan (or a stored plan's id); returns (snapshot_id, manifest)."""
-    return _execute(catalog, plan, out, model_id, out_shard_bytes, progress, run_id)
+            progress=None, run_id: int | None = None, executor: str = "local", address: str | None = None):
+    """Execute a plan (or a stored plan's id) on ``executor`` (``local`` or ``ray``, see make_engine);
+    returns (snapshot_id, manifest)."""
+    return _execute(catalog, plan, out, model_id, out_shard_bytes, progress, run_id, executor, address)
 
 
 def analyze(catalog: Catalog, model_ids=None, progress=None, **kw):

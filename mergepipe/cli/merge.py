@@ -72,6 +72,11 @@ def _add_out_args(p):
     p.add_argument("--out", required=True, help="output directory (must not exist)")
     p.add_argument("--model-id", help="id of the merged model (default: the output directory's name)")
     p.add_argument("--out-shard-size", type=int, default=2 << 30, help="bytes per output shard (default 2 GiB)")
+    p.add_argument("--executor", choices=("local", "ray"), default="local",
+                   help="where the blocks are merged: local threads (default), or range tasks on a Ray cluster "
+                        "(needs `pip install 'mergepipe[ray]'`; inputs and --out on storage every node sees)")
+    p.add_argument("--address", help="with --executor ray: the cluster to join (auto, HOST:PORT, ray://HOST:PORT); "
+                                     "default: a new local cluster")
 
 
 def _settings(args) -> dict:
@@ -163,7 +168,8 @@ def _execute(args, cat, plan):
         with prog:
             _, manifest = api.execute(cat, plan, out=args.out, model_id=args.model_id,
                                       out_shard_bytes=args.out_shard_size, progress=progress,
-                                      run_id=getattr(args, "run_id", None))
+                                      run_id=getattr(args, "run_id", None), executor=args.executor,
+                                      address=args.address)
     except KeyboardInterrupt:
         if run:
             run.fail("cancelled", "cancelled by the user")

@@ -190,6 +190,8 @@ class Engine:
         run = {"snapshot_id": snapshot_id, "model_id": model_id, "out": str(out), "created_at": now(),
                "seconds": round(seconds, 4), "timing": {k: round(v, 4) for k, v in result["timing"].items()},
                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        if result.get("tasks"):  # merged as range tasks (their peak memory is theirs, not in peak_rss_bytes)
+            run["range_tasks"] = result["tasks"]
         return Manifest(core, run)
 
     def _register(self, plan: Plan, manifest: Manifest, model_id: str, out: Path, run_id, inflight=None) -> None:
