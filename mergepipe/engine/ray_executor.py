@@ -60,6 +60,15 @@ class RayExecutor(RangeExecutor):
         self.ray = connect(address)
         self.retries, self.task_count, self.num_cpus = retries, tasks, num_cpus
 
+    def warm_up(self) -> float:
+        """Start one worker per task slot and load the merge code and kernels in it (a worker's first task
+        otherwise pays for importing torch and numba); returns the seconds it took."""
+        import time
+        t0 = time.perf_counter()
+        warm = self.ray.remote(num_cpus=self.num_cpus)(_warm_worker)
+        self.ray.get([warm.remote() for _ in range(self.workers())])
+        return time.perf_counter() - t0
+
     def workers(self) -> int:
         return max(1, int(self.ray.cluster_resources().get("CPU", 1) // self.num_cpus))
 
@@ -104,3 +113,12 @@ class RayExecutor(RangeExecutor):
             ray.cancel(ref, force=True)
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=CANCEL_WAIT_S)
+
+
+def _warm_worker() -> None:
+    import time
+
+    from mergepipe.engine.blocks import warm_kernels
+    from mergepipe.engine.ranges import run_range  # noqa: F401
+    warm_kernels()
+    time.sleep(0.5)  # hold this worker so the next warm-up task starts another
