@@ -231,7 +231,8 @@ def report(res: dict) -> str:
         walls = sorted(r["wall_s"] for r in res["overhead"] if r["executor"] == name)
         med[name] = walls[len(walls) // 2]
     lines = [f"K={res['k']}, {res['op']} at {res['budget']}: plan reads {res['plan_expert_read'] / 1e9:.2f} GB of "
-             f"experts; {res['cpus']} CPUs. Ray cluster start (once, not in the merge walls): {res['ray_start_s']:.1f} s.",
+             f"experts; {res['cpus']} CPUs. Ray cluster start {res['ray_start_s']:.1f} s and worker warm-up "
+             f"{res['ray_warm_s']:.1f} s (once per cluster, not in the merge walls).",
              "", "| executor | run | wall (s) | expert read (GB) | base read (GB) | range tasks |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in res["overhead"]:
@@ -241,11 +242,12 @@ def report(res: dict) -> str:
                   f"{med['ray'] / med['local']:.2f}). Outputs byte-identical: {res['identical']}"
                   + (f" (differ: {', '.join(res['differing_files'])})" if res["differing_files"] else "") + ".", "",
               f"Simulated nodes, {res['node_bps'] / 1e6:.0f} MB/s per node, warm inputs:", "",
-              "| executor | nodes | wall (s) | speed-up vs 1 node (local) | range tasks |", "| --- | --- | --- | --- | --- |"]
+              "| executor | nodes | wall (s) | speed-up vs 1 node (local) | range tasks | warm-up (s) |",
+              "| --- | --- | --- | --- | --- | --- |"]
     base = res["nodes"][0]["wall_s"]
     for r in res["nodes"]:
         lines.append(f"| {r['executor']} | {r['nodes']} | {r['wall_s']:.2f} | {base / r['wall_s']:.2f} | "
-                     f"{r['tasks'] or '-'} |")
+                     f"{r['tasks'] or '-'} | {r.get('warm_up_s', '-')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -261,7 +263,11 @@ def main(argv=None) -> int:
     ap.add_argument("--catalog", type=Path)
     ap.add_argument("--work", default="/tmp/mergepipe-ray-bench")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
+    ap.add_argument("--report-only", action="store_true", help="rewrite ray-results.md from ray.json")
     args = ap.parse_args(argv)
+    if args.report_only:
+        (args.out / "ray-results.md").write_text(report(json.loads((args.out / "ray.json").read_text())))
+        return 0
     for key, value in PROFILES[args.profile].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
