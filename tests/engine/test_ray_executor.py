@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -173,3 +174,20 @@ def test_address_without_ray_executor_is_refused(fam, workdir):
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert proc.returncode == 2 and proc.stderr == "error: --address goes with --executor ray\n"
+
+
+def test_an_error_raised_in_a_task_fails_the_merge_with_its_own_message(cluster, cat, workdir):
+    """A merged block that overflows to Inf is refused inside a worker; the driver re-raises that
+    ExecutionError unchanged (not retried), and nothing is published."""
+    plan = Planner(cat).plan(MergeRequest.build("base", ["e1", "e2"], "task_arithmetic", lam=1e300), save=False)
+    with pytest.raises(ExecutionError) as local_err:
+        Engine(cat).execute(plan, out=out_dir(workdir, "inf-local"))
+    out = out_dir(workdir, "inf-ray")
+    with pytest.raises(ExecutionError) as ray_err:
+        Engine(cat, executor=RayExecutor()).execute(plan, out=out)
+    # the same refusal (which block a worker hits first depends on the order tasks finish)
+    pattern = (r"the merge of tensor \S+ \(block \d+\) gives \d+ non-finite values \(\d+ NaN, \d+ Inf\) in bf16; "
+               r"an input or a parameter made them .*; nothing was published")
+    assert re.fullmatch(pattern, str(local_err.value)) and re.fullmatch(pattern, str(ray_err.value))
+    assert type(ray_err.value) is ExecutionError
+    assert not out.exists() and not [p for p in workdir.iterdir() if STAGING_MARK in p.name]
