@@ -19,6 +19,7 @@ PAGES = [
     st.Page("pages/snapshots.py", title="Snapshots", icon=":material/photo_library:", url_path="snapshots"),
     st.Page("pages/compare.py", title="Compare", icon=":material/compare_arrows:", url_path="compare"),
     st.Page("pages/lineage.py", title="Lineage", icon=":material/account_tree:", url_path="lineage"),
+    st.Page("pages/sweeps.py", title="Sweeps", icon=":material/scatter_plot:", url_path="sweeps"),
 ]
 
 page = st.navigation(PAGES)

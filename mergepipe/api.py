@@ -63,18 +63,38 @@ def __getattr__(name: str):
     return value
 
 
-def _execute(catalog: Catalog, plan: Plan, out, model_id, out_shard_bytes: int | None, progress, run_id=None):
-    from mergepipe.engine.engine import DEFAULT_SHARD_BYTES, Engine
+EXECUTORS = ("local", "ray")
+
+
+def make_engine(catalog: Catalog, executor: str = "local", address: str | None = None):
+    """An Engine whose merges run on ``executor``: ``local`` (threads in this process) or ``ray`` (range
+    tasks on the Ray cluster at ``address``, or a new local one; needs the ``ray`` extra)."""
+    from mergepipe.engine.engine import Engine
+    if executor not in EXECUTORS:
+        raise MergePipeError(f"unknown executor {executor!r}; choose one of: {', '.join(EXECUTORS)}")
+    if executor == "local":
+        if address is not None:
+            raise MergePipeError("--address goes with --executor ray")
+        return Engine(catalog)
+    from mergepipe.engine.ray_executor import RayExecutor
+    return Engine(catalog, executor=RayExecutor(address))
+
+
+def _execute(catalog: Catalog, plan: Plan, out, model_id, out_shard_bytes: int | None, progress, run_id=None,
+             executor: str = "local", address: str | None = None):
+    from mergepipe.engine.engine import DEFAULT_SHARD_BYTES
     if out_shard_bytes is None:
         out_shard_bytes = DEFAULT_SHARD_BYTES
-    return Engine(catalog).execute(plan, out=out, model_id=model_id, out_shard_bytes=out_shard_bytes,
-                                   progress=progress, **({"run_id": run_id} if run_id is not None else {}))
+    engine = make_engine(catalog, executor, address)
+    return engine.execute(plan, out=out, model_id=model_id, out_shard_bytes=out_shard_bytes,
+                          progress=progress, **({"run_id": run_id} if run_id is not None else {}))
 
 
 def execute(catalog: Catalog, plan: Plan | str, out, model_id: str | None = None, out_shard_bytes: int | None = None,
-            progress=None, run_id: int | None = None):
-    """Execute a plan (or a stored plan's id); returns (snapshot_id, manifest)."""
-    return _execute(catalog, plan, out, model_id, out_shard_bytes, progress, run_id)
+            progress=None, run_id: int | None = None, executor: str = "local", address: str | None = None):
+    """Execute a plan (or a stored plan's id) on ``executor`` (``local`` or ``ray``, see make_engine);
+    returns (snapshot_id, manifest)."""
+    return _execute(catalog, plan, out, model_id, out_shard_bytes, progress, run_id, executor, address)
 
 
 def analyze(catalog: Catalog, model_ids=None, progress=None, **kw):
@@ -233,3 +253,52 @@ def explain(catalog: Catalog, ref: str) -> str:
             f"  manifest   {manifest.manifest_hash}\n"
             f"  realized   base read {r['base_read']} B (est. {e['base_read']}), expert read {r['expert_read']} B "
             f"(est. {e['expert_read']}), write {r['output_write']} B (est. {e['output_write']})\n" + text)
+
+
+def load_sweep(path):
+    """A sweep config (YAML, see mergepipe.config.sweep), checked but not planned."""
+    from mergepipe.config.sweep import load_sweep as load
+    return load(path)
+
+
+def run_sweep(catalog: Catalog, config, evaluate=None, on_point=None) -> dict:
+    """Plan every point of a sweep config (refusing the sweep before any merge when one cannot be
+    planned, or its output or model id is taken), record the sweep, run the points on the config's
+    executor and record each one's outcome (``evaluate(out_dir) -> (metric, value)`` scores each
+    output). Returns {sweep_id, name, points: [rows]}."""
+    from mergepipe.catalog.sweeps import start_sweep
+    from mergepipe.engine.sweep import run_sweep as run
+    created = not config.out.exists()
+    try:
+        config.out.mkdir(exist_ok=True)
+    except OSError as exc:
+        raise ExecutionError(f"{config.out}: cannot create the sweep's output directory ({exc.strerror})") from None
+    try:
+        points = _plan_points(catalog, config)
+    except BaseException:
+        if created:
+            config.out.rmdir()
+        raise
+    sweep_id = start_sweep(catalog, config.name, config.source, config.executor, config.points)
+    rows = run(catalog, sweep_id, points, config.executor, config.address, config.concurrency, evaluate, on_point)
+    return {"sweep_id": sweep_id, "name": config.name, "points": rows}
+
+
+def _plan_points(catalog: Catalog, config) -> list:
+    from mergepipe.engine.sweep import SweepPoint
+    from mergepipe.planner.context import Planner
+    from mergepipe.planner.request import MergeRequest
+    points, taken = [], set()
+    for i, settings in enumerate(config.points):
+        kw = dict(settings)
+        try:
+            request = MergeRequest.build(config.base, config.experts, kw.pop("operator", "linear"), **kw)
+            plan = Planner(catalog).plan(request, save=False)
+            out, model_id = check_target(catalog, config.out / config.point_name(i), config.point_name(i))
+        except MergePipeError as exc:
+            raise type(exc)(f"sweep point {i} {settings}: {exc}") from None
+        if model_id in taken:
+            raise ExecutionError(f"sweep point {i}: model id {model_id!r} is used twice")
+        taken.add(model_id)
+        points.append(SweepPoint(i, settings, plan, out, model_id))
+    return points

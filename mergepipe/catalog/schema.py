@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 9
 
 # ANALYZE's per-tensor Gram statistics (catalog/gram.py): a = b = '' is ||base||^2, a = '' <base, delta_b>,
 # else <delta_a, delta_b> (a <= b), for the experts analyzed together.
 GRAM_TABLE = """CREATE TABLE IF NOT EXISTS gram (
         base_id TEXT NOT NULL, tensor TEXT NOT NULL, a TEXT NOT NULL, b TEXT NOT NULL, value REAL,
         PRIMARY KEY (base_id, tensor, a, b))"""
+
+# a merge sweep (v9): its config and state, and one row per point (settings, snapshot, bytes, time, quality)
+SWEEP_TABLES = [
+    """CREATE TABLE IF NOT EXISTS sweeps (
+        id TEXT PRIMARY KEY, name TEXT NOT NULL, config TEXT NOT NULL, executor TEXT NOT NULL,
+        status TEXT NOT NULL, points INTEGER NOT NULL, started_at TEXT, finished_at TEXT)""",
+    """CREATE TABLE IF NOT EXISTS sweep_points (
+        sweep_id TEXT NOT NULL, point INTEGER NOT NULL, settings TEXT NOT NULL, status TEXT NOT NULL,
+        plan_id TEXT, snapshot_id TEXT, model_id TEXT, expert_read INTEGER, budget_bytes INTEGER,
+        full_expert_bytes INTEGER, error_bound REAL, seconds REAL, metric TEXT, quality REAL, error TEXT,
+        PRIMARY KEY (sweep_id, point))""",
+]
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)""",
@@ -70,6 +82,7 @@ SCHEMA = [
         PRIMARY KEY (model_id, fingerprint, dataset, metric))""",
     """CREATE INDEX IF NOT EXISTS blocks_model ON blocks (model_id)""",
     """CREATE INDEX IF NOT EXISTS models_base ON models (base_id)""",
+    *SWEEP_TABLES,
 ]
 
 # Ordered migrations: version -> statements taking the schema from version-1 to version.
@@ -97,4 +110,6 @@ MIGRATIONS: dict[int, list[str]] = {
         model_id TEXT NOT NULL, fingerprint TEXT NOT NULL, dataset TEXT NOT NULL, dataset_name TEXT,
         metric TEXT NOT NULL, value REAL, tokens INTEGER, evaluated_at TEXT,
         PRIMARY KEY (model_id, fingerprint, dataset, metric))"""],
+    # v8 is another branch's (renumbered at merge); merge sweeps and their points (v9)
+    9: SWEEP_TABLES,
 }

@@ -14,7 +14,7 @@ from mergepipe.errors import MergePipeError
 from mergepipe.cli import catalog, merge, snapshots  # noqa: F401
 from mergepipe.cli.catalog import _add_analyze, _add_register
 from mergepipe.cli.common import SUBCOMMANDS, default_db
-from mergepipe.cli.merge import _add_out_args, _add_plan_args
+from mergepipe.cli.merge import _add_out_args, _add_plan_args, _add_sweep_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_args(parsers["merge"], with_out=True)
     parsers["execute"].add_argument("plan_id", help="a stored plan (see `mergepipe plan`)")
     _add_out_args(parsers["execute"])
+    _add_sweep_args(parsers["sweep"])
     parsers["execute"].add_argument("--run-id", type=int, help=argparse.SUPPRESS)
     for name in ("explain", "verify"):
         parsers[name].add_argument("ref", help="plan id, snapshot id, merged model id or snapshot directory")

@@ -72,6 +72,11 @@ def _add_out_args(p):
     p.add_argument("--out", required=True, help="output directory (must not exist)")
     p.add_argument("--model-id", help="id of the merged model (default: the output directory's name)")
     p.add_argument("--out-shard-size", type=int, default=2 << 30, help="bytes per output shard (default 2 GiB)")
+    p.add_argument("--executor", choices=("local", "ray"), default="local",
+                   help="where the blocks are merged: local threads (default), or range tasks on a Ray cluster "
+                        "(needs `pip install 'mergepipe[ray]'`; inputs and --out on storage every node sees)")
+    p.add_argument("--address", help="with --executor ray: the cluster to join (auto, HOST:PORT, ray://HOST:PORT); "
+                                     "default: a new local cluster")
 
 
 def _settings(args) -> dict:
@@ -163,7 +168,8 @@ def _execute(args, cat, plan):
         with prog:
             _, manifest = api.execute(cat, plan, out=args.out, model_id=args.model_id,
                                       out_shard_bytes=args.out_shard_size, progress=progress,
-                                      run_id=getattr(args, "run_id", None))
+                                      run_id=getattr(args, "run_id", None), executor=args.executor,
+                                      address=args.address)
     except KeyboardInterrupt:
         if run:
             run.fail("cancelled", "cancelled by the user")
@@ -247,3 +253,48 @@ def _explain_mergekit(args):
         raise MergePipeError(f"{out.parent}: directory does not exist")
     out.write_text(text)
     print(f"wrote {out}", file=sys.stderr)
+
+
+def _add_sweep_args(p):
+    p.add_argument("--config", required=True, help="the sweep's YAML: base, experts, out, grid and/or points, "
+                                                   "executor, concurrency, evaluate (see README, Ray)")
+    p.add_argument("--executor", choices=("local", "ray"), help="override the config's executor")
+    p.add_argument("--address", help="with --executor ray: the cluster to join (default: a new local one)")
+    p.add_argument("--concurrency", type=int, help="with ray: merges in flight at once (override)")
+
+
+def _evaluator(spec: dict):
+    """(metric, value) of an output directory: perplexity on the config's held-out text."""
+    from mergepipe.research.evaluate import perplexity
+    path = Path(spec["text"])
+    if not path.is_file():
+        raise MergePipeError(f"evaluate.text: {path} is not a file")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    window, max_tokens = int(spec.get("window", 256)), int(spec.get("max_tokens", 2048))
+    return lambda out: ("perplexity", perplexity(str(out), text, window=window, max_tokens=max_tokens)["perplexity"])
+
+
+def _point_line(row: dict) -> str:
+    s = row["settings"]
+    what = " ".join(f"{k}={v}" for k, v in s.items())
+    if row["status"] != "published":
+        return f"  [{row['point']}] {what}: {row['status']}: {row['error']}"
+    quality = f", {row['metric']} {row['quality']:.4g}" if row.get("quality") is not None else ""
+    from mergepipe.api import human_bytes
+    return (f"  [{row['point']}] {what}: {row['snapshot_id']}, expert read {human_bytes(row['expert_read'])}, "
+            f"{row['seconds']:.2f} s{quality}")
+
+
+@command("sweep", "plan and run a grid or list of merges (locally or on Ray), recorded as a sweep table")
+def cmd_sweep(args):
+    from mergepipe import api
+    cat = open_catalog(args, write=True)
+    cfg = api.load_sweep(args.config).with_overrides(args.executor, args.address, args.concurrency)
+    evaluate = _evaluator(cfg.evaluate) if cfg.evaluate else None
+    res = api.run_sweep(cat, cfg, evaluate)
+    failed = [r for r in res["points"] if r["status"] != "published"]
+    emit(args, res, lambda r: print(f"sweep {r['sweep_id']} ({r['name']}): {len(r['points']) - len(failed)} of "
+                                    f"{len(r['points'])} points published\n"
+                                    + "\n".join(_point_line(p) for p in r["points"])))
+    if failed:
+        raise MergePipeError(f"{len(failed)} of {len(res['points'])} sweep points failed (sweep {res['sweep_id']})")

@@ -26,7 +26,7 @@ from mergepipe.catalog.models import check_content_hash, check_unchanged, input_
 from mergepipe.catalog.plans import has_plan
 from mergepipe.catalog.runs import mark_run_published
 from mergepipe.catalog.snapshots import record_snapshot
-from mergepipe.engine.executor import Executor, LocalExecutor
+from mergepipe.engine.executor import Executor, LocalExecutor, RangeExecutor
 from mergepipe.engine.pipeline import MergePipeline
 from mergepipe.engine.txn import Transaction, check_output_path
 from mergepipe.errors import ExecutionError
@@ -69,7 +69,8 @@ class Engine:
         self.readahead = readahead
         self.group_bytes = group_bytes
         # What runs the block merges: ``executor(engine) -> Executor``, called once per merge; by default
-        # a LocalExecutor (thread pool) of ``workers`` threads with ``threads`` torch threads each.
+        # a LocalExecutor (thread pool) of ``workers`` threads with ``threads`` torch threads each. A
+        # RangeExecutor (e.g. engine.ray_executor.RayExecutor) instead runs the merge as range tasks.
         self.executor = executor
 
     def make_executor(self) -> Executor:
@@ -144,6 +145,9 @@ class Engine:
 
     # --- the streaming loop ------------------------------------------------------------------------
     def _run(self, plan: Plan, staging: Path, out_shard_bytes: int, progress) -> dict:
+        if isinstance(self.executor, RangeExecutor):  # range tasks where the data lives (e.g. on Ray)
+            from mergepipe.engine.ranges import RangeMerge
+            return RangeMerge(self, plan, staging, out_shard_bytes, progress).run(self.executor)
         return MergePipeline(self, plan, staging, out_shard_bytes, progress).run()
 
     # --- manifest and catalog ----------------------------------------------------------------------
@@ -190,6 +194,8 @@ class Engine:
         run = {"snapshot_id": snapshot_id, "model_id": model_id, "out": str(out), "created_at": now(),
                "seconds": round(seconds, 4), "timing": {k: round(v, 4) for k, v in result["timing"].items()},
                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        if result.get("tasks"):  # merged as range tasks (their peak memory is theirs, not in peak_rss_bytes)
+            run["range_tasks"] = result["tasks"]
         return Manifest(core, run)
 
     def _output_base(self, plan: Plan) -> str | None:

@@ -43,3 +43,24 @@ class LocalExecutor(Executor):
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class RangeExecutor(ABC):
+    """Runs a merge as range tasks where the data lives, instead of block tasks in this process.
+
+    A range task (:func:`mergepipe.engine.ranges.run_range`) merges a contiguous run of the plan's
+    work items (output tensors, or block groups of one): it reads its own base and expert byte ranges
+    through the storage registry, merges, writes its byte range of the output shards that the driver
+    pre-created, and returns only its counters. No tensor byte passes through the driver. An executor
+    must run every task exactly once to completion (retrying a task whose worker died is safe: its
+    writes are positioned and idempotent, and only a finished task's counters are returned)."""
+
+    @abstractmethod
+    def run_tasks(self, fn, shared, tasks: list, on_done=None) -> list:
+        """``[fn(shared, task) for task in tasks]``, in any order and place; ``on_done(i, result)`` as
+        each task ends. Raises the first task's exception (a MergePipeError as it is) once the rest
+        are cancelled."""
+
+    def workers(self) -> int:
+        """How many tasks can run at once (used to cut the plan into enough tasks)."""
+        return 1

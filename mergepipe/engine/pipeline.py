@@ -90,15 +90,15 @@ class MergePipeline:
         self.omitted = {t: set(expand_ranges(rs)) for t, rs in (plan.data.get("omitted") or {}).items()}
         # linear without normalize scales the base by sum(w): then no block is a plain copy
         self.scales_base = op.whole_models and not params["normalize"]
-        self.work = block_groups(order, plan["grid"]["block_bytes"], engine.group_bytes, self.span_cost,
-                                 engine.group_read_bytes)
+        self.work = self.select_work(block_groups(order, plan["grid"]["block_bytes"], engine.group_bytes,
+                                                  self.span_cost, engine.group_read_bytes))
         self.total_blocks = sum(len(g) for _, g in self.work)
         self.readers = [src.checkpoint.reader() for src in self.sources]
         self.fixed_cache: list[tuple[str, list] | None] = [None] * len(experts)  # LoRA A of the current tensor
         self.base_reader = base_ck.reader(sequential=True)
         self.input_readers = {m: (self.base_reader if ck is base_ck else ck.reader(sequential=True))
                               for m, ck in self.inputs.items()}
-        self.writers = {s.fname: ShardWriter(staging, s) for s in self.shards}
+        self.writers = self.open_writers()
         self.by_tensor: dict[str, int] = {}
         self.touched: dict[str, dict[str, list[int]]] = {e["id"]: {} for e in experts}
         self.timing = {"read_wait_s": 0.0, "compute_s": 0.0, "write_s": 0.0}
@@ -127,6 +127,13 @@ class MergePipeline:
             order.append(replace(self.inputs[model].tensors[name], name=out))
             self.input_name[out], self.input_model[out], self.scale[out] = name, model, scale
         return order
+    def select_work(self, work: list) -> list:
+        """The work items this pipeline runs (all of them; a range task runs a slice)."""
+        return work
+
+    def open_writers(self) -> dict:
+        """Shard file name -> writer of the blocks (pre-sized shards written in order and hashed)."""
+        return {s.fname: ShardWriter(self.staging, s) for s in self.shards}
 
     # --- what a block needs ----------------------------------------------------------------------------
     def takes_part(self, ei: int, name: str, block: int) -> bool:
@@ -306,28 +313,44 @@ class MergePipeline:
 
     def finish(self) -> dict:
         """Close the shards, complete the snapshot's files, check the realized reads against the plan."""
-        plan, experts, staging = self.plan, self.experts, self.staging
         outputs = {name: w.close() for name, w in self.writers.items()}
-        finish_files(self.base_ck, staging, self.shards, plan.data.get("tokenizer"))
-        if self.layout is not None:
-            write_layout_config(staging, self.layout)
-        for extra in sorted(p for p in staging.rglob("*") if p.is_file()):  # config, index, tokenizer files
-            name = extra.relative_to(staging).as_posix()
-            if name not in outputs:
-                outputs[name] = {"sha256": file_sha256(extra), "bytes": extra.stat().st_size}
-        realized_by_expert = {e["id"]: r.bytes_read for e, r in zip(experts, self.readers)}
-        for e in experts:
-            planned = plan["expert_read_by_expert"][e["id"]]
-            if realized_by_expert[e["id"]] != planned:
-                raise ExecutionError(f"realized expert read of {e['id']} ({realized_by_expert[e['id']]} B) "
-                                     f"differs from the plan ({planned} B); nothing was published")
-        if sum(realized_by_expert.values()) > plan["budget"]["bytes"] and plan["full_expert_bytes"]:
-            raise ExecutionError("realized expert read exceeds the budget; nothing was published")
+        realized_by_expert = {e["id"]: r.bytes_read for e, r in zip(self.experts, self.readers)}
         inflight = self.inflight
-        return {
-            "outputs": outputs, "realized_by_expert": realized_by_expert, "realized_by_tensor": self.by_tensor,
-            "touched": {e: {t: compact_ranges(b) for t, b in sorted(ts.items())} for e, ts in self.touched.items()},
-            "base_read": sum(r.bytes_read for r in self.input_readers.values()), "timing": self.timing, "inflight": inflight,
-            "analysis_read": inflight.bytes_read() if inflight else {},
-            "output_write": sum(o["bytes"] for o in outputs.values()),
-        }
+        return finish_snapshot(self.plan, self.base_ck, self.staging, self.shards, outputs, realized_by_expert, {
+            "realized_by_tensor": self.by_tensor, "touched": self.touched, "base_read": self.input_bytes_read(),
+            "timing": self.timing, "inflight": inflight,
+            "analysis_read": inflight.bytes_read() if inflight else {}})
+
+    def input_bytes_read(self) -> int:
+        """Bytes read from the base (and, for a `slices:` layout, the other models it copies from)."""
+        return sum(r.bytes_read for r in self.input_readers.values())
+
+
+def finish_snapshot(plan: Plan, base_ck, staging: Path, shards, outputs: dict, realized_by_expert: dict,
+                    counters: dict) -> dict:
+    """Complete the snapshot's files around its written ``shards`` (``outputs``: name -> sha256 and
+    bytes), check the realized expert reads against the plan, and return what the manifest needs
+    (``counters``: realized_by_tensor, touched, base_read, timing, inflight, analysis_read)."""
+    finish_files(base_ck, staging, shards, plan.data.get("tokenizer"))
+    if plan.data.get("layout") is not None:
+        write_layout_config(staging, plan.data["layout"])
+    for extra in sorted(p for p in staging.rglob("*") if p.is_file()):  # config, index, tokenizer files
+        name = extra.relative_to(staging).as_posix()
+        if name not in outputs:
+            outputs[name] = {"sha256": file_sha256(extra), "bytes": extra.stat().st_size}
+    check_realized(plan, realized_by_expert)
+    touched = counters["touched"]
+    return {**counters, "outputs": outputs, "realized_by_expert": realized_by_expert,
+            "touched": {e: {t: compact_ranges(b) for t, b in sorted(ts.items())} for e, ts in touched.items()},
+            "output_write": sum(o["bytes"] for o in outputs.values())}
+
+
+def check_realized(plan: Plan, realized_by_expert: dict) -> None:
+    """Refuse to publish when the bytes read from an expert differ from the plan, or exceed the budget."""
+    for e in plan["experts"]:
+        planned = plan["expert_read_by_expert"][e["id"]]
+        if realized_by_expert[e["id"]] != planned:
+            raise ExecutionError(f"realized expert read of {e['id']} ({realized_by_expert[e['id']]} B) "
+                                 f"differs from the plan ({planned} B); nothing was published")
+    if sum(realized_by_expert.values()) > plan["budget"]["bytes"] and plan["full_expert_bytes"]:
+        raise ExecutionError("realized expert read exceeds the budget; nothing was published")

@@ -1,0 +1,145 @@
+"""Sweep configs: a YAML file naming a base, experts and the points to merge (a grid, a list, or both).
+
+```yaml
+name: ties-vs-dare           # default: the file's stem
+base: base
+experts: [e1, e2, e3]
+out: sweeps/                 # point i is published at <out>/<name>-<i> as model <name>-<i>
+executor: ray                # or local (default): points one after another in this process
+address: auto                # with ray: the cluster to join (default: a new local one)
+concurrency: 2               # with ray: merges in flight at once (default 2)
+settings: {seed: 0}          # shared by every point
+grid:                        # every combination (keys: operator and the merge request's settings)
+  operator: [ties, dare_ties]
+  budget: ["30%", "100%"]
+  density: [0.3]
+points:                      # and/or an explicit list
+  - {operator: linear, weights: [0.5, 0.3, 0.2]}
+evaluate: {text: heldout.txt, window: 256, max_tokens: 2048}   # optional: perplexity of each output
+```
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from mergepipe.config.model import MAX_CONFIG_BYTES, ConfigError
+from mergepipe.config.parse import _check_depth, _UniqueKeyLoader
+
+KEYS = {"name", "base", "experts", "out", "executor", "address", "concurrency", "settings", "grid", "points",
+        "evaluate"}
+EVALUATE_KEYS = {"text", "window", "max_tokens"}
+MAX_POINTS = 1000
+
+
+@dataclass
+class SweepConfig:
+    name: str
+    base: str
+    experts: list
+    out: Path
+    points: list[dict]  # settings per point: "operator" plus MergeRequest.build keywords
+    executor: str = "local"
+    address: str | None = None
+    concurrency: int = 1
+    evaluate: dict = field(default_factory=dict)
+    source: dict = field(default_factory=dict)  # the document as written (stored with the sweep)
+
+    def with_overrides(self, executor=None, address=None, concurrency=None) -> "SweepConfig":
+        import dataclasses
+        changes = {k: v for k, v in (("executor", executor), ("address", address), ("concurrency", concurrency))
+                   if v is not None}
+        cfg = dataclasses.replace(self, **changes)
+        _check_run(cfg.executor, cfg.address, cfg.concurrency)
+        return cfg
+
+    def point_name(self, i: int) -> str:
+        return f"{self.name}-{i}"
+
+
+def load_sweep(path) -> SweepConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such sweep config")
+    raw = path.read_bytes()
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: {len(raw)} bytes is too large for a sweep config")
+    try:
+        text = raw.decode("utf-8")
+        _check_depth(text)
+        doc = yaml.load(text, Loader=_UniqueKeyLoader)
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a UTF-8 text file") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {(str(exc).splitlines() or [''])[0]}") from None
+    return parse_sweep(doc, default_name=path.stem, root=path.parent)
+
+
+def parse_sweep(doc, default_name: str = "sweep", root: Path = Path(".")) -> SweepConfig:
+    if not isinstance(doc, dict):
+        raise ConfigError("a sweep config is a mapping (base, experts, out, grid and/or points, ...)")
+    unknown = sorted(set(doc) - KEYS)
+    if unknown:
+        raise ConfigError(f"unknown sweep key(s): {', '.join(map(str, unknown))} (known: {', '.join(sorted(KEYS))})")
+    for key in ("base", "experts", "out"):
+        if not doc.get(key):
+            raise ConfigError(f"a sweep config needs {key!r}")
+    if not isinstance(doc["experts"], list):
+        raise ConfigError("experts: a list of expert model ids")
+    name = str(doc.get("name") or default_name)
+    settings = _mapping(doc.get("settings") or {}, "settings")
+    points = [{**settings, **_mapping(p, f"points[{i}]")} for i, p in enumerate(_list(doc.get("points") or [], "points"))]
+    points += [{**settings, **p} for p in _grid(doc.get("grid"))]
+    if not points:
+        raise ConfigError("a sweep config needs a grid or a list of points")
+    if len(points) > MAX_POINTS:
+        raise ConfigError(f"{len(points)} points is more than a sweep takes ({MAX_POINTS})")
+    executor = doc.get("executor", "local")
+    concurrency = doc.get("concurrency", 2 if executor == "ray" else 1)
+    _check_run(executor, doc.get("address"), concurrency)
+    evaluate = _mapping(doc.get("evaluate") or {}, "evaluate")
+    if evaluate:
+        if set(evaluate) - EVALUATE_KEYS or "text" not in evaluate:
+            raise ConfigError("evaluate: {text: FILE, window: N, max_tokens: N} (text required)")
+        evaluate = {**evaluate, "text": str((root / str(evaluate["text"])))}
+    out = Path(str(doc["out"]))
+    return SweepConfig(name, str(doc["base"]), list(doc["experts"]), out if out.is_absolute() else root / out,
+                       points, executor, doc.get("address"), concurrency, evaluate, doc)
+
+
+def _check_run(executor, address, concurrency) -> None:
+    if executor not in ("local", "ray"):
+        raise ConfigError(f"executor: local or ray, not {executor!r}")
+    if address is not None and executor != "ray":
+        raise ConfigError("address goes with executor: ray")
+    if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
+        raise ConfigError(f"concurrency: a positive integer, not {concurrency!r}")
+    if executor == "local" and concurrency != 1:
+        raise ConfigError("concurrency goes with executor: ray (the local executor runs points one at a time)")
+
+
+def _mapping(value, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: a mapping of settings, not {type(value).__name__}")
+    return {str(k): v for k, v in value.items()}
+
+
+def _list(value, where: str) -> list:
+    if not isinstance(value, list):
+        raise ConfigError(f"{where}: a list, not {type(value).__name__}")
+    return value
+
+
+def _grid(grid) -> list[dict]:
+    if grid is None:
+        return []
+    grid = _mapping(grid, "grid")
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"grid.{key}: a non-empty list of values")
+    keys = list(grid)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(grid[k] for k in keys))]
