@@ -207,6 +207,7 @@ def prepare(cat: Catalog, cfg: MergekitConfig, register_paths: bool = True, chec
             spec["weight"] = m.weight
         if m.density is not None:
             spec["density"] = m.density
+        spec.update(m.own)  # its own gamma/epsilon (they differ between models)
         r.out.experts.append(spec)
     if not r.out.experts:
         raise ConfigError(f"{cfg.source}: `models:` lists no model other than the base" if cfg.base is not None else

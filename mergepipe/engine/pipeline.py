@@ -74,7 +74,7 @@ class MergePipeline:
                                     else None)
         self.thresholds = {**plan["thresholds"], **(inflight.thresholds if inflight else {})}
         # a model soup (linear averaging the base in): every float block goes through mergekit's operation order
-        self.base_member = member = plan.data.get("base_member")
+        self.base_member = member = plan.data.get("base_member") if op.whole_models else None  # (karcher: its own)
         self.weight_sums = {t.name: sum(tensor_weight(e, t.name) or 0.0 for e in experts)
                             + ((tensor_weight(member, t.name) or 0.0) if member else 0.0) for t in order}
         # interpolation methods: per-tensor scalars, and the budget-omitted blocks (which keep the base)
