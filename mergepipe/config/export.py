@@ -106,6 +106,9 @@ def _to_yaml(cat: Catalog | None, r: dict) -> str:
             if not exact:
                 notes.append(f"# NOTE: the {key} of {e['id']} came from a merge-wide setting given to the Python "
                              f"API; it is written per tensor: same values, another plan digest.")
+        for key in ("gamma", "epsilon"):  # an expert's own (mergekit's per-model parameters)
+            if e.get(key) is not None:
+                params[key] = e[key]
         models.append({"model": path, "parameters": params})
     params = {"normalize": r["params"]["normalize"], "rescale": r["params"]["rescale"],
               "lambda": r["params"]["lambda"]}
@@ -118,7 +121,9 @@ def _to_yaml(cat: Catalog | None, r: dict) -> str:
     member = r.get("base_member")
     if member:  # a model soup: the base is one of the models (config/soup.py)
         weight, _ = _expert_setting(member, "weight")
-        models.insert(member["position"], {"model": base["uri"], "parameters": {"weight": weight}})
+        takes_weight = op.common is None or "weight" in op.common
+        models.insert(member["position"], {"model": base["uri"], "parameters": {"weight": weight}} if takes_weight
+                      else {"model": base["uri"]})
     doc: dict = {"merge_method": op.name, "base_model": base["uri"], "models": models, "parameters": params,
                  "dtype": "float32"}
     if r.get("layout"):  # a `slices:` merge: its layers as slices (config/slices.py)

@@ -28,7 +28,8 @@ UNION_REFUSAL = ("a union of different vocabularies is not supported yet: it re-
 # The parameters a config may give, from the operators' declarations (ops/spec.py): merge-wide, all
 # of them (plus mergekit's int8_mask, accepted and ignored); per model, those that may vary per tensor
 # (weight, density) and the numbers that some mergekit versions take per model but MergePipe applies
-# once (lambda, gamma, epsilon: they must agree between models).
+# once (lambda: it must agree between models) or per model (gamma, epsilon: mergekit's per-model
+# parameters; one merge-wide value when the models agree).
 PARAMS = {p.name: p for p in all_parameters()}
 PER_TENSOR = tuple(n for n, p in PARAMS.items() if p.per_tensor)
 # the interpolation methods' own parameters (t, nuslerp_flatten, filter_wise, ...): merge-wide, passed to
@@ -46,8 +47,8 @@ MERGEKIT_ONLY_METHODS = ("slerp", "nuslerp", "multislerp", "model_stock", "passt
                          "arcee_fusion", "nearswap", "ram", "core_space", "task_adapter", "cabs", "lrp", "pcb",
                          "zipit", "generalized_anysize", "tokenizer_permute")
 # mergekit methods that ignore or allow an absent base_model but that MergePipe still needs one for (named so
-# that the refusal says so); linear takes none (ops/linear.py: base_optional).
-BASELESS_LATER = ("karcher", "multislerp", "nuslerp", "passthrough")
+# that the refusal says so); linear and karcher take none (OpSpec.base_optional).
+BASELESS_LATER = ("multislerp", "nuslerp", "passthrough")
 # mergekit dtype names -> safetensors dtype names, and back.
 DTYPE_NAMES = {"float32": "F32", "fp32": "F32", "float": "F32", "bfloat16": "BF16", "bf16": "BF16",
                "float16": "F16", "fp16": "F16", "half": "F16", "float64": "F64", "fp64": "F64"}
@@ -67,6 +68,7 @@ class ConfigModel:
     weight: float | list | None = None  # a number, or a mergekit setting (gradient, filter conditions)
     density: float | list | None = None
     where: str = ""  # for messages: "models[2]"
+    own: dict = dataclasses.field(default_factory=dict)  # its own gamma/epsilon where they differ between models
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,8 @@ class MergekitConfig:
                 models = [dataclasses.replace(m, **{p.name: float(value)}) for m in models]
             else:
                 changes[p.key] = value
+                models = [dataclasses.replace(m, own={k: v for k, v in m.own.items() if k != p.name})
+                          for m in models]  # one value for every model now
         changes["models"] = tuple(models)
         changes["method_params"] = method_params
         for name, value in (("strategy", strategy), ("seed", seed)):

@@ -6,6 +6,7 @@ exactly is refused with one message naming the key; nothing is silently approxim
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -22,7 +23,7 @@ from mergepipe.config.templates import CHAT_TEMPLATES
 from mergepipe.errors import PlanError, StorageError
 from mergepipe.ops.core import OPERATORS
 from mergepipe.planner.budget import Budget
-from mergepipe.planner.settings import check_setting
+from mergepipe.planner.settings import PER_MODEL_PARAMS, check_setting
 from mergepipe.planner.strategies import STRATEGIES
 from mergepipe.storage.paths import read_regular
 
@@ -265,9 +266,12 @@ def _models(entries, globals_: dict) -> tuple[list[ConfigModel], dict]:
     values = {}
     for p, per in shared.items():
         distinct = sorted(set(per.values()))
-        if len(distinct) > 1:
+        if len(distinct) > 1 and p in PER_MODEL_PARAMS:  # mergekit's per-model gamma/epsilon: each model its own
+            models = [dataclasses.replace(m, own={**m.own, p: per[m.where]}) if m.where in per else m for m in models]
+            distinct = []  # no merge-wide value: the others take the operator's default, as in mergekit
+        elif len(distinct) > 1:
             raise ConfigError(f"`{p}` differs between models ({', '.join(f'{v:g}' for v in distinct)}): "
-                              f"MergePipe applies one {p} to every model")
+                              f"mergekit applies one {p} to every model (a merge-wide parameter)")
         values[p] = distinct[0] if distinct else None
     return models, values
 

@@ -215,6 +215,7 @@ def prepare(cat: Catalog, cfg: MergekitConfig, register_paths: bool = True, chec
             spec["weight"] = m.weight
         if m.density is not None:
             spec["density"] = m.density
+        spec.update(m.own)  # its own gamma/epsilon (they differ between models)
         r.out.experts.append(spec)
     if cfg.slices is not None:
         _expand_slices(r, base_id)

@@ -1,5 +1,7 @@
-"""Model soups: mergekit's ``linear`` over models without a ``base_model`` (mergekit's linear ignores the
-base; it averages the models listed), or with the base_model listed among the models.
+"""Model soups: mergekit's ``linear`` (and ``karcher``) over models without a ``base_model`` (mergekit's
+linear and karcher ignore the base; they average the models listed), or linear with the base_model listed
+among the models. karcher averages its base in anyway: with a reference it is simply the base (equal
+weights; the Gram statistics and the budget work as with any base).
 
 MergePipe stores and plans experts as deltas against a base, so a soup without one is planned against a
 **reference model**: the first model listed. It is read in full (as any base); every other model is

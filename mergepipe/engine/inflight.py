@@ -29,7 +29,7 @@ from mergepipe.catalog.analyses import nonfinite_message
 from mergepipe.catalog.db import Catalog
 from mergepipe.errors import ExecutionError
 from mergepipe.ops.core import get_op, tensor_statistics, threshold_fractions, useful_blocks
-from mergepipe.planner.settings import tensor_density
+from mergepipe.planner.settings import expert_params, tensor_density
 from mergepipe.storage.safetensors import FLOAT_DTYPES, Checkpoint, TensorInfo
 
 LOOKAHEAD_BYTES = 256 << 20  # base-tensor bytes the analysis may run ahead of the merge
@@ -60,7 +60,8 @@ class InflightAnalysis:
     def _densities(self, expert: dict) -> tuple[float, ...]:
         """The stored densities plus every top-k fraction this merge needs from the expert."""
         needed = {f for t in self.order if t.dtype in FLOAT_DTYPES
-                  for f in threshold_fractions(self.op, tensor_density(expert, t.name) or 1.0, self.params)
+                  for f in threshold_fractions(self.op, tensor_density(expert, t.name) or 1.0,
+                                               expert_params(self.params, expert))
                   if f < 1.0}
         return tuple(sorted(set(DEFAULT_DENSITIES) | needed))
 
@@ -86,7 +87,8 @@ class InflightAnalysis:
             raise ExecutionError(nonfinite_message(eid, self.base_id, bad))
         thr = None
         if stats["delta_nnz"] and self.op.thresholded:
-            thr = tensor_statistics(self.op, tensor_density(expert, name) or 1.0, self.params, stats["thresholds"],
+            thr = tensor_statistics(self.op, tensor_density(expert, name) or 1.0, expert_params(self.params, expert),
+                                    stats["thresholds"],
                                     stats.get("topk"), stats["delta_l1"], stats["delta_max_abs"],
                                     stats["numel"])
             self.thresholds[eid][name] = thr

@@ -81,7 +81,7 @@ class MergePipeline:
                                     else None)
         self.thresholds = {**plan["thresholds"], **(inflight.thresholds if inflight else {})}
         # a model soup (linear averaging the base in): every float block goes through mergekit's operation order
-        self.base_member = member = plan.data.get("base_member")
+        self.base_member = member = plan.data.get("base_member") if op.whole_models else None  # (karcher: its own)
         self.weight_sums = {n: sum(tensor_weight(e, n) or 0.0 for e in experts)
                             + ((tensor_weight(member, n) or 0.0) if member else 0.0)
                             for n in set(self.input_name.values())}

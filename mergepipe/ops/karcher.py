@@ -1,6 +1,8 @@
 """Karcher mean (mergekit's ``karcher``): the weighted Riemannian mean of the models on the unit sphere,
 rescaled by their mean norm. mergekit averages every entry of the group with equal weights: the models
-and, when ``base_model`` is given (MergePipe always has one), the base as well.
+and, when ``base_model`` is given, the base as well. Without a base_model (a config listing the models only)
+MergePipe plans against the first model as the reference (config/soup.py): it is the "base" here, which
+karcher averages in like any model, so the group is exactly mergekit's.
 
 The iteration is per tensor and over the whole tensor, but every iterate is a linear combination of the
 unit vectors x_i / |x_i|: so MergePipe runs mergekit's iteration (``max_iter``, ``tol``, its branches) on
@@ -24,7 +26,7 @@ MAX_ITER = Param("max_iter", 10.0, "karcher: most iterations of the mean", low=0
 TOL = Param("tol", 1e-5, "karcher: convergence tolerance", low=0.0, step=1e-5)
 
 SPECS = (OpSpec("karcher", None, Consensus.NONE, False, False, extras=(MAX_ITER, TOL), nonlinear=True, joint=True,
-                gram=True, common=(), min_experts=1,
+                gram=True, common=(), min_experts=1, base_optional=True,
                 reference="mergekit karcher, https://arxiv.org/abs/2603.04972",
                 budget_semantics="all experts' blocks are read or none; an omitted block keeps the base's values",
                 bound_note="n/a: the Karcher mean is not additive (an iteration over whole-tensor angles)"),)

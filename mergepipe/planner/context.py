@@ -35,7 +35,8 @@ from mergepipe.planner.candidates import Candidates
 from mergepipe.planner.plan import PLAN_FORMAT, Plan, compact_ranges, save_plan
 from mergepipe.planner.request import MergeRequest, check_density, check_weight_sum
 from mergepipe.planner.settings import (
-    check_setting, is_scalar, layer_t, num_layers, resolve, tensor_density, tensor_weight,
+    PER_MODEL_PARAMS, check_setting, expert_params, is_scalar, layer_t, num_layers, resolve, tensor_density,
+    tensor_weight,
 )
 from mergepipe.planner.strategies import StrategyScores, _uniform_priority
 from mergepipe.storage.grid import DEFAULT_BLOCK_BYTES, tensor_grid
@@ -108,15 +109,16 @@ class PlanContext(StrategyScores, Bounds):
             w = check_setting(s["weight"], f"weight of {row['id']}") if s.get("weight") is not None else None
             d = check_setting(s["density"], f"density of {row['id']}") if s.get("density") is not None else None
             spec = {"id": row["id"], "uri": row["uri"], "fingerprint": row["fingerprint"], "kind": row["kind"]}
+            spec.update(self._own_params(row["id"], s))
             if not self.catalog.is_analyzed(row["id"]) and not self.op.copies:  # a copy needs no statistics
                 spec["analyze"] = "not analyzed"
             if all(v is None or is_scalar(v) for v in (w, d, global_w, global_d)):
                 spec["weight"] = w if w is not None else (global_w if global_w is not None else 1.0)
                 dd = d if d is not None else (global_d if global_d is not None else 1.0)
-                self._check_density(row["id"], dd)
+                self._check_density(row["id"], dd, params=expert_params(self.params, spec))
                 spec["density"] = dd if self.op.uses_density else None
             else:
-                spec.update(self._per_tensor(row["id"], [w, global_w], [d, global_d]))
+                spec.update(self._per_tensor(row["id"], [w, global_w], [d, global_d], expert_params(self.params, spec)))
             out.append(spec)
         return out
 
@@ -181,10 +183,26 @@ class PlanContext(StrategyScores, Bounds):
                            f"weight: it changes nothing in this merge")
         return out
 
-    def _check_density(self, expert_id: str, d: float, where: str = "") -> None:
-        check_density(self.op, self.params, d, f" of {expert_id}{where}")
+    def _check_density(self, expert_id: str, d: float, where: str = "", params: dict | None = None) -> None:
+        check_density(self.op, params or self.params, d, f" of {expert_id}{where}")
 
-    def _per_tensor(self, expert_id: str, weight_settings, density_settings) -> dict:
+    def _own_params(self, expert_id: str, spec: dict) -> dict:
+        """An expert's own gamma/epsilon (mergekit's per-model parameters), checked, where its operator has them."""
+        from mergepipe.ops.spec import all_parameters
+        declared = {p.name: p for p in all_parameters()}
+        out = {}
+        for key in PER_MODEL_PARAMS:
+            value = spec.get(key)
+            if value is None:
+                continue
+            if key not in self.params:
+                raise PlanError(f"operator {self.op.name} takes no parameter {key} (given for {expert_id})")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise PlanError(f"{key} of {expert_id} must be a number, not {value!r}")
+            out[key] = declared[key].check(float(value), f"{key} of {expert_id}")
+        return out
+
+    def _per_tensor(self, expert_id: str, weight_settings, density_settings, params: dict | None = None) -> dict:
         """Weight and density of one expert for every float tensor, from filters and gradients."""
         names = [t["name"] for t in self.tensors if t["dtype"] in FLOAT_DTYPES]
         layers = num_layers([t["name"] for t in self.tensors], json.loads(self.base["config"] or "{}"))
@@ -193,7 +211,7 @@ class PlanContext(StrategyScores, Bounds):
             t = layer_t(name, layers)
             w = resolve(weight_settings, name, t, 1.0)
             d = resolve(density_settings, name, t, 1.0)
-            self._check_density(expert_id, d, f" on {name}")
+            self._check_density(expert_id, d, f" on {name}", params)
             values[name] = [w, d if self.op.uses_density else None]
         ws = {v[0] for v in values.values()}
         ds = {v[1] for v in values.values()}
@@ -212,9 +230,10 @@ class PlanContext(StrategyScores, Bounds):
                 continue
             rows = analyses.changed_tensor_thresholds(self.catalog, e["id"])
             per = {}
+            params = expert_params(self.params, e)
             for name, text, topk, l1, max_abs, numel in rows:
-                fracs = threshold_fractions(self.op, tensor_density(e, name) or 1.0, self.params)
-                vals = tensor_statistics(self.op, tensor_density(e, name) or 1.0, self.params, text, topk, l1, max_abs,
+                fracs = threshold_fractions(self.op, tensor_density(e, name) or 1.0, params)
+                vals = tensor_statistics(self.op, tensor_density(e, name) or 1.0, params, text, topk, l1, max_abs,
                                          numel)
                 if vals is None:
                     missing = ", ".join(f"{f:g}" for f in fracs if lookup_thresholds(json.loads(text or "{}"), [f]) is None)

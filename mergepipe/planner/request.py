@@ -25,7 +25,7 @@ from mergepipe.errors import PlanError
 from mergepipe.ops.core import get_op, resolve_params
 from mergepipe.ops.spec import OpSpec, Sparsify
 from mergepipe.planner.budget import Budget
-from mergepipe.planner.settings import check_setting, is_scalar
+from mergepipe.planner.settings import check_setting, expert_params, is_scalar
 from mergepipe.planner.strategies import STRATEGIES
 
 # The operator parameters a request carries (None: the operator's default).
@@ -112,15 +112,16 @@ class MergeRequest:
         one weight per expert, their sum under normalize."""
         # the merge-wide density is named after the first expert that takes it, as the planner does
         users = [e["model"] for e in self.experts if e.get("density") is None]
-        settings = [("", f" of {users[0]}" if users else "", self.weight, self.density)]
-        settings += [(f" of {e['model']}",) * 2 + (e.get("weight"), e.get("density")) for e in self.experts]
-        for weight_where, density_where, weight, density in settings:
+        settings = [("", f" of {users[0]}" if users else "", self.weight, self.density, params)]
+        settings += [(f" of {e['model']}",) * 2 + (e.get("weight"), e.get("density"), expert_params(params, e))
+                     for e in self.experts]
+        for weight_where, density_where, weight, density, own in settings:
             if weight is not None:
                 check_setting(weight, "weight" + weight_where)
             if density is not None:  # a per-tensor setting is checked per tensor by the planner (naming it)
                 d = check_setting(density, "density" + density_where)
                 if is_scalar(d):
-                    check_density(op, params, d, density_where)
+                    check_density(op, own, d, density_where)
         if self.weight is not None or any(e.get("weight") is not None for e in self.experts):
             ws = [e["weight"] if e.get("weight") is not None else self.weight for e in self.experts]
             ws = [1.0 if w is None else w for w in ws]
@@ -172,8 +173,8 @@ def _layout_setting(layout) -> dict | None:
             "layers": [[str(m), int(i)] for m, i in layout["layers"]]}
 def _base_member(op: OpSpec, member, n_experts: int) -> dict:
     """The soup's base member in its canonical form: weight (checked setting; default 1), position, reference."""
-    if not op.whole_models:
-        raise PlanError(f"{op.name} cannot average the base in as a model (only linear does: a model soup)")
+    if not (op.whole_models or op.base_optional):
+        raise PlanError(f"{op.name} cannot average the base in as a model (linear and karcher do: a model soup)")
     if not isinstance(member, dict) or set(member) - {"weight", "position", "reference"}:
         raise PlanError("base_member must be a mapping of weight, position and reference")
     position = member.get("position", 0)

@@ -110,6 +110,18 @@ def tensor_weight(expert: dict, tensor: str) -> float:
     return per[tensor][0] if per and tensor in per else expert["weight"]  # None: a non-float tensor
 
 
+# mergekit's per-model (NON_BASE) operator parameters besides weight and density: breadcrumbs' gamma,
+# DELLA's epsilon; an expert's own value (its spec's key) overrides the merge-wide one
+PER_MODEL_PARAMS = ("gamma", "epsilon")
+
+
+def expert_params(params: dict, expert: dict) -> dict:
+    """The operator parameters for one expert: the merge-wide ones with the expert's own gamma/epsilon."""
+    own = {k: float(expert[k]) for k in PER_MODEL_PARAMS if k in params and isinstance(expert.get(k), (int, float))
+           and not isinstance(expert[k], bool)}  # anything else is refused by the planner, naming it
+    return {**params, **own} if own else params
+
+
 def tensor_density(expert: dict, tensor: str) -> float | None:
     per = expert.get("tensors")
     return per[tensor][1] if per and tensor in per else expert["density"]

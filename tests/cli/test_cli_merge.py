@@ -52,7 +52,7 @@ BAD = [
      ["density 1.5", "outside (0, 1]"]),
     ("density negative", lambda o: ["--base", "base", "--experts", "e1", "--op", "dare_ties", "--density=-0.5"],
      ["outside (0, 1]"]),
-    ("unknown op", lambda o: ["--base", "base", "--experts", "e1", "--op", "arcee_fusion"], ["unknown operator"]),
+    ("unknown op", lambda o: ["--base", "base", "--experts", "e1", "--op", "task_adapter"], ["unknown operator"]),
     ("weights count", lambda o: ["--base", "base", "--experts", "e1", "e2", "--weights", "1"], ["1 weights"]),
     ("duplicate expert", lambda o: ["--base", "base", "--experts", "e1", "e1"], ["twice"]),
     ("target bound non-additive", lambda o: ["--base", "base", "--experts", "e1", "--op", "ties", "--density",

@@ -345,9 +345,13 @@ def _bad(fam):
         ("tokenizer config", (f"merge_method: linear\nbase_model: {base}\n{ok_models}"
                               f"tokenizer: {{source: base, pad_to_multiple_of: 100}}\n"),
          ["padded to a multiple of 100", "MergePipe keeps the base's shapes"]),
-        ("gamma differs", (f"merge_method: breadcrumbs\nbase_model: {base}\nmodels:\n"
-                          f"  - model: {e1}\n    parameters: {{weight: 1, gamma: 0.01}}\n"
-                          f"  - model: {e2}\n    parameters: {{weight: 1, gamma: 0.02}}\n"), ["`gamma` differs"]),
+        ("lambda differs", (f"merge_method: task_arithmetic\nbase_model: {base}\nmodels:\n"
+                           f"  - model: {e1}\n    parameters: {{weight: 1, lambda: 1.0}}\n"
+                           f"  - model: {e2}\n    parameters: {{weight: 1, lambda: 0.5}}\n"), ["`lambda` differs"]),
+        ("per-model gamma out of range", (f"merge_method: breadcrumbs\nbase_model: {base}\nmodels:\n"
+                                         f"  - model: {e1}\n    parameters: {{weight: 1, gamma: 0.01}}\n"
+                                         f"  - model: {e2}\n    parameters: {{weight: 1, gamma: 1.5}}\n"),
+         ["gamma", "1.5", "outside the range"]),
         ("nonexistent path", f"merge_method: linear\nbase_model: {base}\nmodels:\n  - model: {base}/../nope\n",
          ["models[0].model", "nope", "neither a registered model id nor an existing path"]),
         ("nonexistent base", f"merge_method: linear\nbase_model: /no/such/base\n{ok_models}", ["base_model"]),

@@ -1,5 +1,5 @@
-"""Model soups (issue 15, item 3): mergekit's ``linear`` over models without a base_model, and with the
-base_model listed among the models, against mergekit 0.1.5 (tests/parity/mergekit_runner.py).
+"""Model soups (issue 15, item 3): mergekit's ``linear`` (and ``karcher``) over models without a base_model,
+and linear with the base_model listed among the models, against mergekit 0.1.5 (tests/parity/mergekit_runner.py).
 
 MergePipe plans a soup against a reference model (the first model listed, config/soup.py): at full budget
 the output is bit-equal to mergekit's (fp32 and bf16 families, fp32 compute: every block goes through
@@ -147,9 +147,27 @@ def test_soup_under_a_budget_reads_the_plan_and_stays_within_the_bound(soup_fam,
     assert "took the first model listed" in text
 
 
+def test_karcher_without_base_averages_the_models_like_mergekit(soup_fam):
+    """mergekit's karcher ignores base_model: without one it averages the models listed. MergePipe plans it
+    against the first model (the reference), which its karcher averages in like the others: the same group.
+    Within karcher's float32-iteration tolerance (README: the coefficients are iterated in float64 here)."""
+    cfg = _soup(soup_fam, [None] * 3)
+    for m in cfg["models"]:
+        del m["parameters"]
+    cfg["merge_method"] = "karcher"
+    plan, manifest, ours, theirs = _both(soup_fam, cfg, "karcher-soup")
+    assert plan["base"]["uri"] == str(soup_fam["models"][0]) and len(plan["experts"]) == 2
+    assert plan["base_member"] == {"weight": 1.0, "position": 0, "reference": True}
+    assert set(ours) == set(theirs)
+    for name in ours:
+        scale = float(theirs[name].float().abs().max())
+        worst = float((ours[name].float() - theirs[name].float()).abs().max())
+        assert worst <= (1e-3 if soup_fam["dtype"] == "fp32" else 2 ** -7) * scale, (name, worst / scale)
+
+
 @pytest.mark.parametrize("method, extra", [("ties", ""), ("task_arithmetic", ""),
-                                          ("karcher", " (mergekit's karcher can run without one; MergePipe does not "
-                                                      "support that yet)")])
+                                          ("multislerp", " (mergekit's multislerp can run without one; MergePipe "
+                                                         "does not support that yet)")])
 def test_methods_that_need_a_base_refuse_a_config_without_one(soup_fam, tmp_path, method, extra):
     cat = Catalog(tmp_path / "c.sqlite")
     try:

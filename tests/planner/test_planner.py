@@ -369,7 +369,7 @@ def test_planner_input_errors(fam, tmp_path):
     with pytest.raises(CatalogError, match="unknown model id 'e9'"):
         planner.plan("base", ["e1", "e9"], "linear")
     with pytest.raises(PlanError, match="unknown operator"):
-        planner.plan("base", ids, "arcee_fusion")
+        planner.plan("base", ids, "task_adapter")
     with pytest.raises(PlanError, match="no experts"):
         planner.plan("base", [], "linear")
     with pytest.raises(PlanError, match="twice"):

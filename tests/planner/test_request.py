@@ -88,7 +88,7 @@ def test_request_build_validates_once():
 
 
 @pytest.mark.parametrize("kw, words", [
-    (dict(operator="arcee_fusion"), "unknown operator 'arcee_fusion'"),
+    (dict(operator="task_adapter"), "unknown operator 'task_adapter'"),
     (dict(operator="ties", gamma=0.1), "operator ties takes no parameter gamma"),
     (dict(strategy="best"), "unknown strategy 'best'"),
     (dict(weights=[1, 2, 3]), "3 weights given for 2 experts"),

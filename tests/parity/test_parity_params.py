@@ -1,0 +1,146 @@
+"""Parameters where mergekit 0.1.5 allows them (issue 15, item 5): per-model gamma (breadcrumbs) and epsilon
+(DELLA), which mergekit declares per model (NON_BASE); ``int8_mask``, a no-op in mergekit's arithmetic.
+
+* per-model gamma: each expert's own top-gamma cut; breadcrumbs and breadcrumbs_ties equal mergekit's output
+  except at entries where an expert's |delta| equals one of its own cut-off magnitudes (mergekit's unstable
+  sort keeps an arbitrary subset of tied entries, MergePipe the first in flat order, the count the same);
+* per-model epsilon: the expert's own keep-probability spread: a one-expert merge with its own epsilon is
+  bit-equal to the merge-wide epsilon (the per-model value reaches the kernel), and the three-expert update
+  is statistically equal to mergekit's (L1 within 3 %);
+* int8_mask: mergekit's int8 sign mask selects exactly the same entries as its float mask (sign values
+  -1, 0, 1 are exact in both): its outputs are bit-equal with and without, and so are MergePipe's, which
+  accepts the key and computes its mask as it always does;
+* lambda, a merge-wide (SHARED) parameter in mergekit, differing between models is refused, naming it, and
+  the catalog is unchanged.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from mergepipe.api import analyze, merge_config
+from mergepipe.catalog.db import Catalog
+from mergepipe.catalog.models import model_ids, register
+from mergepipe.config.model import ConfigError
+from mergepipe.config.parse import parse_config
+from mergepipe.research.family import make_family
+
+from merge_helpers import load_dir
+from mergekit_runner import mergekit_merge
+
+WEIGHTS = [0.6, 1.3, 0.35]
+DENSITY = 0.5
+
+
+@pytest.fixture(scope="module")
+def pfam(tmp_path_factory):
+    root = tmp_path_factory.mktemp("params")
+    paths = make_family(root / "fam", experts=3, size="tiny", dtype="fp32", shard_bytes=1 << 30, seed=5)
+    cat = Catalog(root / "c.sqlite")
+    register(cat, "base", paths["base"])
+    for i, e in enumerate(paths["experts"], start=1):
+        register(cat, f"e{i}", e, base_id="base")
+    analyze(cat, block_bytes=4096)
+    yield {"root": root, "cat": cat, "base": paths["base"], "experts": paths["experts"],
+           "base_t": load_dir(paths["base"]), "experts_t": [load_dir(e) for e in paths["experts"]]}
+    cat.close()
+
+
+def _cfg(fam, method, per_model: dict, experts=(0, 1, 2), weights=WEIGHTS, parameters=None) -> dict:
+    models = []
+    for j, i in enumerate(experts):
+        p = {"weight": weights[j], "density": DENSITY}
+        p.update({k: v[j] for k, v in per_model.items()})
+        models.append({"model": fam["experts"][i], "parameters": p})
+    cfg = {"merge_method": method, "base_model": fam["base"], "dtype": "float32", "models": models,
+           "mergepipe": {"seed": 7}}
+    if parameters:
+        cfg["parameters"] = parameters
+    return cfg
+
+
+def _merge(fam, cfg, tag, mergekit=True):
+    out = fam["root"] / tag
+    out.mkdir()
+    plan, _, _ = merge_config(fam["cat"], parse_config(yaml.safe_dump(cfg)), out / "mp", model_id=tag)
+    theirs = None
+    if mergekit:
+        mk = dict(cfg)
+        mk.pop("mergepipe")
+        theirs = mergekit_merge(mk, out / "mk", seed=7)
+    return plan, load_dir(out / "mp"), theirs
+
+
+def _tied(fam, name, gammas) -> torch.Tensor:
+    """Entries where some expert's non-zero |delta| equals one of its own breadcrumbs cut-offs (k_hi, k_hi + k)."""
+    base = fam["base_t"][name].float()
+    tied = torch.zeros(base.shape, dtype=torch.bool)
+    for i, g in enumerate(gammas):
+        a = (fam["experts_t"][i][name].float() - base).abs()
+        n = a.numel()
+        srt = torch.sort(a.reshape(-1), descending=True).values
+        k_hi = min(int(g * n), n - int(DENSITY * n))
+        for k in (k_hi, k_hi + int(DENSITY * n)):
+            if 0 < k <= n and srt[k - 1] > 0:  # a zero delta kept or dropped changes nothing
+                tied |= a == srt[k - 1]
+    return tied
+
+
+@pytest.mark.parametrize("method", ["breadcrumbs", "breadcrumbs_ties"])
+def test_per_model_gamma_equals_mergekit(pfam, method):
+    gammas = [0.02, 0.0, 0.1]
+    plan, ours, theirs = _merge(pfam, _cfg(pfam, method, {"gamma": gammas}), f"{method}-gamma")
+    assert [e.get("gamma") for e in plan["experts"]] == gammas
+    differing = at_ties = 0
+    for name in ours:
+        diff = ours[name] != theirs[name]
+        tied = _tied(pfam, name, gammas)
+        assert not (diff & ~tied).any(), (name, int((diff & ~tied).sum()))
+        differing += int(diff.sum())
+        at_ties += int(tied.sum())
+    print(method, "differing", differing, "entries at a cut-off", at_ties)
+    # one model per gamma: its own cut, exactly mergekit's kept count
+    for i, g in enumerate(gammas):
+        _, o1, t1 = _merge(pfam, _cfg(pfam, method, {"gamma": [g]}, experts=(i,), weights=[1.0]), f"{method}-g{i}")
+        base = pfam["base_t"]
+        assert sum(int((o1[n] != base[n]).sum()) for n in o1) == sum(int((t1[n] != base[n]).sum()) for n in t1)
+
+
+def test_per_model_epsilon_reaches_the_kernel_and_matches_mergekit(pfam):
+    epsilons = [0.05, 0.15, 0.3]
+    plan, ours, theirs = _merge(pfam, _cfg(pfam, "della_linear", {"epsilon": epsilons}), "della-eps")
+    assert [e.get("epsilon") for e in plan["experts"]] == epsilons
+    base = pfam["base_t"]
+    l1_o = sum(float((ours[n].double() - base[n].double()).abs().sum()) for n in base)
+    l1_t = sum(float((theirs[n].double() - base[n].double()).abs().sum()) for n in base)
+    assert abs(l1_o - l1_t) <= 0.03 * l1_t, (l1_o, l1_t)
+    # the expert's own epsilon is the one used: the same bits as that epsilon given merge-wide
+    _, own, _ = _merge(pfam, _cfg(pfam, "della_linear", {"epsilon": [0.3]}, experts=(2,), weights=[1.0]),
+                       "della-own", mergekit=False)
+    _, wide, _ = _merge(pfam, _cfg(pfam, "della_linear", {}, experts=(2,), weights=[1.0],
+                                   parameters={"epsilon": 0.3}), "della-wide", mergekit=False)
+    _, other, _ = _merge(pfam, _cfg(pfam, "della_linear", {}, experts=(2,), weights=[1.0],
+                                    parameters={"epsilon": 0.05}), "della-other", mergekit=False)
+    assert all(torch.equal(own[n], wide[n]) for n in own)
+    assert not all(torch.equal(own[n], other[n]) for n in own)
+
+
+def test_int8_mask_is_a_no_op_in_mergekit_and_here(pfam):
+    cfg = _cfg(pfam, "ties", {})
+    _, ours, theirs = _merge(pfam, cfg, "ties-float-mask")
+    cfg8 = _cfg(pfam, "ties", {}, parameters={"int8_mask": True})
+    _, ours8, theirs8 = _merge(pfam, cfg8, "ties-int8-mask")
+    assert all(torch.equal(theirs[n], theirs8[n]) for n in theirs)
+    assert all(torch.equal(ours[n], ours8[n]) for n in ours)
+
+
+def test_lambda_differing_between_models_is_refused(pfam):
+    before = model_ids(pfam["cat"])
+    cfg = _cfg(pfam, "task_arithmetic", {"lambda": [1.0, 0.5, 1.0]})
+    with pytest.raises(ConfigError) as err:
+        parse_config(yaml.safe_dump(cfg), source="lam.yaml")
+    assert str(err.value) == ("lam.yaml: `lambda` differs between models (0.5, 1): mergekit applies one lambda to "
+                              "every model (a merge-wide parameter)")
+    assert model_ids(pfam["cat"]) == before
