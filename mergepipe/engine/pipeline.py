@@ -314,7 +314,8 @@ class MergePipeline:
         return {
             "outputs": outputs, "realized_by_expert": realized_by_expert, "realized_by_tensor": self.by_tensor,
             "touched": {e: {t: compact_ranges(b) for t, b in sorted(ts.items())} for e, ts in self.touched.items()},
-            "base_read": sum(r.bytes_read for r in self.input_readers.values()), "timing": self.timing, "inflight": inflight,
+            "base_read": sum(r.bytes_read for r in self.input_readers.values()), "timing": self.timing,
+            "inflight": inflight,
             "analysis_read": inflight.bytes_read() if inflight else {},
             "output_write": sum(o["bytes"] for o in outputs.values()),
         }
