@@ -201,6 +201,9 @@ def expand(cfg, ids: dict[str, str], base_id: str, tensors: dict[str, dict[str, 
             by_layer.setdefault(int(m.group(1)), []).append(name)
         else:
             outside.append(name)
+    if not by_layer:
+        raise ConfigError(f"{cfg.source}: slices: the base has no tensors named like `...layers.N...`; MergePipe "
+                          f"slices decoder layers named that way (Llama, Mistral, Qwen, Gemma, ...)")
     pre = [n for n in outside if "embed" in n]
     post = [n for n in outside if "embed" not in n]
     entries = []  # (out name, slice, source or None: every source, input name, t)
