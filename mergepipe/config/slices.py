@@ -78,7 +78,8 @@ def read_slices(doc: dict, method: str, globals_: dict, ref_of) -> tuple[str, li
     base = ref_of(base, "base_model")
     _check_models(slices, method, base)
     refs = list(dict.fromkeys(s.ref for sl in slices for s in sl.sources if s.ref != base))
-    models = [ConfigModel(ref, globals_.get("weight"), globals_.get("density"), f"slices (model {ref})") for ref in refs]
+    models = [ConfigModel(ref, globals_.get("weight"), globals_.get("density"), f"slices (model {ref})")
+              for ref in refs]
     return base, models, slices
 
 
@@ -158,7 +159,8 @@ def _check_models(slices, method: str, base: str) -> None:
         models = set(refs)
         starts = {s.start for s in sl.sources}
         if len(starts) > 1:
-            raise ConfigError(f"{sl.where}: the sources start at different layers ({', '.join(f'{s.ref} {s.start}' for s in sl.sources)}); "
+            starts_text = ", ".join(f"{s.ref} {s.start}" for s in sl.sources)
+            raise ConfigError(f"{sl.where}: the sources start at different layers ({starts_text}); "
                               f"MergePipe merges a layer with the same layer of the other models: give every source "
                               f"the same layer_range")
         for layer in range(sl.sources[0].start, sl.sources[0].end):
@@ -199,6 +201,9 @@ def expand(cfg, ids: dict[str, str], base_id: str, tensors: dict[str, dict[str, 
             by_layer.setdefault(int(m.group(1)), []).append(name)
         else:
             outside.append(name)
+    if not by_layer:
+        raise ConfigError(f"{cfg.source}: slices: the base has no tensors named like `...layers.N...`; MergePipe "
+                          f"slices decoder layers named that way (Llama, Mistral, Qwen, Gemma, ...)")
     pre = [n for n in outside if "embed" in n]
     post = [n for n in outside if "embed" not in n]
     entries = []  # (out name, slice, source or None: every source, input name, t)

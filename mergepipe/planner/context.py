@@ -56,14 +56,15 @@ class PlanContext(StrategyScores, Bounds):
         self.seed = int(request.seed)
         self.strategy = request.strategy
         self.base = catalog.model(request.base)
-        self.layout = request.layout
-        if self.op.copies and self.layout is None:
+        self.output_layout = request.layout
+        if self.op.copies and self.output_layout is None:
             raise PlanError(f"{self.op.name} copies the layers a `slices:` config names (mergekit frankenmerges): "
                             f"merge from such a config (--config)")
-        self.tensors = layout_tensors(self.layout, self.base["id"], catalog.tensors(self.base["id"]), self.op.copies)
+        self.tensors = layout_tensors(self.output_layout, self.base["id"], catalog.tensors(self.base["id"]),
+                                      self.op.copies)
         self.tensor_index = {t["name"]: i for i, t in enumerate(self.tensors)}
         self.experts = self._expert_specs(request.experts, request.density, request.weight)
-        if self.layout is not None:
+        if self.output_layout is not None:
             self._check_layout_models()
         if self.op.nonlinear:  # interpolation methods: expert counts, statistics present (planner/methods.py)
             methods.check_experts(self.op, self.experts)
@@ -83,7 +84,7 @@ class PlanContext(StrategyScores, Bounds):
         self.coef_matrix = np.array([[coefficient(self.op, w, ws, self.params) for w, ws in zip(row, self.weight_sums)]
                                      for row in self.weight_matrix]).reshape(self.weight_matrix.shape)
         self.thresholds = self._thresholds()
-        if self.layout is not None and self.to_analyze:  # a layout's merge reads renamed tensors: analyze first
+        if self.output_layout is not None and self.to_analyze:  # renamed tensors are not analyzed on the way
             raise methods.NeedsAnalysis(f"a `slices:` merge needs its experts analyzed first (not analyzed: "
                                         f"{', '.join(e['id'] for e in self.to_analyze)}): `mergepipe analyze "
                                         f"{' '.join(e['id'] for e in self.to_analyze)}`")
@@ -126,7 +127,7 @@ class PlanContext(StrategyScores, Bounds):
         """A layout takes tensors from the base or from full checkpoints among the experts (a copy needs the
         model's own values: a delta or LoRA checkpoint has none to copy)."""
         kinds = {e["id"]: e["kind"] for e in self.experts}
-        for model in sorted({t[1] for t in self.layout["tensors"]} - {self.base["id"]}):
+        for model in sorted({t[1] for t in self.output_layout["tensors"]} - {self.base["id"]}):
             if model not in kinds:
                 raise PlanError(f"the layout takes tensors from {model}, which is neither the base nor an expert")
             if kinds[model] != "full":
@@ -307,8 +308,8 @@ class PlanContext(StrategyScores, Bounds):
     def base_bytes(self) -> int:
         """Bytes of input tensors read as they are (the base's; a layout's copies from any model) =
         bytes written."""
-        if self.layout is not None:
-            return sum(self.tensors[self.tensor_index[t[2]]]["nbytes"] for t in self.layout["tensors"])
+        if self.output_layout is not None:
+            return sum(self.tensors[self.tensor_index[t[2]]]["nbytes"] for t in self.output_layout["tensors"])
         return sum(t["nbytes"] for t in self.tensors)
 
     def plan(self, budget=None, budget_mb=None, target_bound: float | None = None) -> Plan:
@@ -377,8 +378,8 @@ class PlanContext(StrategyScores, Bounds):
         }
         if self.request.tokenizer:  # only when set: plans of the base's tokenizer keep their digests
             core["tokenizer"] = self.request.tokenizer
-        if self.layout is not None:  # a `slices:` config: which input tensor each output tensor is made of
-            core["layout"] = self.layout
+        if self.output_layout is not None:  # a `slices:` config: which input tensor each output tensor is made of
+            core["layout"] = self.output_layout
         if self.base_member:  # a soup: the base is averaged in (only then: other plans keep their digests)
             core["base_member"] = self.base_member
         if self.op.nonlinear:  # the interpolation methods' per-tensor scalars and budget-omitted blocks
@@ -418,7 +419,8 @@ def layout_tensors(layout: dict | None, base_id: str, rows: list[dict], copies: 
         raise PlanError(f"the layout names {missing[0]}, which {base_id} does not have")
     if not copies:
         if any(t[1] != base_id for t in layout["tensors"]):
-            raise PlanError(f"a merging layout takes every output tensor from the base {base_id} (merged with the experts)")
+            raise PlanError(f"a merging layout takes every output tensor from the base {base_id} (merged with the "
+                            f"experts)")
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise PlanError(f"the layout merges {twice[0]} twice: a merge reads each input tensor once")

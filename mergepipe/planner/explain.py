@@ -10,7 +10,8 @@ def explain_plan(p: dict) -> str:
     from mergepipe.planner.budget import human_bytes  # formatting only
 
     lines = [f"PLAN {p['id']}  ({p['digest']})",
-             f"  operator   {p['operator']}  params {json.dumps(_short(p['params']), sort_keys=True)}  seed {p['seed']}  "
+             f"  operator   {p['operator']}  params {json.dumps(_short(p['params']), sort_keys=True)}  "
+             f"seed {p['seed']}  "
              f"strategy {p['strategy']}",
              f"  base       {p['base']['id']}  {p['base']['fingerprint'][:19]}",
              f"  grid       {human_bytes(p['grid']['block_bytes'])} blocks, {p['blocks_total']} per model",

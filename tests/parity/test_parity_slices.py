@@ -323,7 +323,8 @@ def test_modules_default_equals_mergekit(small):
     plan, _, got, ref = _merge_both(cat, work, cfg, "modules")
     _close(got, ref)
     t = {c["filter"]: c["value"] for c in plan["params"]["t"]}
-    assert t["model.layers.0.mlp.up_proj.weight"] == 0.3 and t["model.layers.3.mlp.up_proj.weight"] == pytest.approx(0.2)
+    assert t["model.layers.0.mlp.up_proj.weight"] == 0.3
+    assert t["model.layers.3.mlp.up_proj.weight"] == pytest.approx(0.2)
     assert t["model.layers.3.self_attn.q_proj.weight"] == 0.6
     models = {"modules": {"default": {"models": [{"model": str(fam.experts[0]), "parameters": {"weight": 0.7}},
                                                  {"model": str(fam.experts[1])}],
