@@ -104,3 +104,16 @@ def split_s3(uri: str) -> tuple[str, str]:
     if not bucket:
         raise StorageError(f"{redact(uri)}: an S3 URI names a bucket: s3://bucket/prefix")
     return bucket, key
+
+
+def remote_model_name(uri: str) -> str:
+    """A default model id for a remote URI: the model of ``hf://org/model@rev`` or of a Hub-shaped
+    ``.../org/model/resolve/rev`` URL, else the last path segment (less ``.safetensors``)."""
+    text = uri.rstrip("/")
+    if text.lower().startswith("hf://"):
+        return parse_hf(text).repo.split("/")[-1]
+    parts = [p for p in urlsplit(text).path.split("/") if p]
+    if "resolve" in parts and 0 < parts.index("resolve"):
+        return parts[parts.index("resolve") - 1]
+    last = parts[-1] if parts else urlsplit(text).netloc
+    return last[: -len(".safetensors")] if last.endswith(".safetensors") else last
