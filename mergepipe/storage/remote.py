@@ -184,9 +184,11 @@ class RemoteStorage(Storage):
         return ckpt
 
     def _small(self, t, name: str) -> bytes | None:
-        data, retries = self.retrying(t.where(name), lambda: t.fetch_all(name, MAX_JSON_BYTES))
-        if data is not None:
-            self.stats.add(len(data), retries)
+        got, retries = self.retrying(t.where(name), lambda: t.fetch_all(name, MAX_JSON_BYTES))
+        if got is None:
+            return None
+        data, fresh = got
+        self.stats.add(len(data) if fresh else 0, retries)
         return data
 
     def _weight_files(self, t, uri: str, single: str | None, listing: list[str] | None):

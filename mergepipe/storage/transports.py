@@ -135,8 +135,9 @@ class HttpTransport:
                                "re-register the model")
         return self._body(resp, end - start)
 
-    def fetch_all(self, name: str, limit: int) -> bytes | None:
-        """A small file whole (config.json, a shard index); None when it does not exist."""
+    def fetch_all(self, name: str, limit: int) -> tuple[bytes, bool] | None:
+        """A small file whole (config.json, a shard index) and whether it came over the wire (False:
+        unchanged since fetched last, by its ETag); None when it does not exist."""
         known = self._small.get(name)
         resp = self._request("GET", name, {"If-None-Match": known[0]} if known else {})
         if resp.status == 404:
@@ -144,7 +145,7 @@ class HttpTransport:
             return None
         if resp.status == 304 and known:  # unchanged since last fetched: no body sent
             resp.drain_conn()
-            return known[1]
+            return known[1], False
         if resp.status != 200:
             self._refuse(resp, name)
         size = int(resp.headers.get("Content-Length", 0))
@@ -154,7 +155,7 @@ class HttpTransport:
         data = self._body(resp, size or None)
         if resp.headers.get("ETag"):
             self._small[name] = (resp.headers["ETag"], data)
-        return data
+        return data, True
 
     def list(self) -> list[str] | None:
         return None  # plain HTTP cannot list a folder: files are found by their standard names
@@ -222,7 +223,7 @@ class S3Transport:
             raise Transient(f"short body ({len(data)} of {end - start} bytes)")
         return data
 
-    def fetch_all(self, name: str, limit: int) -> bytes | None:
+    def fetch_all(self, name: str, limit: int) -> tuple[bytes, bool] | None:
         probe = self.probe(name, 0)
         if probe is None:
             return None
@@ -230,11 +231,11 @@ class S3Transport:
             raise StorageError(f"{self.where(name)}: {probe.size} bytes is larger than the {limit}-byte limit")
         known = self._small.get(name)
         if known and probe.etag and known[0] == probe.etag:  # unchanged since last fetched
-            return known[1]
+            return known[1], False
         data = self.get(name, 0, probe.size, None) if probe.size else b""
         if probe.etag:
             self._small[name] = (probe.etag, data)
-        return data
+        return data, True
 
     def list(self) -> list[str] | None:
         try:
