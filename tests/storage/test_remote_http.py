@@ -26,6 +26,7 @@ from mergepipe.errors import StorageError
 from mergepipe.research.family import make_family
 from mergepipe.storage import registry
 from mergepipe.storage.safetensors import INDEX_NAME
+from mergepipe.units import human_bytes
 
 from merge_helpers import dir_hashes, dump_db, run_cli
 from remote_helpers import RangeServer
@@ -142,6 +143,11 @@ def test_remote_merge_fetches_the_plan_and_equals_the_local_merge(served, local_
     else:
         assert planned == plan["full_expert_bytes"]
     assert server.total_bytes("org/base/") >= plan["estimate"]["base_read"]
+    http = plan["transfer"]["tiers"]["http"]
+    assert http["bytes"] == plan["estimate"]["base_read"] + planned and list(plan["transfer"]["tiers"]) == ["http"]
+    assert http["requests"] >= sum(len(rs) for ts in plan["access"].values() for rs in ts.values())
+    line = next(x for x in plan.explain().splitlines() if x.startswith("  transfer"))
+    assert line.startswith("  transfer   ~") and f" http {human_bytes(http['bytes'])} in {http['requests']} requests (50 ms, 100 MB/s)" in line
     # the output carries the base's config and tokenizer files, fetched from the server
     for name in ("config.json", "tokenizer.json", "generation_config.json"):
         assert (out / name).read_bytes() == (Path(fam["base"]) / name).read_bytes()
