@@ -239,7 +239,7 @@ class RemoteStorage(Storage):
     def stamp(self, uri: str | os.PathLike) -> str | None:
         return None  # a re-check re-opens: range requests of a few bytes, headers from the ETag-keyed cache
 
-    def side_files(self, checkpoint: Checkpoint) -> dict[str, bytes]:
+    def side_files(self, checkpoint: Checkpoint) -> dict[str, bytes] | None:
         """config.json and the tokenizer/generation files at the checkpoint's folder (for a merged model)."""
         t = self.transport(checkpoint.remote["folder"])
         listing = checkpoint.remote["listing"]

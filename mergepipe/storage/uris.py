@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from mergepipe.errors import StorageError
 
@@ -71,7 +71,7 @@ class HfRef:
 
     def base_url(self, endpoint: str) -> str:
         sub = f"{self.subfolder}/" if self.subfolder else ""
-        return f"{endpoint.rstrip('/')}/{self.repo}/resolve/{quote(self.revision, safe='')}/{sub}"
+        return f"{endpoint.rstrip('/')}/{self.repo}/resolve/{quote(unquote(self.revision), safe='')}/{sub}"
 
 
 def parse_hf(uri: str) -> HfRef:

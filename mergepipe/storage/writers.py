@@ -137,10 +137,12 @@ def finish_files(base_ck: Checkpoint, staging: Path, shards: list[OutShard], tok
         index = {"metadata": {"total_size": sum(s.size - len(s.header) for s in shards)},
                  "weight_map": {n: s.fname for s in shards for n in s.offsets}}
         write_text(staging / INDEX_NAME, json.dumps(index, indent=2, sort_keys=True))
-    side_files = getattr(base_ck.storage, "side_files", None)
+    tokenizer = tokenizer or {}
+    side_files = base_ck.storage.side_files(base_ck) if base_ck.storage is not None else None
     if side_files is not None:  # a remote base: config.json and tokenizer files fetched whole (small)
-        for name, data in side_files(base_ck).items():
-            write_bytes(staging / name, data)
+        for name, data in side_files.items():
+            if name == "config.json" or not tokenizer.get("source_uri"):
+                write_bytes(staging / name, data)
     elif base_ck.root.is_dir():
         for name in COPIED_FILES:
             src = base_ck.root / name
@@ -150,7 +152,6 @@ def finish_files(base_ck: Checkpoint, staging: Path, shards: list[OutShard], tok
                 except OSError as exc:
                     failed = staging / name if exc.filename != str(src) else src
                     raise write_failure(exc, "copying" if failed == src else "writing", failed) from exc
-    tokenizer = tokenizer or {}
     source = Path(tokenizer["source_uri"]) if tokenizer.get("source_uri") else base_ck.root
     try:
         if side_files is None or tokenizer.get("source_uri"):

@@ -260,3 +260,18 @@ def test_the_block_cache_serves_a_repeated_merge(served, local_outputs, tmp_path
     assert server.total_bytes() <= probes * 8  # only the 8-byte change probes went to the server
     assert dir_hashes(tmp_path / "o2", "*.safetensors") == local_outputs["10%"][1]
     assert any((tmp_path / "cache").rglob("*"))
+
+
+def test_analyze_over_http_gives_the_local_statistics(served, tmp_path):
+    server, fam = served
+    local = catalog(tmp_path / "local.sqlite", fam, str)
+    server.reset()
+    remote = catalog(tmp_path / "remote.sqlite", fam, hub_uri(server))
+    sql = ("SELECT model_id, tensor, block, row_start, row_end, offset, nbytes, delta_l2, delta_l1, delta_max_abs, "
+           "delta_nnz, sketch FROM blocks ORDER BY model_id, tensor, block")
+    assert remote.conn.execute(sql).fetchall() == local.conn.execute(sql).fetchall()
+    stats = "SELECT model_id, tensor, delta_l2, thresholds, topk FROM tensor_stats ORDER BY model_id, tensor"
+    assert remote.conn.execute(stats).fetchall() == local.conn.execute(stats).fetchall()
+    expert_tensor_bytes = sum(registry.open_checkpoint(e).nbytes for e in fam["experts"])
+    sent = sum(server.total_bytes(f"org/{Path(e).name}/") for e in fam["experts"])
+    assert expert_tensor_bytes <= sent <= 2 * expert_tensor_bytes + 2 * sum(registration_bytes(e) for e in fam["experts"])
