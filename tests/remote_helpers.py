@@ -189,12 +189,12 @@ class RangeServer:
                     while pos < stop:
                         chunk = fh.read(min(64 << 10, stop - pos))
                         server.throttle(len(chunk))
+                        with server.lock:  # counted before sending: a client never sees bytes not yet counted
+                            server.bytes[str(full.relative_to(server.root.resolve()))] += len(chunk)
                         try:
                             self.wfile.write(chunk)
                         except (BrokenPipeError, ConnectionResetError):
                             return
-                        with server.lock:
-                            server.bytes[str(full.relative_to(server.root.resolve()))] += len(chunk)
                         pos += len(chunk)
                 if drop:
                     self.wfile.flush()

@@ -30,6 +30,8 @@ from mergepipe.storage.safetensors import FLOAT_DTYPES, TensorInfo
 from mergepipe.storage.sources import open_source
 from mergepipe.storage.writers import ShardWriter, finish_files, plan_shards
 
+REMOTE_READAHEAD = 8  # groups fetched at once from remote inputs (still within the in-flight byte budget)
+
 
 def block_groups(tensors: list[TensorInfo], block_bytes: int, group_bytes: int, span_cost=None,
                  max_cost: int | None = None):
@@ -85,6 +87,11 @@ class MergePipeline:
         self.readers = [src.checkpoint.reader() for src in self.sources]
         self.fixed_cache: list[tuple[str, list] | None] = [None] * len(experts)  # LoRA A of the current tensor
         self.base_reader = base_ck.reader(sequential=True)
+        # remote inputs: several groups are fetched at once, so that request latency overlaps (LoRA
+        # sources read their A once per tensor through fixed_cache, which needs groups read in order)
+        self.parallel_reads = (any(getattr(r, "concurrent", False) for r in [self.base_reader, *self.readers])
+                               and all(src.kind != "lora" for src in self.sources))
+        self.readahead = max(engine.readahead, REMOTE_READAHEAD) if self.parallel_reads else engine.readahead
         self.writers = {s.fname: ShardWriter(staging, s) for s in self.shards}
         self.by_tensor: dict[str, int] = {}
         self.touched: dict[str, dict[str, list[int]]] = {e["id"]: {} for e in experts}
@@ -150,7 +157,7 @@ class MergePipeline:
     def schedule_reads(self) -> None:
         """Submit reads ahead while fewer than ``readahead`` are out and the in-flight budget allows."""
         engine = self.engine
-        while self.queued and len(self.reads) < engine.readahead:
+        while self.queued and len(self.reads) < self.readahead:
             item, cost = self.queued[0]
             if self.held_bytes and self.held_bytes + cost > engine.inflight_bytes:
                 break
@@ -228,7 +235,8 @@ class MergePipeline:
 
     def run(self) -> dict:
         engine = self.engine
-        self.read_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mergepipe-read")
+        self.read_pool = ThreadPoolExecutor(max_workers=self.readahead if self.parallel_reads else 1,
+                                            thread_name_prefix="mergepipe-read")
         self.executor = engine.make_executor()
         if engine.fused:  # import numba and load the cached kernels while the first groups are read
             self.executor.submit(warm_kernels)

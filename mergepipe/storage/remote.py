@@ -256,6 +256,7 @@ class RemoteReader:
     """Exact range reads of one remote checkpoint (thread-safe; coalesced, parallel, retried)."""
 
     MAX_AHEAD = 64
+    concurrent = True  # the engine may fetch several groups at once through it (latency overlaps)
 
     def __init__(self, storage: RemoteStorage, checkpoint: Checkpoint):
         self.storage = storage
