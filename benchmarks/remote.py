@@ -239,6 +239,7 @@ def main(argv=None) -> int:
         download([tuple(x) for x in json.loads(Path(args.download).read_text())])
         return 0
     Path(args.work).mkdir(parents=True, exist_ok=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     res = bench(args)
     stem = "remote" if args.profile == "full" else f"remote-{args.profile}"
     Path(args.out, f"{stem}.json").write_text(json.dumps(res, indent=2, default=str))
