@@ -275,3 +275,21 @@ def test_analyze_over_http_gives_the_local_statistics(served, tmp_path):
     expert_tensor_bytes = sum(registry.open_checkpoint(e).nbytes for e in fam["experts"])
     sent = sum(server.total_bytes(f"org/{Path(e).name}/") for e in fam["experts"])
     assert expert_tensor_bytes <= sent <= 2 * expert_tensor_bytes + 2 * sum(registration_bytes(e) for e in fam["experts"])
+
+
+def test_yaml_configs_name_remote_models_by_id(served, local_outputs, tmp_path, monkeypatch):
+    server, fam = served
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    db = tmp_path / "c.sqlite"
+    assert run_cli(["register", "--db", db, "hf://org/base"]).returncode == 0
+    assert run_cli(["register", "--db", db, "--base", "base", "hf://org/expert_1", "hf://org/expert_2"]).returncode == 0
+    experts = "".join(f"  - model: expert_{i}\n    parameters: {{weight: 1.0, density: 0.5}}\n" for i in (1, 2))
+    (tmp_path / "ok.yml").write_text(f"merge_method: ties\nbase_model: base\nmodels:\n{experts}")
+    res = run_cli(["merge", "--db", db, "--config", tmp_path / "ok.yml", "--out", tmp_path / "o"])
+    assert res.returncode == 0, res.stderr
+    assert dir_hashes(tmp_path / "o", "*.safetensors") == local_outputs["100%"][1]  # analyzed in flight, 100 %
+    (tmp_path / "uri.yml").write_text(f"merge_method: ties\nbase_model: hf://org/base\nmodels:\n{experts}")
+    res = run_cli(["merge", "--db", db, "--config", tmp_path / "uri.yml", "--out", tmp_path / "o2"])
+    assert res.returncode == 2 and res.stderr.count("\n") == 1
+    assert "base_model: 'hf://org/base' is neither a registered model id nor an existing path (a remote " \
+           "checkpoint, s3://, https:// or hf://, is registered first with `mergepipe register URI`" in res.stderr
