@@ -79,3 +79,26 @@ def test_first_merge_ci_profile(tmp_path):
     for prefix in ("linear first merge", "ties first merge", "ANALYZE", "register", "CLI start-up"):
         assert any(t.startswith(prefix) for t in rows), (prefix, rows)
     assert all(t["met"] in (True, False, None) and t["measured"] for t in res["targets"])
+
+
+def test_remote_ci_profile(tmp_path):
+    """benchmarks/remote.py on its CI profile (no mergekit): bytes counted by the HTTP server. Register
+    moves headers only, a 10 % merge moves about its plan, 100 % over HTTP equals the local merge."""
+    out = tmp_path / "report"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "remote.py"), "--profile", "ci", "--no-mergekit", "--mbps", "1000",
+         "--work", str(tmp_path / "work"), "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "remote-ci.json").read_text())
+    rows = {r["contender"]: r for r in res["rows"]}
+    assert rows["register base"]["transferred_bytes"] < 64 << 10
+    mp10, mp100 = rows["mergepipe merge 10%"], rows["mergepipe merge 100%"]
+    side = 64 << 10  # config and tokenizer files the output carries, 8-byte re-check probes
+    assert mp10["planned_bytes"] <= mp10["transferred_bytes"] <= mp10["planned_bytes"] * 1.01 + side
+    assert mp100["planned_bytes"] <= mp100["transferred_bytes"] <= mp100["planned_bytes"] * 1.01 + side
+    assert rows["download everything"]["transferred_bytes"] == res["family_bytes"]
+    assert mp10["transferred_bytes"] < 0.6 * mp100["transferred_bytes"]
+    (check,) = res["checks"].values()
+    assert check["same_names"] and check["differing"] == 0
+    assert (out / "remote-ci.md").read_text().startswith("# Remote checkpoints")

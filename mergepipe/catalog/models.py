@@ -15,7 +15,8 @@ from pathlib import Path
 from mergepipe.catalog.db import Catalog, now
 from mergepipe.errors import CatalogError, MergePipeError
 from mergepipe.storage.lora import base_mismatches
-from mergepipe.storage.registry import canonical_uri, open_adapter, open_checkpoint, storage_for
+from mergepipe.storage.registry import canonical_uri, open_adapter, open_checkpoint, scheme_of, storage_for
+from mergepipe.storage.uris import remote_model_name
 from mergepipe.storage.dtypes import dtype_label
 from mergepipe.storage.safetensors import FLOAT_DTYPES, Checkpoint
 
@@ -217,6 +218,14 @@ def named_by_path(uris) -> list[tuple[str, str]]:
     Two checkpoints that would get the same name are refused."""
     items, seen = [], {}
     for uri in map(str, uris):
+        if scheme_of(uri) is not None:
+            model_id = remote_model_name(uri)
+            if model_id in seen:
+                raise CatalogError(f"{seen[model_id]} and {uri} would both be named {model_id!r}; "
+                                   f"register them one at a time with --model-id ID --uri URI")
+            seen[model_id] = uri
+            items.append((model_id, uri))
+            continue
         # "x/", "x/." and "y/../x" are all named x; a symbolic link keeps its own name
         try:
             path = Path(os.path.abspath(Path(uri).expanduser()))

@@ -23,7 +23,8 @@ def _add_register(p):
                    help="checkpoint directories or .safetensors files, each named after its directory "
                         "(or file); all are registered in one transaction, or none")
     p.add_argument("--model-id", help="id of the one checkpoint given by --uri (or by one PATH)")
-    p.add_argument("--uri", help="checkpoint directory or .safetensors file")
+    p.add_argument("--uri", help="checkpoint directory or .safetensors file; or a remote checkpoint: "
+                   "s3://bucket/prefix, https://host/path, hf://org/model[@revision]")
     p.add_argument("--base", dest="base_id", help="id of the base model (for experts)")
     p.add_argument("--kind", default="full", choices=["full", "delta", "lora"],
                    help="full checkpoint (default), delta (expert - base) or a PEFT LoRA adapter")

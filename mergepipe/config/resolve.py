@@ -28,6 +28,9 @@ from mergepipe.storage.dtypes import dtype_label, split_dtypes
 from mergepipe.storage.registry import open_checkpoint
 from mergepipe.storage.tokenizer_files import has_tokenizer, read_chat_template, vocab_difference, vocabulary
 
+REMOTE_HINT = ("(a remote checkpoint, s3://, https:// or hf://, is registered first with `mergepipe register URI` "
+               "and then named here by its id)")
+
 
 # --- resolving references against the catalog ---------------------------------------------------------
 @dataclass
@@ -113,8 +116,7 @@ class _Resolver:
             if self.split_lora(text):
                 self.fail(where, "a LoRA-patched model (BASE+ADAPTER) cannot be the base; "
                                  "list the adapter under `models:`")
-            self.fail(where, f"{text!r} is neither a registered model id nor an existing path "
-                             f"(MergePipe reads local checkpoints; it does not download from the Hub)")
+            self.fail(where, f"{text!r} is neither a registered model id nor an existing path {REMOTE_HINT}")
         rows = [r for r in self._rows_at(path) if r["kind"] == "full"]
         rows.sort(key=lambda r: r["base_id"] is not None)  # a plain base first
         for row in rows:
@@ -159,8 +161,7 @@ class _Resolver:
         else:
             path = self._path(text, where)
             if path is None:
-                self.fail(where, f"{text!r} is neither a registered model id nor an existing path "
-                                 f"(MergePipe reads local checkpoints; it does not download from the Hub)")
+                self.fail(where, f"{text!r} is neither a registered model id nor an existing path {REMOTE_HINT}")
             if base_path is not None and path == base_path:
                 return None
         rows = [r for r in self._rows_at(path) if r["base_id"] == base_id

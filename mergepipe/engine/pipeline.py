@@ -31,6 +31,8 @@ from mergepipe.storage.safetensors import FLOAT_DTYPES, TensorInfo
 from mergepipe.storage.sources import open_source
 from mergepipe.storage.writers import ShardWriter, finish_files, plan_shards, write_layout_config
 
+REMOTE_READAHEAD = 8  # groups fetched at once from remote inputs (still within the in-flight byte budget)
+
 
 def block_groups(tensors: list[TensorInfo], block_bytes: int, group_bytes: int, span_cost=None,
                  max_cost: int | None = None):
@@ -98,6 +100,12 @@ class MergePipeline:
         self.base_reader = base_ck.reader(sequential=True)
         self.input_readers = {m: (self.base_reader if ck is base_ck else ck.reader(sequential=True))
                               for m, ck in self.inputs.items()}
+        # remote inputs: several groups are fetched at once, so that request latency overlaps (LoRA
+        # sources read their A once per tensor through fixed_cache, which needs groups read in order)
+        self.parallel_reads = (any(getattr(r, "concurrent", False)
+                                   for r in [self.base_reader, *self.input_readers.values(), *self.readers])
+                               and all(src.kind != "lora" for src in self.sources))
+        self.readahead = max(engine.readahead, REMOTE_READAHEAD) if self.parallel_reads else engine.readahead
         self.writers = self.open_writers()
         self.by_tensor: dict[str, int] = {}
         self.touched: dict[str, dict[str, list[int]]] = {e["id"]: {} for e in experts}
@@ -201,7 +209,7 @@ class MergePipeline:
     def schedule_reads(self) -> None:
         """Submit reads ahead while fewer than ``readahead`` are out and the in-flight budget allows."""
         engine = self.engine
-        while self.queued and len(self.reads) < engine.readahead:
+        while self.queued and len(self.reads) < self.readahead:
             item, cost = self.queued[0]
             if self.held_bytes and self.held_bytes + cost > engine.inflight_bytes:
                 break
@@ -291,7 +299,8 @@ class MergePipeline:
 
     def run(self) -> dict:
         engine = self.engine
-        self.read_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mergepipe-read")
+        self.read_pool = ThreadPoolExecutor(max_workers=self.readahead if self.parallel_reads else 1,
+                                            thread_name_prefix="mergepipe-read")
         self.executor = engine.make_executor()
         if engine.fused:  # import numba and load the cached kernels while the first groups are read
             self.executor.submit(warm_kernels)

@@ -42,6 +42,7 @@ from mergepipe.planner.strategies import StrategyScores, _uniform_priority
 from mergepipe.storage.grid import DEFAULT_BLOCK_BYTES, tensor_grid
 from mergepipe.storage.safetensors import FLOAT_DTYPES, TensorInfo
 from mergepipe.storage.sources import fixed_bytes, open_source
+from mergepipe.storage.tiers import transfer_estimate
 from mergepipe.version import __version__
 
 
@@ -334,6 +335,13 @@ class PlanContext(StrategyScores, Bounds):
             chosen = methods.select_joint(cands, budget_bytes)
         return self._build(chosen, budget.spec, budget_bytes, target_bound)
 
+    def _transfer(self, access: dict, per_expert_bytes: dict, base_bytes: int) -> dict:
+        """Estimated transfer per storage tier (storage/tiers.py): the base read in full, one request per
+        tensor, and each expert's planned blocks, one request per contiguous run."""
+        reads = [(self.base["uri"], base_bytes, len(self.tensors))]
+        reads += [(e["uri"], per_expert_bytes[e["id"]], _runs(access[e["id"]])) for e in self.experts]
+        return transfer_estimate(reads)
+
     def _build(self, chosen: np.ndarray, budget_spec: str, budget_bytes: int, target_bound,
                first_merge: bool = False) -> Plan:
         cands = self.candidates
@@ -401,6 +409,7 @@ class PlanContext(StrategyScores, Bounds):
             "target_bound": target_bound,
             "software": {"mergepipe": __version__},
         })
+        data["transfer"] = self._transfer(access, per_expert_bytes, base_bytes)
         if self.warnings:  # outside the digest: they follow from the catalog, like the estimates
             data["warnings"] = list(self.warnings)
         return Plan(data)
@@ -425,6 +434,8 @@ def layout_tensors(layout: dict | None, base_id: str, rows: list[dict], copies: 
         if twice:
             raise PlanError(f"the layout merges {twice[0]} twice: a merge reads each input tensor once")
     return [r for r in rows if r["name"] in set(names)]
+def _runs(ranges_by_tensor: dict[str, list]) -> int:
+    return sum(len(rs) for rs in ranges_by_tensor.values())
 
 
 def _info(row: dict) -> TensorInfo:

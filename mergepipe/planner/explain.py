@@ -5,6 +5,15 @@ from __future__ import annotations
 import json
 
 
+def transfer_line(transfer: dict) -> str:
+    """``~1.2 s: s3 105 MiB in 40 requests (30 ms, 100 MB/s); local ...`` (storage/tiers.py's model)."""
+    from mergepipe.planner.budget import human_bytes
+
+    parts = [f"{name} {human_bytes(t['bytes'])} in {t['requests']} requests ({t['latency_ms']:g} ms, "
+             f"{t['mb_per_s']:g} MB/s) ~{t['seconds']:.2f} s" for name, t in transfer["tiers"].items()]
+    return f"~{transfer['seconds']:.2f} s estimated: " + "; ".join(parts)
+
+
 def explain_plan(p: dict) -> str:
     """EXPLAIN-style text: inputs, budget, estimates, then selection per expert and per tensor."""
     from mergepipe.planner.budget import human_bytes  # formatting only
@@ -21,6 +30,8 @@ def explain_plan(p: dict) -> str:
                 if p["budget"].get("first_merge") else ""),
              f"  estimate   base read {human_bytes(p['estimate']['base_read'])}, expert read "
              f"{human_bytes(p['estimate']['expert_read'])}, write {human_bytes(p['estimate']['output_write'])}"]
+    if p.get("transfer"):  # plans saved before the tier cost model lack it
+        lines.append("  transfer   " + transfer_line(p["transfer"]))
     if p["error_bound"]:
         b = p["error_bound"]
         norm = "n/a" if b["full_delta_norm"] is None else f"{b['full_delta_norm']:.6g}"

@@ -12,16 +12,18 @@ Everything above storage/ needs five things of a checkpoint store, and nothing e
   the plan, ``close()`` (the :class:`Reader` protocol);
 * ``fingerprint(checkpoint)``: a string that changes whenever the checkpoint's content may have changed
   (layout, sizes, modification times), computed without reading tensor bytes;
-* ``stamp(uri)``: a cheaper token of the same kind taken without parsing headers, for quick re-checks.
+* ``stamp(uri)``: a cheaper token of the same kind taken without parsing headers, for quick re-checks;
+* ``side_files(checkpoint)``: for a base whose folder is not local, its config.json and tokenizer files
+  as bytes, for a merged model to carry (None: copy them from the local folder).
 
 Which backend serves a URI is decided by :mod:`mergepipe.storage.registry` (plain paths: local); a
 checkpoint remembers the storage that opened it, and ``checkpoint.reader()`` / ``.fingerprint()`` go
 through it.
 
 :class:`~mergepipe.storage.local.LocalStorage` implements it for local POSIX files (``os.preadv`` on
-descriptors advised ``POSIX_FADV_RANDOM``). A remote backend (object store, HTTP range requests) must
-honour the same contract: byte-exact ranges, a faithful ``bytes_read``, and a fingerprint that changes
-with the content.
+descriptors advised ``POSIX_FADV_RANDOM``). The remote backends (:mod:`mergepipe.storage.remote`:
+``s3://``, ``http(s)://``, ``hf://``) honour the same contract: byte-exact ranges, a faithful
+``bytes_read``, and a fingerprint that changes with the content (ETags).
 """
 
 from __future__ import annotations
@@ -79,3 +81,7 @@ class Storage(ABC):
         """A cheap token (no header parsed) that stays equal while the files at ``uri`` are unchanged
         (sizes and modification times, ETags); None when it cannot be taken. Equal stamps let a
         registered model be used without parsing its headers again."""
+
+    def side_files(self, checkpoint: Checkpoint) -> dict[str, bytes] | None:
+        """config.json and tokenizer files of a checkpoint that is not a local folder; None: local."""
+        return None

@@ -4,7 +4,9 @@ Everything above storage/ opens checkpoints here (``open_checkpoint``, ``open_ad
 and fingerprints them through the storage they were opened with (``Checkpoint.reader()``,
 ``Checkpoint.fingerprint()``), never through local files directly. A plain path is served by
 :class:`~mergepipe.storage.local.LocalStorage`; a URI ``scheme://...`` by the backend registered for
-its scheme (:func:`register_backend`), and is refused with one clear error when none is.
+its scheme (:func:`register_backend`), and is refused with one clear error when none is. The remote
+backends ``s3://``, ``http(s)://`` and ``hf://`` (:mod:`mergepipe.storage.remote`) are built in and
+made on first use, so their client libraries are imported only by a catalog that uses them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from mergepipe.storage.base import Storage
 from mergepipe.storage.local import LocalStorage
 from mergepipe.storage.paths import expand_path
 from mergepipe.storage.safetensors import Checkpoint
+from mergepipe.storage.uris import canonical_remote, redact
 
 LOCAL = LocalStorage()
 _BACKENDS: dict[str, Storage] = {}
@@ -44,12 +47,15 @@ def storage_for(uri: str | os.PathLike) -> Storage:
     scheme = scheme_of(uri)
     if scheme is None:
         return LOCAL
-    try:
-        return _BACKENDS[scheme]
-    except KeyError:
-        known = ", ".join(f"{s}://" for s in sorted(_BACKENDS)) or "none"
-        raise StorageError(f"{os.fspath(uri)}: no storage backend for {scheme}:// "
-                           f"(local paths are supported; remote backends registered: {known})") from None
+    if scheme not in _BACKENDS:
+        from mergepipe.storage.remote import BUILTIN
+
+        if scheme not in BUILTIN:
+            known = ", ".join(f"{s}://" for s in sorted({*_BACKENDS, *BUILTIN}))
+            raise StorageError(f"{redact(os.fspath(uri))}: no storage backend for {scheme}:// "
+                               f"(local paths are supported; remote backends: {known})")
+        _BACKENDS[scheme] = BUILTIN[scheme]()
+    return _BACKENDS[scheme]
 
 
 def local_path(uri: str | os.PathLike) -> str:
@@ -58,9 +64,10 @@ def local_path(uri: str | os.PathLike) -> str:
 
 
 def canonical_uri(uri: str | os.PathLike) -> str:
-    """The form a catalog stores: an absolute, resolved path for local files; a remote URI as given."""
+    """The form a catalog stores: an absolute, resolved path for local files; a remote URI checked to
+    carry no credentials or query string (refused otherwise), without a trailing slash."""
     if scheme_of(uri) is not None:
-        return os.fspath(uri)
+        return canonical_remote(os.fspath(uri))
     return str(expand_path(local_path(uri)).resolve())
 
 

@@ -151,20 +151,7 @@ def parse_header(path: Path, display_name: str | None = None) -> dict[str, Tenso
         try:
             size = os.fstat(fd).st_size
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            raw_len = os.pread(fd, 8, 0)
-            if len(raw_len) < 8:
-                raise StorageError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-            header_len = int.from_bytes(raw_len, "little")
-            if header_len > MAX_HEADER_BYTES:
-                raise StorageError(
-                    f"{path}: not a safetensors file (its header length exceeds the "
-                    f"{MAX_HEADER_BYTES}-byte limit)"
-                )
-            if 8 + header_len > size:
-                raise StorageError(
-                    f"{path}: its header length runs past the end of the file ({size} bytes); "
-                    "the file is truncated or not a safetensors file"
-                )
+            header_len = header_length(path, os.pread(fd, 8, 0), size)
             raw = os.pread(fd, header_len, 8)
         finally:
             os.close(fd)
@@ -172,12 +159,31 @@ def parse_header(path: Path, display_name: str | None = None) -> dict[str, Tenso
         raise StorageError(f"{path}: cannot read ({exc.strerror})") from None
     if len(raw) != header_len:
         raise StorageError(f"{path}: header is shorter than its stated length (file changed while reading?)")
+    return header_tensors(path, raw, size, label)
+
+
+def header_length(path, first8: bytes, size: int) -> int:
+    """The header length stated by a safetensors file's first 8 bytes, checked against the file size."""
+    if len(first8) < 8:
+        raise StorageError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+    header_len = int.from_bytes(first8, "little")
+    if header_len > MAX_HEADER_BYTES:
+        raise StorageError(f"{path}: not a safetensors file (its header length exceeds the "
+                           f"{MAX_HEADER_BYTES}-byte limit)")
+    if 8 + header_len > size:
+        raise StorageError(f"{path}: its header length runs past the end of the file ({size} bytes); "
+                           "the file is truncated or not a safetensors file")
+    return header_len
+
+
+def header_tensors(path, raw: bytes, size: int, label: str) -> dict[str, TensorInfo]:
+    """Validate a header's JSON bytes (read by any storage) against a file of ``size`` bytes."""
     header = _loads(raw, path, "not a safetensors file: header is ")
     if not isinstance(header, dict):
         raise StorageError(f"{path}: not a safetensors file (header is not a JSON object)")
     if not raw.startswith(b"{"):
         raise StorageError(f"{path}: not a safetensors file (header does not begin with '{{')")
-    data_start = 8 + header_len
+    data_start = 8 + len(raw)
     data_len = size - data_start
     tensors: dict[str, TensorInfo] = {}
     for name, entry in header.items():
@@ -388,9 +394,13 @@ def _shard_files(root: Path) -> list[Path]:
 
 def _check_index(root: Path, tensors: dict[str, TensorInfo]) -> None:
     index = root / INDEX_NAME
-    if not index.exists():
-        return
-    for name, fname in read_index(index).items():
+    if index.exists():
+        check_index(index, read_index(index), tensors)
+
+
+def check_index(index, weight_map: dict[str, str], tensors: dict[str, TensorInfo]) -> None:
+    """Every tensor the index lists is present, in the shard it names."""
+    for name, fname in weight_map.items():
         if name not in tensors:
             raise StorageError(f"{index}: tensor {_short(name)} is listed in {_short(fname)} but not present in it")
         if tensors[name].file != fname:
@@ -400,7 +410,12 @@ def _check_index(root: Path, tensors: dict[str, TensorInfo]) -> None:
 
 def read_index(index: Path) -> dict[str, str]:
     """A shard index's ``weight_map``: tensor name -> shard file name (a plain name in the directory)."""
-    weight_map = read_json_object(index).get("weight_map")
+    return index_weight_map(index, read_json_object(index))
+
+
+def index_weight_map(index, data: dict) -> dict[str, str]:
+    """The checked ``weight_map`` of a parsed shard index (``index``: its name, for messages)."""
+    weight_map = data.get("weight_map")
     if not isinstance(weight_map, dict):
         raise StorageError(f"{index}: weight_map must be an object of tensor names to shard files "
                            f"(is {'missing' if weight_map is None else _kind(weight_map)})")
@@ -423,6 +438,11 @@ def read_json_object(path: Path) -> dict:
         raw = read_regular(path, MAX_JSON_BYTES)
     except OSError as exc:
         raise StorageError(f"{path}: cannot read ({exc.strerror})") from None
+    return json_object(path, raw)
+
+
+def json_object(path, raw: bytes) -> dict:
+    """Parse a JSON object's bytes (read by any storage); ``path`` names it in messages."""
     data = _loads(raw, path)
     if not isinstance(data, dict):
         raise StorageError(f"{path}: expected a JSON object (is {_kind(data)})")
@@ -438,7 +458,11 @@ MAX_LAYERS = 1_000_000
 
 def read_config(path: Path) -> dict:
     """A checkpoint's config.json, with the fields MergePipe reads checked."""
-    config = read_json_object(path)
+    return checked_config(path, read_json_object(path))
+
+
+def checked_config(path, config: dict) -> dict:
+    """A parsed config.json with the fields MergePipe reads checked (``path`` names it in messages)."""
     arch = config.get("architectures")
     if arch is not None and not (isinstance(arch, list) and all(_is_text(a) for a in arch)):
         what = _kind(arch) if not isinstance(arch, list) else "a list holding " + next(

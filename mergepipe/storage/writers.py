@@ -137,7 +137,13 @@ def finish_files(base_ck: Checkpoint, staging: Path, shards: list[OutShard], tok
         index = {"metadata": {"total_size": sum(s.size - len(s.header) for s in shards)},
                  "weight_map": {n: s.fname for s in shards for n in s.offsets}}
         write_text(staging / INDEX_NAME, json.dumps(index, indent=2, sort_keys=True))
-    if base_ck.root.is_dir():
+    tokenizer = tokenizer or {}
+    side_files = base_ck.storage.side_files(base_ck) if base_ck.storage is not None else None
+    if side_files is not None:  # a remote base: config.json and tokenizer files fetched whole (small)
+        for name, data in side_files.items():
+            if name == "config.json" or not tokenizer.get("source_uri"):
+                write_bytes(staging / name, data)
+    elif base_ck.root.is_dir():
         for name in COPIED_FILES:
             src = base_ck.root / name
             if src.is_file():
@@ -146,10 +152,10 @@ def finish_files(base_ck: Checkpoint, staging: Path, shards: list[OutShard], tok
                 except OSError as exc:
                     failed = staging / name if exc.filename != str(src) else src
                     raise write_failure(exc, "copying" if failed == src else "writing", failed) from exc
-    tokenizer = tokenizer or {}
     source = Path(tokenizer["source_uri"]) if tokenizer.get("source_uri") else base_ck.root
     try:
-        copy_tokenizer_files(source, staging)
+        if side_files is None or tokenizer.get("source_uri"):
+            copy_tokenizer_files(source, staging)
         if tokenizer.get("chat_template"):
             write_chat_template(staging, tokenizer["chat_template"])
     except OSError as exc:
@@ -169,6 +175,11 @@ def write_layout_config(staging: Path, layout: dict) -> None:
         config["layer_types"] = [types[i] for _, i in layers]
     config["num_hidden_layers"] = len(layers)
     write_text(path, json.dumps(config, indent=2) + "\n")
+def write_bytes(path: Path, data: bytes) -> None:
+    try:
+        path.write_bytes(data)
+    except OSError as exc:
+        raise write_failure(exc, "writing", path) from exc
 
 
 def write_text(path: Path, text: str) -> None:

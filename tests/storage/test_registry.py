@@ -123,8 +123,9 @@ def test_a_merge_reads_only_through_the_registered_storage(tmp_path, family, cou
 def test_unknown_scheme_is_one_clear_error(tmp_path):
     cat = Catalog(tmp_path / "c.sqlite")
     before = cat.query("SELECT count(*) AS n FROM models")[0]["n"]
-    with pytest.raises(StorageError, match=r"s3://bucket/model: no storage backend for s3://"):
-        register(cat, "m", "s3://bucket/model")
+    with pytest.raises(StorageError, match=r"^gs://bucket/model: no storage backend for gs:// \(local paths are "
+                                           r"supported; remote backends: hf://, http://, https://, s3://\)$"):
+        register(cat, "m", "gs://bucket/model")
     assert cat.query("SELECT count(*) AS n FROM models")[0]["n"] == before
 
 
@@ -148,6 +149,6 @@ def test_local_paths_and_file_uris_are_served_locally(tmp_path, family):
     ck = registry.open_checkpoint(f"file://{base}")
     assert ck.storage is registry.LOCAL and ck.nbytes == parse_checkpoint(base).nbytes
     assert registry.canonical_uri(f"file://{base}/../base") == str(base)
-    assert registry.canonical_uri("s3://b/k") == "s3://b/k"
+    assert registry.canonical_uri("s3://b/k/") == "s3://b/k"
     with pytest.raises(StorageError, match="opened without a storage backend"):
         parse_checkpoint(base).reader()

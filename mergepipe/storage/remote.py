@@ -1,0 +1,388 @@
+"""Remote checkpoints: ``s3://``, ``http(s)://`` and ``hf://`` behind the Storage seam (see base.py).
+
+Opening a checkpoint costs range requests only: per weight file the first 8 bytes (which also give
+the file's size and ETag) and then exactly its header; plus the shard index and config.json when the
+location has them. No tensor byte is fetched to register or plan.
+
+Reads are exact: a reader fetches the byte ranges asked for and nothing more. Ranges passed together
+to ``read_ranges`` that touch are coalesced into one request; a long run is cut into parts of
+``$MERGEPIPE_REMOTE_PART_BYTES`` (default 8 MiB) and all requests go out in parallel on the
+backend's pool of ``$MERGEPIPE_REMOTE_CONNECTIONS`` (default 16) connections. A request that fails
+with a 5xx, a timeout or a dropped/short connection is repeated up to ``$MERGEPIPE_REMOTE_RETRIES``
+attempts in all (default 4), waiting ``$MERGEPIPE_REMOTE_BACKOFF`` seconds (default 0.25) doubled
+each time; then the read fails with one StorageError. A file whose ETag changes while it is read is
+an error, never mixed bytes.
+
+Optional block cache (off by default): ``$MERGEPIPE_REMOTE_CACHE=/some/dir`` keeps every fetched
+request's bytes in a file named by sha256(ETag, file size, start, end) -- by content, not by URL --
+so a repeated merge of the same plan reads its blocks locally. Only files with an ETag are cached;
+bytes served from the cache count in ``bytes_read`` (what the plan asked for) but not in the
+backend's transferred bytes. Delete the folder to empty it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+from mergepipe.errors import StorageError
+from mergepipe.storage.base import Storage
+from mergepipe.storage.safetensors import (
+    INDEX_NAME, MAX_JSON_BYTES, Checkpoint, check_index, checked_config, header_length, header_tensors,
+    index_weight_map, json_object,
+)
+from mergepipe.storage.tokenizer_files import is_tokenizer_file
+from mergepipe.storage.transports import HttpTransport, S3Transport, Transient, describe, env_float
+from mergepipe.storage.uris import canonical_remote, hf_endpoint, hf_token, parse_hf
+
+# side files a merged model takes from a remote base that cannot list its folder (plain HTTP, the Hub)
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+              "chat_template.jinja")
+_HEADER_CACHE: OrderedDict = OrderedDict()  # (location, file, etag, size) -> tensors; headers by content
+_HEADER_CACHE_LOCK = threading.Lock()
+
+
+def env_int(name: str, default: int) -> int:
+    return int(env_float(name, default))
+
+
+class RemoteRoot(str):
+    """Where a remote checkpoint lives (its URI), standing in for a local root Path: never a local
+    directory or file, so nothing local is looked for under it."""
+
+    @property
+    def name(self) -> str:
+        return self.rstrip("/").rsplit("/", 1)[-1]
+
+    def __truediv__(self, other: str) -> "RemoteRoot":
+        return RemoteRoot(f"{self.rstrip('/')}/{other}")
+
+    def is_dir(self) -> bool:
+        return False
+
+    def is_file(self) -> bool:
+        return False
+
+    def exists(self) -> bool:
+        return False
+
+
+def split_location(uri: str) -> tuple[str, str | None]:
+    """(folder URI, file name) for ``.../model.safetensors``; (uri, None) for a folder."""
+    if uri.endswith(".safetensors"):
+        folder, _, name = uri.rpartition("/")
+        return folder, name
+    return uri, None
+
+
+class TransferStats:
+    """Requests and bytes a backend moved (all readers and openings), for tests and benchmarks."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests = self.bytes = self.retries = self.cache_hits = 0
+
+    def add(self, nbytes: int, retries: int = 0) -> None:
+        with self.lock:
+            self.requests += 1
+            self.bytes += nbytes
+            self.retries += retries
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return {"requests": self.requests, "bytes": self.bytes, "retries": self.retries,
+                    "cache_hits": self.cache_hits}
+
+
+class RemoteStorage(Storage):
+    """A remote tier: ``make_transport(folder_uri)`` builds the transport of one checkpoint folder."""
+
+    def __init__(self, tier: str, make_transport: Callable[[str], object]):
+        self.tier = tier
+        self.make_transport = make_transport
+        self.stats = TransferStats()
+        self._transports: dict[str, object] = {}
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    # --- plumbing --------------------------------------------------------------------------------------
+    def transport(self, folder: str):
+        with self._lock:
+            t = self._transports.get(folder)
+            if t is None:
+                t = self._transports[folder] = self.make_transport(folder)
+            return t
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(env_int("MERGEPIPE_REMOTE_CONNECTIONS", 16),
+                                                thread_name_prefix=f"mergepipe-{self.tier}")
+            return self._pool
+
+    def retrying(self, where: str, call: Callable):
+        """``call()`` repeated on transient failures with exponential backoff; one StorageError at the end."""
+        attempts = max(1, env_int("MERGEPIPE_REMOTE_RETRIES", 4))
+        delay = env_float("MERGEPIPE_REMOTE_BACKOFF", 0.25)
+        for attempt in range(1, attempts + 1):
+            try:
+                return call(), attempt - 1
+            except Transient as exc:
+                if attempt == attempts:
+                    raise StorageError(describe(exc, where, attempts)) from None
+                time.sleep(delay * 2 ** (attempt - 1))
+
+    def fetch(self, transport, name: str, start: int, end: int, etag: str | None, size: int) -> bytes:
+        """Bytes [start, end) of one file: from the block cache, else one ranged request (retried)."""
+        cached = cache_path(etag, size, start, end)
+        if cached is not None and cached.is_file():
+            with self.stats.lock:
+                self.stats.cache_hits += 1
+            return cached.read_bytes()
+        data, retries = self.retrying(transport.where(name), lambda: transport.get(name, start, end, etag))
+        self.stats.add(len(data), retries)
+        if cached is not None:
+            store(cached, data)
+        return data
+
+    # --- the Storage interface ------------------------------------------------------------------------
+    def open(self, uri: str | os.PathLike) -> Checkpoint:
+        uri = canonical_remote(os.fspath(uri))
+        folder, single = split_location(uri)
+        t = self.transport(folder)
+        listing = None if single else self.retrying(uri, t.list)[0]
+        weight_map, names = self._weight_files(t, uri, single, listing)
+        probes = list(self.pool.map(lambda n: self._header(t, folder, n), names))
+        tensors, sizes, etags = {}, {}, {}
+        for name, (found, size, etag) in zip(names, probes):
+            for tname, info in found.items():
+                if tname in tensors:
+                    raise StorageError(f"{uri}: tensor {tname!r} appears in more than one shard")
+                tensors[tname] = info
+            sizes[name], etags[name] = size, etag
+        if weight_map is not None:
+            check_index(t.where(INDEX_NAME), weight_map, tensors)
+        if not tensors:
+            raise StorageError(f"{uri}: checkpoint holds no tensors")
+        config = {}
+        if not single and (listing is None or "config.json" in listing):
+            raw = self._small(t, "config.json")
+            config = checked_config(t.where("config.json"), json_object(t.where("config.json"), raw)) if raw else {}
+        root = RemoteRoot(uri)
+        ckpt = Checkpoint(root, [RemoteRoot(folder) / n for n in names], tensors, sizes, config)
+        ckpt.storage = self
+        ckpt.remote = {"folder": folder, "etags": etags, "listing": listing}
+        return ckpt
+
+    def _small(self, t, name: str) -> bytes | None:
+        got, retries = self.retrying(t.where(name), lambda: t.fetch_all(name, MAX_JSON_BYTES))
+        if got is None:
+            return None
+        data, fresh = got
+        self.stats.add(len(data) if fresh else 0, retries)
+        return data
+
+    def _weight_files(self, t, uri: str, single: str | None, listing: list[str] | None):
+        if single:
+            return None, [single]
+        raw = self._small(t, INDEX_NAME) if listing is None or INDEX_NAME in listing else None
+        if raw is not None:
+            weight_map = index_weight_map(t.where(INDEX_NAME), json_object(t.where(INDEX_NAME), raw))
+            return weight_map, sorted(set(weight_map.values()))
+        names = ["model.safetensors"] if listing is None else [n for n in listing if n.endswith(".safetensors")]
+        if not names:
+            raise StorageError(f"{uri}: no .safetensors files at this location")
+        return None, names
+
+    def _header(self, t, folder: str, name: str):
+        """(tensors, size, etag) of one weight file: its first 8 bytes, then exactly its header."""
+        probe, retries = self.retrying(t.where(name), lambda: t.probe(name, 8))
+        if probe is None:
+            raise StorageError(f"{t.where(name)}: not found")
+        self.stats.add(len(probe.head), retries)
+        key = (folder, name, probe.etag, probe.size)
+        with _HEADER_CACHE_LOCK:
+            hit = _HEADER_CACHE.get(key) if probe.etag else None
+        if hit is not None:
+            return hit, probe.size, probe.etag
+        n = header_length(t.where(name), probe.head, probe.size)
+        raw = self.fetch(t, name, 8, 8 + n, probe.etag, probe.size)
+        tensors = header_tensors(t.where(name), raw, probe.size, name)
+        if probe.etag:
+            with _HEADER_CACHE_LOCK:
+                _HEADER_CACHE[key] = tensors
+                while len(_HEADER_CACHE) > 512:
+                    _HEADER_CACHE.popitem(last=False)
+        return tensors, probe.size, probe.etag
+
+    def size(self, checkpoint: Checkpoint, fname: str) -> int:
+        return checkpoint.file_sizes[fname]
+
+    def reader(self, checkpoint: Checkpoint, sequential: bool = False) -> "RemoteReader":
+        return RemoteReader(self, checkpoint)
+
+    def fingerprint(self, checkpoint: Checkpoint) -> str:
+        """sha256 over the layout, file sizes and ETags (a Hub revision's files have content ETags)."""
+        h = hashlib.sha256(checkpoint.headers_digest_source())
+        h.update(json.dumps(sorted(checkpoint.remote["etags"].items()), default=str).encode())
+        return "sha256:" + h.hexdigest()
+
+    def stamp(self, uri: str | os.PathLike) -> str | None:
+        return None  # a re-check re-opens: range requests of a few bytes, headers from the ETag-keyed cache
+
+    def side_files(self, checkpoint: Checkpoint) -> dict[str, bytes] | None:
+        """config.json and the tokenizer/generation files at the checkpoint's folder (for a merged model)."""
+        t = self.transport(checkpoint.remote["folder"])
+        listing = checkpoint.remote["listing"]
+        names = SIDE_FILES if listing is None else [n for n in listing if n == "config.json" or is_tokenizer_file(n)]
+        out = {}
+        for name in names:
+            data = self._small(t, name)
+            if data is not None:
+                out[name] = data
+        return out
+
+
+class RemoteReader:
+    """Exact range reads of one remote checkpoint (thread-safe; coalesced, parallel, retried)."""
+
+    MAX_AHEAD = 64
+    concurrent = True  # the engine may fetch several groups at once through it (latency overlaps)
+
+    def __init__(self, storage: RemoteStorage, checkpoint: Checkpoint):
+        self.storage = storage
+        self.checkpoint = checkpoint
+        self.transport = storage.transport(checkpoint.remote["folder"])
+        self.etags = checkpoint.remote["etags"]
+        self.part_bytes = max(1 << 16, env_int("MERGEPIPE_REMOTE_PART_BYTES", 8 << 20))
+        self._lock = threading.Lock()
+        self._ahead: dict[tuple[str, int, int], Future] = {}
+        self.bytes_read = 0
+        self.calls = 0
+
+    def _one(self, fname: str, start: int, end: int) -> bytes:
+        return self.storage.fetch(self.transport, fname, start, end, self.etags.get(fname),
+                                  self.checkpoint.file_sizes[fname])
+
+    def _fetch_runs(self, runs: list[tuple[str, int, int]]) -> list[bytearray]:
+        """Each (file, start, end) run's bytes, its parts fetched in parallel (prefetched ones reused)."""
+        outs = [bytearray(end - start) for _, start, end in runs]
+        jobs = []
+        for k, (fname, start, end) in enumerate(runs):
+            with self._lock:
+                ahead = self._ahead.pop((fname, start, end - start), None)
+            if ahead is not None:
+                jobs.append((k, 0, ahead))
+                continue
+            for s in range(start, end, self.part_bytes):
+                e = min(end, s + self.part_bytes)
+                jobs.append((k, s - start, self.storage.pool.submit(self._one, fname, s, e)))
+        for k, pos, fut in jobs:
+            data = fut.result()
+            outs[k][pos:pos + len(data)] = data
+        with self._lock:
+            self.bytes_read += sum(len(o) for o in outs)
+            self.calls += len(runs)
+        return outs
+
+    def read_into(self, fname: str, offset: int, buf) -> None:
+        view = memoryview(buf).cast("B")
+        if len(view):
+            view[:] = self._fetch_runs([(fname, offset, offset + len(view))])[0]
+
+    def read(self, fname: str, offset: int, nbytes: int) -> bytearray:
+        return self._fetch_runs([(fname, offset, offset + nbytes)])[0] if nbytes else bytearray()
+
+    def read_ranges(self, ranges: list[tuple[str, int, int]]) -> list[memoryview]:
+        """Several (file, offset, nbytes) ranges; ranges that touch go out as one request."""
+        order = sorted(range(len(ranges)), key=lambda i: (ranges[i][0], ranges[i][1]))
+        runs: list[list] = []  # [fname, start, end, [indexes]]
+        for i in order:
+            fname, off, n = ranges[i]
+            if runs and runs[-1][0] == fname and runs[-1][2] == off:
+                runs[-1][2] = off + n
+                runs[-1][3].append(i)
+            else:
+                runs.append([fname, off, off + n, [i]])
+        bufs = self._fetch_runs([(f, s, e) for f, s, e, _ in runs])
+        out: list[memoryview | None] = [None] * len(ranges)
+        for (fname, start, _, idx), buf in zip(runs, bufs):
+            view = memoryview(buf)
+            for i in idx:
+                out[i] = view[ranges[i][1] - start: ranges[i][1] - start + ranges[i][2]]
+        return out  # type: ignore[return-value]
+
+    def prefetch(self, fname: str, offset: int, nbytes: int) -> None:
+        """Start fetching a range that will be read soon (one request, up to 64 outstanding)."""
+        if nbytes <= 0:
+            return
+        with self._lock:
+            key = (fname, offset, nbytes)
+            if key in self._ahead or len(self._ahead) >= self.MAX_AHEAD:
+                return
+            self._ahead[key] = self.storage.pool.submit(self._one, fname, offset, offset + nbytes)
+
+    def close(self) -> None:
+        with self._lock:
+            for fut in self._ahead.values():
+                fut.cancel()
+            self._ahead.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# --- the optional block cache ------------------------------------------------------------------------
+def cache_path(etag: str | None, size: int, start: int, end: int) -> Path | None:
+    root = os.environ.get("MERGEPIPE_REMOTE_CACHE")
+    if not root or not etag:
+        return None
+    digest = hashlib.sha256(f"{etag}\0{size}\0{start}\0{end}".encode()).hexdigest()
+    return Path(root).expanduser() / digest[:2] / digest
+
+
+def store(path: Path, data: bytes) -> None:
+    """Write a cache entry atomically (a reader sees a whole entry or none); failures are ignored."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+# --- the built-in backends ------------------------------------------------------------------------------
+def http_storage() -> RemoteStorage:
+    return RemoteStorage("http", lambda folder: HttpTransport(folder, folder,
+                                                              connections=env_int("MERGEPIPE_REMOTE_CONNECTIONS", 16)))
+
+
+def hf_storage() -> RemoteStorage:
+    def make(folder: str):
+        ref = parse_hf(folder)
+        token = hf_token()
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return HttpTransport(ref.base_url(hf_endpoint()), folder, headers,
+                             connections=env_int("MERGEPIPE_REMOTE_CONNECTIONS", 16))
+
+    return RemoteStorage("hf", make)
+
+
+def s3_storage() -> RemoteStorage:
+    return RemoteStorage("s3", S3Transport)
+
+
+BUILTIN = {"s3": s3_storage, "http": http_storage, "https": http_storage, "hf": hf_storage}

@@ -1,0 +1,265 @@
+"""How a remote backend moves bytes: exact ranged GETs over HTTP(S) (also the Hub) and S3.
+
+A transport addresses the files of one checkpoint location (a URL prefix or an S3 prefix) by name and
+does one request per call; retries, coalescing and parallelism live in :mod:`mergepipe.storage.remote`.
+Failures worth retrying (5xx, timeouts, dropped or short connections) raise :class:`Transient`;
+anything else is a :class:`~mergepipe.errors.StorageError`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from mergepipe.errors import StorageError
+from mergepipe.storage.uris import redact, split_s3
+
+
+class Transient(Exception):
+    """A failure that may go away when the request is repeated."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The first bytes of a file, its size and its ETag (None when the server gives none)."""
+
+    head: bytes
+    size: int
+    etag: str | None
+
+
+def env_float(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        raise StorageError(f"${name} must be a number (is {os.environ[name]!r})") from None
+
+
+class HttpTransport:
+    """Ranged GETs (``Range: bytes=a-b``, answered 206) on a pooled urllib3 connection manager."""
+
+    kind = "http"
+
+    def __init__(self, base_url: str, shown: str, headers: dict | None = None, connections: int = 16):
+        import urllib3
+
+        self.base_url = base_url if base_url.endswith("/") else base_url + "/"
+        self.shown = shown  # the URI as stored (no secrets), for messages
+        self.headers = dict(headers or {})
+        timeout = env_float("MERGEPIPE_REMOTE_TIMEOUT", 30.0)
+        self.pool = urllib3.PoolManager(num_pools=4, maxsize=connections, block=False,
+                                        timeout=urllib3.Timeout(connect=timeout, read=timeout),
+                                        retries=urllib3.Retry(total=None, connect=0, read=0, status=0, redirect=5))
+        self._urllib3 = urllib3
+        self._small: dict[str, tuple[str, bytes]] = {}  # name -> (ETag, bytes) of small files fetched whole
+
+    def url(self, name: str) -> str:
+        return self.base_url + name
+
+    def where(self, name: str) -> str:
+        return f"{self.shown}/{name}"
+
+    def _request(self, method: str, name: str, headers: dict):
+        u3 = self._urllib3
+        try:
+            resp = self.pool.request(method, self.url(name), headers={**self.headers, **headers},
+                                     preload_content=False)
+        except (u3.exceptions.TimeoutError, u3.exceptions.ProtocolError, u3.exceptions.NewConnectionError,
+                u3.exceptions.MaxRetryError, ConnectionError) as exc:
+            raise Transient(f"{type(exc).__name__}") from None
+        if resp.status >= 500 or resp.status in (408, 429):
+            resp.drain_conn()
+            raise Transient(f"HTTP {resp.status}")
+        return resp
+
+    def _body(self, resp, expected: int | None) -> bytes:
+        u3 = self._urllib3
+        try:
+            data = resp.read()
+        except (u3.exceptions.TimeoutError, u3.exceptions.ProtocolError, ConnectionError) as exc:
+            raise Transient(f"connection dropped ({type(exc).__name__})") from None
+        finally:
+            resp.release_conn()
+        if expected is not None and len(data) != expected:
+            raise Transient(f"short body ({len(data)} of {expected} bytes)")
+        return data
+
+    def _refuse(self, resp, name: str):
+        resp.drain_conn()
+        if resp.status in (401, 403):
+            raise StorageError(f"{self.where(name)}: access denied (HTTP {resp.status}); for the Hub set HF_TOKEN "
+                               "or log in with `huggingface-cli login`")
+        raise StorageError(f"{self.where(name)}: HTTP {resp.status}")
+
+    def probe(self, name: str, n: int) -> Probe | None:
+        resp = self._request("GET", name, {"Range": f"bytes=0-{n - 1}"})
+        if resp.status == 404:
+            resp.drain_conn()
+            return None
+        if resp.status == 416:  # shorter than n bytes: ask its size
+            resp.drain_conn()
+            return Probe(b"", self._size_of_empty(name), resp.headers.get("ETag"))
+        if resp.status not in (200, 206):
+            self._refuse(resp, name)
+        if resp.status == 200:  # the server ignores Range: read no further than asked
+            size = int(resp.headers.get("Content-Length", -1))
+            head = resp.read(n)
+            resp.close()  # drop the connection rather than download the rest
+            if size < 0:
+                raise StorageError(f"{self.where(name)}: the server gives no Content-Length")
+            return Probe(head, size, resp.headers.get("ETag"))
+        total = resp.headers.get("Content-Range", "").rpartition("/")[2]
+        if not total.isdigit():
+            resp.drain_conn()
+            raise StorageError(f"{self.where(name)}: the server's Content-Range gives no file size")
+        return Probe(self._body(resp, None), int(total), resp.headers.get("ETag"))
+
+    def _size_of_empty(self, name: str) -> int:
+        resp = self._request("HEAD", name, {})
+        resp.drain_conn()
+        return int(resp.headers.get("Content-Length", 0))
+
+    def get(self, name: str, start: int, end: int, etag: str | None) -> bytes:
+        """Bytes [start, end) of ``name``, exactly; a changed ETag is an error, not a retry."""
+        resp = self._request("GET", name, {"Range": f"bytes={start}-{end - 1}"})
+        if resp.status != 206:
+            if resp.status == 200:
+                resp.close()
+                raise StorageError(f"{self.where(name)}: the server ignores Range requests (answered 200 to a "
+                                   "ranged GET); MergePipe reads remote checkpoints only through byte ranges")
+            self._refuse(resp, name)
+        got = resp.headers.get("ETag")
+        if etag and got and got != etag:
+            resp.close()
+            raise StorageError(f"{self.where(name)}: the file changed since it was opened (ETag {got} != {etag}); "
+                               "re-register the model")
+        return self._body(resp, end - start)
+
+    def fetch_all(self, name: str, limit: int) -> tuple[bytes, bool] | None:
+        """A small file whole (config.json, a shard index) and whether it came over the wire (False:
+        unchanged since fetched last, by its ETag); None when it does not exist."""
+        known = self._small.get(name)
+        resp = self._request("GET", name, {"If-None-Match": known[0]} if known else {})
+        if resp.status == 404:
+            resp.drain_conn()
+            return None
+        if resp.status == 304 and known:  # unchanged since last fetched: no body sent
+            resp.drain_conn()
+            return known[1], False
+        if resp.status != 200:
+            self._refuse(resp, name)
+        size = int(resp.headers.get("Content-Length", 0))
+        if size > limit:
+            resp.close()
+            raise StorageError(f"{self.where(name)}: {size} bytes is larger than the {limit}-byte limit for this file")
+        data = self._body(resp, size or None)
+        if resp.headers.get("ETag"):
+            self._small[name] = (resp.headers["ETag"], data)
+        return data, True
+
+    def list(self) -> list[str] | None:
+        return None  # plain HTTP cannot list a folder: files are found by their standard names
+
+    def close(self) -> None:
+        self.pool.clear()
+
+
+class S3Transport:
+    """S3 (or any S3-compatible store) through s3fs: exact ``cat_file`` ranges, no read-ahead blocks."""
+
+    kind = "s3"
+
+    def __init__(self, uri: str):
+        try:
+            import s3fs
+        except ImportError:
+            raise StorageError("s3:// needs the s3fs package: pip install 'mergepipe[remote]'") from None
+        self.bucket, self.prefix = split_s3(uri)
+        self.shown = uri
+        # credentials and endpoint from the standard places only (AWS_* variables incl. AWS_ENDPOINT_URL,
+        # ~/.aws/config and credentials); no listings cache: an ETag must be current
+        self.fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
+        self._small: dict[str, tuple[str, bytes]] = {}  # name -> (ETag, bytes) of small files fetched whole
+
+    def key(self, name: str) -> str:
+        return "/".join(p for p in (self.bucket, self.prefix, name) if p)
+
+    def where(self, name: str) -> str:
+        return f"{self.shown}/{name}"
+
+    def _call(self, name: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except FileNotFoundError:
+            raise
+        except PermissionError:
+            raise StorageError(f"{self.where(name)}: access denied; check AWS credentials (AWS_ACCESS_KEY_ID, "
+                               "AWS_PROFILE) and the bucket policy") from None
+        except (OSError, TimeoutError, ConnectionError) as exc:
+            raise Transient(type(exc).__name__) from None
+        except Exception as exc:  # botocore / aiohttp errors that s3fs does not translate
+            if "NoCredentials" in type(exc).__name__:
+                raise StorageError(f"{self.where(name)}: no AWS credentials found (set AWS_ACCESS_KEY_ID and "
+                                   "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)") from None
+            raise Transient(type(exc).__name__) from None
+
+    def probe(self, name: str, n: int) -> Probe | None:
+        try:
+            info = self._call(name, self.fs.info, self.key(name))
+            if info.get("type") != "file":
+                return None
+            end = min(n, info["size"])
+            head = self._call(name, self.fs.cat_file, self.key(name), start=0, end=end) if end else b""
+        except FileNotFoundError:
+            return None
+        return Probe(head, int(info["size"]), info.get("ETag"))
+
+    def get(self, name: str, start: int, end: int, etag: str | None) -> bytes:
+        try:
+            data = self._call(name, self.fs.cat_file, self.key(name), start=start, end=end)
+        except FileNotFoundError:
+            raise StorageError(f"{self.where(name)}: no longer exists") from None
+        if len(data) != end - start:
+            raise Transient(f"short body ({len(data)} of {end - start} bytes)")
+        return data
+
+    def fetch_all(self, name: str, limit: int) -> tuple[bytes, bool] | None:
+        probe = self.probe(name, 0)
+        if probe is None:
+            return None
+        if probe.size > limit:
+            raise StorageError(f"{self.where(name)}: {probe.size} bytes is larger than the {limit}-byte limit")
+        known = self._small.get(name)
+        if known and probe.etag and known[0] == probe.etag:  # unchanged since last fetched
+            return known[1], False
+        data = self.get(name, 0, probe.size, None) if probe.size else b""
+        if probe.etag:
+            self._small[name] = (probe.etag, data)
+        return data, True
+
+    def list(self) -> list[str] | None:
+        try:
+            paths = self._call("", self.fs.ls, "/".join(p for p in (self.bucket, self.prefix) if p), detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(p.rsplit("/", 1)[-1] for p in paths)
+
+    def put(self, name: str, data: bytes) -> None:
+        try:
+            self._call(name, self.fs.pipe_file, self.key(name), data)
+        except FileNotFoundError:
+            raise StorageError(f"{self.where(name)}: the bucket does not exist") from None
+
+    def remove(self, names: list[str]) -> None:
+        for name in names:
+            try:
+                self._call(name, self.fs.rm_file, self.key(name))
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        pass
+
+
+def describe(exc: Transient, where: str, attempts: int) -> str:
+    return f"{redact(where)}: failed after {attempts} attempts ({exc})"
