@@ -69,21 +69,23 @@ with ui.user_errors(), ui.catalog() as cat:
     # no format_func: a selectbox bound to the URL matches ?snapshot= against the shown labels
     sid = st.selectbox("Snapshot", ids, key="snapshot", bind="query-params")
     st.caption(f"model {models.get(sid, '')}")
-    manifest = views.load_manifest(cat, sid)
-    plan = views.manifest_plan(cat, manifest)
+    view = ui.snapshot_view(ui.db(), views.stats_version(cat), sid)
+    manifest = view.manifest
 
     left, right = st.columns([3, 2])
     with left:
         st.subheader("Manifest")
-        st.dataframe(views.manifest_summary(manifest), hide_index=True, key="manifest_summary")
+        st.dataframe(view.summary, hide_index=True, key="manifest_summary")
     with right:
         st.subheader("Verify")
         st.caption("Re-hash every output file against the manifest and the catalog.")
         st.button("Verify", on_click=do_verify, args=(sid,), key="verify")
-        st.download_button("Download manifest JSON", manifest.to_json(), file_name=f"{sid}.json",
+        st.download_button("Download manifest JSON", view.manifest_json, file_name=f"{sid}.json",
                            mime="application/json", key="download")
-        with ui.user_errors():
-            st.download_button("Download the recipe (mergekit YAML)", views.snapshot_recipe(cat, sid),
+        if view.recipe_error:
+            st.error(view.recipe_error)
+        else:
+            st.download_button("Download the recipe (mergekit YAML)", view.recipe,
                                file_name=f"{sid}.yml", mime="application/x-yaml", key="download_recipe",
                                help="The same as `mergepipe explain SNAPSHOT --as-mergekit`: merging from it "
                                     "gives the same plan.")
@@ -144,9 +146,8 @@ with ui.user_errors(), ui.catalog() as cat:
             st.dataframe(evals, hide_index=True, key="eval_table")
 
     st.subheader("Estimated vs realized expert bytes")
-    by_expert = views.bytes_by_expert_df(manifest)
-    st.plotly_chart(views.bytes_bars(by_expert, "expert"), key="bytes_expert")
-    by_tensor = views.bytes_by_tensor_df(manifest, plan)
+    st.plotly_chart(view.by_expert, key="bytes_expert")
+    by_tensor = view.by_tensor
     c1, c2, c3 = st.columns([2, 1, 1])
     search = c1.text_input("Find tensors", key="tensor_search", placeholder="e.g. layers.3 mlp (all words must match)")
     sort = c2.radio("Top tensors by", list(views.TENSOR_SORTS), key="tensor_sort", horizontal=True)
@@ -160,7 +161,7 @@ with ui.user_errors(), ui.catalog() as cat:
         with st.expander("As a table"):
             st.dataframe(views.bytes_table(top), hide_index=True, key="bytes_tensor_table",
                          column_config={"tensor": st.column_config.TextColumn(width="large")})
-    st.plotly_chart(views.touched_heatmap(ui.touched(ui.db(), views.stats_version(cat), sid)), key="touched_chart")
+    st.plotly_chart(view.touched, key="touched_chart")
     with st.expander("Raw manifest (JSON)"):
         st.json(manifest.to_dict(), expanded=2)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pandas as pd
@@ -300,3 +301,32 @@ def budget_quality(manifest: Manifest, evals: pd.DataFrame) -> str | None:
     if len(ex):
         parts.append(f"experts {ex['value'].min():.4g} to {ex['value'].max():.4g}")
     return " · ".join(parts) + f" (on {snap.iloc[0]['text']})"
+
+
+# --- one snapshot's view, built once -----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SnapshotView:
+    """What the Snapshots page draws for one snapshot that does not change while the snapshot exists
+    (a manifest is immutable): built once and then reused as is (the page caches it)."""
+    manifest: Manifest
+    plan: Plan | None
+    summary: pd.DataFrame
+    manifest_json: str
+    recipe: str | None
+    recipe_error: str | None
+    by_expert: go.Figure
+    by_tensor: pd.DataFrame
+    touched: go.Figure
+
+
+def snapshot_view(cat: Catalog, snapshot_id: str) -> SnapshotView:
+    manifest = load_manifest(cat, snapshot_id)
+    plan = manifest_plan(cat, manifest)
+    try:
+        recipe, recipe_error = snapshot_recipe(cat, snapshot_id), None
+    except MergePipeError as exc:
+        recipe, recipe_error = None, str(exc)
+    return SnapshotView(manifest=manifest, plan=plan, summary=manifest_summary(manifest),
+                        manifest_json=manifest.to_json(), recipe=recipe, recipe_error=recipe_error,
+                        by_expert=bytes_bars(bytes_by_expert_df(manifest), "expert"),
+                        by_tensor=bytes_by_tensor_df(manifest, plan), touched=touched_heatmap(touched_matrix(cat, manifest)))
