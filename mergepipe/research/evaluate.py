@@ -38,6 +38,7 @@ CLI::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -357,3 +358,90 @@ def perplexity(model_or_dir, text: str, tokenizer=None, window: int = 256, max_t
             progress(k + 1, len(chunks))
     mean = total_nll / count
     return {"perplexity": math.exp(mean), "nll": mean, "tokens": count}
+
+
+# --- task suites (the dashboard's and `mergepipe evaluate --tasks`) -----------------------------------
+@dataclasses.dataclass(frozen=True)
+class TaskExample:
+    """One example of a task suite: with ``choices`` a multiple-choice question scored by log-likelihood
+    (lm-eval-harness ``acc``: the choice whose tokens the model finds likeliest after the prompt), without
+    them a generation scored by exact match of the greedy continuation (:func:`accuracy`)."""
+    prompt: str
+    answer: str
+    choices: tuple[str, ...] | None = None
+
+
+def _example(row: dict) -> TaskExample:
+    prompt, answer, choices = str(row["prompt"]), row["answer"], row.get("choices")
+    if choices is None:
+        return TaskExample(prompt, str(answer))
+    if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
+        raise TypeError("choices must be a list of at least two non-empty strings")
+    if isinstance(answer, int) and not isinstance(answer, bool):
+        if not 0 <= answer < len(choices):
+            raise TypeError(f"answer index {answer} is not one of the {len(choices)} choices")
+        answer = choices[answer]
+    if answer not in choices:
+        raise TypeError(f"answer {answer!r} is not one of the choices")
+    return TaskExample(prompt, str(answer), tuple(choices))
+
+
+def read_task_suite(path) -> dict[str, list[TaskExample]]:
+    """A JSONL task suite: one object per line, ``{"task", "prompt", "answer"}`` (exact match) or
+    ``{"task", "prompt", "choices": [...], "answer": index or choice}`` (multiple choice)."""
+    suite: dict[str, list[TaskExample]] = {}
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MergePipeError(f"{path}: cannot read the task suite ({exc.strerror if isinstance(exc, OSError) else exc})") from None
+    for i, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+                suite.setdefault(str(row["task"]), []).append(_example(row))
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+                raise MergePipeError(f"{path}:{i}: expected a JSON object with task, prompt, answer and optionally "
+                                     f"choices ({exc})") from None
+    if not suite:
+        raise MergePipeError(f"{path}: the task suite is empty")
+    return suite
+
+
+@torch.no_grad()
+def choice_loglik(model, tokenizer, prompt: str, choice: str) -> float:
+    """log p(choice tokens | <s> + prompt tokens), summed over the choice's tokens."""
+    ctx = tokenizer.encode(prompt, bos=True)
+    cont = tokenizer.encode(choice)
+    if not cont:
+        raise MergePipeError(f"the choice {choice!r} encodes to no tokens")
+    x = torch.tensor([ctx + cont], dtype=torch.long)
+    logp = torch.log_softmax(model(input_ids=x).logits[0].float(), dim=-1)
+    pos = torch.arange(len(ctx) - 1, len(ctx) + len(cont) - 1)
+    return float(logp[pos, torch.tensor(cont)].sum())
+
+
+def score_task_suite(model_or_dir, suite: dict[str, list[TaskExample]], tokenizer=None, progress=None) -> dict:
+    """Accuracy per task (multiple choice by log-likelihood, the rest by exact match) and their unweighted
+    mean; ``progress(done, total)`` after each task. Returns {'per_task', 'mean', 'examples'}."""
+    if isinstance(model_or_dir, (str, Path)):
+        tokenizer = tokenizer or load_tokenizer(model_or_dir)
+        model = load_model(model_or_dir)
+    else:
+        model = model_or_dir
+        if tokenizer is None:
+            raise ValueError("pass the tokenizer with a model object")
+    per_task = {}
+    for k, (name, examples) in enumerate(suite.items()):
+        mc = [e for e in examples if e.choices]
+        gen = [e for e in examples if not e.choices]
+        correct = 0
+        for e in mc:
+            scores = [choice_loglik(model, tokenizer, e.prompt, c) for c in e.choices]
+            correct += e.choices[scores.index(max(scores))] == e.answer
+        if gen:
+            correct += round(accuracy(model, {name: [(e.prompt, e.answer) for e in gen]}, tokenizer)["mean"] * len(gen))
+        per_task[name] = correct / len(examples)
+        if progress:
+            progress(k + 1, len(suite))
+    return {"per_task": per_task, "mean": sum(per_task.values()) / len(per_task),
+            "examples": sum(len(v) for v in suite.values())}
