@@ -44,8 +44,8 @@ def do_evaluate(model_ids: list):
     s = st.session_state
 
     def fn(cat):
-        text = views.check_path(s.get("eval_text", ""), ui.roots())
-        return launch_evaluate(ui.db(), cat, list(model_ids), str(text), views.log_dir(ui.db()))
+        text, tasks = views.evaluation_inputs(s.get("eval_text", ""), s.get("eval_tasks", ""), ui.roots())
+        return launch_evaluate(ui.db(), cat, list(model_ids), text, views.log_dir(ui.db()), tasks_path=tasks)
 
     res = ui.action(ui.with_catalog, fn)
     if res:
@@ -110,18 +110,24 @@ with ui.user_errors(), ui.catalog() as cat:
                                                      for k, v in front.items()))
             st.markdown(body)
 
-    with st.expander("Evaluate: perplexity on a held-out text (budget vs quality)", key="eval_expander"):
+    with st.expander("Evaluate: perplexity on a held-out text, accuracy on a task suite (budget vs quality)",
+                     key="eval_expander"):
         evals = views.evaluation_df(cat, manifest)
         line = views.budget_quality(manifest, evals)
         if line:
             st.success(line)
         todo = views.evaluation_models(cat, manifest)
-        st.text_input("Held-out text file (UTF-8)", key="eval_text",
+        c1, c2 = st.columns(2)
+        c1.text_input("Held-out text file (UTF-8): perplexity", key="eval_text",
                       help="Under an allowed folder: " + ", ".join(map(str, ui.roots())))
+        c2.text_input("Task suite (JSONL): accuracy", key="eval_tasks",
+                      help='One JSON object per line: {"task", "prompt", "answer"} (exact match of the greedy '
+                           'answer) or {"task", "prompt", "choices": [...], "answer": index} (multiple choice, '
+                           "the likeliest choice wins). Under an allowed folder.")
         st.button(f"Evaluate {len(todo)} models", key="evaluate", on_click=do_evaluate, args=(todo,),
                   help="The snapshot, its base and its full-checkpoint experts, in a separate process; results "
-                       "are stored by model fingerprint and text hash, so a model already scored on this text "
-                       "is not scored again.")
+                       "are stored by model fingerprint and data hash, so a model already scored on this text "
+                       "or suite is not scored again.")
         st.caption("Models: " + ", ".join(todo))
         last = views.latest_run(cat, "evaluate")
         running = bool(last) and views.run_progress(last)["running"]

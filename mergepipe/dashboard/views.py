@@ -45,10 +45,10 @@ from mergepipe.dashboard.plan import (  # noqa: F401
 )
 from mergepipe.dashboard.snapshots import (  # noqa: F401
     bytes_bars, bytes_by_expert_df, bytes_by_tensor_df, bytes_figure, bytes_table, load_manifest, manifest_plan,
-    budget_quality, delete_preview, evaluation_df, evaluation_models, labels_of, manifest_summary, model_card, parse_tags, signed_bytes, snapshot_recipe, snapshot_view, SnapshotView, snapshots_df, TENSOR_SORTS, top_tensors, with_difference, touched_heatmap, touched_matrix, verify_text,
+    budget_quality, delete_preview, evaluation_df, evaluation_inputs, evaluation_models, latest_scores, labels_of, manifest_summary, model_card, parse_tags, signed_bytes, snapshot_recipe, snapshot_view, SnapshotView, snapshots_df, TENSOR_SORTS, top_tensors, with_difference, touched_heatmap, touched_matrix, verify_text,
 )
 from mergepipe.dashboard.compare import (  # noqa: F401
-    access_diff, access_figure, lineage_note, numbers_df, settings_diff,
+    access_diff, access_figure, choices, lineage_note, NOT_MERGED, numbers_df, plan_side, scores_df, settings_diff, side,
 )
 from mergepipe.dashboard.lineage import (  # noqa: F401
     lineage_dot, lineage_nodes_df, node_target,
