@@ -34,7 +34,12 @@ def do_delete(snapshot_id: str):
     s = st.session_state
     res = ui.action(ui.with_catalog, delete_snapshot, snapshot_id, force=bool(s.get("del_force")))
     if res:
-        s.pop("snapshot", None)
+        # show the newest remaining snapshot (and say so in the URL, which still names the deleted one)
+        left = ui.with_catalog(views.snapshots_df)["snapshot"].tolist()
+        if left:
+            s["snapshot"] = left[0]
+        else:
+            s.pop("snapshot", None)
         s["del_confirm"] = False
         ui.flash("success", f"Deleted {res['snapshot_id']} ({res['model_id']})"
                             + (f" and its folder {res['out']}." if res["removed_files"] else "."))

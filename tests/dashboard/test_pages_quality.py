@@ -99,3 +99,24 @@ def test_compare_two_plans_and_a_scored_snapshot(env, built):
     scores = [d.value for d in at.dataframe if "metric" in d.value.columns][0]
     assert scores.to_dict("records") == [{"metric": "accuracy", "data": "suite.jsonl", "A": "0.625",
                                           "B": views.NOT_MERGED}]
+
+
+def test_delete_one_of_two_snapshots_shows_the_other(env, built):
+    import shutil
+    from mergepipe.api import merge
+    own = env["tmp"] / "m1"  # deletion removes the folder: give this catalog its own copy
+    shutil.copytree(built.merged, own)
+    c = Catalog(env["db"])
+    c.conn.execute("UPDATE snapshots SET out = ?", [str(own)])
+    c.conn.execute("UPDATE models SET uri = ? WHERE id = 'merged-1'", [str(own)])
+    c.conn.commit()
+    _, sid2, _ = merge(c, "base", E, env["tmp"] / "m2", operator="linear", model_id="merged-2", budget="60%")
+    c.close()
+    at = open_page("snapshots", {"snapshot": built.snapshot_id})
+    assert at.selectbox(key="snapshot").value == built.snapshot_id
+    at.checkbox(key="del_confirm").check().run()
+    at.button(key="delete").click().run()
+    assert not at.exception
+    assert any(s.startswith(f"Deleted {built.snapshot_id} (merged-1)") for s in texts(at.success))
+    assert at.selectbox(key="snapshot").value == sid2 and at.selectbox(key="snapshot").options == [sid2]
+    assert "model merged-2" in texts(at.caption)
