@@ -19,7 +19,7 @@ from mergepipe.dashboard.formatting import fmt_bound, fmt_bytes, fmt_pct
 from mergepipe.manifest.build import Manifest
 from mergepipe.planner.plan import load_plan, Plan
 
-NOT_MERGED = "- (a plan: not merged)"
+NOT_MERGED = "- (a plan)"
 
 
 def plan_side(plan: Plan) -> Manifest:
@@ -49,8 +49,8 @@ def choices(cat: Catalog) -> tuple[list[str], dict[str, str]]:
         captions[s["id"]] = f"snapshot: model {s['model_id']}, {s['operator']}"
     for r in plans:
         ids.append(r["id"])
-        captions[r["id"]] = f"plan (not merged): {r['operator']} on {r['base_id']}, " \
-                            f"read {fmt_bytes(r['expert_read_bytes'])} estimated"
+        captions[r["id"]] = f"saved plan: {r['operator']} on {r['base_id']}, " \
+                            f"would read {fmt_bytes(r['expert_read_bytes'])}"
     return ids, captions
 
 
@@ -171,7 +171,7 @@ def lineage_note(a: Manifest, b: Manifest) -> list[str]:
 
 def scores_df(cat: Catalog, a: Manifest, b: Manifest) -> pd.DataFrame:
     """metric | data | A | B: the newest stored score of each merged model (perplexity, task accuracy),
-    on the data either was scored on; a plan has none ("not merged"), a model not scored on it "-"."""
+    on the data either was scored on; a plan has none, a model not scored on it "-"."""
     ids = [m.run["model_id"] for m in (a, b) if m.run["model_id"]]
     latest: dict[tuple, float] = {}
     for e in api.evaluations(cat, ids):  # newest first

@@ -82,7 +82,7 @@ def test_compare_two_plans_and_a_scored_snapshot(env, built):
     c.close()
     at = open_page("compare", {"cmp_a": built.plan_id, "cmp_b": ties.id})
     assert (at.selectbox(key="cmp_a").value, at.selectbox(key="cmp_b").value) == (built.plan_id, ties.id)
-    assert any(x.startswith("plan (not merged): ties on base") for x in texts(at.caption))
+    assert any(x.startswith("saved plan: ties on base, would read ") for x in texts(at.caption))
     settings = [d.value for d in at.dataframe if "same" in d.value.columns][0].set_index("field")
     assert settings.at["operator", "B"] == "ties" and settings.at["model", "A"] == views.NOT_MERGED
     numbers = [d.value for d in at.dataframe if "quantity" in d.value.columns][0].set_index("quantity")

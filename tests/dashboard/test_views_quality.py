@@ -106,7 +106,7 @@ def _ranges_total(access: dict) -> int:
 def test_compare_a_plan_with_its_snapshot(cat, built):
     ids, captions = views.choices(cat)
     assert ids == [built.snapshot_id, built.plan_id]
-    assert captions[built.plan_id].startswith("plan (not merged): linear on base, read ")
+    assert captions[built.plan_id].startswith("saved plan: linear on base, would read ")
     p, s = views.side(cat, built.plan_id), views.side(cat, built.snapshot_id)
     d = views.settings_diff(p, s).set_index("field")
     assert d.at["model", "A"] == views.NOT_MERGED and d.at["model", "B"] == "merged-1"
