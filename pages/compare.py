@@ -4,9 +4,26 @@ access difference, lineage -- from their manifests and plans."""
 import streamlit as st
 
 from mergepipe.dashboard import views
+from mergepipe.api import launch_evaluate
 from pages import _ui as ui
 
 st.title("Compare")
+
+
+def do_measure(model_a: str, model_b: str):
+    def fn(cat):
+        return launch_evaluate(ui.db(), cat, [model_a], None, views.log_dir(ui.db()), reference=model_b)
+
+    res = ui.action(ui.with_catalog, fn)
+    if res:
+        run_id, proc = res
+        ui.keep_process(run_id, proc)
+        st.session_state["measure_watch"] = run_id
+        ui.flash("info", f"evaluate run {run_id} started: ||{model_a} - {model_b}||")
+
+
+ui.reap()
+ui.show_flash()
 
 with ui.user_errors(), ui.catalog() as cat:
     ids, captions = views.choices(cat)
@@ -41,6 +58,33 @@ with ui.user_errors(), ui.catalog() as cat:
         st.caption("No stored scores: evaluate the snapshots on the **Snapshots** page (Evaluate).")
     else:
         st.dataframe(scores, hide_index=True, key="cmp_scores")
+    if a.run["model_id"] and b.run["model_id"]:
+        note = views.realized_deviation(cat, a, b)
+        if note:
+            st.info(note)
+        st.button("Measure the realized deviation ||A - B||", key="cmp_measure", on_click=do_measure,
+                  args=(a.run["model_id"], b.run["model_id"]),
+                  help="Reads both checkpoints in a separate process (`mergepipe evaluate A --reference B`); the "
+                       "result is stored. With B the full-budget merge of A's settings, it is the distance A's "
+                       "error bound bounds.")
+        last = views.latest_run(cat, "evaluate")
+        running = bool(last) and views.run_progress(last)["running"]
+
+        @st.fragment(run_every=1.0 if running else None)
+        def measure_progress():
+            with ui.user_errors(), ui.catalog() as c2:
+                run = views.latest_run(c2, "evaluate")
+                if not run or st.session_state.get("measure_watch") != run["id"]:
+                    return
+                p = views.run_progress(run)
+                st.progress(p["fraction"], text=f"evaluate run {p['id']} {p['status']} ({p['elapsed_text']})")
+                if p["status"] == "failed":
+                    st.error(f"evaluate run {p['id']} failed: {p['error'] or 'the process died'}")
+                if not p["running"]:
+                    st.session_state.pop("measure_watch")
+                    st.rerun(scope="app")
+
+        measure_progress()
     st.subheader("Access")
     diff = views.access_diff(a, b)
     st.caption(f"{int((diff['only A'] + diff['only B'] > 0).sum())} of {len(diff)} tensors read differently; "

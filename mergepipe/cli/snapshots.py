@@ -63,13 +63,14 @@ def cmd_delete(args):
 def cmd_evaluate(args):
     from mergepipe import api
     cat = open_catalog(args)
-    if not args.text and not args.tasks:
-        raise MergePipeError("give a held-out text (--text) or a task suite (--tasks), or both")
+    if not args.text and not args.tasks and not args.reference:
+        raise MergePipeError("give a held-out text (--text), a task suite (--tasks) or a reference model "
+                             "(--reference)")
     run = api.RunProgress(cat, args.run_id) if args.run_id is not None else None
     ids = list(args.model_ids)
     results = []
     try:
-        jobs = [j for j in (_text_job(args), _suite_job(args)) if j is not None]
+        jobs = [j for j in (_text_job(args), _suite_job(args), _reference_job(cat, args)) if j is not None]
         units = len(ids) * len(jobs) * 1000
         for i, mid in enumerate(ids):
             m = cat.model(mid)
@@ -120,12 +121,31 @@ def _suite_job(args) -> dict | None:
     return {"metric": "accuracy", "dataset": _digest(path.read_bytes()), "name": path.name, "suite": suite}
 
 
+def _reference_job(cat, args) -> dict | None:
+    if not args.reference:
+        return None
+    ref = cat.model(args.reference)
+    if ref["kind"] != "full":
+        raise MergePipeError(f"{ref['id']} is a {ref['kind']} checkpoint: the reference must be a full checkpoint")
+    return {"metric": "deviation", "dataset": ref["fingerprint"], "name": ref["id"], "uri": ref["uri"]}
+
+
 def _evaluate_one(cat, m: dict, job: dict, force: bool, progress) -> dict:
-    """One model on one text or suite; a stored result of the same model and data is reused."""
+    """One model on one text, suite or reference; a stored result of the same model and data is reused."""
     from mergepipe import api
-    from mergepipe.research.evaluate import perplexity, score_task_suite
+    from mergepipe.research.evaluate import deviation, perplexity, score_task_suite
     head = {"model_id": m["id"], "metric": job["metric"], "dataset": job["name"]}
     cached = None if force else api.evaluation(cat, m["id"], m["fingerprint"], job["dataset"], job["metric"])
+    if job["metric"] == "deviation":
+        if cached is None:
+            d = deviation(m["uri"], job["uri"])
+            api.record_evaluation(cat, m["id"], m["fingerprint"], job["dataset"], job["name"], "deviation:relative",
+                                  d["relative"], 0)
+            api.record_evaluation(cat, m["id"], m["fingerprint"], job["dataset"], job["name"], "deviation",
+                                  d["absolute"], 0)
+            return {**head, "value": d["absolute"], "relative": d["relative"], "cached": False}
+        rel = api.evaluation(cat, m["id"], m["fingerprint"], job["dataset"], "deviation:relative")
+        return {**head, "value": cached["value"], "relative": rel["value"] if rel else None, "cached": True}
     if job["metric"] == "perplexity":
         if cached is not None:
             return {**head, "value": cached["value"], "perplexity": cached["value"], "tokens": cached["tokens"],
@@ -150,6 +170,9 @@ def _evaluate_one(cat, m: dict, job: dict, force: bool, progress) -> dict:
 
 def _evaluation_line(r: dict) -> str:
     stored = " (stored)" if r["cached"] else ""
+    if r["metric"] == "deviation":
+        return (f"{r['model_id']}: ||M - R|| = {r['value']:.6g} from {r['dataset']}"
+                + (f" (relative {r['relative']:.4g})" if r["relative"] is not None else "") + stored)
     if r["metric"] == "perplexity":
         return f"{r['model_id']}: perplexity {r['value']:.4g} on {r['tokens']} tokens of {r['dataset']}{stored}"
     tasks = ", ".join(f"{t} {v:.3f}" for t, v in r["per_task"].items())

@@ -186,3 +186,32 @@ def scores_df(cat: Catalog, a: Manifest, b: Manifest) -> pd.DataFrame:
         return "-" if v is None else f"{v:.4g}"
     rows = [{"metric": k[0], "data": k[1], "A": cell(a, k), "B": cell(b, k)} for k in keys]
     return pd.DataFrame(rows, columns=["metric", "data", "A", "B"])
+
+
+def realized_deviation(cat: Catalog, a: Manifest, b: Manifest) -> str | None:
+    """The stored realized deviation of A's weights from B's (``mergepipe evaluate A --reference B``), and,
+    when B is the full-budget merge of A's settings, A's error bound beside it (the bound is on exactly
+    that distance: realized <= bound). None until measured (or when either side is a plan)."""
+    ma, mb = a.run["model_id"], b.run["model_id"]
+    if not ma or not mb or not cat.has_model(mb):
+        return None
+    ref = cat.model(mb)["fingerprint"]
+    got = {e["metric"]: e["value"] for e in api.evaluations(cat, [ma]) if e["dataset"] == ref}
+    if "deviation" not in got:
+        return None
+    text = f"Realized ||A - B|| = {got['deviation']:.6g}" + (
+        f" ({got['deviation:relative']:.4g} of ||B||)" if "deviation:relative" in got else "") + "."
+    bound = (a.core.get("error_bound") or {}).get("absolute")
+    if bound is not None and is_full_budget_of(b, a):
+        holds = got["deviation"] <= bound * (1 + 1e-5) + 1e-9
+        text += f" B is the full-budget merge of A's settings: A's error bound {bound:.6g} " + (
+            "holds." if holds else "is exceeded.")
+    return text
+
+
+def is_full_budget_of(full: Manifest, m: Manifest) -> bool:
+    """Whether ``full`` merged the same base, experts, operator and parameters as ``m`` at budget 100%."""
+    f, c = full.core, m.core
+    return (f["budget"]["spec"] in ("100%", "1.0", "1") and f["operator"] == c["operator"]
+            and f["params"] == c["params"] and f["inputs"]["base"]["id"] == c["inputs"]["base"]["id"]
+            and _experts(f) == _experts(c))

@@ -48,7 +48,7 @@ from mergepipe.dashboard.snapshots import (  # noqa: F401
     budget_quality, delete_preview, evaluation_df, evaluation_inputs, evaluation_models, latest_scores, labels_of, manifest_summary, model_card, parse_tags, signed_bytes, snapshot_recipe, snapshot_view, SnapshotView, snapshots_df, TENSOR_SORTS, top_tensors, with_difference, touched_heatmap, touched_matrix, verify_text,
 )
 from mergepipe.dashboard.compare import (  # noqa: F401
-    access_diff, access_figure, choices, lineage_note, NOT_MERGED, numbers_df, plan_side, scores_df, settings_diff, side,
+    access_diff, access_figure, choices, is_full_budget_of, lineage_note, realized_deviation, NOT_MERGED, numbers_df, plan_side, scores_df, settings_diff, side,
 )
 from mergepipe.dashboard.lineage import (  # noqa: F401
     lineage_dot, lineage_nodes_df, node_target,

@@ -87,17 +87,18 @@ def launch_analyze(db_path: str | Path, catalog: Catalog, model_ids: list[str], 
 
 
 def launch_evaluate(db_path: str | Path, catalog: Catalog, model_ids: list[str], text_path: str | Path | None,
-                    log_dir: str | Path, tasks_path: str | Path | None = None) -> tuple[int, subprocess.Popen]:
+                    log_dir: str | Path, tasks_path: str | Path | None = None,
+                    reference: str | None = None) -> tuple[int, subprocess.Popen]:
     """Start ``mergepipe evaluate`` (perplexity on a held-out text and/or accuracy on a task suite) in its
     own process; progress lands in the runs table (kind 'evaluate': thousandths of the work done)."""
     from mergepipe.catalog.evaluations import insert_evaluate_run
     if not model_ids:
         raise ExecutionError("choose at least one model to evaluate")
-    if not text_path and not tasks_path:
+    if not text_path and not tasks_path and not reference:
         raise ExecutionError("give a held-out text or a task suite to evaluate on")
-    for mid in model_ids:
+    for mid in model_ids + ([reference] if reference else []):
         catalog.model(mid)
-    args = ["evaluate", *model_ids]
+    args = ["evaluate", *model_ids] + (["--reference", reference] if reference else [])
     for flag, path in (("--text", text_path), ("--tasks", tasks_path)):
         if path:
             if not Path(path).is_file():

@@ -120,3 +120,43 @@ def test_delete_one_of_two_snapshots_shows_the_other(env, built):
     assert any(s.startswith(f"Deleted {built.snapshot_id} (merged-1)") for s in texts(at.success))
     assert at.selectbox(key="snapshot").value == sid2 and at.selectbox(key="snapshot").options == [sid2]
     assert "model merged-2" in texts(at.caption)
+
+
+def _distance(dir_a, dir_b) -> float:
+    """||A - B|| over every float tensor, from the safetensors files (independent of the harness)."""
+    import math
+    import torch
+    from safetensors.torch import load_file
+    ta = {k: v for f in sorted(dir_a.glob("*.safetensors")) for k, v in load_file(f).items()}
+    tb = {k: v for f in sorted(dir_b.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert set(ta) == set(tb)
+    return math.sqrt(sum(float(((ta[k].double() - tb[k].double()) ** 2).sum()) for k in ta
+                         if ta[k].is_floating_point()))
+
+
+def test_compare_measures_the_realized_deviation_against_the_bound(env, built):
+    import re
+    from mergepipe.api import merge
+    from mergepipe.engine.runs import get_run
+    c = Catalog(env["db"])
+    _, full, _ = merge(c, "base", E, env["tmp"] / "full", operator="linear", model_id="merged-full", budget="100%")
+    bound = views.load_manifest(c, built.snapshot_id).core["error_bound"]["absolute"]
+    c.close()
+    at = open_page("compare", {"cmp_a": built.snapshot_id, "cmp_b": full})
+    assert not [i for i in texts(at.info) if i.startswith("Realized")]
+    at.button(key="cmp_measure").click().run()
+    assert any(i.startswith("evaluate run") and "||merged-1 - merged-full||" in i for i in texts(at.info))
+    c = Catalog(env["db"])
+    run_id = views.latest_run(c, "evaluate")["id"]
+    wait_until(lambda: get_run(c, run_id)["status"] not in ("queued", "running"), timeout=240, what="evaluate run")
+    assert get_run(c, run_id)["status"] == "succeeded", get_run(c, run_id)
+    c.close()
+    at.run()
+    note = [i for i in texts(at.info) if i.startswith("Realized ||A - B|| = ")][0]
+    value = float(re.match(r"Realized \|\|A - B\|\| = (\S+) ", note).group(1))
+    want = _distance(built.merged, env["tmp"] / "full")
+    assert value == pytest.approx(want, rel=1e-4) and 0 < want <= bound * (1 + 1e-5)
+    assert note.endswith(f"B is the full-budget merge of A's settings: A's error bound {bound:.6g} holds.")
+    scores = [d.value for d in at.dataframe if "metric" in d.value.columns][0].set_index("metric")
+    assert scores.at["deviation", "data"] == "merged-full" and float(scores.at["deviation", "A"]) == \
+        pytest.approx(want, rel=1e-3) and scores.at["deviation", "B"] == "-"

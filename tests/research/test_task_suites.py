@@ -112,7 +112,7 @@ def test_evaluate_tasks_stores_per_task_and_reuses(built, tmp_path, capsys, base
 def test_evaluate_tasks_bad_input(built, tmp_path, capsys):
     db = copy_catalog(built.db, tmp_path / "c.sqlite")
     assert main(["--db", str(db), "evaluate", "base"]) == 2
-    assert capsys.readouterr().err.strip() == "error: give a held-out text (--text) or a task suite (--tasks), or both"
+    assert capsys.readouterr().err.strip() == "error: give a held-out text (--text), a task suite (--tasks) or a reference model (--reference)"
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{not json\n")
     assert main(["--db", str(db), "evaluate", "base", "--tasks", str(bad)]) == 2
