@@ -18,9 +18,10 @@ expensive ones with st.cache_data / st.cache_resource, so a cached call costs a 
 (2) each page rendered by Streamlit's AppTest, cold and then warm (server-side script time including
 Plotly/Arrow serialization), and (3) with ``--browser`` the same pages in headless chromium through a
 real server (navigation until the script is idle and the charts are drawn), plus a budget-slider
-step on the Plan page. Results go to docs/dashboard-scale.md.
+step on the Plan page; with ``--baseline TREE`` another checkout's app is served beside this one and
+both are timed page by page, side by side. Results go to docs/dashboard-scale.md.
 
-    .venv/bin/python benchmarks/dashboard_scale.py [--experts 16] [--browser] [--out docs/dashboard-scale.md]
+    .venv/bin/python benchmarks/dashboard_scale.py [--experts 16] [--browser [--baseline TREE]] [--out docs/dashboard-scale.md]
 """
 
 from __future__ import annotations
@@ -279,11 +280,11 @@ def page_label(name, q):
     return name + ("?" + "&".join(f"{k}={v}" for k, v in q.items()) if q else "")
 
 
-def time_apptest(db: Path) -> list[tuple[str, float, float]]:
+def time_apptest(db: Path, pages=None) -> list[tuple[str, float, float]]:
     from streamlit.testing.v1 import AppTest
     os.environ["MERGEPIPE_DB"] = str(db)
     out = []
-    for name, q in APPTEST_PAGES:
+    for name, q in pages or APPTEST_PAGES:
         times = []
         for _ in range(2):
             at = AppTest.from_file(str(REPO / "app.py"), default_timeout=600)
@@ -300,31 +301,49 @@ def time_apptest(db: Path) -> list[tuple[str, float, float]]:
     return out
 
 
-def time_browser(db: Path) -> list[tuple[str, float, float]]:
-    from urllib.parse import quote
-
-    from playwright.sync_api import sync_playwright
+def start_server(db: Path, app_repo: Path, log_path: Path):
+    """`streamlit run app_repo/app.py` on a free port, importing mergepipe from ``app_repo``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, MERGEPIPE_DB=str(db))
-    log = open(db.parent / "server.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(REPO / "app.py"), "--server.port", str(port),
-                             "--server.address", "127.0.0.1", "--server.headless", "true"], env=env,
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    env = dict(os.environ, MERGEPIPE_DB=str(db), PYTHONPATH=str(app_repo))
+    log = open(log_path, "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(app_repo / "app.py"), "--server.port",
+                             str(port), "--server.address", "127.0.0.1", "--server.headless", "true"], env=env,
+                            cwd=str(app_repo), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    idle = "[data-testid='stApp'][data-test-script-state='notRunning']"
-    out = []
+    deadline = time.time() + 120
+    while True:
+        try:
+            urllib.request.urlopen(url + "/_stcore/health", timeout=2)
+            return proc, log, url
+        except OSError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.3)
+
+
+def stop_server(proc, log) -> None:
+    proc.send_signal(signal.SIGTERM)
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                urllib.request.urlopen(url + "/_stcore/health", timeout=2)
-                break
-            except OSError:
-                if time.time() > deadline:
-                    raise
-                time.sleep(0.3)
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    log.close()
+
+
+def time_browser(db: Path, trees: dict[str, Path], pages=None, repeat: int = 2) -> dict[str, list[tuple[str, float, float]]]:
+    """Each page in headless chromium, on one server per tree (``{label: repository}``) at once, the trees
+    taking turns page by page (so that a change in the machine's load hits them alike): the first visit,
+    then the best of ``repeat`` more (cached); ``pages``: the APPTEST_PAGES to visit (default all)."""
+    from urllib.parse import quote
+
+    from playwright.sync_api import sync_playwright
+    idle = "[data-testid='stApp'][data-test-script-state='notRunning']"
+    servers = {label: start_server(db, repo, db.parent / f"server-{label}.log") for label, repo in trees.items()}
+    out: dict[str, list] = {label: [] for label in trees}
+    try:
         args = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
         with sync_playwright() as p, tempfile.TemporaryDirectory() as prof:
@@ -332,7 +351,7 @@ def time_browser(db: Path) -> list[tuple[str, float, float]]:
                                                        args=args, viewport={"width": 1400, "height": 1000})
             page = ctx.pages[0]
 
-            def visit(path):
+            def visit(url, path):
                 t = time.perf_counter()
                 page.goto(url + path)
                 page.wait_for_selector("h1", timeout=300_000)
@@ -343,36 +362,36 @@ def time_browser(db: Path) -> list[tuple[str, float, float]]:
                                        "c.querySelector('.js-plotly-plot')._fullData)", timeout=300_000)
                 return time.perf_counter() - t
 
-            for name, q in APPTEST_PAGES:
+            for name, q in pages or APPTEST_PAGES:
                 path = "/" + ("" if name == "home" else name)
                 if q:
                     path += "?" + "&".join(f"{k}={quote(v)}" for k, v in q.items())
-                cold = visit(path)
-                warm = min(visit(path) for _ in range(2))
-                out.append((page_label(name, q), cold, warm))
-            # one budget-slider step on the Plan page
-            visit("/plan")
-            slider = page.locator("[data-testid='stSlider'] input[type='range']")
-            steps = []
-            for _ in range(3):
-                v = int(slider.input_value())
-                slider.focus()
-                t = time.perf_counter()
-                slider.press("ArrowRight")
-                page.wait_for_function(f"() => [...document.querySelectorAll(\"[data-testid='stCaptionContainer']\")]"
-                                       f".some(c => c.innerText.includes('mask:') && c.innerText.includes('({v + 1}%)'))",
-                                       timeout=120_000)
-                page.wait_for_selector(idle, timeout=120_000)
-                steps.append(time.perf_counter() - t)
-            out.append(("plan: one slider step (ArrowRight until redrawn)", steps[0], min(steps[1:])))
+                first = {label: visit(servers[label][2], path) for label in trees}
+                warm: dict[str, list] = {label: [] for label in trees}
+                for _ in range(repeat):
+                    for label in trees:
+                        warm[label].append(visit(servers[label][2], path))
+                for label in trees:
+                    out[label].append((page_label(name, q), first[label], min(warm[label])))
+            for label in trees:  # one budget-slider step on the Plan page
+                visit(servers[label][2], "/plan")
+                slider = page.locator("[data-testid='stSlider'] input[type='range']")
+                steps = []
+                for _ in range(3):
+                    v = int(slider.input_value())
+                    slider.focus()
+                    t = time.perf_counter()
+                    slider.press("ArrowRight")
+                    page.wait_for_function(f"() => [...document.querySelectorAll(\"[data-testid='stCaptionContainer']\")]"
+                                           f".some(c => c.innerText.includes('mask:') && c.innerText.includes('({v + 1}%)'))",
+                                           timeout=120_000)
+                    page.wait_for_selector(idle, timeout=120_000)
+                    steps.append(time.perf_counter() - t)
+                out[label].append(("plan: one slider step (ArrowRight until redrawn)", steps[0], min(steps[1:])))
             ctx.close()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        for proc, log, _ in servers.values():
+            stop_server(proc, log)
     return out
 
 
@@ -395,14 +414,29 @@ def report(info, view_times, app_times, browser_times, args) -> str:
              "| page | cold (s) | cached (s) |", "|---|---:|---:|"]
     for label, cold, warm in app_times:
         lines.append(f"| {label} | {cold:.2f} | {warm:.2f} |")
-    if browser_times:
+    if browser_times and len(browser_times) == 1:
+        (only,) = browser_times.values()
         lines += ["", "In headless chromium through a real server (navigation until the script is idle and every "
-                      "Plotly chart is drawn; cached = best of two more visits):", "",
+                      f"Plotly chart is drawn; cached = best of {args.repeat} more visits):", "",
                   "| page | first visit (s) | cached (s) |", "|---|---:|---:|"]
-        for label, cold, warm in browser_times:
+        for label, cold, warm in only:
             lines.append(f"| {label} | {cold:.2f} | {warm:.2f} |")
-    worst = max([w for _, _, w in app_times] + [w for _, _, w in browser_times])
-    lines += ["", f"Slowest cached render: **{worst:.2f} s** (target: under 3 s).", "",
+    elif browser_times:
+        (bl, before), (al, after) = browser_times.items()
+        lines += ["", f"In headless chromium through a real server, **{bl}** (`{args.baseline}`) and **{al}** (this "
+                      "tree) side by side in one run: one server per tree on the same catalog, the trees taking turns "
+                      "page by page (navigation until the script is idle and every Plotly chart is drawn; cached = "
+                      f"best of {args.repeat} more visits):", "",
+                  f"| page | {bl} first (s) | {bl} cached (s) | {al} first (s) | {al} cached (s) | cached {al}/{bl} |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for (label, c0, w0), (_, c1, w1) in zip(before, after):
+            lines.append(f"| {label} | {c0:.2f} | {w0:.2f} | {c1:.2f} | {w1:.2f} | {w1 / w0:.2f} |")
+        worst_before = max(w for _, _, w in before)
+        lines += ["", f"Slowest cached page in chromium: {bl} **{worst_before:.2f} s**, {al} "
+                      f"**{max(w for _, _, w in after):.2f} s**."]
+    worst = max([w for _, _, w in app_times] + [w for _, _, w in list(browser_times.values())[-1]]
+                if browser_times else [w for _, _, w in app_times])
+    lines += ["", f"Slowest cached render of this tree: **{worst:.2f} s** (target: under 2 s).", "",
               "## mergepipe.dashboard.views functions (first call, no cache)", "",
               "| function | seconds | note |", "|---|---:|---|"]
     for label, s, note in view_times:
@@ -410,7 +444,10 @@ def report(info, view_times, app_times, browser_times, args) -> str:
     lines += ["", "What keeps it fast: the pages cache DataFrames with st.cache_data keyed by the catalog path and a "
                   "statistics version (models, analyses, grids; run progress does not invalidate them), one "
                   "PlanContext per settings with st.cache_resource (a slider step only re-plans from arrays in "
-                  "memory), heatmaps above 100k cells are aggregated into bins (norms combine as the square root "
+                  "memory), the Plan page keeps each budget's plan, mask, frontier and EXPLAIN (PlanView) and the "
+                  "Snapshots page each snapshot's manifest, recipe and figures (SnapshotView) with st.cache_resource, "
+                  "so a cached load plans and draws nothing again; heatmap cells go to the browser as float32; "
+                  "heatmaps above 100k cells are aggregated into bins (norms combine as the square root "
                   "of summed squares), the per-block detail is one layer at a time, and conflicts are one layer or "
                   "tensor of sketches at a time (vectorised: two matrix products for all expert pairs).", ""]
     return "\n".join(lines)
@@ -422,6 +459,11 @@ def main(argv=None):
     ap.add_argument("--block-mib", type=float, default=1.0)
     ap.add_argument("--work", default=str(REPO / "benchmarks" / "work" / "dashboard-scale"))
     ap.add_argument("--browser", action="store_true", help="also time the pages in headless chromium")
+    ap.add_argument("--pages", help="comma-separated page labels as in the tables (default: every page)")
+    ap.add_argument("--repeat", type=int, default=2, help="cached visits per page in chromium (the best counts)")
+    ap.add_argument("--baseline", metavar="TREE",
+                    help="with --browser: also serve the app of another checkout (e.g. `git archive REV | tar -x -C "
+                         "DIR`) and time both side by side")
     ap.add_argument("--out", default=str(REPO / "docs" / "dashboard-scale.md"))
     args = ap.parse_args(argv)
     work = Path(args.work)
@@ -434,12 +476,16 @@ def main(argv=None):
     view_times = time_views(info["db"], info["experts"], info["snapshot_id"])
     for label, s, note in view_times:
         print(f"  {label:<48} {s:7.3f} s  {note}", flush=True)
-    app_times = time_apptest(info["db"])
+    pages = [(n, q) for n, q in APPTEST_PAGES if not args.pages or page_label(n, q) in args.pages.split(",")]
+    app_times = time_apptest(info["db"], pages)
     for label, cold, warm in app_times:
         print(f"  apptest {label:<44} cold {cold:6.2f} s  cached {warm:6.2f} s", flush=True)
-    browser_times = time_browser(info["db"]) if args.browser else []
-    for label, cold, warm in browser_times:
-        print(f"  browser {label:<44} first {cold:6.2f} s  cached {warm:6.2f} s", flush=True)
+    trees = ({"before": Path(args.baseline).resolve()} if args.baseline else {}) | {
+        ("after" if args.baseline else "this tree"): REPO}
+    browser_times = time_browser(info["db"], trees, pages, args.repeat) if args.browser else {}
+    for tree, rows in browser_times.items():
+        for label, cold, warm in rows:
+            print(f"  browser {tree:<9} {label:<44} first {cold:6.2f} s  cached {warm:6.2f} s", flush=True)
     text = report(info, view_times, app_times, browser_times, args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)

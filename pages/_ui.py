@@ -131,8 +131,14 @@ def plan_context(db_path: str, version: str, key: str, _request):
     return views.plan_context(cat, _request)
 
 
-@st.cache_data(max_entries=64, show_spinner=False)
-def touched(db_path: str, version: str, snapshot_id: str):
-    def fn(cat):
-        return views.touched_matrix(cat, views.load_manifest(cat, snapshot_id))
-    return with_catalog(fn)
+@st.cache_resource(max_entries=64, show_spinner=False)
+def plan_view(db_path: str, version: str, key: str, budget: float | None, target: float | None, _ctx):
+    """The plan and its figures at one budget of one request (shared, never mutated): a cached load or a
+    slider back to an earlier budget re-plans and re-draws nothing."""
+    return views.plan_view(_ctx, budget, target)
+
+
+@st.cache_resource(max_entries=32, show_spinner=False)
+def snapshot_view(db_path: str, version: str, snapshot_id: str):
+    """One snapshot's manifest, recipe and figures (shared, never mutated; a manifest never changes)."""
+    return with_catalog(views.snapshot_view, snapshot_id)

@@ -133,8 +133,10 @@ with ui.user_errors(), ui.catalog() as cat:
     with result, ui.user_errors():
         request = views.plan_request(base, experts, op, weights=list(weights) or None, seed=seed, strategy=strategy,
                                      **values)
-        ctx = ui.plan_context(ui.db(), version, views.request_key(request), request)
-        plan = views.make_plan(ctx, budget_pct=budget, target_rel=target)
+        key = views.request_key(request)
+        ctx = ui.plan_context(ui.db(), version, key, request)
+        view = ui.plan_view(ui.db(), version, key, budget, target, ctx)
+        plan = view.plan
         size = sum(models[e]["bytes"] or 0 for e in experts if e in models)
         s = views.plan_summary(plan, size)
         if s["first_merge"]:
@@ -154,10 +156,8 @@ with ui.user_errors(), ui.catalog() as cat:
             st.caption(f"Error bound n/a: {s['bound_why']}.")
         if target is not None:
             st.success(f"Smallest budget for a relative bound <= {target:g}: {s['budget']}")
-        st.plotly_chart(views.mask_heatmap(views.mask_matrix(ctx, plan)), key="mask_chart")
-        relative = info["additive"]
-        x, y = views.current_point(ctx, plan, relative)
-        st.plotly_chart(views.frontier_figure(views.frontier_df(ctx), x, y, relative, op), key="frontier_chart")
+        st.plotly_chart(view.mask, key="mask_chart")
+        st.plotly_chart(view.frontier, key="frontier_chart")
         st.dataframe(views.plan_experts_table(plan), hide_index=True, key="plan_experts",
                      column_config={"expert": st.column_config.TextColumn(width="large")})
         if st.button("Save plan", type="primary", key="save_plan"):
@@ -166,7 +166,7 @@ with ui.user_errors(), ui.catalog() as cat:
             st.page_link("pages/run.py", label=f"Run {plan.id}", query_params={"plan": plan.id},
                          icon=":material/play_circle:")
         with st.expander("EXPLAIN"):
-            st.code(plan.explain(), language=None)
+            st.code(view.explain, language=None)
         with st.expander("Settings as mergekit YAML (edit, apply, download)", key="yaml_expander"):
             generated = views.plan_yaml(cat, plan)
             # keyed by what it shows: an edit lasts while the settings stay; new settings draw a fresh area

@@ -34,7 +34,12 @@ def do_delete(snapshot_id: str):
     s = st.session_state
     res = ui.action(ui.with_catalog, delete_snapshot, snapshot_id, force=bool(s.get("del_force")))
     if res:
-        s.pop("snapshot", None)
+        # show the newest remaining snapshot (and say so in the URL, which still names the deleted one)
+        left = ui.with_catalog(views.snapshots_df)["snapshot"].tolist()
+        if left:
+            s["snapshot"] = left[0]
+        else:
+            s.pop("snapshot", None)
         s["del_confirm"] = False
         ui.flash("success", f"Deleted {res['snapshot_id']} ({res['model_id']})"
                             + (f" and its folder {res['out']}." if res["removed_files"] else "."))
@@ -44,8 +49,8 @@ def do_evaluate(model_ids: list):
     s = st.session_state
 
     def fn(cat):
-        text = views.check_path(s.get("eval_text", ""), ui.roots())
-        return launch_evaluate(ui.db(), cat, list(model_ids), str(text), views.log_dir(ui.db()))
+        text, tasks = views.evaluation_inputs(s.get("eval_text", ""), s.get("eval_tasks", ""), ui.roots())
+        return launch_evaluate(ui.db(), cat, list(model_ids), text, views.log_dir(ui.db()), tasks_path=tasks)
 
     res = ui.action(ui.with_catalog, fn)
     if res:
@@ -69,21 +74,23 @@ with ui.user_errors(), ui.catalog() as cat:
     # no format_func: a selectbox bound to the URL matches ?snapshot= against the shown labels
     sid = st.selectbox("Snapshot", ids, key="snapshot", bind="query-params")
     st.caption(f"model {models.get(sid, '')}")
-    manifest = views.load_manifest(cat, sid)
-    plan = views.manifest_plan(cat, manifest)
+    view = ui.snapshot_view(ui.db(), views.stats_version(cat), sid)
+    manifest = view.manifest
 
     left, right = st.columns([3, 2])
     with left:
         st.subheader("Manifest")
-        st.dataframe(views.manifest_summary(manifest), hide_index=True, key="manifest_summary")
+        st.dataframe(view.summary, hide_index=True, key="manifest_summary")
     with right:
         st.subheader("Verify")
         st.caption("Re-hash every output file against the manifest and the catalog.")
         st.button("Verify", on_click=do_verify, args=(sid,), key="verify")
-        st.download_button("Download manifest JSON", manifest.to_json(), file_name=f"{sid}.json",
+        st.download_button("Download manifest JSON", view.manifest_json, file_name=f"{sid}.json",
                            mime="application/json", key="download")
-        with ui.user_errors():
-            st.download_button("Download the recipe (mergekit YAML)", views.snapshot_recipe(cat, sid),
+        if view.recipe_error:
+            st.error(view.recipe_error)
+        else:
+            st.download_button("Download the recipe (mergekit YAML)", view.recipe,
                                file_name=f"{sid}.yml", mime="application/x-yaml", key="download_recipe",
                                help="The same as `mergepipe explain SNAPSHOT --as-mergekit`: merging from it "
                                     "gives the same plan.")
@@ -108,18 +115,24 @@ with ui.user_errors(), ui.catalog() as cat:
                                                      for k, v in front.items()))
             st.markdown(body)
 
-    with st.expander("Evaluate: perplexity on a held-out text (budget vs quality)", key="eval_expander"):
+    with st.expander("Evaluate: perplexity on a held-out text, accuracy on a task suite (budget vs quality)",
+                     key="eval_expander"):
         evals = views.evaluation_df(cat, manifest)
         line = views.budget_quality(manifest, evals)
         if line:
             st.success(line)
         todo = views.evaluation_models(cat, manifest)
-        st.text_input("Held-out text file (UTF-8)", key="eval_text",
+        c1, c2 = st.columns(2)
+        c1.text_input("Held-out text file (UTF-8): perplexity", key="eval_text",
                       help="Under an allowed folder: " + ", ".join(map(str, ui.roots())))
+        c2.text_input("Task suite (JSONL): accuracy", key="eval_tasks",
+                      help='One JSON object per line: {"task", "prompt", "answer"} (exact match of the greedy '
+                           'answer) or {"task", "prompt", "choices": [...], "answer": index} (multiple choice, '
+                           "the likeliest choice wins). Under an allowed folder.")
         st.button(f"Evaluate {len(todo)} models", key="evaluate", on_click=do_evaluate, args=(todo,),
                   help="The snapshot, its base and its full-checkpoint experts, in a separate process; results "
-                       "are stored by model fingerprint and text hash, so a model already scored on this text "
-                       "is not scored again.")
+                       "are stored by model fingerprint and data hash, so a model already scored on this text "
+                       "or suite is not scored again.")
         st.caption("Models: " + ", ".join(todo))
         last = views.latest_run(cat, "evaluate")
         running = bool(last) and views.run_progress(last)["running"]
@@ -144,9 +157,8 @@ with ui.user_errors(), ui.catalog() as cat:
             st.dataframe(evals, hide_index=True, key="eval_table")
 
     st.subheader("Estimated vs realized expert bytes")
-    by_expert = views.bytes_by_expert_df(manifest)
-    st.plotly_chart(views.bytes_bars(by_expert, "expert"), key="bytes_expert")
-    by_tensor = views.bytes_by_tensor_df(manifest, plan)
+    st.plotly_chart(view.by_expert, key="bytes_expert")
+    by_tensor = view.by_tensor
     c1, c2, c3 = st.columns([2, 1, 1])
     search = c1.text_input("Find tensors", key="tensor_search", placeholder="e.g. layers.3 mlp (all words must match)")
     sort = c2.radio("Top tensors by", list(views.TENSOR_SORTS), key="tensor_sort", horizontal=True)
@@ -160,7 +172,7 @@ with ui.user_errors(), ui.catalog() as cat:
         with st.expander("As a table"):
             st.dataframe(views.bytes_table(top), hide_index=True, key="bytes_tensor_table",
                          column_config={"tensor": st.column_config.TextColumn(width="large")})
-    st.plotly_chart(views.touched_heatmap(ui.touched(ui.db(), views.stats_version(cat), sid)), key="touched_chart")
+    st.plotly_chart(view.touched, key="touched_chart")
     with st.expander("Raw manifest (JSON)"):
         st.json(manifest.to_dict(), expanded=2)
 

@@ -33,3 +33,8 @@ def plan_rows(catalog: Catalog) -> list[dict]:
     """Every saved plan, newest first."""
     return catalog.query("SELECT id, created_at, base_id, operator, budget_bytes, full_expert_bytes, expert_read_bytes, "
                          "error_bound, json FROM plans ORDER BY created_at DESC, id")
+
+
+def plan_bounds(catalog: Catalog) -> dict[str, float | None]:
+    """plan id -> its absolute error bound (None for operators without one)."""
+    return {r["id"]: r["error_bound"] for r in catalog.query("SELECT id, error_bound FROM plans")}

@@ -59,7 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     parsers["explain"].add_argument("--out", help="with --as-mergekit: write the YAML to this file")
     ev = parsers["evaluate"]
     ev.add_argument("model_ids", nargs="+", metavar="MODEL", help="registered full checkpoints (snapshots too)")
-    ev.add_argument("--text", required=True, help="a held-out UTF-8 text file to score")
+    ev.add_argument("--text", help="a held-out UTF-8 text file: perplexity")
+    ev.add_argument("--tasks", metavar="SUITE.jsonl",
+                    help="a task suite: accuracy per task and their mean; one JSON object per line, "
+                         '{"task", "prompt", "answer"} (exact match of the greedy answer) or '
+                         '{"task", "prompt", "choices": [...], "answer": index} (multiple choice by log-likelihood)')
+    ev.add_argument("--reference", metavar="MODEL",
+                    help="a registered full checkpoint: the realized weight-space deviation ||M - R|| (and relative "
+                         "to ||R||) of each model from it, e.g. from the full-budget merge")
     ev.add_argument("--window", type=int, default=256, help="tokens per scored window (default 256)")
     ev.add_argument("--max-tokens", type=int, default=8192, help="score at most this many tokens (default 8192)")
     ev.add_argument("--force", action="store_true", help="score again even when a stored result applies")

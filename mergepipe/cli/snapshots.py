@@ -58,49 +58,125 @@ def cmd_delete(args):
         + (f"; forced: {', '.join(r['dependents'])} lose an input" if r["dependents"] else "")))
 
 
-@command("evaluate", "perplexity of models on a held-out text (results stored; reused while unchanged)")
+@command("evaluate", "perplexity on a held-out text and accuracy on a task suite (results stored; reused while "
+                     "unchanged)")
 def cmd_evaluate(args):
-    import hashlib
     from mergepipe import api
-    from mergepipe.research.evaluate import perplexity
     cat = open_catalog(args)
-    text_path = Path(args.text)
-    if not text_path.is_file():
-        raise MergePipeError(f"{text_path} is not a file")
-    data = text_path.read_bytes()
-    dataset = "sha256:" + hashlib.sha256(data).hexdigest()
-    text = data.decode("utf-8", errors="replace")
+    if not args.text and not args.tasks and not args.reference:
+        raise MergePipeError("give a held-out text (--text), a task suite (--tasks) or a reference model "
+                             "(--reference)")
     run = api.RunProgress(cat, args.run_id) if args.run_id is not None else None
     ids = list(args.model_ids)
     results = []
     try:
+        jobs = [j for j in (_text_job(args), _suite_job(args), _reference_job(cat, args)) if j is not None]
+        units = len(ids) * len(jobs) * 1000
         for i, mid in enumerate(ids):
             m = cat.model(mid)
             if m["kind"] != "full":
                 raise MergePipeError(f"{mid} is a {m['kind']} checkpoint: only full checkpoints can be evaluated")
-            cached = None if args.force else api.evaluation(cat, mid, m["fingerprint"], dataset, "perplexity")
-            if cached is None:
-                def progress(done, total, i=i):
+            for k, job in enumerate(jobs):
+                step = (i * len(jobs) + k) * 1000
+
+                def progress(done, total, step=step):
                     if run:
-                        run(int((i + done / total) * 1000), len(ids) * 1000, 0)
-                r = perplexity(m["uri"], text, window=args.window, max_tokens=args.max_tokens, progress=progress)
-                api.record_evaluation(cat, mid, m["fingerprint"], dataset, text_path.name, "perplexity",
-                                      r["perplexity"], r["tokens"])
-                results.append({"model_id": mid, **r, "cached": False})
-            else:
-                results.append({"model_id": mid, "perplexity": cached["value"], "tokens": cached["tokens"],
-                                "cached": True})
-            if run:
-                run((i + 1) * 1000, len(ids) * 1000, 0)
+                        run(step + int(done / total * 1000), units, 0)
+                results.append(_evaluate_one(cat, m, job, args.force, progress))
+                if run:
+                    run(step + 1000, units, 0)
     except BaseException as exc:
         if run:
             run.fail("cancelled" if isinstance(exc, KeyboardInterrupt) else "failed", str(exc))
         raise
     if run:
         run.finish()
-    emit(args, results, lambda rs: [print(f"{r['model_id']}: perplexity {r['perplexity']:.4g} on {r['tokens']} tokens "
-                                          f"of {text_path.name}" + (" (stored)" if r["cached"] else ""))
-                                    for r in rs])
+    emit(args, results, lambda rs: [print(_evaluation_line(r)) for r in rs])
+
+
+def _digest(data: bytes) -> str:
+    import hashlib
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _text_job(args) -> dict | None:
+    if not args.text:
+        return None
+    path = Path(args.text)
+    if not path.is_file():
+        raise MergePipeError(f"{path} is not a file")
+    data = path.read_bytes()
+    return {"metric": "perplexity", "dataset": _digest(data), "name": path.name,
+            "text": data.decode("utf-8", errors="replace"), "window": args.window, "max_tokens": args.max_tokens}
+
+
+def _suite_job(args) -> dict | None:
+    from mergepipe.research.evaluate import read_task_suite
+    if not args.tasks:
+        return None
+    path = Path(args.tasks)
+    if not path.is_file():
+        raise MergePipeError(f"{path} is not a file")
+    suite = read_task_suite(path)  # checked before any model is loaded
+    return {"metric": "accuracy", "dataset": _digest(path.read_bytes()), "name": path.name, "suite": suite}
+
+
+def _reference_job(cat, args) -> dict | None:
+    if not args.reference:
+        return None
+    ref = cat.model(args.reference)
+    if ref["kind"] != "full":
+        raise MergePipeError(f"{ref['id']} is a {ref['kind']} checkpoint: the reference must be a full checkpoint")
+    return {"metric": "deviation", "dataset": ref["fingerprint"], "name": ref["id"], "uri": ref["uri"]}
+
+
+def _evaluate_one(cat, m: dict, job: dict, force: bool, progress) -> dict:
+    """One model on one text, suite or reference; a stored result of the same model and data is reused."""
+    from mergepipe import api
+    from mergepipe.research.evaluate import deviation, perplexity, score_task_suite
+    head = {"model_id": m["id"], "metric": job["metric"], "dataset": job["name"]}
+    cached = None if force else api.evaluation(cat, m["id"], m["fingerprint"], job["dataset"], job["metric"])
+    if job["metric"] == "deviation":
+        if cached is None:
+            d = deviation(m["uri"], job["uri"])
+            api.record_evaluation(cat, m["id"], m["fingerprint"], job["dataset"], job["name"], "deviation:relative",
+                                  d["relative"], 0)
+            api.record_evaluation(cat, m["id"], m["fingerprint"], job["dataset"], job["name"], "deviation",
+                                  d["absolute"], 0)
+            return {**head, "value": d["absolute"], "relative": d["relative"], "cached": False}
+        rel = api.evaluation(cat, m["id"], m["fingerprint"], job["dataset"], "deviation:relative")
+        return {**head, "value": cached["value"], "relative": rel["value"] if rel else None, "cached": True}
+    if job["metric"] == "perplexity":
+        if cached is not None:
+            return {**head, "value": cached["value"], "perplexity": cached["value"], "tokens": cached["tokens"],
+                    "cached": True}
+        r = perplexity(m["uri"], job["text"], window=job["window"], max_tokens=job["max_tokens"], progress=progress)
+        api.record_evaluation(cat, m["id"], m["fingerprint"], job["dataset"], job["name"], "perplexity",
+                              r["perplexity"], r["tokens"])
+        return {**head, "value": r["perplexity"], "perplexity": r["perplexity"], "tokens": r["tokens"], "cached": False}
+    if cached is not None:
+        per_task = {e["metric"].split(":", 1)[1]: e["value"]
+                    for e in api.evaluations(cat, [m["id"]]) if e["dataset"] == job["dataset"]
+                    and e["metric"].startswith("accuracy:")}
+        return {**head, "value": cached["value"], "examples": cached["tokens"], "per_task": per_task, "cached": True}
+    r = score_task_suite(m["uri"], job["suite"], progress=progress)
+    for task, acc in r["per_task"].items():
+        api.record_evaluation(cat, m["id"], m["fingerprint"], job["dataset"], job["name"], f"accuracy:{task}", acc,
+                              len(job["suite"][task]))
+    api.record_evaluation(cat, m["id"], m["fingerprint"], job["dataset"], job["name"], "accuracy", r["mean"],
+                          r["examples"])
+    return {**head, "value": r["mean"], "examples": r["examples"], "per_task": r["per_task"], "cached": False}
+
+
+def _evaluation_line(r: dict) -> str:
+    stored = " (stored)" if r["cached"] else ""
+    if r["metric"] == "deviation":
+        return (f"{r['model_id']}: ||M - R|| = {r['value']:.6g} from {r['dataset']}"
+                + (f" (relative {r['relative']:.4g})" if r["relative"] is not None else "") + stored)
+    if r["metric"] == "perplexity":
+        return f"{r['model_id']}: perplexity {r['value']:.4g} on {r['tokens']} tokens of {r['dataset']}{stored}"
+    tasks = ", ".join(f"{t} {v:.3f}" for t, v in r["per_task"].items())
+    return f"{r['model_id']}: accuracy {r['value']:.3f} on {r['examples']} examples of {r['dataset']} ({tasks}){stored}"
 
 
 @command("recover", "roll back unfinished merges and clean up their leftovers")

@@ -1,5 +1,8 @@
-"""The Compare page: two snapshots side by side -- settings diff, bytes, bound, per-tensor access
-difference, lineage -- all from their manifests (no checkpoint is read)."""
+"""The Compare page: two snapshots or plans side by side -- settings diff, bytes, bound, quality scores,
+per-tensor access difference, lineage -- from their manifests and plans (no checkpoint is read).
+
+A plan is compared as what it would do: its settings, its estimates, its access set; a snapshot as
+what it did. Both are seen through one manifest-shaped view (:func:`side`)."""
 
 from __future__ import annotations
 
@@ -8,9 +11,47 @@ import json
 import pandas as pd
 import plotly.graph_objects as go
 
+from mergepipe import api
+from mergepipe.catalog.db import Catalog
+from mergepipe.catalog.plans import plan_rows
 from mergepipe.dashboard.figures import tensor_sort_key
 from mergepipe.dashboard.formatting import fmt_bound, fmt_bytes, fmt_pct
 from mergepipe.manifest.build import Manifest
+from mergepipe.planner.plan import load_plan, Plan
+
+NOT_MERGED = "- (a plan)"
+
+
+def plan_side(plan: Plan) -> Manifest:
+    """A plan seen as a manifest of the merge it describes: its estimates, no realized numbers, its access
+    set as the touched blocks, its base and experts as parents."""
+    p = plan.data
+    core = {"plan_id": plan.id, "operator": p["operator"], "params": p["params"], "seed": p["seed"],
+            "strategy": p["strategy"], "inputs": {"base": p["base"], "experts": p["experts"]}, "grid": p["grid"],
+            "budget": p["budget"], "estimated": p["estimate"], "realized": None,
+            "full_expert_bytes": p["full_expert_bytes"], "error_bound": p["error_bound"], "touched": p["access"],
+            "parents": [{"id": p["base"]["id"]}] + [{"id": e["id"]} for e in p["experts"]]}
+    return Manifest(core=core, run={"model_id": None, "kind": "plan"})
+
+
+def side(cat: Catalog, ref: str) -> Manifest:
+    """A snapshot's manifest, or a saved plan as :func:`plan_side` (``ref``: a snapshot or plan id)."""
+    return plan_side(load_plan(cat, ref)) if ref.startswith("plan-") else api.load_manifest(cat, ref)
+
+
+def choices(cat: Catalog) -> tuple[list[str], dict[str, str]]:
+    """(ids: snapshots then saved plans, newest first; id -> caption) for the two pickers."""
+    snaps = list(reversed(api.snapshots(cat)))
+    plans = plan_rows(cat)
+    ids, captions = [], {}
+    for s in snaps:
+        ids.append(s["id"])
+        captions[s["id"]] = f"snapshot: model {s['model_id']}, {s['operator']}"
+    for r in plans:
+        ids.append(r["id"])
+        captions[r["id"]] = f"saved plan: {r['operator']} on {r['base_id']}, " \
+                            f"would read {fmt_bytes(r['expert_read_bytes'])}"
+    return ids, captions
 
 
 def _experts(core: dict) -> str:
@@ -26,7 +67,7 @@ def _experts(core: dict) -> str:
 def settings_rows(m: Manifest) -> dict[str, str]:
     c = m.core
     return {
-        "model": m.run["model_id"], "plan": c["plan_id"], "operator": c["operator"],
+        "model": m.run["model_id"] or NOT_MERGED, "plan": c["plan_id"], "operator": c["operator"],
         "params": json.dumps(c["params"], sort_keys=True), "seed": str(c["seed"]), "strategy": c["strategy"],
         "base": c["inputs"]["base"]["id"], "base fingerprint": c["inputs"]["base"]["fingerprint"],
         "experts": _experts(c), "grid": fmt_bytes(c["grid"]["block_bytes"]) + " blocks",
@@ -43,20 +84,23 @@ def settings_diff(a: Manifest, b: Manifest, only_different: bool = False) -> pd.
 
 
 def numbers_df(a: Manifest, b: Manifest) -> pd.DataFrame:
-    """Bytes (estimated, realized), the share of the changed expert bytes read, and the error bound."""
+    """Bytes (estimated, realized; a plan has only estimates), the share of the changed expert bytes
+    read, and the error bound."""
     def row(m: Manifest) -> dict:
         c = m.core
         full = c["full_expert_bytes"]
+        done = c["realized"] or c["estimated"]  # a plan: what it would read and write
+        est = "" if c["realized"] else " (estimated)"
         return {
             "expert read (estimated)": fmt_bytes(c["estimated"]["expert_read"]),
-            "expert read (realized)": fmt_bytes(c["realized"]["expert_read"]),
-            "share of changed expert bytes": fmt_pct(c["realized"]["expert_read"] / full) if full else "-",
+            "expert read (realized)": fmt_bytes(c["realized"]["expert_read"]) if c["realized"] else NOT_MERGED,
+            "share of changed expert bytes": (fmt_pct(done["expert_read"] / full) + est) if full else "-",
             "changed (delta != 0) expert bytes": fmt_bytes(full),
-            "base read": fmt_bytes(c["realized"]["base_read"]),
-            "write": fmt_bytes(c["realized"]["output_write"]),
+            "base read": fmt_bytes(done["base_read"]) + est,
+            "write": fmt_bytes(done["output_write"]) + est,
             "error bound": fmt_bound(c["error_bound"]) if c.get("error_bound") else
             f"n/a ({c['operator']} is not additive)",
-            "seconds": f"{m.run.get('seconds', 0):.2f}",
+            "seconds": f"{m.run.get('seconds', 0):.2f}" if c["realized"] else NOT_MERGED,
         }
     ra, rb = row(a), row(b)
     return pd.DataFrame([{"quantity": k, "A": ra[k], "B": rb[k]} for k in ra], columns=["quantity", "A", "B"])
@@ -105,15 +149,17 @@ def access_figure(df: pd.DataFrame, top: int = 20) -> go.Figure:
 
 
 def lineage_note(a: Manifest, b: Manifest) -> list[str]:
-    """How the two snapshots relate: shared inputs, one merged from the other."""
+    """How the two relate: shared inputs, one merged from the other (a plan: from its inputs)."""
     pa = {p["id"] for p in a.core["parents"]}
     pb = {p["id"] for p in b.core["parents"]}
     ma, mb = a.run["model_id"], b.run["model_id"]
     notes = []
-    if ma in pb:
-        notes.append(f"B ({mb}) was merged from A ({ma}).")
-    if mb in pa:
-        notes.append(f"A ({ma}) was merged from B ({mb}).")
+    if ma and ma in pb:
+        notes.append(f"B ({mb or 'a plan'}) {'was' if mb else 'would be'} merged from A ({ma}).")
+    if mb and mb in pa:
+        notes.append(f"A ({ma or 'a plan'}) {'was' if ma else 'would be'} merged from B ({mb}).")
+    if a.core["plan_id"] == b.core["plan_id"]:
+        notes.append(f"Both come from plan {a.core['plan_id']}.")
     shared = sorted(pa & pb)
     notes.append(f"Shared inputs: {', '.join(shared)}." if shared else "No shared inputs.")
     if pa - pb:
@@ -121,3 +167,51 @@ def lineage_note(a: Manifest, b: Manifest) -> list[str]:
     if pb - pa:
         notes.append(f"Only B: {', '.join(sorted(pb - pa))}.")
     return notes
+
+
+def scores_df(cat: Catalog, a: Manifest, b: Manifest) -> pd.DataFrame:
+    """metric | data | A | B: the newest stored score of each merged model (perplexity, task accuracy),
+    on the data either was scored on; a plan has none, a model not scored on it "-"."""
+    ids = [m.run["model_id"] for m in (a, b) if m.run["model_id"]]
+    latest: dict[tuple, float] = {}
+    for e in api.evaluations(cat, ids):  # newest first
+        latest.setdefault((e["model_id"], e["metric"], e["dataset_name"], e["dataset"]), float(e["value"]))
+    keys = sorted({(metric, name, digest) for _, metric, name, digest in latest},
+                  key=lambda k: (k[0] != "perplexity", k[0] != "accuracy", k[0], k[1]))
+
+    def cell(m: Manifest, k) -> str:
+        if not m.run["model_id"]:
+            return NOT_MERGED
+        v = latest.get((m.run["model_id"], *k))
+        return "-" if v is None else f"{v:.4g}"
+    rows = [{"metric": k[0], "data": k[1], "A": cell(a, k), "B": cell(b, k)} for k in keys]
+    return pd.DataFrame(rows, columns=["metric", "data", "A", "B"])
+
+
+def realized_deviation(cat: Catalog, a: Manifest, b: Manifest) -> str | None:
+    """The stored realized deviation of A's weights from B's (``mergepipe evaluate A --reference B``), and,
+    when B is the full-budget merge of A's settings, A's error bound beside it (the bound is on exactly
+    that distance: realized <= bound). None until measured (or when either side is a plan)."""
+    ma, mb = a.run["model_id"], b.run["model_id"]
+    if not ma or not mb or not cat.has_model(mb):
+        return None
+    ref = cat.model(mb)["fingerprint"]
+    got = {e["metric"]: e["value"] for e in api.evaluations(cat, [ma]) if e["dataset"] == ref}
+    if "deviation" not in got:
+        return None
+    text = f"Realized ||A - B|| = {got['deviation']:.6g}" + (
+        f" ({got['deviation:relative']:.4g} of ||B||)" if "deviation:relative" in got else "") + "."
+    bound = (a.core.get("error_bound") or {}).get("absolute")
+    if bound is not None and is_full_budget_of(b, a):
+        holds = got["deviation"] <= bound * (1 + 1e-5) + 1e-9
+        text += f" B is the full-budget merge of A's settings: A's error bound {bound:.6g} " + (
+            "holds." if holds else "is exceeded.")
+    return text
+
+
+def is_full_budget_of(full: Manifest, m: Manifest) -> bool:
+    """Whether ``full`` merged the same base, experts, operator and parameters as ``m`` at budget 100%."""
+    f, c = full.core, m.core
+    return (f["budget"]["spec"] in ("100%", "1.0", "1") and f["operator"] == c["operator"]
+            and f["params"] == c["params"] and f["inputs"]["base"]["id"] == c["inputs"]["base"]["id"]
+            and _experts(f) == _experts(c))

@@ -126,7 +126,7 @@ def heatmap_figure(matrix: pd.DataFrame, title: str, colorbar: str, colorscale="
     returns an empty selection)."""
     x = [str(c) for c in matrix.columns]
     y = [str(i) for i in matrix.index]
-    z = matrix.to_numpy(dtype=np.float64)
+    z = matrix.to_numpy(dtype=np.float32)  # display only: half the bytes sent to the browser
     clickable = clickable and z.size > 0
     hover = "%{y}<br>%{x}<br>" + colorbar + " %{z:.4g}<extra></extra>"
     fig = go.Figure(go.Heatmap(z=z, x=x, y=y, colorscale=colorscale, zmin=zmin, zmax=zmax,
@@ -179,7 +179,7 @@ def state_figure(matrix: pd.DataFrame, title: str, states: list[tuple[float, str
     scale = [[(v - lo) / span, colour] for v, _, colour in states]
     x = [str(c) for c in matrix.columns]
     y = [str(i) for i in matrix.index]
-    z = matrix.to_numpy(dtype=np.float64)
+    z = matrix.to_numpy(dtype=np.float32)  # display only: half the bytes sent to the browser
     names = "; ".join(f"{v:g} = {label}" for v, label, _ in states)
     fig = go.Figure(go.Heatmap(z=z, x=x, y=y, colorscale=scale, zmin=lo, zmax=hi, showscale=False,
                                hovertemplate="%{y}<br>%{x}<br>%{z:.2f} (" + names + ")<extra></extra>"))

@@ -85,6 +85,24 @@ def make_plan(ctx: PlanContext, budget_pct: float | None = None, target_rel: flo
     return ctx.plan(Budget.percent(budget_pct))
 
 
+@dataclasses.dataclass(frozen=True)
+class PlanView:
+    """Everything the Plan page draws for one budget: built once per (settings, budget) and then reused
+    as is (the page caches it), so a cached load or a return to an earlier budget plans nothing."""
+    plan: Plan
+    mask: go.Figure
+    frontier: go.Figure
+    explain: str
+
+
+def plan_view(ctx: PlanContext, budget_pct: float | None = None, target_rel: float | None = None) -> PlanView:
+    plan = make_plan(ctx, budget_pct=budget_pct, target_rel=target_rel)
+    relative = ctx.op.additive
+    x, y = current_point(ctx, plan, relative)
+    return PlanView(plan=plan, mask=mask_heatmap(mask_matrix(ctx, plan)),
+                    frontier=frontier_figure(frontier_df(ctx), x, y, relative, ctx.op.name), explain=plan.explain())
+
+
 PLAN_PAGE_TRI = {None: "default", True: "on", False: "off"}
 
 

@@ -47,7 +47,7 @@ def run_progress(run: dict, now_ts: float | None = None) -> dict:
     if run.get("kind") == "evaluate":
         n = len([m for m in (run["model_id"] or "").split(",") if m])
         text = f"evaluate {run['model_id']}: {frac:.0%} ({n} model{'s' if n != 1 else ''})"
-        detail = "perplexity on a held-out text"
+        detail = "perplexity on a held-out text and/or accuracy on a task suite"
     elif run.get("kind") == "analyze":
         n = len([m for m in (run["model_id"] or "").split(",") if m])
         text = f"analyze {run['model_id']}: {frac:.0%} ({n} model{'s' if n != 1 else ''})"

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import pandas as pd
 import plotly.graph_objects as go
 
 from mergepipe import api
 from mergepipe.catalog.db import Catalog
+from mergepipe.catalog.plans import plan_bounds
 from mergepipe.dashboard.figures import (
     MAX_CELLS, aggregate, block_layout, state_figure, tensor_sort_key,
 )
+from mergepipe.dashboard.paths import check_path
 from mergepipe.dashboard.formatting import fmt_bound, fmt_bytes, fmt_pct, short_fp
 from mergepipe.dashboard.plan import _mask_array, block_labels
 from mergepipe.errors import MergePipeError
@@ -23,22 +27,30 @@ from mergepipe.planner.plan import load_plan, Plan
 def snapshots_df(cat: Catalog) -> pd.DataFrame:
     rows = []
     labels = api.snapshot_labels(cat)
-    ppl = {}
-    for e in api.evaluations(cat):  # newest first: the latest perplexity of each model
-        ppl.setdefault(e["model_id"], e["value"] if e["metric"] == "perplexity" else None)
+    ppl, acc = latest_scores(cat, "perplexity"), latest_scores(cat, "accuracy")
+    bounds = plan_bounds(cat)
     for s in reversed(api.snapshots(cat)):
         lab = labels.get(s["id"], {})
         rows.append({"snapshot": s["id"], "model": s["model_id"], "operator": s["operator"], "plan": s["plan_id"],
                      "expert_read": fmt_bytes(s["expert_read_bytes"]),
                      "of_full": fmt_pct(s["expert_read_bytes"] / s["full_expert_bytes"])
                      if s["full_expert_bytes"] else "-",
-                     "perplexity": ppl.get(s["model_id"]),
+                     "error_bound": bounds.get(s["plan_id"]),
+                     "perplexity": ppl.get(s["model_id"]), "accuracy": acc.get(s["model_id"]),
                      "created": s["created_at"], "tags": ", ".join(lab.get("tags", [])), "note": lab.get("note", ""),
                      "out": s["out"], "manifest": short_fp(s["manifest_hash"])})
-    cols = ["snapshot", "model", "operator", "plan", "expert_read", "of_full", "perplexity", "created", "tags", "note",
-            "out",
-            "manifest"]
+    cols = ["snapshot", "model", "operator", "plan", "expert_read", "of_full", "error_bound", "perplexity", "accuracy",
+            "created", "tags", "note", "out", "manifest"]
     return pd.DataFrame(rows, columns=cols)
+
+
+def latest_scores(cat: Catalog, metric: str) -> dict[str, float]:
+    """model id -> its newest stored result of ``metric`` ('perplexity', or 'accuracy': a task suite's mean)."""
+    out: dict[str, float] = {}
+    for e in api.evaluations(cat):  # newest first
+        if e["metric"] == metric:
+            out.setdefault(e["model_id"], float(e["value"]))
+    return out
 
 
 def load_manifest(cat: Catalog, ref: str) -> Manifest:
@@ -264,8 +276,24 @@ def evaluation_models(cat: Catalog, manifest: Manifest) -> list[str]:
     return [i for i in dict.fromkeys(ids) if cat.has_model(i) and cat.model(i)["kind"] == "full"]
 
 
+def evaluation_inputs(text: str, tasks: str, roots: list) -> tuple[Path | None, Path | None]:
+    """The held-out text and the task suite a user typed (either may be empty, not both), each under an
+    allowed folder; the suite is parsed now, so a bad one is refused before any run starts."""
+    from mergepipe.config.task_suite import read_task_suite
+    if not (text or "").strip() and not (tasks or "").strip():
+        raise MergePipeError("give a held-out text file or a task suite (or both)")
+    text_path = check_path(text, roots) if (text or "").strip() else None
+    tasks_path = check_path(tasks, roots) if (tasks or "").strip() else None
+    for p in (text_path, tasks_path):
+        if p is not None and not p.is_file():
+            raise MergePipeError(f"{p} is not a file")
+    if tasks_path is not None:
+        read_task_suite(tasks_path)
+    return text_path, tasks_path
+
+
 def evaluation_df(cat: Catalog, manifest: Manifest) -> pd.DataFrame:
-    """Stored perplexities of the snapshot, its base and experts (current fingerprints only), with the
+    """Stored scores (perplexity; task-suite accuracy, the mean and per task) of the snapshot, its base and experts (current fingerprints only), with the
     snapshot's expert read and error bound beside them: budget vs quality."""
     c = manifest.core
     roles = {manifest.run["model_id"]: "snapshot", c["inputs"]["base"]["id"]: "base",
@@ -273,30 +301,64 @@ def evaluation_df(cat: Catalog, manifest: Manifest) -> pd.DataFrame:
     rows = []
     for e in api.evaluations(cat, list(roles)):
         rows.append({"model": e["model_id"], "role": roles[e["model_id"]], "metric": e["metric"],
-                     "value": round(float(e["value"]), 4), "tokens": e["tokens"], "text": e["dataset_name"],
-                     "text sha256": short_fp(e["dataset"]), "evaluated": e["evaluated_at"]})
+                     "value": round(float(e["value"]), 4), "tokens or examples": e["tokens"], "data": e["dataset_name"],
+                     "data sha256": short_fp(e["dataset"]), "evaluated": e["evaluated_at"]})
     order = {"snapshot": 0, "base": 1, "expert": 2}
-    df = pd.DataFrame(rows, columns=["model", "role", "metric", "value", "tokens", "text", "text sha256", "evaluated"])
-    return df.sort_values(["text", "role", "model"], key=lambda s: s.map(order) if s.name == "role" else s) \
+    df = pd.DataFrame(rows, columns=["model", "role", "metric", "value", "tokens or examples", "data", "data sha256",
+                                     "evaluated"])
+    return df.sort_values(["data", "metric", "role", "model"], key=lambda s: s.map(order) if s.name == "role" else s) \
         .reset_index(drop=True)
 
 
 def budget_quality(manifest: Manifest, evals: pd.DataFrame) -> str | None:
-    """One line: what the snapshot read and its perplexity next to its base's and experts' (same text)."""
-    snap = evals[evals["role"] == "snapshot"]
+    """One line: what the snapshot read, then each of its scores (perplexity on a text, mean accuracy on a
+    task suite) next to its base's and experts' on the same data."""
+    snap = evals[(evals["role"] == "snapshot") & evals["metric"].isin(["perplexity", "accuracy"])]
     if snap.empty:
         return None
-    text = snap.iloc[0]["text sha256"]
-    same = evals[evals["text sha256"] == text]
     c = manifest.core
     full = c["full_expert_bytes"]
     parts = [f"read {fmt_bytes(c['realized']['expert_read'])}"
-             + (f" ({fmt_pct(c['realized']['expert_read'] / full)} of the changed expert bytes)" if full else ""),
-             f"perplexity {snap.iloc[0]['value']:.4g}"]
-    base = same[same["role"] == "base"]
-    if len(base):
-        parts.append(f"base {base.iloc[0]['value']:.4g}")
-    ex = same[same["role"] == "expert"]
-    if len(ex):
-        parts.append(f"experts {ex['value'].min():.4g} to {ex['value'].max():.4g}")
-    return " · ".join(parts) + f" (on {snap.iloc[0]['text']})"
+             + (f" ({fmt_pct(c['realized']['expert_read'] / full)} of the changed expert bytes)" if full else "")]
+    for metric in ("perplexity", "accuracy"):
+        mine = snap[snap["metric"] == metric]
+        if mine.empty:
+            continue
+        row = mine.iloc[0]
+        same = evals[(evals["data sha256"] == row["data sha256"]) & (evals["metric"] == metric)]
+        part = f"{metric} {row['value']:.4g}"
+        base = same[same["role"] == "base"]
+        ex = same[same["role"] == "expert"]
+        others = ([f"base {base.iloc[0]['value']:.4g}"] if len(base) else []) + \
+                 ([f"experts {ex['value'].min():.4g} to {ex['value'].max():.4g}"] if len(ex) else [])
+        parts.append(part + (f" ({', '.join(others)})" if others else "") + f" on {row['data']}")
+    return " · ".join(parts)
+
+
+# --- one snapshot's view, built once -----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SnapshotView:
+    """What the Snapshots page draws for one snapshot that does not change while the snapshot exists
+    (a manifest is immutable): built once and then reused as is (the page caches it)."""
+    manifest: Manifest
+    plan: Plan | None
+    summary: pd.DataFrame
+    manifest_json: str
+    recipe: str | None
+    recipe_error: str | None
+    by_expert: go.Figure
+    by_tensor: pd.DataFrame
+    touched: go.Figure
+
+
+def snapshot_view(cat: Catalog, snapshot_id: str) -> SnapshotView:
+    manifest = load_manifest(cat, snapshot_id)
+    plan = manifest_plan(cat, manifest)
+    try:
+        recipe, recipe_error = snapshot_recipe(cat, snapshot_id), None
+    except MergePipeError as exc:
+        recipe, recipe_error = None, str(exc)
+    return SnapshotView(manifest=manifest, plan=plan, summary=manifest_summary(manifest),
+                        manifest_json=manifest.to_json(), recipe=recipe, recipe_error=recipe_error,
+                        by_expert=bytes_bars(bytes_by_expert_df(manifest), "expert"),
+                        by_tensor=bytes_by_tensor_df(manifest, plan), touched=touched_heatmap(touched_matrix(cat, manifest)))

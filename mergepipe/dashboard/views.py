@@ -39,16 +39,16 @@ from mergepipe.dashboard.catalog import (  # noqa: F401
 from mergepipe.dashboard.plan import (  # noqa: F401
     block_labels, current_point, first_merge_note, frontier_df, frontier_figure, make_plan, mask_heatmap,
     MASK_STATES, mask_matrix, mergekit_plan_settings, omitted_term, op_info, operators, plan_context, plan_experts_df,
-    plan_experts_table,
+    plan_experts_table, plan_view, PlanView,
     check_plan_yaml, PLAN_PAGE_TRI, plan_request, plan_summary, plan_yaml, plans_df, read_config_source, request_key,
     request_key_digest, url_replacements,
 )
 from mergepipe.dashboard.snapshots import (  # noqa: F401
     bytes_bars, bytes_by_expert_df, bytes_by_tensor_df, bytes_figure, bytes_table, load_manifest, manifest_plan,
-    budget_quality, delete_preview, evaluation_df, evaluation_models, labels_of, manifest_summary, model_card, parse_tags, signed_bytes, snapshot_recipe, snapshots_df, TENSOR_SORTS, top_tensors, with_difference, touched_heatmap, touched_matrix, verify_text,
+    budget_quality, delete_preview, evaluation_df, evaluation_inputs, evaluation_models, latest_scores, labels_of, manifest_summary, model_card, parse_tags, signed_bytes, snapshot_recipe, snapshot_view, SnapshotView, snapshots_df, TENSOR_SORTS, top_tensors, with_difference, touched_heatmap, touched_matrix, verify_text,
 )
 from mergepipe.dashboard.compare import (  # noqa: F401
-    access_diff, access_figure, lineage_note, numbers_df, settings_diff,
+    access_diff, access_figure, choices, is_full_budget_of, lineage_note, realized_deviation, NOT_MERGED, numbers_df, plan_side, scores_df, settings_diff, side,
 )
 from mergepipe.dashboard.lineage import (  # noqa: F401
     lineage_dot, lineage_nodes_df, node_target,

@@ -86,23 +86,29 @@ def launch_analyze(db_path: str | Path, catalog: Catalog, model_ids: list[str], 
     return run_id, proc
 
 
-def launch_evaluate(db_path: str | Path, catalog: Catalog, model_ids: list[str], text_path: str | Path,
-                    log_dir: str | Path) -> tuple[int, subprocess.Popen]:
-    """Start ``mergepipe evaluate`` (perplexity on a held-out text) in its own process; progress lands in
-    the runs table (kind 'evaluate': models done of total, as thousandths)."""
+def launch_evaluate(db_path: str | Path, catalog: Catalog, model_ids: list[str], text_path: str | Path | None,
+                    log_dir: str | Path, tasks_path: str | Path | None = None,
+                    reference: str | None = None) -> tuple[int, subprocess.Popen]:
+    """Start ``mergepipe evaluate`` (perplexity on a held-out text and/or accuracy on a task suite) in its
+    own process; progress lands in the runs table (kind 'evaluate': thousandths of the work done)."""
     from mergepipe.catalog.evaluations import insert_evaluate_run
     if not model_ids:
         raise ExecutionError("choose at least one model to evaluate")
-    for mid in model_ids:
+    if not text_path and not tasks_path and not reference:
+        raise ExecutionError("give a held-out text or a task suite to evaluate on")
+    for mid in model_ids + ([reference] if reference else []):
         catalog.model(mid)
-    if not Path(text_path).is_file():
-        raise ExecutionError(f"{text_path} is not a file")
+    args = ["evaluate", *model_ids] + (["--reference", reference] if reference else [])
+    for flag, path in (("--text", text_path), ("--tasks", tasks_path)):
+        if path:
+            if not Path(path).is_file():
+                raise ExecutionError(f"{path} is not a file")
+            args += [flag, str(path)]
     with catalog.transaction():
         run_id = insert_evaluate_run(catalog, model_ids)
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    proc = _spawn(catalog, db_path, ["evaluate", *model_ids, "--text", str(text_path), "--run-id", str(run_id)],
-                  run_id, log_dir / f"evaluate-{run_id}.log")
+    proc = _spawn(catalog, db_path, [*args, "--run-id", str(run_id)], run_id, log_dir / f"evaluate-{run_id}.log")
     return run_id, proc
 
 

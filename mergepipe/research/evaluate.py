@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from mergepipe.config.task_suite import read_task_suite, TaskExample  # noqa: F401  (the format lives in config)
 from mergepipe.errors import MergePipeError
 from mergepipe.storage.safetensors import FLOAT_DTYPES, open_checkpoint
 
@@ -357,3 +358,44 @@ def perplexity(model_or_dir, text: str, tokenizer=None, window: int = 256, max_t
             progress(k + 1, len(chunks))
     mean = total_nll / count
     return {"perplexity": math.exp(mean), "nll": mean, "tokens": count}
+
+
+# --- task suites (the dashboard's and `mergepipe evaluate --tasks`) -----------------------------------
+@torch.no_grad()
+def choice_loglik(model, tokenizer, prompt: str, choice: str) -> float:
+    """log p(choice tokens | <s> + prompt tokens), summed over the choice's tokens."""
+    ctx = tokenizer.encode(prompt, bos=True)
+    cont = tokenizer.encode(choice)
+    if not cont:
+        raise MergePipeError(f"the choice {choice!r} encodes to no tokens")
+    x = torch.tensor([ctx + cont], dtype=torch.long)
+    logp = torch.log_softmax(model(input_ids=x).logits[0].float(), dim=-1)
+    pos = torch.arange(len(ctx) - 1, len(ctx) + len(cont) - 1)
+    return float(logp[pos, torch.tensor(cont)].sum())
+
+
+def score_task_suite(model_or_dir, suite: dict[str, list[TaskExample]], tokenizer=None, progress=None) -> dict:
+    """Accuracy per task (multiple choice by log-likelihood, the rest by exact match) and their unweighted
+    mean; ``progress(done, total)`` after each task. Returns {'per_task', 'mean', 'examples'}."""
+    if isinstance(model_or_dir, (str, Path)):
+        tokenizer = tokenizer or load_tokenizer(model_or_dir)
+        model = load_model(model_or_dir)
+    else:
+        model = model_or_dir
+        if tokenizer is None:
+            raise ValueError("pass the tokenizer with a model object")
+    per_task = {}
+    for k, (name, examples) in enumerate(suite.items()):
+        mc = [e for e in examples if e.choices]
+        gen = [e for e in examples if not e.choices]
+        correct = 0
+        for e in mc:
+            scores = [choice_loglik(model, tokenizer, e.prompt, c) for c in e.choices]
+            correct += e.choices[scores.index(max(scores))] == e.answer
+        if gen:
+            correct += round(accuracy(model, {name: [(e.prompt, e.answer) for e in gen]}, tokenizer)["mean"] * len(gen))
+        per_task[name] = correct / len(examples)
+        if progress:
+            progress(k + 1, len(suite))
+    return {"per_task": per_task, "mean": sum(per_task.values()) / len(per_task),
+            "examples": sum(len(v) for v in suite.values())}

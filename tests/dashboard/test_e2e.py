@@ -5,8 +5,9 @@ catalog, then: registers and analyzes a generated family on the Models page (and
 adapter, refused without a base), moves the budget slider
 on the Plan page and sees the estimated expert I/O and the access mask change, loads a mergekit YAML
 that sets the operator, experts, weights and density, saves the plan, launches
-the merge on the Run page and watches it complete, finds the snapshot in Snapshots and in Lineage and
-opens its manifest. A screenshot of each page goes to test-artifacts/ (and to assets/, shown by the docs, when
+the merge on the Run page and watches it complete, finds the snapshot in Snapshots, evaluates it (with its
+base and experts) on a held-out text and a task suite in the background, downloads its recipe, compares it
+with a second snapshot, finds it in Lineage and opens its manifest, and deletes it (the other one stays). A screenshot of each page goes to test-artifacts/ (and to assets/, shown by the docs, when
 MERGEPIPE_UPDATE_SCREENSHOTS=1).
 Nothing is installed at run time: chromium comes from apt, playwright from PyPI (never
 `playwright install`).
@@ -328,7 +329,48 @@ def test_dashboard_end_to_end(server, page):
     expect(page.get_by_role("heading", name="Recipe")).to_be_visible()
     expect(page.get_by_text("library_name: transformers")).to_be_visible()
     no_exception(page)
+    # Evaluate: the snapshot, its base and experts on a held-out text and a task suite, in the background
+    held = server["tmp"] / "heldout.txt"
+    held.write_text("t5 t6 t7 t8 t9 t10 t11 t12 " * 20)
+    suite = server["tmp"] / "suite.jsonl"
+    suite.write_text("".join(json.dumps({"task": "pick", "prompt": f"t{5 + i} t{6 + i}", "choices": ["t50", "t60"],
+                                         "answer": i % 2}) + "\n" for i in range(4)))
+    page.get_by_text("Evaluate: perplexity on a held-out text").click()
+    for label, path in (("Held-out text file (UTF-8): perplexity", held), ("Task suite (JSONL): accuracy", suite)):
+        box = page.get_by_role("textbox", name=label)
+        box.fill(str(path))
+        box.press("Enter")
+        idle(page)
+    page.get_by_role("button", name="Evaluate 4 models").click()
+    expect(page.get_by_text(re.compile(r"evaluate run \d+ succeeded")).first).to_be_visible(timeout=120_000)
+    idle(page)
+    quality = page.locator("[data-testid='stAlertContentSuccess']", has_text="accuracy").first
+    expect(quality).to_contain_text("perplexity")
+    expect(quality).to_contain_text("on suite.jsonl")
+    stored = {(r["model_id"], r["metric"]) for r in cat.query("SELECT model_id, metric FROM evaluations")}
+    assert stored == {(m, k) for m in ("merged-e2e", "base", "expert_1", "expert_2")
+                      for k in ("perplexity", "accuracy", "accuracy:pick")}
+    # export the recipe: the mergekit YAML of what this snapshot did
+    with page.expect_download() as got:
+        page.get_by_role("button", name="Download the recipe (mergekit YAML)").click()
+    recipe = Path(got.value.path()).read_text()
+    assert "merge_method: ties" in recipe and f"snapshot {snap}" in recipe and "budget: 30%" in recipe, recipe
+    no_exception(page)
     shot(page, "snapshots")
+
+    # --- Compare: a second snapshot (linear 60 %, merged through the API) against the first -------------------
+    from mergepipe.api import merge
+    _, snap2, _ = merge(cat, "base", list(EXPERTS), server["tmp"] / "merged-2", operator="linear",
+                        model_id="merged-lin", budget="60%")
+    nav(page, "Compare")
+    choose(page, "A: snapshot or plan", snap)
+    choose(page, "B: snapshot or plan", snap2)
+    expect(page.get_by_role("heading", name="Quality")).to_be_visible()
+    expect(page.locator("[data-testid='stDataFrame']").first).to_be_visible()
+    expect(page.get_by_text(re.compile(r"\d+ of \d+ tensors read differently"))).to_be_visible()
+    expect(page.get_by_text("Shared inputs: base, expert_1, expert_2.")).to_be_visible()
+    no_exception(page)
+    shot(page, "compare")
 
     # --- Lineage: the merged node, then open its manifest -------------------------------------------------
     nav(page, "Lineage")
@@ -346,13 +388,14 @@ def test_dashboard_end_to_end(server, page):
 
     # --- Home: totals and the last runs ---------------------------------------------------------------------
     nav(page, "Home", "MergePipe")
-    assert metric(page, "Snapshots") == "1" and metric(page, "Experts analyzed") == "3"
+    assert metric(page, "Snapshots") == "2" and metric(page, "Experts analyzed") == "3"
     shot(page, "home")
 
     # --- Snapshots: delete it (confirmation first): files and catalog rows go ---------------------------------
     out = Path(cat.query("SELECT out FROM snapshots WHERE id = ?", [snap])[0]["out"])
     assert (out / "README.md").is_file()
     nav(page, "Snapshots")
+    choose(page, "Snapshot", snap)
     page.get_by_text("Delete this snapshot").click()
     delete = page.get_by_role("button", name="Delete", exact=True)
     expect(delete).to_be_disabled()
@@ -361,9 +404,9 @@ def test_dashboard_end_to_end(server, page):
     expect(delete).to_be_enabled()
     delete.click()
     expect(page.get_by_text(f"Deleted {snap} (merged-e2e)")).to_be_visible()
-    expect(page.get_by_text("No snapshots yet")).to_be_visible()
-    assert not out.exists() and cat.query("SELECT id FROM snapshots") == []
+    expect(page.get_by_role("combobox", name="Snapshot")).to_have_value(re.compile(snap2))  # the other one stays
+    assert not out.exists() and cat.query("SELECT id FROM snapshots") == [{"id": snap2}]
     no_exception(page)
     cat.close()
     assert hosts == {"127.0.0.1"}, hosts
-    assert time.monotonic() - t0 < 200
+    assert time.monotonic() - t0 < 400

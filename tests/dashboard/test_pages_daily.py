@@ -189,8 +189,8 @@ def test_home_getting_started(env, built, tmp_path, monkeypatch):
 
 
 def test_compare_page(env, built):
-    at = open_page("compare")
-    assert any("needs two snapshots" in i for i in texts(at.info))
+    at = open_page("compare")  # one snapshot and its plan: A the plan, B the snapshot
+    assert (at.selectbox(key="cmp_a").value, at.selectbox(key="cmp_b").value) == (built.plan_id, built.snapshot_id)
     from mergepipe.api import merge
     cat = Catalog(env["db"])
     _, sid2, _ = merge(cat, "base", E, env["tmp"] / "m2", operator="ties", model_id="merged-2", density=0.5,
@@ -208,7 +208,7 @@ def test_compare_page(env, built):
     assert any("read differently" in c for c in texts(at.caption))
     assert spec(at, "cmp_access")["data"][0]["orientation"] == "h"
     at.selectbox(key="cmp_b").select(built.snapshot_id).run()
-    assert any("two different snapshots" in w for w in texts(at.warning))
+    assert any("two different snapshots or plans" in w for w in texts(at.warning))
 
 
 def test_snapshot_deep_link_with_two_snapshots(env, built):
@@ -254,7 +254,7 @@ def test_snapshots_evaluate_with_progress(env, built):
     at.run()
     assert not at.exception
     assert any("succeeded" in p.proto.text and "100%" in p.proto.text for p in at.get("progress"))
-    evals = [d.value for d in at.dataframe if "text sha256" in d.value.columns][0]
+    evals = [d.value for d in at.dataframe if "data sha256" in d.value.columns][0]
     assert set(evals["model"]) == {"merged-1", "base", *E} and (evals["metric"] == "perplexity").all()
     assert evals.iloc[0]["role"] == "snapshot" and (evals["value"] > 1).all()
     line = [s for s in texts(at.success) if s.startswith("read ")][0]
