@@ -381,6 +381,16 @@ def compose(docs: Path, encoder: dict | None, summary: list[str], files: list[Pa
     return "\n".join(lines) + "\n"
 
 
+def rewrite_readme(docs: Path) -> Path:
+    """README.md from both families' stored results and charts (no rerun, no chart rendering)."""
+    from benchmarks.fidelity.encoder_findings import summary
+    res = json.loads((docs / "minilm_results.json").read_text())
+    files = sorted(p for p in docs.iterdir() if p.stem.startswith("minilm_") and p.suffix in (".html", ".png"))
+    md = docs / "README.md"
+    md.write_text(compose(docs, res, summary(res, docs), files))
+    return md
+
+
 def write_report(res: dict, mini: bool = False, docs: Path | None = None) -> list[Path]:
     from benchmarks.fidelity.encoder_findings import summary
     docs = docs or (ROOT / "benchmarks" / "work" / "fidelity" / "docs-minilm-mini" if mini else DOCS)

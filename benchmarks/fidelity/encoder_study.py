@@ -228,7 +228,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--family", default=None, help=f"family directory (default {DEFAULT_OUT})")
     ap.add_argument("--mini", action="store_true", help="the miniature family (seconds)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-block-sweep", action="store_true")
     ap.add_argument("--report", action="store_true", help="write docs/fidelity from the last results.json")
     args = ap.parse_args(argv)
