@@ -56,10 +56,11 @@ def summary(res: dict, docs: Path) -> list[str]:
     for variant, v in res["variants"].items():
         k = max(m["k"] for m in v["merges"])
         for s, w in best_strategy(v["merges"], k).items():
-            acc = wins.setdefault(s, {"deviation": 0, "accuracy": 0, "cells": 0})
+            acc = wins.setdefault(s, {"deviation": 0, "accuracy": 0, "cells": 0, "compared": 0})
             for key in acc:
-                acc[key] += w[key]
-    lines.append("- **Strategy (family A, K = 8, both variants, 32 cells):** " + ", ".join(
+                acc[key] += w.get(key, 0)
+    n = max(w["compared"] for w in wins.values())
+    lines.append(f"- **Strategy (family A, K = 8, both variants, {n} operator-budget cells compared):** " + ", ".join(
         f"{s}: lowest deviation {w['deviation']}" + (f", best accuracy {w['accuracy']}/{w['cells']}" if w["cells"] else "")
         for s, w in wins.items()) + ".")
     if res.get("block_sweep"):
