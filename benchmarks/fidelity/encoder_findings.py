@@ -78,8 +78,14 @@ def summary(res: dict, docs: Path) -> list[str]:
     if llama:
         from benchmarks.fidelity.study import targets
         rows = [r for r in targets(llama) if r["target"].startswith(("F1", "F2"))]
+        lin = next(m for m in llama["merges"] if m["operator"] == "linear" and m["budget_pct"] == 100)["deviation"]
+        sizes = []
+        for variant, v in res["variants"].items():
+            k = max(m["k"] for m in v["merges"])
+            d = next(m for m in v["merges"] if m["k"] == k and m["operator"] == "linear" and m["budget_pct"] == 100)
+            sizes.append(f"{variant} {d['deviation']['update_norm'] / d['deviation']['reference_norm']:.1e}")
         lines.append(f"- **Family B (tiny Llama):** F1/F2 met in {sum(r['met'] for r in rows)}/{len(rows)} cells "
-                     "(details in its section below); its fine-tunes move ~14 % of the weights' norm, family A's "
-                     "a small fraction of that (see the update sizes below), which is why its deviations are "
-                     "orders of magnitude larger at the same budget.")
+                     "(details in its section below). Update size ‖M_full − base‖/‖M_full‖ of the 8-expert linear merge: "
+                     f"family B {lin['update_norm'] / lin['reference_norm']:.1e}, family A " + ", ".join(sizes)
+                     + "; the relative deviation at a given budget scales with it.")
     return lines + [""]

@@ -179,7 +179,7 @@ def run(args) -> dict:
                             "lambdas": list(LAMBDAS), "size_lambdas": list(SIZE_LAMBDAS), "min_gain": MIN_GAIN,
                             "k8_cells": {"full": K8_FULL, "lora": K8_LORA}, "small_k_cells": SMALL_K},
                "accuracy": acc, "variants": {}, "phases_done": []}
-    out_root = WORK / ("minilm-study-mini" if args.mini else "minilm-study")
+    out_root = WORK / (("minilm-study-mini" if args.mini else "minilm-study") + (f"-{args.tag}" if args.tag else ""))
     studies = {v: EncoderStudy(fam, v, out_root / v, suite, BLOCK_BYTES) for v in spec.variants}
     for variant, st in studies.items():
         results["variants"][variant] = {"analyze_seconds": st.analyze_seconds, "lambda": {}, "merges": []}
@@ -206,6 +206,8 @@ def run(args) -> dict:
         for variant in spec.variants:
             ops = SIZE_OPERATORS if variant == "full" else ("task_arithmetic",)
             phases.append((f"{variant} K={k} norm", variant, k, SMALL_K, ops))
+    if args.phases:  # e.g. "K=2,K=4": run only the phases whose name contains one of these
+        phases = [p for p in phases if any(f in p[0] for f in args.phases.split(","))]
     for name, variant, k, cells, ops in phases:
         st, v = studies[variant], results["variants"][variant]
         groups = [tuple(tasks)] if k is None else small[k]
@@ -223,7 +225,7 @@ def run(args) -> dict:
         save(name)
     for st in studies.values():
         shutil.rmtree(st.out / "merges", ignore_errors=True)
-    if not args.no_block_sweep:
+    if not args.no_block_sweep and not args.phases:
         results["block_sweep"] = block_sweep(fam, suite, results["variants"]["full"]["lambda"][str(len(tasks))]["chosen"],
                                              out_root / "blocks")
         save("block sweep")
@@ -253,13 +255,25 @@ def main(argv=None) -> int:
     ap.add_argument("--mini", action="store_true", help="the miniature family (seconds)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-block-sweep", action="store_true")
+    ap.add_argument("--phases", default=None, help="comma-separated filters on phase names (e.g. K=2,K=4); no block sweep")
+    ap.add_argument("--tag", default="", help="suffix of the study's work directory (parallel partial runs)")
     ap.add_argument("--report", action="store_true", help="write docs/fidelity from the last results.json")
     args = ap.parse_args(argv)
     if not args.report:
         run(args)
+        if args.phases:
+            return 0
     from benchmarks.fidelity.encoder_report import write_report
-    src = WORK / ("minilm-study-mini" if args.mini else "minilm-study") / "results.json"
-    for p in write_report(json.loads(src.read_text()), mini=args.mini):
+    main_dir = WORK / ("minilm-study-mini" if args.mini else "minilm-study")
+    res = json.loads((main_dir / "results.json").read_text())
+    for extra in sorted(WORK.glob(main_dir.name + "-*/results.json")):  # partial runs (--phases, --tag)
+        more = json.loads(extra.read_text())
+        for variant, v in more["variants"].items():
+            have = {m["k"] for m in res["variants"][variant]["merges"]}
+            res["variants"][variant]["merges"] += [m for m in v["merges"] if m["k"] not in have]
+            res["variants"][variant]["lambda"].update(v["lambda"])
+        res["phases_done"] += more["phases_done"]
+    for p in write_report(res, mini=args.mini):
         print(p)
     return 0
 
