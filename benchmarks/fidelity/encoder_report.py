@@ -143,10 +143,10 @@ def strategy_table(merges, k) -> list[str]:
     lines = ["| operator | budget | " + " | ".join(STRATEGIES) + " |", "|---|---|" + "---|" * len(STRATEGIES)]
     for op in OPERATORS:
         for b in BUDGETS:
-            cells = []
-            for s in STRATEGIES:
-                c = cell(merges, k, op, b, s)
-                cells.append("–" if c is None else f"{pct(c['acc'])} / {c['rel']:.2e}")
+            cs = [cell(merges, k, op, b, s) for s in STRATEGIES]
+            if sum(c is not None for c in cs) < 2:
+                continue
+            cells = ["–" if c is None else f"{pct(c['acc'])} / {c['rel']:.2e}" for c in cs]
             lines.append(f"| {op} | {b} % | " + " | ".join(cells) + " |")
     return lines
 
@@ -242,19 +242,24 @@ def variant_section(res: dict, variant: str) -> list[str]:
              "retention / relative deviation ‖M_A − M_full‖/‖M_full‖ / plan bound relative to the update, norm strategy:",
              "", "| operator | " + " | ".join(f"{b} %" for b in BUDGETS) + " | 100 % |", "|---|" + "---|" * (len(BUDGETS) + 1)]
     for op in OPERATORS:
+        f = cell(merges, k, op, 100)
+        if f is None:
+            continue
         cells = []
         for b in BUDGETS:
             c = cell(merges, k, op, b)
-            cells.append(f"{pct(c['acc'])} / {r2(c['retention'])} / {c['rel']:.1e} / "
+            cells.append("–" if c is None else f"{pct(c['acc'])} / {r2(c['retention'])} / {c['rel']:.1e} / "
                          + ("–" if c["bound_rel"] is None else f"{c['bound_rel']:.2f}"))
-        f = cell(merges, k, op, 100)
         cells.append(f"{pct(f['acc'])} / {r2(f['retention'])}")
         lines.append(f"| {op} | " + " | ".join(cells) + " |")
     full_lin = select(merges, k, "linear", 100)[0]["deviation"]
     lines += ["", f"Update size: ‖M_full − base‖/‖M_full‖ = {full_lin['update_norm'] / full_lin['reference_norm']:.2e} "
               "(linear).", "", "Accuracy (%) / relative deviation by planner strategy"
-              + (" (LoRA: accuracy for norm and random only, deviation for all)" if variant == "lora" else "") + ":", ""]
-    lines += strategy_table(merges, k)
+              + "" + ":", ""]
+    table = strategy_table(merges, k)
+    if len(table) == 2:
+        return lines[:-3] + ["", "Other planner strategies: not measured for this variant (cut for time).", ""]
+    lines += table
     wins = best_strategy(merges, k)
     lines += ["", f"Wins over the {max(w.get('compared', 0) for w in wins.values())} (operator, budget) cells with "
               "several strategies: " + ", ".join(
@@ -322,13 +327,16 @@ def charts(res: dict, out: Path) -> list[Path]:
     for variant, v in res["variants"].items():
         k = max(m["k"] for m in v["merges"])
         for op, color in colors.items():
-            cs = [cell(v["merges"], k, op, b) for b in xs]
+            pts = [(b, c) for b in xs if (c := cell(v["merges"], k, op, b)) is not None]
+            if not pts:
+                continue
+            bx = [b for b, _ in pts]
             style = {"mode": "lines+markers", "name": f"{variant} {op}", "line": {"color": color, "dash": dashes[variant]}}
-            fig.add_trace(go.Scatter(x=xs, y=[c["acc"] for c in cs], legendgroup=f"{variant}{op}", **style), 1, 1)
-            fig.add_trace(go.Scatter(x=xs, y=[c["retention"] for c in cs], legendgroup=f"{variant}{op}",
+            fig.add_trace(go.Scatter(x=bx, y=[c["acc"] for _, c in pts], legendgroup=f"{variant}{op}", **style), 1, 1)
+            fig.add_trace(go.Scatter(x=bx, y=[c["retention"] for _, c in pts], legendgroup=f"{variant}{op}",
                                      showlegend=False, **style), 1, 2)
-            fig.add_trace(go.Scatter(x=xs[:-1], y=[c["rel"] for c in cs[:-1]], legendgroup=f"{variant}{op}",
-                                     showlegend=False, **style), 1, 3)
+            fig.add_trace(go.Scatter(x=[b for b, _ in pts if b < 100], y=[c["rel"] for b, c in pts if b < 100],
+                                     legendgroup=f"{variant}{op}", showlegend=False, **style), 1, 3)
     fig.add_hline(y=F2_MAX, line_dash="dot", line_color="gray", annotation_text="F2 5e-4", row=1, col=3)
     fig.update_xaxes(title_text="budget (% of full expert read)", type="log", tickvals=xs)
     fig.update_yaxes(type="log", row=1, col=3)
@@ -338,10 +346,10 @@ def charts(res: dict, out: Path) -> list[Path]:
     for col, op in enumerate(("task_arithmetic", "ties"), 1):
         for variant, v in res["variants"].items():
             for k, color in zip((2, 4, 8), ("#2ca02c", "#ff7f0e", "#1f77b4")):
-                cs = [cell(v["merges"], k, op, b) for b in xs]
-                if any(c is None for c in cs):
+                pts = [(b, c) for b in xs if (c := cell(v["merges"], k, op, b)) is not None]
+                if len(pts) < 2:
                     continue
-                fig2.add_trace(go.Scatter(x=xs, y=[c["retention"] for c in cs], mode="lines+markers",
+                fig2.add_trace(go.Scatter(x=[b for b, _ in pts], y=[c["retention"] for _, c in pts], mode="lines+markers",
                                           name=f"{variant} K={k}", legendgroup=f"{variant}{k}", showlegend=col == 1,
                                           line={"color": color, "dash": dashes[variant]}), 1, col)
     fig2.update_xaxes(title_text="budget (%)", type="log", tickvals=xs)

@@ -108,8 +108,8 @@ class EncoderStudy:
             shutil.rmtree(out)
         return rec
 
-    def full_reference(self, op: str, params: dict, experts=None) -> dict:
-        rec = self.merge(op, 100, "norm", params, experts=experts, keep=True)
+    def full_reference(self, op: str, params: dict, experts=None, tasks=None) -> dict:
+        rec = self.merge(op, 100, "norm", params, experts=experts, keep=True, tasks=tasks)
         dev = deviation(rec["dir"], rec["dir"], self.fam["base"])
         dev.pop("per_tensor")
         rec["deviation"], rec["bound_check"] = dev, None
@@ -117,6 +117,8 @@ class EncoderStudy:
 
     def pick_lambda(self, valid: dict, groups, lambdas=LAMBDAS) -> dict:
         """task_arithmetic's lambda: best full-budget own-task accuracy on a validation set, mean over groups."""
+        if len(lambdas) == 1:
+            return {"candidates": {}, "chosen": lambdas[0]}
         scores = {}
         for lam in lambdas:
             accs = []
@@ -147,12 +149,13 @@ class EncoderStudy:
         return rows
 
 
-# What the study runs (cut to fit 2 shared cores, see the report). K = 8: norm at every budget with
-# accuracy; the other strategies in weight space at 10/25/50 % (full) or 25/50 % (LoRA), accuracy at 25 %.
-K8_FULL = {"norm": (BUDGETS, BUDGETS), **{s: ((10, 25, 50), (25,)) for s in STRATEGIES if s != "norm"}}
-K8_LORA = {"norm": (BUDGETS, BUDGETS), **{s: ((25, 50), (25,)) for s in STRATEGIES if s != "norm"}}
-SMALL_K = {"norm": ((10, 25, 50), (10, 25, 50))}
-SIZE_LAMBDAS = (0.5, 1.0)
+# What the study runs (cut to fit 2 shared cores, see the report). K = 8: norm at every budget for every
+# operator; the other strategies at 25 % for linear and ties; K = 2, 4: 25 % and 100 %.
+K8_FULL = {"norm": (BUDGETS, BUDGETS), **{s: ((25,), (25,)) for s in STRATEGIES if s != "norm"}}
+K8_LORA = {"norm": (BUDGETS, BUDGETS), **{s: ((25,), (25,)) for s in STRATEGIES if s != "norm"}}
+SMALL_K = {"norm": ((25,), (25,))}
+SIZE_LAMBDAS = (0.5,)  # fixed (no validation merges): the machine had no time for the selection
+STRATEGY_OPERATORS = ("linear", "ties")  # the strategy comparison at 25 % (cut: see the report)
 
 
 def run(args) -> dict:
@@ -180,9 +183,6 @@ def run(args) -> dict:
                             "k8_cells": {"full": K8_FULL, "lora": K8_LORA}, "small_k_cells": SMALL_K},
                "accuracy": acc, "variants": {}, "phases_done": []}
     out_root = WORK / (("minilm-study-mini" if args.mini else "minilm-study") + (f"-{args.tag}" if args.tag else ""))
-    studies = {v: EncoderStudy(fam, v, out_root / v, suite, BLOCK_BYTES) for v in spec.variants}
-    for variant, st in studies.items():
-        results["variants"][variant] = {"analyze_seconds": st.analyze_seconds, "lambda": {}, "merges": []}
 
     def save(phase):
         for variant, v in results["variants"].items():
@@ -195,27 +195,41 @@ def run(args) -> dict:
         (out_root / "results.json").write_text(json.dumps(results, indent=1))
         print(f"phase {phase} done at {results['seconds_total']:.0f}s", flush=True)
 
+    if args.blocks:  # only the block-size sweep, at these sizes
+        results["block_sweep"] = block_sweep(fam, suite, None, out_root / "blocks",
+                                             tuple(int(b) for b in args.blocks.split(",")))
+        save("block sweep")
+        return results
     small = size_groups(tasks) if len(tasks) >= 4 else {}
     phases = []
     for variant in spec.variants:
         phases.append((f"{variant} K={len(tasks)} norm", variant, None, {"norm": K8_FULL["norm"]}, OPERATORS))
     for variant in spec.variants:
         others = {s: c for s, c in (K8_FULL if variant == "full" else K8_LORA).items() if s != "norm"}
-        phases.append((f"{variant} K={len(tasks)} strategies", variant, None, others, OPERATORS))
+        phases.append((f"{variant} K={len(tasks)} strategies", variant, None, others, STRATEGY_OPERATORS))
     for k in small:
         for variant in spec.variants:
-            ops = SIZE_OPERATORS if variant == "full" else ("task_arithmetic",)
+            ops = ("task_arithmetic",)
             phases.append((f"{variant} K={k} norm", variant, k, SMALL_K, ops))
     if args.phases:  # e.g. "K=2,K=4": run only the phases whose name contains one of these
         phases = [p for p in phases if any(f in p[0] for f in args.phases.split(","))]
+    studies = {v: EncoderStudy(fam, v, out_root / v, suite, BLOCK_BYTES) for v in spec.variants
+               if any(p[1] == v for p in phases)}
+    for variant, st in studies.items():
+        results["variants"][variant] = {"analyze_seconds": st.analyze_seconds, "lambda": {}, "merges": []}
     for name, variant, k, cells, ops in phases:
+        if args.ops:  # a cut run: these operators, norm at these budgets, a fixed lambda
+            ops = tuple(o for o in ops if o in args.ops.split(","))
+            cells = {"norm": (tuple(int(b) for b in args.budgets.split(",")),) * 2}
         st, v = studies[variant], results["variants"][variant]
+        if args.lam is not None:
+            v["lambda"][str(len(tasks) if k is None else k)] = {"candidates": {}, "chosen": args.lam}
         groups = [tuple(tasks)] if k is None else small[k]
         key = str(len(groups[0]))
-        if key not in v["lambda"]:
+        if key not in v["lambda"] and "task_arithmetic" in ops:
             v["lambda"][key] = st.pick_lambda(valid, groups, LAMBDAS if k is None else SIZE_LAMBDAS)
         for i, g in enumerate(groups):
-            rows = st.grid(v["lambda"][key]["chosen"], cells, operators=ops, experts=None if k is None else g)
+            rows = st.grid(v["lambda"].get(key, {"chosen": None})["chosen"], cells, operators=ops, experts=None if k is None else g)
             if k is not None:
                 for row in rows:
                     row["group"] = i
@@ -232,16 +246,16 @@ def run(args) -> dict:
     return results
 
 
-def block_sweep(fam: dict, suite: dict, lam: float, out: Path) -> list[dict]:
+def block_sweep(fam: dict, suite: dict, lam: float, out: Path, sizes=BLOCK_SWEEP) -> list[dict]:
     """Full fine-tunes, K = all: norm at SWEEP_BUDGETS for linear and ties under each block size
     (weight space; accuracy at 25 %)."""
     rows = []
-    for bb in BLOCK_SWEEP:
+    for bb in sizes:
         st = EncoderStudy(fam, "full", out / f"bb{bb}", suite, bb)
         for op in ("linear",):
             params = op_params(op, lam)
-            ref = st.full_reference(op, params)
-            for b in SWEEP_BUDGETS:
+            ref = st.full_reference(op, params, tasks=())
+            for b in (25, 50):
                 rows.append(st.merge(op, b, "norm", params, reference=ref["dir"], tasks=None if b == 25 else ()))
             shutil.rmtree(ref["dir"])
         rows[-1]["analyze_seconds"] = st.analyze_seconds
@@ -256,12 +270,16 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-block-sweep", action="store_true")
     ap.add_argument("--phases", default=None, help="comma-separated filters on phase names (e.g. K=2,K=4); no block sweep")
+    ap.add_argument("--blocks", default=None, help="only the block-size sweep at these block sizes (bytes, comma-separated)")
+    ap.add_argument("--ops", default=None, help="cut run: only these operators (with --budgets, --lam)")
+    ap.add_argument("--budgets", default="25,50")
+    ap.add_argument("--lam", type=float, default=None, help="task_arithmetic lambda without validation")
     ap.add_argument("--tag", default="", help="suffix of the study's work directory (parallel partial runs)")
     ap.add_argument("--report", action="store_true", help="write docs/fidelity from the last results.json")
     args = ap.parse_args(argv)
     if not args.report:
         run(args)
-        if args.phases:
+        if args.phases or args.blocks:
             return 0
     from benchmarks.fidelity.encoder_report import write_report
     main_dir = WORK / ("minilm-study-mini" if args.mini else "minilm-study")
@@ -269,10 +287,14 @@ def main(argv=None) -> int:
     for extra in sorted(WORK.glob(main_dir.name + "-*/results.json")):  # partial runs (--phases, --tag)
         more = json.loads(extra.read_text())
         for variant, v in more["variants"].items():
-            have = {m["k"] for m in res["variants"][variant]["merges"]}
-            res["variants"][variant]["merges"] += [m for m in v["merges"] if m["k"] not in have]
+            res["variants"].setdefault(variant, {"lambda": {}, "merges": []})
+            have = {(m["k"], m["strategy"]) for m in res["variants"][variant]["merges"]}
+            res["variants"][variant]["merges"] += [m for m in v["merges"] if (m["k"], m["strategy"]) not in have
+                                                   and not (m["budget_pct"] == 100 and m["k"] == len(m["experts"])
+                                                            and (m["k"], "all") in have)]
             res["variants"][variant]["lambda"].update(v["lambda"])
         res["phases_done"] += more["phases_done"]
+        res["block_sweep"] = res.get("block_sweep", []) + more.get("block_sweep", [])
     for p in write_report(res, mini=args.mini):
         print(p)
     return 0
