@@ -851,7 +851,11 @@ def write_report(results: dict, out: Path = DOCS) -> list[Path]:
     js.write_text(json.dumps({**slim, "targets": rows, "best_strategies": best_strategies(results)}, indent=1))
     files = charts(results, out)
     md = out / "README.md"
-    md.write_text(markdown(results, rows, files))
+    if (out / "minilm_results.json").exists():  # one report for both families
+        from benchmarks.fidelity.encoder_report import rewrite_readme
+        rewrite_readme(out)
+    else:
+        md.write_text(markdown(results, rows, files))
     return [js, md, *files]
 
 

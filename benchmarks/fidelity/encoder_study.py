@@ -1,0 +1,304 @@
+"""The fidelity study on the pretrained-encoder family (all-MiniLM-L6-v2 experts, heads outside the merge).
+
+    python -m benchmarks.fidelity.encoder_study            # builds the family if missing, then the study
+    python -m benchmarks.fidelity.encoder_study --mini     # the miniature family (a smoke run, seconds)
+
+Per expert variant (full fine-tunes, LoRA): K = 8 merges of every operator at 100 % and at 5, 10,
+25, 50 % under every planner strategy, scored per task with the merged encoder + that task's head;
+K = 2 and K = 4 merges (disjoint groups, :func:`benchmarks.fidelity.study.size_groups`) for ties and
+task_arithmetic under the norm strategy; a block-size sweep (norm, linear and ties, weight space and
+accuracy at 25 %). Records accuracy, retention of the experts' gain over the base's linear probe,
+relative deviation from the full merge, plan bound vs realized deviation, bytes and seconds, into
+``benchmarks/work/fidelity/minilm-study/results.json``; ``--report`` writes docs/fidelity from it
+(:mod:`benchmarks.fidelity.encoder_report`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from benchmarks.fidelity.encoder import DEFAULT_OUT, FULL, MINI, build_family, eval_suite, family_accuracy
+from benchmarks.fidelity.study import disjoint_block_bound, retention, size_groups
+from mergepipe.analyze.runner import analyze
+from mergepipe.api import merge
+from mergepipe.catalog.db import Catalog
+from mergepipe.catalog.models import register
+from mergepipe.research.classify import merged_accuracy
+from mergepipe.research.evaluate import bound_check, deviation
+
+WORK = Path(__file__).resolve().parents[1] / "work" / "fidelity"
+OPERATORS = ("linear", "task_arithmetic", "ties", "dare_ties")
+BUDGETS = (5, 10, 25, 50)
+STRATEGIES = ("norm", "conflict", "kept", "random", "uniform")
+BLOCK_BYTES = 64 << 10
+BLOCK_SWEEP = (16 << 10, 256 << 10, 1 << 20)  # the main grid is the 64 KiB point
+SWEEP_BUDGETS = (10, 25, 50)
+SIZE_OPERATORS = ("task_arithmetic", "ties")
+DENSITY = 0.5
+LAMBDAS = (0.3, 0.5, 1.0)
+MIN_GAIN = 0.10
+
+
+def op_params(op: str, lam: float) -> dict:
+    return {"linear": {}, "task_arithmetic": {"lam": lam}, "ties": {"density": DENSITY},
+            "dare_ties": {"density": DENSITY, "normalize": True}}[op]
+
+
+class EncoderStudy:
+    """One variant's catalog (base + experts analyzed at ``block_bytes``) and its merges."""
+
+    def __init__(self, fam: dict, variant: str, out: Path, suite: dict, block_bytes: int, log=print):
+        self.fam, self.variant, self.out, self.suite, self.log = fam, variant, out, suite, log
+        self.heads = fam["heads"][variant]
+        self.experts = list(fam["experts"][variant])
+        shutil.rmtree(out, ignore_errors=True)
+        (out / "merges").mkdir(parents=True)
+        self.cat = Catalog(str(out / "catalog.sqlite"), create=True)
+        t0 = time.perf_counter()
+        register(self.cat, "base", fam["base"])
+        for t in self.experts:
+            register(self.cat, t, fam["experts"][variant][t], base_id="base")
+        analyze(self.cat, self.experts, block_bytes=block_bytes)
+        self.analyze_seconds = time.perf_counter() - t0
+        self.block_bytes = block_bytes
+        self.n = 0
+
+    def merge(self, op: str, budget: int, strategy: str, params: dict, experts=None, reference=None,
+              tasks=None, keep=False, seed: int = 0) -> dict:
+        """One merge; scored on ``tasks`` (default: the merged experts' tasks; () = no accuracy)."""
+        experts = list(experts or self.experts)
+        self.n += 1
+        mid = f"m{self.n:04d}-{op}-{budget}-{strategy}"
+        out = self.out / "merges" / mid
+        t0 = time.perf_counter()
+        plan, _snap, manifest = merge(self.cat, "base", experts, str(out), operator=op, budget=f"{budget}%",
+                                      strategy=strategy, seed=seed, model_id=mid, **params)
+        rec = {"variant": self.variant, "operator": op, "budget_pct": budget, "strategy": strategy if budget < 100 else "all",
+               "experts": experts, "k": len(experts), "block_bytes": self.block_bytes, "params": params,
+               "seconds": time.perf_counter() - t0, "bytes_planned": plan["estimate"]["expert_read"],
+               "bytes_realized": manifest.core["realized"]["expert_read"], "full_expert_bytes": plan["full_expert_bytes"],
+               "budget_bytes": plan["budget"]["bytes"], "bound": plan["error_bound"]}
+        if reference is not None:
+            dev = deviation(out, reference, self.fam["base"])
+            dev.pop("per_tensor")
+            rec["deviation"] = dev
+            rec["bound_check"] = bound_check(plan.data, dev)
+            if plan["error_bound"]:
+                rec["bound_disjoint_blocks"] = disjoint_block_bound(self.cat, plan.data)
+        tasks = experts if tasks is None else tasks
+        if tasks:
+            t1 = time.perf_counter()
+            rec["accuracy"] = merged_accuracy(out, {t: self.heads[t] for t in tasks}, {t: self.suite[t] for t in tasks})
+            rec["eval_seconds"] = time.perf_counter() - t1
+        self.log(f"{self.variant} K={len(experts)} {mid} bb={self.block_bytes}: {rec['seconds']:.1f}s"
+                 + (f", dev {rec['deviation']['relative']:.2e}" if "deviation" in rec else "")
+                 + (f", acc {rec['accuracy']['mean']:.3f}" if "accuracy" in rec else ""))
+        if keep:
+            rec["dir"] = str(out)
+        else:
+            shutil.rmtree(out)
+        return rec
+
+    def full_reference(self, op: str, params: dict, experts=None, tasks=None) -> dict:
+        rec = self.merge(op, 100, "norm", params, experts=experts, keep=True, tasks=tasks)
+        dev = deviation(rec["dir"], rec["dir"], self.fam["base"])
+        dev.pop("per_tensor")
+        rec["deviation"], rec["bound_check"] = dev, None
+        return rec
+
+    def pick_lambda(self, valid: dict, groups, lambdas=LAMBDAS) -> dict:
+        """task_arithmetic's lambda: best full-budget own-task accuracy on a validation set, mean over groups."""
+        if len(lambdas) == 1:
+            return {"candidates": {}, "chosen": lambdas[0]}
+        scores = {}
+        for lam in lambdas:
+            accs = []
+            for g in groups:
+                self.n += 1
+                out = self.out / "merges" / f"lam{self.n}"
+                merge(self.cat, "base", list(g), str(out), operator="task_arithmetic", lam=lam, model_id=f"lam{self.n}")
+                accs.append(merged_accuracy(out, {t: self.heads[t] for t in g}, {t: valid[t] for t in g})["mean"])
+                shutil.rmtree(out)
+            scores[lam] = sum(accs) / len(accs)
+        best = max(lambdas, key=lambda lam: (scores[lam], -lam))
+        self.log(f"{self.variant} K={len(groups[0])} lambda {best} from {scores}")
+        return {"candidates": {str(k): v for k, v in scores.items()}, "chosen": best}
+
+    def grid(self, lam: float, cells: dict, operators=OPERATORS, experts=None) -> list[dict]:
+        """Each operator's full merge, then ``cells[strategy] = (budgets, scored budgets)``: weight-space
+        deviation at every listed budget, accuracy at the scored ones."""
+        rows = []
+        for op in operators:
+            params = op_params(op, lam)
+            ref = self.full_reference(op, params, experts)
+            for strategy, (budgets, scored) in cells.items():
+                for b in budgets:
+                    rows.append(self.merge(op, b, strategy, params, experts=experts, reference=ref["dir"],
+                                           tasks=None if b in scored else ()))
+            shutil.rmtree(ref.pop("dir"))
+            rows.append(ref)
+        return rows
+
+
+# What the study runs (cut to fit 2 shared cores, see the report). K = 8: norm at every budget for every
+# operator; the other strategies at 25 % for linear and ties; K = 2, 4: 25 % and 100 %.
+K8_FULL = {"norm": (BUDGETS, BUDGETS), **{s: ((25,), (25,)) for s in STRATEGIES if s != "norm"}}
+K8_LORA = {"norm": (BUDGETS, BUDGETS), **{s: ((25,), (25,)) for s in STRATEGIES if s != "norm"}}
+SMALL_K = {"norm": ((25,), (25,))}
+SIZE_LAMBDAS = (0.5,)  # fixed (no validation merges): the machine had no time for the selection
+STRATEGY_OPERATORS = ("linear", "ties")  # the strategy comparison at 25 % (cut: see the report)
+
+
+def run(args) -> dict:
+    """The study in phases, most informative first; results.json is rewritten after every phase, so an
+    interrupted run still reports what it measured."""
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    spec = MINI if args.mini else FULL
+    fam_dir = Path(args.family or (DEFAULT_OUT.with_name("minilm-mini") if args.mini else DEFAULT_OUT))
+    fam = build_family(fam_dir, spec)
+    cached = fam_dir / "accuracy.json"
+    acc = json.loads(cached.read_text()) if cached.exists() else family_accuracy(fam, spec)
+    cached.write_text(json.dumps(acc, indent=2))
+    suite = eval_suite(spec)
+    valid = {t: pairs[: max(16, len(pairs) // 2)] for t, pairs in suite.items()}
+    tasks = list(spec.tasks)
+    results = {"started": time.strftime("%Y-%m-%d %H:%M:%S"),
+               "machine": {"cpus": os.cpu_count(), "threads": args.threads, "torch": torch.__version__,
+                           "python": platform.python_version()},
+               "family": {"dir": str(fam_dir), "spec": fam["spec"], "tasks": fam["tasks"]},
+               "settings": {"block_bytes": BLOCK_BYTES, "block_sweep": list(BLOCK_SWEEP), "density": DENSITY,
+                            "budgets_pct": [*BUDGETS, 100], "strategies": list(STRATEGIES),
+                            "operators": list(OPERATORS), "size_operators": list(SIZE_OPERATORS),
+                            "lambdas": list(LAMBDAS), "size_lambdas": list(SIZE_LAMBDAS), "min_gain": MIN_GAIN,
+                            "k8_cells": {"full": K8_FULL, "lora": K8_LORA}, "small_k_cells": SMALL_K},
+               "accuracy": acc, "variants": {}, "phases_done": []}
+    out_root = WORK / (("minilm-study-mini" if args.mini else "minilm-study") + (f"-{args.tag}" if args.tag else ""))
+
+    def save(phase):
+        for variant, v in results["variants"].items():
+            for m in v["merges"]:
+                if "accuracy" in m and "retention" not in m:
+                    own = {t: acc["experts"][variant][t] for t in m["experts"]}
+                    m["retention"] = retention(m["accuracy"]["per_task"], acc["base_probe"], own, m["experts"], MIN_GAIN)
+        results["phases_done"].append(phase)
+        results["seconds_total"] = time.perf_counter() - t_start
+        (out_root / "results.json").write_text(json.dumps(results, indent=1))
+        print(f"phase {phase} done at {results['seconds_total']:.0f}s", flush=True)
+
+    if args.blocks:  # only the block-size sweep, at these sizes
+        results["block_sweep"] = block_sweep(fam, suite, None, out_root / "blocks",
+                                             tuple(int(b) for b in args.blocks.split(",")))
+        save("block sweep")
+        return results
+    small = size_groups(tasks) if len(tasks) >= 4 else {}
+    phases = []
+    for variant in spec.variants:
+        phases.append((f"{variant} K={len(tasks)} norm", variant, None, {"norm": K8_FULL["norm"]}, OPERATORS))
+    for variant in spec.variants:
+        others = {s: c for s, c in (K8_FULL if variant == "full" else K8_LORA).items() if s != "norm"}
+        phases.append((f"{variant} K={len(tasks)} strategies", variant, None, others, STRATEGY_OPERATORS))
+    for k in small:
+        for variant in spec.variants:
+            ops = ("task_arithmetic",)
+            phases.append((f"{variant} K={k} norm", variant, k, SMALL_K, ops))
+    if args.phases:  # e.g. "K=2,K=4": run only the phases whose name contains one of these
+        phases = [p for p in phases if any(f in p[0] for f in args.phases.split(","))]
+    studies = {v: EncoderStudy(fam, v, out_root / v, suite, BLOCK_BYTES) for v in spec.variants
+               if any(p[1] == v for p in phases)}
+    for variant, st in studies.items():
+        results["variants"][variant] = {"analyze_seconds": st.analyze_seconds, "lambda": {}, "merges": []}
+    for name, variant, k, cells, ops in phases:
+        if args.ops:  # a cut run: these operators, norm at these budgets, a fixed lambda
+            ops = tuple(o for o in ops if o in args.ops.split(","))
+            cells = {"norm": (tuple(int(b) for b in args.budgets.split(",")),) * 2}
+        st, v = studies[variant], results["variants"][variant]
+        if args.lam is not None:
+            v["lambda"][str(len(tasks) if k is None else k)] = {"candidates": {}, "chosen": args.lam}
+        groups = [tuple(tasks)] if k is None else small[k]
+        key = str(len(groups[0]))
+        if key not in v["lambda"] and "task_arithmetic" in ops:
+            v["lambda"][key] = st.pick_lambda(valid, groups, LAMBDAS if k is None else SIZE_LAMBDAS)
+        for i, g in enumerate(groups):
+            rows = st.grid(v["lambda"].get(key, {"chosen": None})["chosen"], cells, operators=ops, experts=None if k is None else g)
+            if k is not None:
+                for row in rows:
+                    row["group"] = i
+            if "strategies" in name:  # the full merges are already in from the norm phase
+                rows = [r for r in rows if r["budget_pct"] < 100]
+            v["merges"] += rows
+        save(name)
+    for st in studies.values():
+        shutil.rmtree(st.out / "merges", ignore_errors=True)
+    if not args.no_block_sweep and not args.phases:
+        results["block_sweep"] = block_sweep(fam, suite, results["variants"]["full"]["lambda"][str(len(tasks))]["chosen"],
+                                             out_root / "blocks")
+        save("block sweep")
+    return results
+
+
+def block_sweep(fam: dict, suite: dict, lam: float, out: Path, sizes=BLOCK_SWEEP) -> list[dict]:
+    """Full fine-tunes, K = all: norm at SWEEP_BUDGETS for linear and ties under each block size
+    (weight space; accuracy at 25 %)."""
+    rows = []
+    for bb in sizes:
+        st = EncoderStudy(fam, "full", out / f"bb{bb}", suite, bb)
+        for op in ("linear",):
+            params = op_params(op, lam)
+            ref = st.full_reference(op, params, tasks=())
+            for b in (25, 50):
+                rows.append(st.merge(op, b, "norm", params, reference=ref["dir"], tasks=None if b == 25 else ()))
+            shutil.rmtree(ref["dir"])
+        rows[-1]["analyze_seconds"] = st.analyze_seconds
+        shutil.rmtree(st.out, ignore_errors=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--family", default=None, help=f"family directory (default {DEFAULT_OUT})")
+    ap.add_argument("--mini", action="store_true", help="the miniature family (seconds)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-block-sweep", action="store_true")
+    ap.add_argument("--phases", default=None, help="comma-separated filters on phase names (e.g. K=2,K=4); no block sweep")
+    ap.add_argument("--blocks", default=None, help="only the block-size sweep at these block sizes (bytes, comma-separated)")
+    ap.add_argument("--ops", default=None, help="cut run: only these operators (with --budgets, --lam)")
+    ap.add_argument("--budgets", default="25,50")
+    ap.add_argument("--lam", type=float, default=None, help="task_arithmetic lambda without validation")
+    ap.add_argument("--tag", default="", help="suffix of the study's work directory (parallel partial runs)")
+    ap.add_argument("--report", action="store_true", help="write docs/fidelity from the last results.json")
+    args = ap.parse_args(argv)
+    if not args.report:
+        run(args)
+        if args.phases or args.blocks:
+            return 0
+    from benchmarks.fidelity.encoder_report import write_report
+    main_dir = WORK / ("minilm-study-mini" if args.mini else "minilm-study")
+    res = json.loads((main_dir / "results.json").read_text())
+    for extra in sorted(WORK.glob(main_dir.name + "-*/results.json")):  # partial runs (--phases, --tag)
+        more = json.loads(extra.read_text())
+        for variant, v in more["variants"].items():
+            res["variants"].setdefault(variant, {"lambda": {}, "merges": []})
+            have = {(m["k"], m["strategy"]) for m in res["variants"][variant]["merges"]}
+            res["variants"][variant]["merges"] += [m for m in v["merges"] if (m["k"], m["strategy"]) not in have
+                                                   and not (m["budget_pct"] == 100 and m["k"] == len(m["experts"])
+                                                            and (m["k"], "all") in have)]
+            res["variants"][variant]["lambda"].update(v["lambda"])
+        res["phases_done"] += more["phases_done"]
+        res["block_sweep"] = res.get("block_sweep", []) + more.get("block_sweep", [])
+    for p in write_report(res, mini=args.mini):
+        print(p)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

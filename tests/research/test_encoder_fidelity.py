@@ -1,0 +1,231 @@
+"""The pretrained-encoder fidelity harness on a miniature family (a tiny random BERT, 2 tasks, seconds):
+task labels, held-out splits, probes and head accuracy against hand counts, the family builder (full
+and LoRA experts, heads outside the checkpoints), budgeted merges scored with each task's head, and
+the report's arithmetic on hand-made results."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from benchmarks.fidelity import text_tasks as tt
+from benchmarks.fidelity.encoder import MINI, build_family, data, eval_suite, family_accuracy
+from benchmarks.fidelity.encoder_findings import rule_threshold
+from benchmarks.fidelity.encoder_report import cell, f1_rows, f2_rows, smallest_budget
+from benchmarks.fidelity.encoder_study import EncoderStudy, op_params
+from mergepipe.research.classify import (
+    embed, fit_probe, head_accuracy, load_encoder, load_head, mean_pool, merged_accuracy, save_head,
+)
+
+
+@pytest.fixture(scope="module")
+def fam(tmp_path_factory):
+    root = tmp_path_factory.mktemp("encfam")
+    return build_family(root / "family", MINI, log=lambda *_: None)
+
+
+# --- tasks --------------------------------------------------------------------------------------------
+def _label_of(task: str, s: str) -> int:
+    """An independent reading of each generated sentence's label."""
+    w = s.split()
+    if task == "agent":
+        return tt.ANIMALS.index(w[-4] if " was " in s else w[1])
+    if task in ("taller", "before"):
+        w = w[w.index(",") + 1:]  # after the time phrase
+    if task == "taller":
+        a, b = w[0], w[-1]
+        return tt.NAMES.index(a if ("taller" in s or "not as short" in s) else b)
+    if task == "before":
+        acts = [x for x in w if x in tt.ACTIONS]
+        return tt.ACTIONS.index(acts[1] if w[2] == "after" or w[0] == "before" else acts[0])
+    if task == "negation":
+        pos = any(x in tt.POSITIVE for x in w)
+        negated = "not" in w or "never" in w
+        return int(pos != negated)
+    if task == "compare":
+        n1, n2 = (int(x) for x in re.findall(r"\d+", s))
+        return 0 if n1 > n2 else 1
+    if task == "count":
+        return s.count(" a ") - 2
+    if task == "repeat":
+        return int(len(set(w)) < len(w))
+    if task == "order":
+        return int(s in tt.docstring_lines())
+    raise AssertionError(task)
+
+
+@pytest.mark.parametrize("task", tt.TEXT_TASK_NAMES)
+def test_generated_labels_match_an_independent_reading(task):
+    t = tt.TEXT_TASKS[task]
+    pairs = t.examples(200, 3)
+    assert [_label_of(task, s) for s, _ in pairs] == [y for _, y in pairs]
+    assert {y for _, y in pairs} == set(range(len(t.labels)))  # every class occurs
+    assert t.chance == pytest.approx(1 / len(t.labels))
+
+
+@pytest.mark.parametrize("task,sentence,label", [
+    ("agent", "the dog chased the cat in the park", 1), ("agent", "the dog was bit by the horse in the yard", 2),
+    ("taller", "today , bob is shorter than carol", 2), ("taller", "at noon , alice is not as short as david", 0),
+    ("before", "in winter , carol swam after carol read", 3), ("before", "on monday , before bob ate , bob slept", 1),
+    ("negation", "the meal was not bad at all", 1), ("negation", "the trip was never great", 0),
+    ("compare", "the jar holds 9 apples and the box holds 10 apples", 1),
+    ("count", "i bought a ticket, a river, a chair and a mirror", 2), ("repeat", "a b c d e a", 1)])
+def test_hand_made_sentences_read_as_expected(task, sentence, label):
+    assert _label_of(task, sentence) == label
+
+
+def test_splits_are_seeded_and_held_out():
+    for task in tt.TEXT_TASK_NAMES:
+        train, held = data(task, MINI)
+        assert len(train) == MINI.steps * MINI.batch and len(held) == MINI.n_eval
+        assert not {s for s, _ in train} & {s for s, _ in held}
+        assert data(task, MINI) == (train, held)
+        assert data(task, replace(MINI, seed=1)) != (train, held)
+    doc_eval = set(tt._doc_split("eval"))
+    assert doc_eval and not doc_eval & set(tt._doc_split("train"))
+    held_lines = [s for s, y in data("order", MINI)[1] if y == 1]
+    assert held_lines and all(s in doc_eval for s in held_lines)
+
+
+# --- probes and heads ---------------------------------------------------------------------------------
+def test_probe_separates_hand_made_clusters_and_head_accuracy_counts():
+    g = torch.Generator().manual_seed(0)
+    centers = torch.tensor([[4.0, 0, 0], [0, 4.0, 0], [0, 0, 4.0]]) + 10.0  # offset: the probe standardises
+    labels = [i % 3 for i in range(60)]
+    feats = centers[labels] + 0.3 * torch.randn(60, 3, generator=g)
+    probe = fit_probe(feats, labels, 3)
+    assert head_accuracy(feats, probe, labels) == 1.0
+    head = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
+        head.bias.zero_()
+    x = torch.tensor([[2.0, 1.0], [0.0, 3.0], [5.0, 4.0], [1.0, 2.0]])  # predicts 0, 1, 0, 1
+    assert head_accuracy(x, head, [0, 1, 1, 1]) == 0.75
+    h = torch.tensor([[[1.0, 2.0], [3.0, 4.0], [100.0, 100.0]]])
+    assert mean_pool(h, torch.tensor([[1, 1, 0]])).tolist() == [[2.0, 3.0]]  # padding is ignored
+
+
+def test_head_roundtrip(tmp_path):
+    head = torch.nn.Linear(5, 3)
+    save_head(head, tmp_path / "h.safetensors")
+    again = load_head(tmp_path / "h.safetensors")
+    assert torch.equal(again.weight, head.weight) and torch.equal(again.bias, head.bias)
+
+
+# --- the family ---------------------------------------------------------------------------------------
+def _digest(d) -> str:
+    return hashlib.sha256((Path(d) / "model.safetensors").read_bytes()).hexdigest()
+
+
+def test_family_layout_and_update_structure(fam):
+    base = load_file(str(Path(fam["base"]) / "model.safetensors"))
+    for task in MINI.tasks:
+        full = load_file(str(Path(fam["experts"]["full"][task]) / "model.safetensors"))
+        lora = load_file(str(Path(fam["experts"]["lora"][task]) / "model.safetensors"))
+        assert set(full) == set(lora) == set(base)  # the head is not in the checkpoint
+        head = load_file(fam["heads"]["full"][task])
+        assert head["weight"].shape == (len(tt.TEXT_TASKS[task].labels), 32)
+        moved_lora = {n for n in base if not torch.equal(base[n], lora[n])}
+        # LoRA on query/value: exactly those weight matrices moved, nothing else (biases included)
+        assert moved_lora == {f"encoder.layer.{i}.attention.self.{m}.weight" for i in range(2) for m in ("query", "value")}
+        moved_full = {n for n in base if not torch.equal(base[n], full[n])}
+        # full fine-tuning moves every tensor the loss reaches; the pooler is unused by mean pooling
+        assert moved_full == {n for n in base if not n.startswith("pooler.") and base[n].is_floating_point()}
+
+
+def test_family_is_reproducible_and_reused(tmp_path, fam):
+    spec = replace(MINI, steps=3, tasks=("agent",))
+    a = build_family(tmp_path / "a", spec, log=lambda *_: None)
+    b = build_family(tmp_path / "b", spec, log=lambda *_: None)
+    for v in ("full", "lora"):
+        assert _digest(a["experts"][v]["agent"]) == _digest(b["experts"][v]["agent"])
+    assert _digest(a["experts"]["full"]["agent"]) != _digest(a["base"])
+    log = []
+    build_family(tmp_path / "a", spec, log=log.append)
+    assert log == []  # nothing retrained
+    with pytest.raises(SystemExit, match="different spec"):
+        build_family(tmp_path / "a", replace(spec, steps=4), log=log.append)
+
+
+def test_merged_accuracy_matches_one_sentence_at_a_time(fam):
+    """Batched, padded scoring vs an independent loop: each sentence alone, its own forward, mean, argmax."""
+    task = "agent"
+    expert = fam["experts"]["full"][task]
+    pairs = eval_suite(MINI, [task])[task][:20]
+    model, tok = load_encoder(expert)
+    head = load_head(fam["heads"]["full"][task])
+    right = 0
+    with torch.no_grad():
+        for s, y in pairs:
+            ids = tok(s, return_tensors="pt")["input_ids"]
+            h = model(input_ids=ids).last_hidden_state[0].mean(0)
+            right += int(head(h).argmax()) == y
+    got = merged_accuracy(expert, {task: fam["heads"]["full"][task]}, {task: pairs}, batch_size=7)
+    assert got["per_task"][task] == pytest.approx(right / len(pairs))
+    feats = embed(model, tok, [s for s, _ in pairs], batch_size=3)
+    assert feats.shape == (20, 32)
+
+
+def test_family_accuracy_scores_probe_heads_and_experts(fam):
+    acc = family_accuracy(fam, MINI)
+    for t in MINI.tasks:
+        for v in ("full", "lora"):
+            n = MINI.n_eval
+            assert round(acc["experts"][v][t] * n) == pytest.approx(acc["experts"][v][t] * n, abs=1e-4)
+        pairs = eval_suite(MINI, [t])[t]
+        want = merged_accuracy(fam["base"], {t: fam["probes"][t]}, {t: pairs})["per_task"][t]
+        assert acc["base_probe"][t] == pytest.approx(want)
+
+
+# --- merges ---------------------------------------------------------------------------------------------
+def test_budgeted_merges_scored_with_each_head(tmp_path, fam):
+    suite = eval_suite(MINI)
+    st = EncoderStudy(fam, "full", tmp_path / "study", suite, 4096, log=lambda *_: None)
+    ref = st.full_reference("linear", op_params("linear", 1.0))
+    # the full linear merge is the experts' mean, tensor by tensor (an independent reference)
+    merged = load_file(str(Path(ref["dir"]) / "model.safetensors"))
+    experts = [load_file(str(Path(fam["experts"]["full"][t]) / "model.safetensors")) for t in MINI.tasks]
+    name = "encoder.layer.0.attention.self.query.weight"
+    assert torch.allclose(merged[name], sum(e[name] for e in experts) / len(experts), atol=1e-6)
+    assert ref["accuracy"]["per_task"].keys() == set(MINI.tasks)
+    rec = st.merge("linear", 25, "norm", {}, reference=ref["dir"], keep=True)
+    assert rec["bound_check"]["holds"] and 0 < rec["deviation"]["relative"] < rec["deviation"]["relative_delta"]
+    assert 0 < rec["bytes_realized"] <= rec["budget_bytes"] == pytest.approx(0.25 * rec["full_expert_bytes"], abs=1)
+    assert rec["accuracy"] == merged_accuracy(rec["dir"], fam["heads"]["full"], suite)
+    none = st.merge("linear", 25, "norm", {}, tasks=())
+    assert "accuracy" not in none and "deviation" not in none
+
+
+# --- report arithmetic ----------------------------------------------------------------------------------
+def _m(k, op, b, s, acc, rel=0.0, bound=None):
+    return {"k": k, "operator": op, "budget_pct": b, "strategy": s if b < 100 else "all", "block_bytes": 65536,
+            "accuracy": {"mean": acc}, "retention": {"mean": acc - 0.5},
+            "deviation": {"relative": rel, "relative_delta": 10 * rel},
+            "bound": None if bound is None else {"relative": bound}, "bytes_realized": b, "full_expert_bytes": 100}
+
+
+def test_report_cells_targets_and_budget_rule():
+    merges = [_m(8, "linear", 100, "all", 0.80)]
+    for b, acc, rel, bound in ((5, 0.70, 4e-3, 0.9), (10, 0.75, 2e-3, 0.7), (25, 0.795, 1e-3, 0.5),
+                               (50, 0.80, 4e-4, 0.3)):
+        merges.append(_m(8, "linear", b, "norm", acc, rel, bound))
+    merges.append(_m(8, "linear", 25, "random", 0.60, 3e-3, 0.8))
+    res = {"variants": {"full": {"merges": merges}}}
+    assert cell(merges, 8, "linear", 25)["acc"] == 0.795 and cell(merges, 8, "linear", 25, "random")["acc"] == 0.60
+    (f1,) = f1_rows(res)
+    assert f1["met"] and f1["diff"] == pytest.approx(-0.005)
+    (f2,) = f2_rows(res)
+    assert f2["met"] and f2["value"] == 4e-4  # 4e-4 <= 5e-4
+    merges[-2]["deviation"]["relative"] = 6e-4
+    assert not f2_rows(res)[0]["met"]
+    (sb,) = smallest_budget(res)
+    assert (sb["budget"], sb["bound_rel"]) == (25, 0.5)
+    rule = rule_threshold(res)
+    assert rule["x"] == 0.5 and rule["picks"][0]["pick"] == 25
