@@ -186,6 +186,9 @@ def prepare(cat: Catalog, cfg: MergekitConfig, register_paths: bool = True, chec
     resolve_params(op, normalize=cfg.normalize, rescale=cfg.rescale, lam=cfg.lam,
                             **{k: v for k, v in (("gamma", cfg.gamma), ("epsilon", cfg.epsilon)) if v is not None},
                             **cfg.method_params)
+    if cfg.base is None and not op.base_optional:  # e.g. a soup's config run with --op ties
+        raise ConfigError(f"{cfg.source}: `base_model` is required by {op.name}: MergePipe stores experts as deltas "
+                          f"against their base")
     r = _Resolver(cat, cfg, register_paths, check_path, reserved_ids)
     base_id, base_path = r.base()
     r.out.base, r.base_path = base_id, base_path
