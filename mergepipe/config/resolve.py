@@ -377,6 +377,6 @@ def _plan_method(cat: Catalog, planner: Planner, resolved: Resolved, save: bool)
     except NeedsAnalysis:
         pass
     from mergepipe.analyze.runner import analyze
-    analyze(cat, [e["model"] for e in resolved.experts], gram=True)
+    analyze(cat, [e["model"] for e in resolved.experts], gram=True, arcee=resolved.config.method == "arcee_fusion")
     return planner.plan(resolved.request(), save=save)
 

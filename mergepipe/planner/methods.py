@@ -93,8 +93,8 @@ def _arcee_threshold(thresholds: dict, expert: str, t) -> float:
     if value is None:
         why = (" (a 1-D tensor is one softmax row: it must fit in one block)" if len(t["shape"]) == 1 else "")
         raise NeedsAnalysis(f"arcee_fusion needs the importance threshold of {expert} on tensor {t['name']}, which "
-                            f"the catalog does not hold{why}: ANALYZE --gram stores it for full checkpoints whose "
-                            f"base it reads (`mergepipe analyze --gram {expert}`)")
+                            f"the catalog does not hold{why}: ANALYZE --arcee stores it for full checkpoints whose "
+                            f"base it reads (`mergepipe analyze --arcee {expert}`)")
     return value
 
 
