@@ -47,7 +47,8 @@ def check_experts(op, experts: list[dict]) -> None:
     if any(e.get("analyze") for e in experts):
         missing = ", ".join(e["id"] for e in experts if e.get("analyze"))
         raise NeedsAnalysis(f"{op.name} needs the experts' statistics before planning (not analyzed: {missing}); "
-                        f"run `mergepipe analyze {' '.join(e['id'] for e in experts)}` first")
+                        f"run `mergepipe analyze {'--arcee ' if op.name == 'arcee_fusion' else ''}"
+                        f"{' '.join(e['id'] for e in experts)}` first")
     if op.common is not None and "weight" not in op.common:
         if any(e.get("weight") not in (None, 1.0) or e.get("tensors") for e in experts):
             raise PlanError(f"{op.name} takes no weights (mergekit's {op.name} has no weight parameter)")
