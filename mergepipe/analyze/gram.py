@@ -10,7 +10,7 @@ budgeted merge never reads a whole tensor to learn an angle.
 For ramplus_tl it also counts, per expert, the entries with |delta| > 1e-5 that another expert of the run
 also changes (shared) or that only it changes (unique): rows keyed by the set of experts of the run.
 
-For arcee_fusion it gathers, per full-checkpoint expert whose base is read, the importance of every entry
+With ``arcee`` (``mergepipe analyze --arcee``; a config merge asks for it) it gathers for arcee_fusion, per full-checkpoint expert whose base is read, the importance of every entry
 (ops/arcee_fusion.py: |x - base| times the KL divergence of the rows' softmaxes, rows whole inside a block)
 and stores the tensor's threshold (median + 1.5 IQR; from a fixed-seed sample of 1,000,000 entries above
 that size, as mergekit samples): rows ``("~arcee", expert)``.
@@ -69,7 +69,8 @@ class GramAccumulator:
         self.shared = np.zeros(k, dtype=np.int64)
         self.unique = np.zeros(k, dtype=np.int64)
         # arcee_fusion: per expert, the importance of its entries (or of a sample), full checkpoints only
-        self.arcee = [ArceeImportance(binfo) for _ in passes] if self.has_base else None
+        self.arcee = [ArceeImportance(binfo) for _ in passes] if self.has_base and any(
+            getattr(p.job, "with_arcee", False) for p in passes) else None
 
     def add(self, base_raw: np.ndarray | None, expert_arrays: list[np.ndarray]) -> None:
         """One block: the float32 deltas as mergekit forms them (written into one [rows, n] array, the

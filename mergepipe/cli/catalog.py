@@ -70,6 +70,8 @@ def _add_analyze(p):
     p.add_argument("--gram", action="store_true",
                    help="also the pairwise statistics of these experts, analyzed together, that slerp, model_stock "
                         "and the other interpolation methods need (implies --force)")
+    p.add_argument("--arcee", action="store_true",
+                   help="also the per-tensor importance thresholds arcee_fusion needs (implies --gram)")
     p.add_argument("--run-id", type=int, help=argparse.SUPPRESS)
 
 
@@ -79,7 +81,7 @@ def cmd_analyze(args):
     cat = open_catalog(args, write=True)
     if args.ids:
         args.model_ids = [*(args.model_ids or []), *args.ids]
-    kw = {"force": args.force, "gram": args.gram, "sketch_size": DEFAULT_SKETCH_SIZE if args.sketch_size is None else args.sketch_size,
+    kw = {"force": args.force, "gram": args.gram, "arcee": args.arcee, "sketch_size": DEFAULT_SKETCH_SIZE if args.sketch_size is None else args.sketch_size,
           "densities": tuple(DEFAULT_DENSITIES) + tuple(args.densities or ())}
     if args.block_bytes is not None:
         kw["block_bytes"] = args.block_bytes

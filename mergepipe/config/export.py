@@ -73,6 +73,13 @@ def _expert_setting(e: dict, key: str):
     return [{"filter": name, "value": v[i]} for name, v in per.items() if v[i] is not None], False
 
 
+def _flag_out(value):
+    """normalize/rescale as mergekit writes them: a bool, or filters of bools (stored as 1.0/0.0)."""
+    if isinstance(value, list):
+        return [{"filter": c["filter"], "value": bool(c["value"])} for c in value]
+    return value
+
+
 def export_mergekit(cat: Catalog | None, ref: str) -> str:
     """The mergekit YAML equivalent to a stored plan or a published snapshot.
 
@@ -110,7 +117,7 @@ def _to_yaml(cat: Catalog | None, r: dict) -> str:
             if e.get(key) is not None:
                 params[key] = e[key]
         models.append({"model": path, "parameters": params})
-    params = {"normalize": r["params"]["normalize"], "rescale": r["params"]["rescale"],
+    params = {"normalize": _flag_out(r["params"]["normalize"]), "rescale": _flag_out(r["params"]["rescale"]),
               "lambda": r["params"]["lambda"]}
     if op.common is not None:  # the interpolation methods take only their own parameters
         params = {k: v for k, v in params.items() if k in op.common}

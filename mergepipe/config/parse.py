@@ -94,6 +94,7 @@ def _parse(text, source: str) -> MergekitConfig:
     doc = lift_modules(_load(text), _raw_fallback)
     method = _method(doc)
     globals_ = _global_params(doc)
+    lam_setting = globals_.pop("lambda") if isinstance(globals_.get("lambda"), list) else None
     slices = None
     if "slices" in doc:  # layer ranges (config/slices.py); the models are those the slices name
         base, models, slices = read_slices(doc, method, globals_, _ref)
@@ -102,6 +103,10 @@ def _parse(text, source: str) -> MergekitConfig:
         base = _base(doc, method)
         entries = _model_entries(doc)
         models, values = _models(entries, globals_)
+    if lam_setting is not None:  # a per-tensor lambda (filters, gradient): merge-wide, as mergekit's SHARED lambda
+        if values.get("lambda") is not None:
+            raise ConfigError("parameters.lambda is per tensor (filters or a gradient): give no lambda per model")
+        values["lambda"] = lam_setting
     # The compute dtype: MergePipe always computes in float32, at least as precise as any float dtype
     # asked for (outputs may differ from mergekit's bf16/fp16 arithmetic by that dtype's rounding).
     dtype = _dtype(doc.get("dtype"), "dtype")
@@ -111,8 +116,8 @@ def _parse(text, source: str) -> MergekitConfig:
 
     return MergekitConfig(
         source=source, method=method, base=base, models=tuple(models),
-        normalize=_flag(globals_.get("normalize"), "parameters.normalize"),
-        rescale=_flag(globals_.get("rescale"), "parameters.rescale"),
+        normalize=_flag_setting(globals_.get("normalize"), "parameters.normalize"),
+        rescale=_flag_setting(globals_.get("rescale"), "parameters.rescale"),
         lam=values["lambda"], gamma=values["gamma"], epsilon=values["epsilon"],
         dtype=dtype, out_dtype=out_dtype, budget=budget, target_bound=target, strategy=strategy, seed=seed,
         plan_id=plan_id, tokenizer_source=tokenizer_source, tokenizer_tokens=tokens,
@@ -385,13 +390,16 @@ def _param(value, where: str, name: str):
     if isinstance(value, dict) and set(value) <= {"value", "filter"} and "value" in value \
             and value.get("filter") in (None, "*"):
         return _param(value["value"], where, name)  # {value: x} without a filter is just x
-    if name in PER_TENSOR or name in GRADIENT_PARAMS:
+    if name in PER_TENSOR or name in GRADIENT_PARAMS or (name == "lambda" and where == "parameters.lambda"):
         return _setting(value, where)
+    if name in ("normalize", "rescale") and where == f"parameters.{name}" and isinstance(value, (list, dict)):
+        return value  # filters of true/false: checked by _flag_setting
     if isinstance(value, (list, dict)):
         kind = "per-tensor filters" if isinstance(value, dict) or any(isinstance(v, dict) for v in value) \
             else "a gradient across layers"
         raise ConfigError(f"{where} is {kind}: not supported for {name}; MergePipe applies one {name} to every "
-                          f"tensor (filters and gradients work for weight and density)")
+                          f"tensor (filters and gradients work for weight and density, and merge-wide for "
+                          f"lambda, normalize and rescale)")
     if name == "int8_mask" or PARAMS[name].kind is bool:
         return _flag(value, where)
     return PARAMS[name].check(_number(value, where), where, ConfigError)
@@ -428,6 +436,15 @@ def _raw_fallback(own, merge_wide):
     if isinstance(merge_wide, list) and merge_wide and isinstance(merge_wide[0], dict):
         return own + merge_wide
     return own + [{"value": merge_wide}]
+def _flag_setting(value, where: str):
+    """A merge-wide normalize/rescale: true/false, or filters of true/false (mergekit's per-tensor setting)."""
+    if not isinstance(value, (list, dict)):
+        return _flag(value, where)
+    from mergepipe.ops.core import _flag_or_setting
+    try:
+        return _flag_or_setting(value, where)
+    except PlanError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _number(value, where: str) -> float:

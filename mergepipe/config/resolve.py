@@ -192,6 +192,9 @@ def prepare(cat: Catalog, cfg: MergekitConfig, register_paths: bool = True, chec
     resolve_params(op, normalize=cfg.normalize, rescale=cfg.rescale, lam=cfg.lam,
                             **{k: v for k, v in (("gamma", cfg.gamma), ("epsilon", cfg.epsilon)) if v is not None},
                             **{k: v for k, v in cfg.method_params.items() if not (cfg.slices and k == "scale")})
+    if cfg.base is None and not op.base_optional:  # e.g. a soup's config run with --op ties
+        raise ConfigError(f"{cfg.source}: `base_model` is required by {op.name}: MergePipe stores experts as deltas "
+                          f"against their base")
     r = _Resolver(cat, cfg, register_paths, check_path, reserved_ids)
     base_id, base_path = r.base()
     r.out.base, r.base_path = base_id, base_path
@@ -408,6 +411,6 @@ def _plan_method(cat: Catalog, planner: Planner, resolved: Resolved, save: bool)
     except NeedsAnalysis:
         pass
     from mergepipe.analyze.runner import analyze
-    analyze(cat, [e["model"] for e in resolved.experts], gram=True)
+    analyze(cat, [e["model"] for e in resolved.experts], gram=True, arcee=resolved.config.method == "arcee_fusion")
     return planner.plan(resolved.request(), save=save)
 

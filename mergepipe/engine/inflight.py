@@ -29,7 +29,7 @@ from mergepipe.catalog.analyses import nonfinite_message
 from mergepipe.catalog.db import Catalog
 from mergepipe.errors import ExecutionError
 from mergepipe.ops.core import get_op, tensor_statistics, threshold_fractions, useful_blocks
-from mergepipe.planner.settings import expert_params, tensor_density
+from mergepipe.planner.settings import expert_params, params_on, tensor_density
 from mergepipe.storage.safetensors import FLOAT_DTYPES, Checkpoint, TensorInfo
 
 LOOKAHEAD_BYTES = 256 << 20  # base-tensor bytes the analysis may run ahead of the merge
@@ -42,6 +42,7 @@ class InflightAnalysis:
     def __init__(self, plan, base_ck: Checkpoint, order: list[TensorInfo], lookahead: int = LOOKAHEAD_BYTES):
         self.op = get_op(plan["operator"])
         self.params = plan["params"]
+        self.per_tensor = plan.data.get("tensor_params") if hasattr(plan, "data") else plan.get("tensor_params")
         self.base_id = plan["base"]["id"]
         self.experts = [e for e in plan["experts"] if e.get("analyze")]
         self.order = order
@@ -61,7 +62,7 @@ class InflightAnalysis:
         """The stored densities plus every top-k fraction this merge needs from the expert."""
         needed = {f for t in self.order if t.dtype in FLOAT_DTYPES
                   for f in threshold_fractions(self.op, tensor_density(expert, t.name) or 1.0,
-                                               expert_params(self.params, expert))
+                                               expert_params(params_on(self.params, self.per_tensor, t.name), expert))
                   if f < 1.0}
         return tuple(sorted(set(DEFAULT_DENSITIES) | needed))
 
@@ -87,7 +88,8 @@ class InflightAnalysis:
             raise ExecutionError(nonfinite_message(eid, self.base_id, bad))
         thr = None
         if stats["delta_nnz"] and self.op.thresholded:
-            thr = tensor_statistics(self.op, tensor_density(expert, name) or 1.0, expert_params(self.params, expert),
+            thr = tensor_statistics(self.op, tensor_density(expert, name) or 1.0,
+                                    expert_params(params_on(self.params, self.per_tensor, name), expert),
                                     stats["thresholds"],
                                     stats.get("topk"), stats["delta_l1"], stats["delta_max_abs"],
                                     stats["numel"])

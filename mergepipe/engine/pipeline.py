@@ -24,7 +24,7 @@ from mergepipe.errors import ExecutionError
 from mergepipe.manifest.build import file_sha256
 from mergepipe.ops.core import get_op
 from mergepipe.planner.plan import Plan, compact_ranges, expand_ranges
-from mergepipe.planner.settings import tensor_weight
+from mergepipe.planner.settings import params_on, tensor_weight
 from mergepipe.storage.grid import BlockSpan, tensor_grid
 from mergepipe.storage.registry import open_checkpoint
 from mergepipe.storage.safetensors import FLOAT_DTYPES, TensorInfo
@@ -91,7 +91,7 @@ class MergePipeline:
         self.coefficients = plan.data.get("coefficients") or {}
         self.omitted = {t: set(expand_ranges(rs)) for t, rs in (plan.data.get("omitted") or {}).items()}
         # linear without normalize scales the base by sum(w): then no block is a plain copy
-        self.scales_base = op.whole_models and not params["normalize"]
+        self.tensor_params = plan.data.get("tensor_params") or {}  # lambda/normalize/rescale per tensor
         self.work = self.select_work(block_groups(order, plan["grid"]["block_bytes"], engine.group_bytes,
                                                   self.span_cost, engine.group_read_bytes))
         self.total_blocks = sum(len(g) for _, g in self.work)
@@ -149,7 +149,11 @@ class MergePipeline:
         return not (self.inflight and eid in self.inflight.jobs) or self.inflight.keeps(eid, name, block)
 
     def passthrough_ok(self, name: str) -> bool:
-        return not self.base_member and not (self.scales_base and self.weight_sums[name] != 1.0)
+        scales_base = self.op.whole_models and not self.params_for(name)["normalize"]
+        return not self.base_member and not (scales_base and self.weight_sums[name] != 1.0)
+
+    def params_for(self, name: str) -> dict:
+        return params_on(self.params, self.tensor_params, name)
 
     def method_merges(self, name: str, block: int) -> bool:
         """An interpolation method merges every block of a float tensor that the plan did not omit (an
@@ -221,7 +225,7 @@ class MergePipeline:
     def merge_one(self, info, span, raw, contributors):
         """A block task (run by the executor): the merged bytes of one block (``info``: the input tensor's)."""
         t_c = time.perf_counter()
-        data = merge_block(self.engine.fused, self.op, self.params, self.plan["seed"], self.experts, self.sources,
+        data = merge_block(self.engine.fused, self.op, self.params_for(info.name), self.plan["seed"], self.experts, self.sources,
                            self.weight_sums[info.name], info, span, raw, contributors, self.thresholds,
                            self.coefficients.get(info.name), self.soup_weights(info.name))
         self.timing["compute_s"] += time.perf_counter() - t_c

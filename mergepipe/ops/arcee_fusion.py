@@ -5,7 +5,7 @@ sum over the last dimension of p log(p / q), p = softmax(x) + 1e-8, q = softmax(
 row, broadcast along it); threshold = median + 1.5 (q3 - q1) of the importance over the whole tensor
 (quantiles by index floor(q (n - 1)) of the sorted values); out = a + (x - a) * [importance >= threshold].
 
-The threshold is a whole-tensor statistic: ANALYZE (``--gram``, in its one pass: analyze/gram.py) computes
+The threshold is a whole-tensor statistic: ANALYZE (``--arcee``, in its one pass: analyze/gram.py) computes
 it per (expert, tensor) from the importance of every entry, in float32 by mergekit's own torch expressions,
 and the catalog stores it; the planner records it in the plan. The rows' KL and the mask are computed inside
 each block (the grid cuts tensors along dim 0, so every row lies in one block): bit-equal to mergekit.

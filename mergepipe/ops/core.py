@@ -88,9 +88,10 @@ def resolve_params(spec: OpSpec, normalize=None, rescale=None, lam=None, **extra
     if unknown:
         raise PlanError(f"operator {spec.name} takes no parameter {', '.join(unknown)}")
     params = {
-        "normalize": spec.normalize if normalize is None else bool(normalize),
-        "rescale": spec.rescale if rescale is None else bool(rescale),
-        "lambda": 1.0 if lam is None else LAMBDA.check(_float(lam, LAMBDA)),
+        "normalize": spec.normalize if normalize is None else _flag_or_setting(normalize, "normalize"),
+        "rescale": spec.rescale if rescale is None else _flag_or_setting(rescale, "rescale"),
+        "lambda": 1.0 if lam is None else (_setting(lam, LAMBDA) if isinstance(lam, (list, tuple, dict))
+                                           else LAMBDA.check(_float(lam, LAMBDA))),
     }
     if spec.common is not None:  # the interpolation methods take none of these
         given = [n for n, v in (("lambda", lam), ("normalize", normalize), ("rescale", rescale)) if v is not None
@@ -114,6 +115,29 @@ def resolve_params(spec: OpSpec, normalize=None, rescale=None, lam=None, **extra
     if problem:
         raise PlanError(problem)
     return params
+
+
+# the merge-wide parameters that may vary per tensor (mergekit's SHARED parameters with filters or a
+# gradient): the planner resolves them per tensor (PlanContext.params_for), the plan records the values
+TENSOR_PARAMS = ("lambda", "normalize", "rescale")
+
+
+def _flag_or_setting(value, name: str):
+    """normalize/rescale: true/false, or a list of {filter, value: true/false} conditions (as 1.0/0.0)."""
+    if isinstance(value, (list, tuple, dict)):
+        conds = [value] if isinstance(value, dict) else list(value)
+        if not all(isinstance(c, dict) for c in conds):
+            raise PlanError(f"{name} is true or false, or a list of {{filter, value}} conditions (not a gradient)")
+        out = []
+        for c in conds:
+            if set(c) - {"filter", "value"} or "value" not in c or isinstance(c["value"], (list, tuple, dict)):
+                raise PlanError(f"{name}: a condition has the keys filter and value (true or false)")
+            f = c.get("filter")
+            if f is not None and not isinstance(f, str):
+                raise PlanError(f"{name}: filter must be a substring of tensor names, not {f!r}")
+            out.append({"filter": f, "value": 1.0 if _bool(c["value"], Param(name, False, "")) else 0.0})
+        return out
+    return bool(value)
 
 
 def _family_of(spec: OpSpec):

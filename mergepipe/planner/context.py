@@ -35,9 +35,10 @@ from mergepipe.planner.candidates import Candidates
 from mergepipe.planner.plan import PLAN_FORMAT, Plan, compact_ranges, save_plan
 from mergepipe.planner.request import MergeRequest, check_density, check_weight_sum
 from mergepipe.planner.settings import (
-    PER_MODEL_PARAMS, check_setting, expert_params, is_scalar, layer_t, num_layers, resolve, tensor_density,
-    tensor_weight,
+    PER_MODEL_PARAMS, check_setting, expert_params, is_scalar, layer_t, num_layers, params_on, resolve,
+    tensor_density, tensor_weight,
 )
+from mergepipe.ops.core import TENSOR_PARAMS
 from mergepipe.planner.strategies import StrategyScores, _uniform_priority
 from mergepipe.storage.grid import DEFAULT_BLOCK_BYTES, tensor_grid
 from mergepipe.storage.safetensors import FLOAT_DTYPES, TensorInfo
@@ -64,6 +65,7 @@ class PlanContext(StrategyScores, Bounds):
         self.tensors = layout_tensors(self.output_layout, self.base["id"], catalog.tensors(self.base["id"]),
                                       self.op.copies)
         self.tensor_index = {t["name"]: i for i, t in enumerate(self.tensors)}
+        self.tensor_params = self._tensor_params()
         self.experts = self._expert_specs(request.experts, request.density, request.weight)
         if self.output_layout is not None:
             self._check_layout_models()
@@ -82,7 +84,8 @@ class PlanContext(StrategyScores, Bounds):
         self._check_normalize(names)
         self.warnings = self._zero_delta_warnings(names) + analyses.outlier_warnings(
             catalog, self.base["id"], [e["id"] for e in self.experts if not e.get("analyze")])
-        self.coef_matrix = np.array([[coefficient(self.op, w, ws, self.params) for w, ws in zip(row, self.weight_sums)]
+        self.coef_matrix = np.array([[coefficient(self.op, w, ws, self.params_for(n))
+                                      for w, ws, n in zip(row, self.weight_sums, names)]
                                      for row in self.weight_matrix]).reshape(self.weight_matrix.shape)
         self.thresholds = self._thresholds()
         if self.output_layout is not None and self.to_analyze:  # renamed tensors are not analyzed on the way
@@ -153,7 +156,7 @@ class PlanContext(StrategyScores, Bounds):
                 (float(self.base_weights[i]),) if self.base_member else ())
             if column not in seen:
                 seen.add(column)
-                check_weight_sum(self.op, self.params, column, f" on {names[i]}" if len(self.tensors) > 1 and any(
+                check_weight_sum(self.op, self.params_for(names[i]), column, f" on {names[i]}" if len(self.tensors) > 1 and any(
                     e.get("weight") is None for e in self.experts) else "")
 
     def _base_member(self, member: dict | None, names: list[str]) -> dict | None:
@@ -167,6 +170,26 @@ class PlanContext(StrategyScores, Bounds):
             out["tensors"] = {n: [resolve([member["weight"]], n, layer_t(n, layers), 1.0), None] for n in floats}
             out["settings"], out["weight"] = {"weight": member["weight"]}, None  # as an expert's per-tensor weight
         return out
+
+    def _tensor_params(self) -> dict:
+        """lambda/normalize/rescale per float tensor where one is given as filters or a gradient (else {})."""
+        given = {k: self.params[k] for k in TENSOR_PARAMS if isinstance(self.params.get(k), list)}
+        if not given:
+            return {}
+        names = [t["name"] for t in self.tensors]
+        layers = num_layers(names, json.loads(self.base["config"] or "{}"))
+        defaults = {"lambda": 1.0, "normalize": float(self.op.normalize), "rescale": float(self.op.rescale)}
+        out = {}
+        for t in self.tensors:
+            if t["dtype"] not in FLOAT_DTYPES:
+                continue
+            values = {k: resolve([s], t["name"], layer_t(t["name"], layers), defaults[k]) for k, s in given.items()}
+            out[t["name"]] = {k: (v if k == "lambda" else v >= 0.5) for k, v in values.items()}
+        return out
+
+    def params_for(self, tensor: str) -> dict:
+        """The operator parameters on one tensor (planner/settings.params_on)."""
+        return params_on(self.params, self.tensor_params, tensor)
 
     def _zero_delta_warnings(self, names: list[str]) -> list[str]:
         """A warning per analyzed expert whose delta is zero everywhere or in every tensor it is weighted in."""
@@ -232,8 +255,8 @@ class PlanContext(StrategyScores, Bounds):
                 continue
             rows = analyses.changed_tensor_thresholds(self.catalog, e["id"])
             per = {}
-            params = expert_params(self.params, e)
             for name, text, topk, l1, max_abs, numel in rows:
+                params = expert_params(self.params_for(name), e)
                 fracs = threshold_fractions(self.op, tensor_density(e, name) or 1.0, params)
                 vals = tensor_statistics(self.op, tensor_density(e, name) or 1.0, params, text, topk, l1, max_abs,
                                          numel)
@@ -388,6 +411,8 @@ class PlanContext(StrategyScores, Bounds):
             core["tokenizer"] = self.request.tokenizer
         if self.output_layout is not None:  # a `slices:` config: which input tensor each output tensor is made of
             core["layout"] = self.output_layout
+        if self.tensor_params:  # lambda/normalize/rescale per tensor (only then: other plans keep their digests)
+            core["tensor_params"] = self.tensor_params
         if self.base_member:  # a soup: the base is averaged in (only then: other plans keep their digests)
             core["base_member"] = self.base_member
         if self.op.nonlinear:  # the interpolation methods' per-tensor scalars and budget-omitted blocks

@@ -47,7 +47,8 @@ def check_experts(op, experts: list[dict]) -> None:
     if any(e.get("analyze") for e in experts):
         missing = ", ".join(e["id"] for e in experts if e.get("analyze"))
         raise NeedsAnalysis(f"{op.name} needs the experts' statistics before planning (not analyzed: {missing}); "
-                        f"run `mergepipe analyze {' '.join(e['id'] for e in experts)}` first")
+                        f"run `mergepipe analyze {'--arcee ' if op.name == 'arcee_fusion' else ''}"
+                        f"{' '.join(e['id'] for e in experts)}` first")
     if op.common is not None and "weight" not in op.common:
         if any(e.get("weight") not in (None, 1.0) or e.get("tensors") for e in experts):
             raise PlanError(f"{op.name} takes no weights (mergekit's {op.name} has no weight parameter)")
@@ -93,8 +94,8 @@ def _arcee_threshold(thresholds: dict, expert: str, t) -> float:
     if value is None:
         why = (" (a 1-D tensor is one softmax row: it must fit in one block)" if len(t["shape"]) == 1 else "")
         raise NeedsAnalysis(f"arcee_fusion needs the importance threshold of {expert} on tensor {t['name']}, which "
-                            f"the catalog does not hold{why}: ANALYZE --gram stores it for full checkpoints whose "
-                            f"base it reads (`mergepipe analyze --gram {expert}`)")
+                            f"the catalog does not hold{why}: ANALYZE --arcee stores it for full checkpoints whose "
+                            f"base it reads (`mergepipe analyze --arcee {expert}`)")
     return value
 
 

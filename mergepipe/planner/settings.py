@@ -122,6 +122,13 @@ def expert_params(params: dict, expert: dict) -> dict:
     return {**params, **own} if own else params
 
 
+def params_on(params: dict, per_tensor: dict | None, tensor: str) -> dict:
+    """The operator parameters on one tensor: the plan's ``tensor_params`` (lambda, normalize, rescale given
+    as filters or a gradient, resolved per tensor by the planner) over the merge-wide ones."""
+    own = (per_tensor or {}).get(tensor)
+    return {**params, **own} if own else params
+
+
 def tensor_density(expert: dict, tensor: str) -> float | None:
     per = expert.get("tensors")
     return per[tensor][1] if per and tensor in per else expert["density"]

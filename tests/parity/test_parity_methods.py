@@ -124,6 +124,9 @@ def _blocks(fam, block_bytes):
 def test_half_budget_reads_jointly_and_keeps_the_base_where_omitted(setup, op, experts, kw):
     dtype, fam, cat, work = setup
     ids = fam.expert_ids[:experts]
+    # these experts analyzed together (another test's config merge may have analyzed a subset since, dropping
+    # pairs); arcee_fusion's thresholds are opt-in statistics (a config merge gathers them by itself)
+    api.analyze(cat, ids, gram=True, arcee=op == "arcee_fusion", block_bytes=fam.spec.block_bytes)
     planner = Planner(cat)
     full = planner.plan("base", ids, op, **kw)
     half = planner.plan("base", ids, op, budget=0.5, **kw)

@@ -144,3 +144,58 @@ def test_lambda_differing_between_models_is_refused(pfam):
     assert str(err.value) == ("lam.yaml: `lambda` differs between models (0.5, 1): mergekit applies one lambda to "
                               "every model (a merge-wide parameter)")
     assert model_ids(pfam["cat"]) == before
+
+
+def _ties_cutoff_entries(fam, name) -> torch.Tensor:
+    """Entries where some expert's non-zero |delta| equals its TIES cut-off (the k-th largest, k = int(density n))."""
+    base = fam["base_t"][name].float()
+    tied = torch.zeros(base.shape, dtype=torch.bool)
+    for x in fam["experts_t"]:
+        a = (x[name].float() - base).abs()
+        k = max(1, int(DENSITY * a.numel()))
+        cut = torch.sort(a.reshape(-1), descending=True).values[k - 1]
+        if cut > 0:
+            tied |= a == cut
+    return tied
+
+
+def test_lambda_gradient_is_bit_equal_to_mergekit(pfam):
+    cfg = _cfg(pfam, "task_arithmetic", {}, parameters={"lambda": [0.5, 1.5]})
+    plan, ours, theirs = _merge(pfam, cfg, "ta-lambda-gradient")
+    assert all(torch.equal(ours[n], theirs[n]) for n in ours)
+    tp = plan["tensor_params"]
+    assert tp["model.layers.0.mlp.up_proj.weight"] == {"lambda": 0.5}
+    assert tp["model.layers.1.mlp.up_proj.weight"] == {"lambda": 1.5}
+    assert tp["model.embed_tokens.weight"] == {"lambda": 0.5}  # outside the layers: t = 0, as mergekit
+
+
+@pytest.mark.parametrize("parameters", [
+    {"normalize": [{"filter": "mlp", "value": False}, {"value": True}],
+     "lambda": [{"filter": "self_attn", "value": 0.7}, {"value": 1.2}]},
+    {"rescale": [{"filter": "mlp", "value": True}, {"value": False}]},
+], ids=["normalize-lambda-filters", "rescale-filters"])
+def test_per_tensor_normalize_rescale_lambda_equal_mergekit(pfam, parameters):
+    """Filters of normalize/rescale/lambda (mergekit's per-tensor merge-wide parameters): equal to mergekit up to
+    float32 rounding (16 ulps with rescale, whose factor is a float64 ratio here) except at TIES' cut-off ties;
+    an export of the plan merges to the same digest."""
+    from mergepipe.config.export import export_plan_data
+    cfg = _cfg(pfam, "ties", {}, parameters=parameters)
+    tag = "ties-" + "-".join(sorted(parameters))
+    plan, ours, theirs = _merge(pfam, cfg, tag)
+    differing = 0
+    for name in ours:
+        diff = (ours[name].double() - theirs[name].double()).abs()
+        scale = torch.stack([pfam["base_t"][name].double().abs()] + [x[name].double().abs() for x in pfam["experts_t"]]
+                            + [theirs[name].double().abs()]).amax(0).clamp(min=2.0 ** -126)
+        ulps = diff / torch.exp2(torch.floor(torch.log2(scale)) - 23)
+        untied = ~_ties_cutoff_entries(pfam, name)
+        assert float(ulps[untied].max()) <= 16, (name, float(ulps[untied].max()))
+        differing += int((diff > 0).sum())
+    print(tag, "differing", differing)
+    key = next(iter(parameters))
+    values = {n: p[key] for n, p in plan["tensor_params"].items()}
+    assert {v for n, v in values.items() if "mlp" in n} == {parameters[key][0]["value"]}
+    assert {v for n, v in values.items() if "mlp" not in n and "self_attn" not in n} == {parameters[key][-1]["value"]}
+    text = export_plan_data(pfam["cat"], plan.data)
+    again = merge_config(pfam["cat"], parse_config(text), pfam["root"] / tag / "again", model_id=tag + "-again")[0]
+    assert again.digest == plan.digest

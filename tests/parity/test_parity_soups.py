@@ -212,3 +212,16 @@ def test_a_soup_plan_exports_to_the_mergekit_yaml_it_came_from(soup_fam, tmp_pat
         assert again.digest == plan.digest
     finally:
         cat.close()
+
+
+def test_a_soup_config_run_with_a_method_that_needs_a_base_is_refused(soup_fam, tmp_path):
+    """--op ties over a config without base_model: refused naming base_model (the first model is not taken as a
+    base behind the user's back), catalog unchanged."""
+    cat = Catalog(tmp_path / "c.sqlite")
+    try:
+        cfg = parse_config(yaml.safe_dump(_soup(soup_fam, WEIGHTS)), source="soup.yaml").with_overrides(operator="ties")
+        with pytest.raises(ConfigError, match=r"^soup\.yaml: `base_model` is required by ties"):
+            plan_from_config(cat, cfg)
+        assert model_ids(cat) == set()
+    finally:
+        cat.close()
