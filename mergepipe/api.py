@@ -123,6 +123,33 @@ def run(catalog: Catalog, request: MergeRequest, out=None, model_id: str | None 
     return p, snapshot_id, manifest
 
 
+def extend_request(snapshot: str, action: str, expert: str, weight=None, budget=None, out=None,
+                   model_id: str | None = None):
+    """A validated incremental request: ``action`` add, remove or reweight one ``expert`` of ``snapshot``."""
+    from mergepipe.planner.extend import ExtendRequest
+    return ExtendRequest.build(snapshot, action, expert, weight=weight, budget=budget, out=out, model_id=model_id)
+
+
+def plan_extend(catalog: Catalog, request, save: bool = False) -> Plan:
+    """Plan an incremental merge (reads no tensor byte); refused for operators that are not additive."""
+    from mergepipe.planner.extend import plan_extend as make
+    from mergepipe.planner.plan import save_plan as store
+    p = make(catalog, request)
+    if save:
+        store(catalog, p)
+    return p
+
+
+def extend(catalog: Catalog, request, out_shard_bytes: int | None = None, progress=None):
+    """Add, remove or reweight one expert of a published snapshot, reading the snapshot and that expert
+    only; returns (plan, snapshot_id, manifest). A refused change leaves the catalog unchanged."""
+    if request.out is None:
+        raise ExecutionError("an incremental merge needs an output directory (--out)")
+    p = plan_extend(catalog, request)
+    snapshot_id, manifest = _execute(catalog, p, request.out, request.model_id, out_shard_bytes, progress)
+    return p, snapshot_id, manifest
+
+
 def plan_merge(catalog: Catalog, base: str, experts, operator: str = "linear", save: bool = True, **settings) -> Plan:
     """``plan(catalog, request(base, experts, operator, **settings))``."""
     return plan(catalog, merge_request(base, experts, operator, **settings), save=save)
@@ -181,6 +208,13 @@ def merge_summary(plan: Plan, manifest) -> dict:
         "estimated": core["estimated"], "realized": core["realized"], "error_bound": plan["error_bound"],
         "seconds": manifest.run["seconds"], "timing": manifest.run["timing"],
     }
+
+
+def extend_summary(plan: Plan, manifest) -> dict:
+    """What `merge --extend` reports: the merge summary plus the parent, the change and the reads."""
+    fs = plan["from_scratch_estimate"]
+    return {**merge_summary(plan, manifest), "extends": plan["parent"]["snapshot_id"], "change": plan["change"],
+            "from_scratch_read": fs["base_read"] + fs["expert_read"]}
 
 
 def snapshots(catalog: Catalog) -> list[dict]:

@@ -14,7 +14,7 @@ from mergepipe.errors import MergePipeError
 from mergepipe.cli import catalog, merge, snapshots  # noqa: F401
 from mergepipe.cli.catalog import _add_analyze, _add_register
 from mergepipe.cli.common import SUBCOMMANDS, default_db
-from mergepipe.cli.merge import _add_out_args, _add_plan_args
+from mergepipe.cli.merge import _add_extend_args, _add_out_args, _add_plan_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--port", type=int, default=8501, help="dashboard port on 127.0.0.1 (default 8501)")
     _add_plan_args(parsers["plan"], with_out=False)
     _add_plan_args(parsers["merge"], with_out=True)
+    _add_extend_args(parsers["merge"])
     parsers["execute"].add_argument("plan_id", help="a stored plan (see `mergepipe plan`)")
     _add_out_args(parsers["execute"])
     parsers["execute"].add_argument("--run-id", type=int, help=argparse.SUPPRESS)
