@@ -24,6 +24,7 @@ from mergepipe.engine.runs import (  # noqa: F401
 )
 from mergepipe.engine.txn import check_output_path, recover, recovery_findings
 from mergepipe.errors import CatalogError, ExecutionError, MergePipeError
+from mergepipe.manifest.diff import diff_snapshots, diff_text  # noqa: F401
 from mergepipe.manifest.lineage import lineage, lineage_dot  # noqa: F401  (lineage_dot: for the CLI)
 from mergepipe.manifest.verify import load_manifest, verify
 from mergepipe.storage.paths import check_output

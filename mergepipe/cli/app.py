@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-tokens", type=int, default=8192, help="score at most this many tokens (default 8192)")
     ev.add_argument("--force", action="store_true", help="score again even when a stored result applies")
     ev.add_argument("--run-id", type=int, help=argparse.SUPPRESS)
+    parsers["diff"].add_argument("a", help="the earlier snapshot (id or merged model id)")
+    parsers["diff"].add_argument("b", help="the later snapshot")
     parsers["delete"].add_argument("ref", help="snapshot id or merged model id")
     parsers["delete"].add_argument("--force", action="store_true",
                                    help="delete even when another model's lineage needs it")

@@ -136,3 +136,10 @@ def cmd_doctor(args):
 def cmd_dashboard(args):
     from mergepipe.dashboard.server import run_dashboard
     run_dashboard(args.db, port=args.port, extra_roots=args.allow_root)
+
+
+@command("diff", "what changed from snapshot A to snapshot B (experts, weights, bytes, bound, scores)")
+def cmd_diff(args):
+    from mergepipe.api import diff_snapshots, diff_text, human_bytes
+    cat = open_catalog(args)
+    emit(args, diff_snapshots(cat, args.a, args.b), lambda d: print(diff_text(d, human_bytes)))
