@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 # ANALYZE's per-tensor Gram statistics (catalog/gram.py): a = b = '' is ||base||^2, a = '' <base, delta_b>,
 # else <delta_a, delta_b> (a <= b), for the experts analyzed together.
 GRAM_TABLE = """CREATE TABLE IF NOT EXISTS gram (
         base_id TEXT NOT NULL, tensor TEXT NOT NULL, a TEXT NOT NULL, b TEXT NOT NULL, value REAL,
         PRIMARY KEY (base_id, tensor, a, b))"""
+
+# named, versioned merge recipes and the snapshots each run published (v8, issue 17); the watcher's state:
+# the checkpoints it has seen, by folder and fingerprint
+RECIPE_TABLES = [
+    """CREATE TABLE IF NOT EXISTS recipes (
+        name TEXT NOT NULL, version INTEGER NOT NULL, json TEXT NOT NULL, created_at TEXT,
+        PRIMARY KEY (name, version))""",
+    """CREATE TABLE IF NOT EXISTS recipe_snapshots (
+        name TEXT NOT NULL, version INTEGER NOT NULL, snapshot_id TEXT NOT NULL, mode TEXT NOT NULL,
+        created_at TEXT, PRIMARY KEY (name, snapshot_id))""",
+    """CREATE TABLE IF NOT EXISTS watch_seen (
+        path TEXT PRIMARY KEY, model_id TEXT NOT NULL, fingerprint TEXT NOT NULL, status TEXT NOT NULL,
+        updated_at TEXT)""",
+]
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)""",
@@ -68,6 +82,7 @@ SCHEMA = [
         model_id TEXT NOT NULL, fingerprint TEXT NOT NULL, dataset TEXT NOT NULL, dataset_name TEXT,
         metric TEXT NOT NULL, value REAL, tokens INTEGER, evaluated_at TEXT,
         PRIMARY KEY (model_id, fingerprint, dataset, metric))""",
+    *RECIPE_TABLES,
     """CREATE INDEX IF NOT EXISTS blocks_model ON blocks (model_id)""",
     """CREATE INDEX IF NOT EXISTS models_base ON models (base_id)""",
 ]
@@ -97,4 +112,5 @@ MIGRATIONS: dict[int, list[str]] = {
         model_id TEXT NOT NULL, fingerprint TEXT NOT NULL, dataset TEXT NOT NULL, dataset_name TEXT,
         metric TEXT NOT NULL, value REAL, tokens INTEGER, evaluated_at TEXT,
         PRIMARY KEY (model_id, fingerprint, dataset, metric))"""],
+    8: list(RECIPE_TABLES),
 }

@@ -314,7 +314,8 @@ class _ExtendContext:
         model_bytes = sum(t["nbytes"] for t in self.tensors)
         old_bytes = dict(core.get("access_bytes") or core["estimated_by_expert"])
         access_bytes = {e["id"]: (nbytes if e["id"] == entry["id"] else old_bytes.get(e["id"], 0)) for e in experts}
-        budget = self.request.budget or (self._parent_budget() if req.action == "add" else Budget.of(1.0))
+        # the recipe's spelling carries along a chain: the parent's, unless --budget chose another
+        budget_spec = req.budget.spec if req.budget else core["budget"]["spec"]
         plan_core = {
             "format": EXTEND_FORMAT,
             "parent": self.parent,
@@ -325,7 +326,7 @@ class _ExtendContext:
             "experts": experts,
             "operator": self.op.name, "params": self.params, "seed": core["seed"], "strategy": core["strategy"],
             "grid": {"block_bytes": self.block_bytes},
-            "budget": {"spec": budget.spec, "bytes": nbytes},
+            "budget": {"spec": budget_spec, "bytes": nbytes},
             "access": {e: eff_access[e] for e in sorted(eff_access)},
             "reads": {"expert": access, "base": base_blocks},
             "coefficients": coefs,
