@@ -26,7 +26,8 @@ from mergepipe.storage.safetensors import DTYPES, FLOAT_DTYPES, bytes_to_tensor,
 from mergepipe.storage.sources import open_source
 from mergepipe.storage.writers import ShardWriter, finish_files, plan_shards
 
-READAHEAD = 2
+READAHEAD = 4
+GROUP_BYTES = 16 << 20  # the snapshot is read in full, in order: larger groups, fewer requests
 
 
 class ExtendPipeline:
@@ -45,7 +46,7 @@ class ExtendPipeline:
         reads = plan["reads"]
         self.expert_blocks = {t: set(expand_ranges(rs)) for t, rs in reads["expert"].items()}
         self.base_blocks = {t: set(expand_ranges(rs)) for t, rs in reads["base"].items()}
-        self.work = block_groups(self.order, plan["grid"]["block_bytes"], engine.group_bytes)
+        self.work = block_groups(self.order, plan["grid"]["block_bytes"], max(engine.group_bytes, GROUP_BYTES))
         self.total_blocks = sum(len(g) for _, g in self.work)
         self.snap_reader = self.snap_ck.reader(sequential=True)
         self.base_reader = self.base_ck.reader()
@@ -115,26 +116,43 @@ class ExtendPipeline:
                                                 or span.index in self.expert_blocks.get(info.name, ()))
 
     # --- the loop ----------------------------------------------------------------------------------
-    def write_group(self, item, fetched) -> None:
+    def merge_group(self, item, fetched) -> list:
+        """(writer, offset, bytes or future) of each block of a group, in output order; the merges run on
+        the engine's executor (torch releases the GIL), overlapping the reads and the writes."""
         info, group = item
         snap, base, experts = fetched
         shard = self.shard_of[info.name]
         writer = self.writers[shard.fname]
         g0 = group[0].rel_offset
+        out = []
         for span in group:
             raw = memoryview(snap)[span.rel_offset - g0: span.rel_offset - g0 + span.nbytes]
             data = raw
             if self.changes(info, span):
-                t_c = time.perf_counter()
-                data = self.merge_block(info, span, raw, base.get(span.index), experts.get(span.index))
-                self.timing["compute_s"] += time.perf_counter() - t_c
+                data = self.executor.submit(self.timed_merge, info, span, raw, base.get(span.index),
+                                            experts.get(span.index))
+            out.append((writer, shard.offsets[info.name] + span.rel_offset, data))
+        return out
+
+    def timed_merge(self, *args):
+        t_c = time.perf_counter()
+        data = self.merge_block(*args)
+        self.timing["compute_s"] += time.perf_counter() - t_c
+        return data
+
+    def write_due(self, pending: deque, limit: int) -> None:
+        while len(pending) > limit:
+            writer, offset, data = pending.popleft()
+            if not isinstance(data, memoryview):
+                data = data.result()
             t_w = time.perf_counter()
-            writer.write(shard.offsets[info.name] + span.rel_offset, data)
+            writer.write(offset, data)
             self.timing["write_s"] += time.perf_counter() - t_w
 
     def run(self) -> dict:
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mergepipe-extend-read")
-        queued, reads, done = deque(self.work), deque(), 0
+        self.executor = self.engine.make_executor()
+        queued, reads, pending, done = deque(self.work), deque(), deque(), 0
         try:
             while queued or reads:
                 while queued and len(reads) < READAHEAD:
@@ -144,12 +162,16 @@ class ExtendPipeline:
                 t_wait = time.perf_counter()
                 fetched = fut.result()
                 self.timing["read_wait_s"] += time.perf_counter() - t_wait
-                self.write_group(item, fetched)
+                pending.extend(self.merge_group(item, fetched))
+                del fetched
+                self.write_due(pending, 4 * self.engine.workers)
                 done += len(item[1])
                 if self.progress:
                     self.progress(done, self.total_blocks, self.expert_reader.bytes_read)
+            self.write_due(pending, 0)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+            self.executor.shutdown()
             for r in (self.snap_reader, self.base_reader, self.expert_reader):
                 r.close()
         return self.finish()
