@@ -63,16 +63,22 @@ def bench(args) -> dict:
         print(f"[{budget}] parent of {k} experts merged in {time.perf_counter() - t0:.1f} s", flush=True)
         run.cold([*inputs, parent])
         m_ext = run.measure(mp(db, "merge", "--extend", parent.name, "--add", new, "--out", ext))
+        # what came from the model files (all evicted before): the rest of the child's reads is the
+        # catalog (evicted by the merges' reads), Python's libraries and the like
+        m_ext["model_files_read"] = run.resident_bytes([*inputs, parent])
         run.cold([*inputs, parent, ext])
         m_scr = run.measure(mp(db, "merge", "--base", "base", "--experts", *experts, new, "--op", args.op,
                                "--budget", budget, "--out", scratch))
+        m_scr["model_files_read"] = run.resident_bytes(inputs)
         core = manifest_core(ext)
         est = core["estimated"]
         planned = est["snapshot_read"] + est["base_read"] + est["expert_read"]
         same = run.compare_outputs(ext, scratch)
         results[budget] = {
-            "extend": {k2: m_ext[k2] for k2 in ("wall_s", "read_bytes", "write_bytes", "peak_rss_bytes")},
-            "scratch": {k2: m_scr[k2] for k2 in ("wall_s", "read_bytes", "write_bytes", "peak_rss_bytes")},
+            "extend": {k2: m_ext[k2] for k2 in ("wall_s", "read_bytes", "model_files_read", "write_bytes",
+                                                 "peak_rss_bytes")},
+            "scratch": {k2: m_scr[k2] for k2 in ("wall_s", "read_bytes", "model_files_read", "write_bytes",
+                                                  "peak_rss_bytes")},
             "planned": {"snapshot": est["snapshot_read"], "base": est["base_read"], "expert": est["expert_read"],
                         "total": planned},
             "scratch_planned": manifest_core(scratch)["estimated"],
@@ -96,28 +102,49 @@ def report(results: dict, args) -> str:
         "(rusage), side by side in one run. The family on disk has 16 experts, so the parent holds 15 and the "
         "16th is the one that arrives.",
         "",
-        "| budget | contender | wall s | read MB | planned read MB | write MB | peak RSS MB |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| budget | contender | wall s | read MB (process) | read MB (model files) | planned read MB | write MB | peak RSS MB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     verdicts = []
     for budget, r in results.items():
         e, s, p = r["extend"], r["scratch"], r["planned"]
         sp = r["scratch_planned"]
         lines.append(f"| {budget} | extend (snapshot + new expert + base blocks) | {e['wall_s']:.1f} | "
-                     f"{e['read_bytes'] / MB:.0f} | {p['total'] / MB:.0f} ({p['snapshot'] / MB:.0f} + "
+                     f"{e['read_bytes'] / MB:.0f} | {e['model_files_read'] / MB:.0f} | {p['total'] / MB:.0f} ({p['snapshot'] / MB:.0f} + "
                      f"{p['expert'] / MB:.0f} + {p['base'] / MB:.0f}) | {e['write_bytes'] / MB:.0f} | "
                      f"{e['peak_rss_bytes'] / MB:.0f} |")
         lines.append(f"| {budget} | from scratch, {args.k + 1} experts | {s['wall_s']:.1f} | {s['read_bytes'] / MB:.0f} | "
+                     f"{s['model_files_read'] / MB:.0f} | "
                      f"{(sp['base_read'] + sp['expert_read']) / MB:.0f} | {s['write_bytes'] / MB:.0f} | "
                      f"{s['peak_rss_bytes'] / MB:.0f} |")
         ratio_t = s["wall_s"] / e["wall_s"]
         ratio_b = s["read_bytes"] / max(e["read_bytes"], 1)
         over = e["read_bytes"] / p["total"] - 1
+        over_files = e["model_files_read"] / p["total"] - 1
         verdicts.append(f"- {budget}: extend {ratio_t:.1f}x faster, reads {ratio_b:.1f}x fewer bytes; extend read "
-                        f"{over * 100:+.2f} % vs its plan (target <= +1 %: {'met' if over <= 0.01 else 'NOT met'})"
+                        f"{over * 100:+.2f} % vs its plan in all (catalog and libraries included), "
+                        f"{over_files * 100:+.2f} % from the model files (target <= +1 %: "
+                        f"{'met' if over_files <= 0.01 else 'NOT met'} for the model files, "
+                        f"{'met' if over <= 0.01 else 'NOT met'} in all)"
                         + (f"; speed target >= 5x: {'met' if ratio_t >= 5 else 'NOT met'}" if budget == "100%" else "")
                         + f"; extend vs scratch: {json.dumps(r['compare'])}")
     lines += ["", "## Ratios and targets", "", *verdicts, ""]
+    full = results.get("100%")
+    if full:
+        e, s = full["extend"], full["scratch"]
+        io_ratio = (s["read_bytes"] + s["write_bytes"]) / max(e["read_bytes"] + e["write_bytes"], 1)
+        lines += ["## Notes", "",
+                  f"- Both contenders write the same {e['write_bytes'] / MB:.0f} MB snapshot: counting reads and "
+                  f"writes, the from-scratch merge moves {io_ratio:.1f}x the bytes of the extend at 100 %, which "
+                  "bounds the speed-up a disk-bound extend can show on this disk.",
+                  "- The machine (2 cores, a virtual disk) was shared with other sessions' tests and benchmarks "
+                  "during the run: absolute times swing; compare the ratios of one run.",
+                  "- `differing`/`max_abs`: the extend against the from-scratch merge of the same 16 experts. At "
+                  "100 % both use the same access sets and differ by bf16 rounding only (the snapshot was "
+                  "rounded to bf16 before the update: at most 1 ulp, see docs/incremental.md). At 10 % the "
+                  "from-scratch plan re-runs the greedy selection over all 16 experts, so the access sets "
+                  "differ (the extend equals the from-scratch merge with the extend's access sets, which the "
+                  "tests check).", ""]
     return "\n".join(lines)
 
 

@@ -106,3 +106,20 @@ def test_cli_recipe_save_run_list(built, tmp_path):
     assert bad.returncode != 0 and bad.stderr == "error: --weight takes PATTERN=W (e.g. 'math-*=0.5'), not 'oops'\n"
     missing = run_cli(["--db", db, "recipe", "show"])
     assert missing.stderr == "error: recipe show needs a recipe NAME\n"
+
+
+def test_a_v7_catalog_gets_the_recipe_tables(tmp_path):
+    from mergepipe.catalog.schema import SCHEMA_VERSION
+    db = tmp_path / "old.sqlite"
+    cat = Catalog(db)
+    for table in ("recipes", "recipe_snapshots", "watch_seen"):
+        cat.conn.execute(f"DROP TABLE {table}")
+    cat.conn.execute("UPDATE meta SET value = '7' WHERE key = 'schema_version'")
+    cat.conn.commit()
+    cat.close()
+    cat = Catalog(db)
+    try:
+        assert cat.query("SELECT value FROM meta WHERE key='schema_version'")[0]["value"] == str(SCHEMA_VERSION) == "8"
+        assert api.recipe_list(cat) == []
+    finally:
+        cat.close()
