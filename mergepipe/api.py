@@ -162,7 +162,7 @@ def recipe_save(catalog: Catalog, name: str, base: str, experts, operator: str =
 def recipe_show(catalog: Catalog, name: str, version: int | None = None) -> dict:
     from mergepipe.config.recipe import load_recipe
     recipe, v = load_recipe(catalog, name, version)
-    return {**recipe.body(), "version": v}
+    return {**recipe.body(), "weights": recipe.weights, "version": v}
 
 
 def recipe_list(catalog: Catalog) -> list[dict]:

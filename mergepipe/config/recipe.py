@@ -61,6 +61,7 @@ class Recipe:
     def body(self) -> dict:
         d = asdict(self)
         d["experts"] = list(self.experts)
+        d["weights"] = [[k, v] for k, v in self.weights.items()]  # a list keeps the order (first match wins)
         return d
 
     def weight_of(self, model_id: str) -> float:
@@ -83,6 +84,7 @@ def load_recipe(catalog: Catalog, name: str, version: int | None = None) -> tupl
                         + " (see `mergepipe recipe list`)")
     body = json.loads(row["json"])
     body["experts"] = tuple(body["experts"])
+    body["weights"] = {k: v for k, v in body["weights"]}
     return Recipe(**body), row["version"]
 
 

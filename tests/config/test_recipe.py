@@ -123,3 +123,13 @@ def test_a_v7_catalog_gets_the_recipe_tables(tmp_path):
         assert api.recipe_list(cat) == []
     finally:
         cat.close()
+
+
+def test_the_first_matching_weight_pattern_wins(cat, tmp_path):
+    from mergepipe.config.recipe import load_recipe, resolve_experts
+    api.recipe_save(cat, "w", "base", ["expert_*"], weights={"expert_2": 2.0, "expert_*": 0.5})
+    assert [(e["model"], e["weight"]) for e in resolve_experts(cat, load_recipe(cat, "w")[0])] == [
+        ("expert_1", 0.5), ("expert_2", 2.0), ("expert_3", 0.5)]
+    api.recipe_save(cat, "w", "base", ["expert_*"], weights={"expert_*": 0.5, "expert_2": 2.0})
+    assert [e["weight"] for e in resolve_experts(cat, load_recipe(cat, "w")[0])] == [0.5, 0.5, 0.5]
+    assert api.recipe_show(cat, "w", 1)["weights"] == {"expert_2": 2.0, "expert_*": 0.5}
