@@ -15,7 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -25,7 +24,7 @@ from mergepipe import api
 from mergepipe.analyze.runner import analyze
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.models import register
-from mergepipe.errors import MergePipeError, PlanError
+from mergepipe.errors import PlanError
 from mergepipe.research.family import make_family
 from mergepipe.storage.grid import tensor_grid
 from mergepipe.storage.local import evict
