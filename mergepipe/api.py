@@ -24,6 +24,7 @@ from mergepipe.engine.runs import (  # noqa: F401
 )
 from mergepipe.engine.txn import check_output_path, recover, recovery_findings
 from mergepipe.errors import CatalogError, ExecutionError, MergePipeError
+from mergepipe.manifest.diff import diff_snapshots, diff_text  # noqa: F401
 from mergepipe.manifest.lineage import lineage, lineage_dot  # noqa: F401  (lineage_dot: for the CLI)
 from mergepipe.manifest.verify import load_manifest, verify
 from mergepipe.storage.paths import check_output
@@ -143,6 +144,132 @@ def run(catalog: Catalog, request: MergeRequest, out=None, model_id: str | None 
     return p, snapshot_id, manifest
 
 
+def extend_request(snapshot: str, action: str, expert: str, weight=None, budget=None, out=None,
+                   model_id: str | None = None):
+    """A validated incremental request: ``action`` add, remove or reweight one ``expert`` of ``snapshot``."""
+    from mergepipe.planner.extend import ExtendRequest
+    return ExtendRequest.build(snapshot, action, expert, weight=weight, budget=budget, out=out, model_id=model_id)
+
+
+def plan_extend(catalog: Catalog, request, save: bool = False) -> Plan:
+    """Plan an incremental merge (reads no tensor byte); refused for operators that are not additive."""
+    from mergepipe.planner.extend import plan_extend as make
+    from mergepipe.planner.plan import save_plan as store
+    p = make(catalog, request)
+    if save:
+        store(catalog, p)
+    return p
+
+
+def extend(catalog: Catalog, request, out_shard_bytes: int | None = None, progress=None):
+    """Add, remove or reweight one expert of a published snapshot, reading the snapshot and that expert
+    only; returns (plan, snapshot_id, manifest). A refused change leaves the catalog unchanged."""
+    if request.out is None:
+        raise ExecutionError("an incremental merge needs an output directory (--out)")
+    p = plan_extend(catalog, request)
+    snapshot_id, manifest = _execute(catalog, p, request.out, request.model_id, out_shard_bytes, progress)
+    return p, snapshot_id, manifest
+
+
+# --- recipes (config/recipe.py) ---------------------------------------------------------------------
+def recipe_save(catalog: Catalog, name: str, base: str, experts, operator: str = "linear", weights=None,
+                params=None, budget=None, out: str | None = None) -> int:
+    """Store a recipe (a new version when it differs from the latest); returns its version."""
+    from mergepipe.config.recipe import Recipe, save_recipe
+    return save_recipe(catalog, Recipe.build(name, base, experts, operator, weights, params, budget, out))
+
+
+def recipe_show(catalog: Catalog, name: str, version: int | None = None) -> dict:
+    from mergepipe.config.recipe import load_recipe
+    recipe, v = load_recipe(catalog, name, version)
+    return {**recipe.body(), "weights": recipe.weights, "version": v}
+
+
+def recipe_list(catalog: Catalog) -> list[dict]:
+    from mergepipe.catalog.recipes import recipe_rows
+    return recipe_rows(catalog)
+
+
+def recipe_explain(catalog: Catalog, name: str) -> str:
+    """Both ways to run the recipe now (from scratch, incremental) with their estimated reads."""
+    from mergepipe.config.recipe import explain_options, recipe_options
+    return explain_options(recipe_options(catalog, name))
+
+
+def recipe_run(catalog: Catalog, name: str, out_shard_bytes: int | None = None, progress=None) -> dict:
+    """Re-plan the recipe against the catalog, run the cheaper of from-scratch and incremental (nothing
+    when its last snapshot is up to date); returns ``{"choice", "snapshot_id", "explain", ...}``."""
+    from mergepipe.catalog.recipes import record_recipe_snapshot
+    from mergepipe.config.recipe import explain_options, recipe_options
+    options = recipe_options(catalog, name)
+    result = {"recipe": name, "version": options["version"], "choice": options["choice"], "snapshot_id": None,
+              "explain": explain_options(options)}
+    if options["choice"] == "none":
+        return result
+    chosen = options[options["choice"]]
+    Path(options["out"]).expanduser().parent.mkdir(parents=True, exist_ok=True)  # a pattern may name subfolders
+    check_target(catalog, options["out"])
+    snapshot_id, manifest = _execute(catalog, chosen["plan"], options["out"], None, out_shard_bytes, progress)
+    record_recipe_snapshot(catalog, name, options["version"], snapshot_id, options["choice"])
+    result.update(snapshot_id=snapshot_id, model_id=manifest.run["model_id"], out=manifest.run["out"],
+                  read=sum(v for k, v in manifest.core["realized"].items() if k.endswith("_read")))
+    return result
+
+
+def watch(catalog: Catalog, dirs, recipe: str, interval: float = 5.0, once: bool = False, log=print) -> dict:
+    """Watch ``dirs`` for new or changed checkpoints: register and analyze them on the recipe's base and run
+    the recipe (incremental or from scratch, whichever is cheaper); until SIGTERM/SIGINT (a merge under way
+    is finished first), or one pass with ``once``. One watcher per catalog (a lock file beside it); its
+    state is in the catalog, and a watcher killed mid-merge is recovered on the next start."""
+    import signal
+    import time
+    from mergepipe.config.recipe import load_recipe
+    from mergepipe.config.watch import WatchLock, checkpoint_dirs, scan
+    base = load_recipe(catalog, recipe)[0].base
+    checkpoint_dirs(dirs)  # refuse a missing folder now
+    lock = WatchLock(catalog.path)
+    stop = {"signal": None}
+
+    def on_signal(signum, frame):
+        stop["signal"] = signum
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    runs = []
+    try:
+        leftovers = recover(catalog)
+        if leftovers.get("rolled_back"):
+            log(f"recovered {len(leftovers['rolled_back'])} unfinished merge(s) of an earlier run")
+        first = True
+        while stop["signal"] is None:
+            taken = scan(catalog, dirs, base, log)
+            if first or taken:
+                first = False
+                try:
+                    result = recipe_run(catalog, recipe)
+                except MergePipeError as exc:  # e.g. no expert matches yet: wait for the next change
+                    log(f"recipe {recipe}: {exc}")
+                    continue
+                if result["snapshot_id"]:
+                    log(f"published {result['snapshot_id']} ({result['choice']}) at {result['out']}")
+                    runs.append(result)
+            if once and not any(r["status"] == "pending" for r in _watch_state(catalog)):
+                break
+            deadline = time.monotonic() + interval
+            while stop["signal"] is None and time.monotonic() < deadline:
+                time.sleep(min(0.1, interval))
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        lock.release()
+    if stop["signal"] is not None:
+        log(f"stopped on signal {stop['signal']}")
+    return {"runs": runs, "stopped_by": stop["signal"]}
+
+
+def _watch_state(catalog: Catalog) -> list[dict]:
+    from mergepipe.catalog.recipes import watch_seen
+    return list(watch_seen(catalog).values())
+
+
 def plan_merge(catalog: Catalog, base: str, experts, operator: str = "linear", save: bool = True, **settings) -> Plan:
     """``plan(catalog, request(base, experts, operator, **settings))``."""
     return plan(catalog, merge_request(base, experts, operator, **settings), save=save)
@@ -201,6 +328,13 @@ def merge_summary(plan: Plan, manifest) -> dict:
         "estimated": core["estimated"], "realized": core["realized"], "error_bound": plan["error_bound"],
         "seconds": manifest.run["seconds"], "timing": manifest.run["timing"],
     }
+
+
+def extend_summary(plan: Plan, manifest) -> dict:
+    """What `merge --extend` reports: the merge summary plus the parent, the change and the reads."""
+    fs = plan["from_scratch_estimate"]
+    return {**merge_summary(plan, manifest), "extends": plan["parent"]["snapshot_id"], "change": plan["change"],
+            "from_scratch_read": fs["base_read"] + fs["expert_read"]}
 
 
 def snapshots(catalog: Catalog) -> list[dict]:

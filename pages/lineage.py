@@ -36,3 +36,14 @@ with ui.user_errors(), ui.catalog() as cat:
         else:
             if st.button(f"Open the model page of {target}", key="open_model"):
                 st.switch_page("pages/models.py", query_params={"model": target})
+
+    st.subheader("What changed since a snapshot")
+    snaps = [n for n, k in zip(ids, nodes["kind"]) if k == "snapshot"]
+    since = st.selectbox("Since snapshot", snaps, index=None, key="changes_since",
+                         placeholder="choose a snapshot: every later merge on its base, diffed against it")
+    if since:
+        changes = views.changes_since(cat, since)
+        if changes.empty:
+            st.info(f"No snapshot was published after {since} on its base.")
+        else:
+            st.dataframe(changes, hide_index=True, key="changes_table")

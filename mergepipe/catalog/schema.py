@@ -22,6 +22,20 @@ SWEEP_TABLES = [
         PRIMARY KEY (sweep_id, point))""",
 ]
 
+# named, versioned merge recipes and the snapshots each run published (v8, issue 17); the watcher's state:
+# the checkpoints it has seen, by folder and fingerprint
+RECIPE_TABLES = [
+    """CREATE TABLE IF NOT EXISTS recipes (
+        name TEXT NOT NULL, version INTEGER NOT NULL, json TEXT NOT NULL, created_at TEXT,
+        PRIMARY KEY (name, version))""",
+    """CREATE TABLE IF NOT EXISTS recipe_snapshots (
+        name TEXT NOT NULL, version INTEGER NOT NULL, snapshot_id TEXT NOT NULL, mode TEXT NOT NULL,
+        created_at TEXT, PRIMARY KEY (name, snapshot_id))""",
+    """CREATE TABLE IF NOT EXISTS watch_seen (
+        path TEXT PRIMARY KEY, model_id TEXT NOT NULL, fingerprint TEXT NOT NULL, status TEXT NOT NULL,
+        updated_at TEXT)""",
+]
+
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)""",
     """CREATE TABLE IF NOT EXISTS models (
@@ -80,6 +94,7 @@ SCHEMA = [
         model_id TEXT NOT NULL, fingerprint TEXT NOT NULL, dataset TEXT NOT NULL, dataset_name TEXT,
         metric TEXT NOT NULL, value REAL, tokens INTEGER, evaluated_at TEXT,
         PRIMARY KEY (model_id, fingerprint, dataset, metric))""",
+    *RECIPE_TABLES,
     """CREATE INDEX IF NOT EXISTS blocks_model ON blocks (model_id)""",
     """CREATE INDEX IF NOT EXISTS models_base ON models (base_id)""",
     *SWEEP_TABLES,
@@ -110,6 +125,6 @@ MIGRATIONS: dict[int, list[str]] = {
         model_id TEXT NOT NULL, fingerprint TEXT NOT NULL, dataset TEXT NOT NULL, dataset_name TEXT,
         metric TEXT NOT NULL, value REAL, tokens INTEGER, evaluated_at TEXT,
         PRIMARY KEY (model_id, fingerprint, dataset, metric))"""],
-    # v8 is another branch's (renumbered at merge); merge sweeps and their points (v9)
-    9: SWEEP_TABLES,
+    8: list(RECIPE_TABLES),  # recipes and the watcher (issue 17)
+    9: SWEEP_TABLES,  # merge sweeps and their points (issue 20)
 }

@@ -112,3 +112,8 @@ def delete_snapshot_rows(catalog: Catalog, snapshot_id: str, model_id: str) -> N
                      ("DELETE FROM evaluations WHERE model_id = ?", model_id),
                      ("DELETE FROM models WHERE id = ?", model_id)):
         ex(sql, [arg])
+
+
+def snapshot_ids_in_order(catalog: Catalog) -> list[str]:
+    """Snapshot ids in the order they were published (created_at has one-second resolution)."""
+    return [r["id"] for r in catalog.query("SELECT id FROM snapshots ORDER BY rowid")]

@@ -14,7 +14,24 @@ from mergepipe.errors import MergePipeError
 from mergepipe.cli import catalog, merge, snapshots  # noqa: F401
 from mergepipe.cli.catalog import _add_analyze, _add_register
 from mergepipe.cli.common import SUBCOMMANDS, default_db
-from mergepipe.cli.merge import _add_out_args, _add_plan_args, _add_sweep_args
+from mergepipe.cli.merge import _add_extend_args, _add_out_args, _add_plan_args, _add_sweep_args
+
+
+def _add_recipe_args(p) -> None:
+    from mergepipe import api
+    from mergepipe.cli.merge import _add_param
+    p.add_argument("action", choices=["save", "show", "list", "explain", "run"], help="what to do")
+    p.add_argument("name", nargs="?", help="the recipe's name")
+    p.add_argument("--base", help="save: the base model id")
+    p.add_argument("--experts", nargs="+", help="save: expert ids or name patterns ('math-*')")
+    p.add_argument("--op", "--operator", dest="op", help="save: the operator (default linear)")
+    p.add_argument("--weight", action="append", metavar="PATTERN=W", help="save: weight of matching experts (default 1)")
+    p.add_argument("--budget", help="save: expert-read budget (default 100%%)")
+    p.add_argument("--out", help="save: output folder pattern with {name}, {n}, {version}, {date} (default {name}-{n})")
+    p.add_argument("--version", type=int, help="show: this version (default the latest)")
+    for param in api.parameters():
+        if param.key != "weights":
+            _add_param(p, api, param)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--port", type=int, default=8501, help="dashboard port on 127.0.0.1 (default 8501)")
     _add_plan_args(parsers["plan"], with_out=False)
     _add_plan_args(parsers["merge"], with_out=True)
+    _add_extend_args(parsers["merge"])
     parsers["execute"].add_argument("plan_id", help="a stored plan (see `mergepipe plan`)")
     _add_out_args(parsers["execute"])
     _add_sweep_args(parsers["sweep"])
@@ -71,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-tokens", type=int, default=8192, help="score at most this many tokens (default 8192)")
     ev.add_argument("--force", action="store_true", help="score again even when a stored result applies")
     ev.add_argument("--run-id", type=int, help=argparse.SUPPRESS)
+    _add_recipe_args(parsers["recipe"])
+    w = parsers["watch"]
+    w.add_argument("dirs", nargs="+", metavar="DIR", help="folders whose checkpoint sub-folders are watched")
+    w.add_argument("--recipe", required=True, help="the recipe to run on every new or changed checkpoint")
+    w.add_argument("--interval", type=float, default=5.0, help="seconds between scans (default 5)")
+    w.add_argument("--once", action="store_true", help="scan until nothing is pending, run the recipe, exit")
+    parsers["diff"].add_argument("a", help="the earlier snapshot (id or merged model id)")
+    parsers["diff"].add_argument("b", help="the later snapshot")
     parsers["delete"].add_argument("ref", help="snapshot id or merged model id")
     parsers["delete"].add_argument("--force", action="store_true",
                                    help="delete even when another model's lineage needs it")

@@ -79,6 +79,64 @@ def _add_out_args(p):
                                      "default: a new local cluster")
 
 
+def _add_extend_args(p):
+    g = p.add_argument_group("incremental merge (additive operators: linear, task_arithmetic)")
+    g.add_argument("--extend", metavar="SNAPSHOT",
+                   help="change one expert of this published snapshot, reading the snapshot and that expert only")
+    change = g.add_mutually_exclusive_group()
+    change.add_argument("--add", metavar="EXPERT", help="with --extend: add this analyzed expert")
+    change.add_argument("--remove", metavar="EXPERT", help="with --extend: take this expert out")
+    change.add_argument("--reweight", nargs=2, metavar=("EXPERT", "W"), help="with --extend: give EXPERT weight W")
+    g.add_argument("--weight", type=float, help="with --extend --add: the new expert's weight (default 1)")
+
+
+def _extend_request(args):
+    """The incremental request of `merge --extend` (the flags of a from-scratch merge are refused)."""
+    from mergepipe import api
+    if args.config or args.base or args.experts:
+        raise MergePipeError("--extend takes its base and experts from the snapshot: drop --config/--base/--experts")
+    given = [k for k, v in _settings(args).items() if v is not None] + [
+        f for f, v in (("--op", args.op), ("--strategy", args.strategy), ("--seed", args.seed),
+                       ("--target-bound", args.target_bound)) if v is not None]
+    if given:
+        raise MergePipeError(f"--extend keeps the snapshot's operator and parameters; drop {', '.join(given)}")
+    if args.add:
+        action, expert, weight = "add", args.add, args.weight
+    elif args.remove:
+        action, expert, weight = "remove", args.remove, args.weight
+    elif args.reweight:
+        action, expert, weight = "reweight", args.reweight[0], _number(args.reweight[1], "--reweight weight")
+        if args.weight is not None:
+            raise MergePipeError("give the new weight after --reweight EXPERT, not with --weight")
+    else:
+        raise MergePipeError("--extend needs one change: --add EXPERT, --remove EXPERT or --reweight EXPERT W")
+    return api.extend_request(args.extend, action, expert, weight=weight, budget=_budget(args), out=args.out,
+                              model_id=args.model_id)
+
+
+def _number(text: str, what: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise MergePipeError(f"{what} must be a number, not {text!r}") from None
+
+
+def _extend(args, cat):
+    from mergepipe import api
+    prog, cb = progress_bar("extend")
+    with prog:
+        plan, _, manifest = api.extend(cat, _extend_request(args), out_shard_bytes=args.out_shard_size,
+                                       progress=lambda done, total, nbytes: cb("blocks", done, total))
+    summary = api.extend_summary(plan, manifest)
+    emit(args, summary, lambda s: print(
+        f"published {s['snapshot_id']} as model {s['model_id']} at {s['out']} (extends {s['extends']})\n"
+        f"  {s['change']['action']} {s['change']['expert']}: read snapshot "
+        f"{api.human_bytes(s['realized']['snapshot_read'])}, expert {api.human_bytes(s['realized']['expert_read'])}, "
+        f"base {api.human_bytes(s['realized']['base_read'])} (a from-scratch merge of the same set reads "
+        f"{api.human_bytes(s['from_scratch_read'])}) in {s['seconds']:.2f} s\n"
+        f"  error bound {s['error_bound']['absolute']:.4g}"))
+
+
 def _settings(args) -> dict:
     """The operator parameters given on the command line (None: not given), by request keyword."""
     from mergepipe import api
@@ -195,6 +253,10 @@ def _execute(args, cat, plan):
 
 @command("merge", "plan and execute a merge, publishing a snapshot")
 def cmd_merge(args):
+    if args.extend is not None:
+        return _extend(args, open_catalog(args, write=True))
+    if args.add or args.remove or args.reweight or args.weight is not None:
+        raise MergePipeError("--add, --remove, --reweight and --weight go with --extend SNAPSHOT")
     cat = _open_for_plan(args)
     # Not saved here: the engine stores the plan once the output path and model id are known to be
     # usable, so a refused merge leaves the catalog unchanged.

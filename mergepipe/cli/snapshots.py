@@ -212,3 +212,65 @@ def cmd_doctor(args):
 def cmd_dashboard(args):
     from mergepipe.dashboard.server import run_dashboard
     run_dashboard(args.db, port=args.port, extra_roots=args.allow_root)
+
+
+@command("diff", "what changed from snapshot A to snapshot B (experts, weights, bytes, bound, scores)")
+def cmd_diff(args):
+    from mergepipe.api import diff_snapshots, diff_text, human_bytes
+    cat = open_catalog(args)
+    emit(args, diff_snapshots(cat, args.a, args.b), lambda d: print(diff_text(d, human_bytes)))
+
+
+@command("recipe", "named, versioned merge recipes: save, show, list, explain, run")
+def cmd_recipe(args):
+    from mergepipe import api
+    if args.action == "list":
+        rows = api.recipe_list(open_catalog(args))
+        return emit(args, rows, lambda rs: table(rs, ["name", "version", "runs", "last_snapshot", "created_at"]))
+    if not args.name:
+        raise MergePipeError(f"recipe {args.action} needs a recipe NAME")
+    if args.action == "save":
+        cat = open_catalog(args, write=True)
+        version = api.recipe_save(cat, args.name, args.base, args.experts or [], args.op or "linear",
+                                  _weights(args.weight), _recipe_params(args), args.budget, args.out)
+        return emit(args, {"name": args.name, "version": version},
+                    lambda d: print(f"recipe {d['name']} v{d['version']} saved"))
+    if args.action == "show":
+        return emit(args, api.recipe_show(open_catalog(args), args.name, args.version))
+    if args.action == "explain":
+        return print(api.recipe_explain(open_catalog(args), args.name))
+    res = api.recipe_run(open_catalog(args, write=True), args.name)
+    emit(args, res, lambda r: print(r["explain"] + (
+        f"\npublished {r['snapshot_id']} as model {r['model_id']} at {r['out']} ({r['choice']})"
+        if r["snapshot_id"] else "")))
+
+
+def _weights(items) -> dict:
+    out = {}
+    for item in items or ():
+        pattern, sep, value = item.rpartition("=")
+        try:
+            out[pattern] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not pattern:
+            raise MergePipeError(f"--weight takes PATTERN=W (e.g. 'math-*=0.5'), not {item!r}")
+    return out
+
+
+def _recipe_params(args) -> dict:
+    from mergepipe import api
+    return {p.key: getattr(args, p.key) for p in api.parameters()
+            if p.key != "weights" and getattr(args, p.key, None) is not None}
+
+
+@command("watch", "watch folders for new or changed checkpoints and run a recipe on them (until SIGTERM)")
+def cmd_watch(args):
+    import sys
+    from mergepipe import api
+    if not args.interval > 0:
+        raise MergePipeError("--interval must be a positive number of seconds")
+    res = api.watch(open_catalog(args, write=True), args.dirs, args.recipe, interval=args.interval, once=args.once,
+                    log=lambda line: print(line, file=sys.stderr, flush=True))
+    emit(args, {"snapshots": [r["snapshot_id"] for r in res["runs"]], "stopped_by": res["stopped_by"]},
+         lambda d: print(f"{len(d['snapshots'])} snapshot(s) published"))

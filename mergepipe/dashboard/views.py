@@ -50,6 +50,7 @@ from mergepipe.dashboard.snapshots import (  # noqa: F401
 from mergepipe.dashboard.compare import (  # noqa: F401
     access_diff, access_figure, choices, is_full_budget_of, lineage_note, realized_deviation, NOT_MERGED, numbers_df, plan_side, scores_df, settings_diff, side,
 )
+from mergepipe.dashboard.changes import changes_since  # noqa: F401
 from mergepipe.dashboard.lineage import (  # noqa: F401
     lineage_dot, lineage_nodes_df, node_target,
 )

@@ -27,11 +27,13 @@ from mergepipe.catalog.plans import has_plan
 from mergepipe.catalog.runs import mark_run_published
 from mergepipe.catalog.snapshots import record_snapshot
 from mergepipe.engine.executor import Executor, LocalExecutor, RangeExecutor
+from mergepipe.engine.extend import ExtendPipeline
 from mergepipe.engine.pipeline import MergePipeline
 from mergepipe.engine.txn import Transaction, check_output_path
 from mergepipe.errors import ExecutionError
 from mergepipe.manifest.build import Manifest
 from mergepipe.manifest.card import CARD_NAME, write_card
+from mergepipe.planner.extend import is_extend
 from mergepipe.planner.plan import Plan, load_plan
 from mergepipe.storage.grid import DEFAULT_BLOCK_BYTES
 from mergepipe.storage.paths import check_output
@@ -79,10 +81,18 @@ class Engine:
         return LocalExecutor(self.workers, self.threads)
 
     # --- validation ------------------------------------------------------------------------------
+    @staticmethod
+    def _read_inputs(plan: Plan) -> list[dict]:
+        """The models a plan reads: base and experts; for an incremental plan base, parent snapshot and
+        the changed expert (the other experts are not read, so they need not exist any more)."""
+        if is_extend(plan.data):
+            return [plan["base"], plan["parent"], plan["changed"]]
+        return [plan["base"], *plan["experts"]]
+
     def _check_inputs(self, plan: Plan) -> dict[str, int]:
         """Inputs as planned (fingerprints; content hashes where registered: returns bytes hashed)."""
         hashed = {}
-        for inp in [plan["base"], *plan["experts"]]:
+        for inp in self._read_inputs(plan):
             row = self.catalog.model(inp["id"])
             if row["fingerprint"] != inp["fingerprint"]:
                 raise ExecutionError(f"{inp['id']} was re-registered since plan {plan.id} was made; plan again")
@@ -96,7 +106,7 @@ class Engine:
     @staticmethod
     def _check_inputs_after_reads(plan: Plan) -> None:
         """An input rewritten while the merge read it must not be published as planned."""
-        for inp in [plan["base"], *plan["experts"]]:
+        for inp in Engine._read_inputs(plan):
             why = input_change(inp)
             if why:
                 raise ExecutionError(f"{why} while the merge ran; nothing was published (merge again)")
@@ -145,6 +155,8 @@ class Engine:
 
     # --- the streaming loop ------------------------------------------------------------------------
     def _run(self, plan: Plan, staging: Path, out_shard_bytes: int, progress) -> dict:
+        if is_extend(plan.data):  # an incremental merge reads the parent snapshot (in this process)
+            return ExtendPipeline(self, plan, staging, out_shard_bytes, progress).run()
         if isinstance(self.executor, RangeExecutor):  # range tasks where the data lives (e.g. on Ray)
             from mergepipe.engine.ranges import RangeMerge
             return RangeMerge(self, plan, staging, out_shard_bytes, progress).run(self.executor)
@@ -180,6 +192,12 @@ class Engine:
             core["tokenizer"] = plan["tokenizer"]
         if plan.data.get("layout"):  # a `slices:` merge: which input tensor each output tensor is made of
             core["layout"] = plan["layout"]
+        if is_extend(plan.data):
+            core["realized"]["snapshot_read"] = result["snapshot_read"]
+            core["extends"] = {k: plan["parent"][k] for k in ("snapshot_id", "model_id", "manifest_hash")}
+            core["change"] = plan["change"]
+            core["access_bytes"] = plan["access_bytes"]
+            core["parents"].append({"id": plan["parent"]["model_id"], "role": "extends", "weight": None})
         if result["content_hashed"]:
             core["content_verified"] = {e: {"bytes_hashed": n} for e, n in sorted(result["content_hashed"].items())}
         if result["analysis_read"]:

@@ -44,6 +44,9 @@ class Plan:
         return sum(r[1] - r[0] for tensors in self.data["access"].values() for rs in tensors.values() for r in rs)
 
     def explain(self) -> str:
+        if self.data.get("format") == "mergepipe.extend-plan/1":
+            from mergepipe.planner.extend import explain_extend
+            return explain_extend(self.data)
         return explain_plan(self.data)
 
 

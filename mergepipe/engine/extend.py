@@ -1,0 +1,201 @@
+"""Executing an incremental plan (planner/extend.py): the parent snapshot streamed tensor by tensor, the
+changed expert's planned blocks and the base blocks the plan needs, nothing of the other experts.
+
+Per block: M' = a*M + g*base + b*delta where the expert's delta is in the merge (for a full checkpoint
+the plan's ``g_read`` already folds -b*base in: M' = a*M + g_read*base + b*x), a*M + g*base elsewhere,
+and a plain copy of the snapshot's bytes where a = 1 and g = 0. Arithmetic in float32 for 16-bit
+tensors, float64 for wider ones (so that fp32 results round once, like the from-scratch merge).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from mergepipe.engine.blocks import check_finite, tensor_bytes
+from mergepipe.engine.pipeline import block_groups
+from mergepipe.errors import ExecutionError
+from mergepipe.manifest.build import file_sha256
+from mergepipe.planner.plan import Plan, expand_ranges
+from mergepipe.storage.registry import open_checkpoint
+from mergepipe.storage.safetensors import DTYPES, FLOAT_DTYPES, bytes_to_tensor, rows_shape
+from mergepipe.storage.sources import open_source
+from mergepipe.storage.writers import ShardWriter, finish_files, plan_shards
+
+READAHEAD = 4
+GROUP_BYTES = 16 << 20  # the snapshot is read in full, in order: larger groups, fewer requests
+
+
+class ExtendPipeline:
+    """Runs an incremental plan into ``staging``; :meth:`run` returns what the manifest needs."""
+
+    def __init__(self, engine, plan: Plan, staging: Path, out_shard_bytes: int, progress):
+        self.engine, self.plan, self.staging, self.progress = engine, plan, staging, progress
+        self.coefs = plan["coefficients"]
+        self.changed = plan["changed"]
+        self.base_ck = open_checkpoint(plan["base"]["uri"])
+        self.snap_ck = open_checkpoint(plan["parent"]["uri"])
+        self.source = open_source(self.changed["kind"], self.changed["uri"])
+        self.order = sorted(self.base_ck.tensors.values(), key=lambda t: (t.file, t.offset))
+        self.shards = plan_shards(self.order, out_shard_bytes)
+        self.shard_of = {n: s for s in self.shards for n in s.offsets}
+        reads = plan["reads"]
+        self.expert_blocks = {t: set(expand_ranges(rs)) for t, rs in reads["expert"].items()}
+        self.base_blocks = {t: set(expand_ranges(rs)) for t, rs in reads["base"].items()}
+        self.work = block_groups(self.order, plan["grid"]["block_bytes"], max(engine.group_bytes, GROUP_BYTES))
+        self.total_blocks = sum(len(g) for _, g in self.work)
+        self.snap_reader = self.snap_ck.reader(sequential=True)
+        self.base_reader = self.base_ck.reader()
+        self.expert_reader = self.source.checkpoint.reader()
+        self.fixed: tuple[str, list] | None = None
+        self.writers = {s.fname: ShardWriter(staging, s) for s in self.shards}
+        self.timing = {"read_wait_s": 0.0, "compute_s": 0.0, "write_s": 0.0}
+        self.by_tensor: dict[str, int] = {}
+
+    # --- reads -------------------------------------------------------------------------------------
+    def fetch(self, item):
+        """The snapshot's bytes of a group, and the base and expert blocks it needs (read thread)."""
+        info, group = item
+        sinfo = self.snap_ck.tensors[info.name]
+        if (sinfo.dtype, tuple(sinfo.shape)) != (info.dtype, tuple(info.shape)):
+            raise ExecutionError(f"snapshot {self.plan['parent']['snapshot_id']} holds {info.name} as {sinfo.dtype} "
+                                 f"{list(sinfo.shape)}, the base as {info.dtype} {list(info.shape)}")
+        start, end = group[0], group[-1]
+        snap = self.snap_reader.read(sinfo.file, sinfo.offset + start.rel_offset,
+                                     end.rel_offset + end.nbytes - start.rel_offset)
+        need_base = [s for s in group if s.index in self.base_blocks.get(info.name, ())]
+        views = self.base_reader.read_ranges([(info.file, info.offset + s.rel_offset, s.nbytes) for s in need_base])
+        base = dict(zip((s.index for s in need_base), views))
+        spans = [s for s in group if s.index in self.expert_blocks.get(info.name, ())]
+        experts = {}
+        if spans:
+            if self.fixed is None or self.fixed[0] != info.name:
+                self.fixed = (info.name, self.expert_reader.read_ranges(self.source.fixed_ranges(info.name)))
+            per_span = [self.source.block_ranges(info.name, s) for s in spans]
+            views = self.expert_reader.read_ranges([r for rs in per_span for r in rs])
+            self.by_tensor[info.name] = self.by_tensor.get(info.name, 0) + sum(
+                n for rs in per_span for _, _, n in rs)
+            pos = 0
+            for s, rs in zip(spans, per_span):
+                experts[s.index] = (views[pos:pos + len(rs)], self.fixed[1])
+                pos += len(rs)
+        return snap, base, experts
+
+    # --- one block ---------------------------------------------------------------------------------
+    def merge_block(self, info, span, raw, base_raw, expert):
+        c = self.coefs
+        shape = rows_shape(info, span.row_end - span.row_start)
+        wide = torch.float64 if DTYPES[info.dtype][0].itemsize > 2 else torch.float32
+        out = bytes_to_tensor(raw, info.dtype, shape).to(wide)
+        if c["a"] != 1:
+            out = out * c["a"]
+        base = None if base_raw is None else bytes_to_tensor(base_raw, info.dtype, shape).to(wide)
+        if expert is not None:
+            bufs, fixed = expert
+            if self.source.kind == "full":  # g_read = g - b: x's coefficient is b, the base's g - b
+                xinfo = self.source.checkpoint.tensors[info.name]
+                out = out + c["b"] * bytes_to_tensor(bufs[0], xinfo.dtype, shape).to(wide)
+                g = c["g_read"]
+            else:
+                out = out + c["b"] * self.source.delta(info.name, span, bufs, fixed, None).reshape(shape).to(wide)
+                g = c["g"]
+        else:
+            g = c["g"]
+        if g != 0:
+            out = out + g * base
+        data = tensor_bytes(out.to(DTYPES[info.dtype][0]))
+        check_finite(data, info, span)
+        return data
+
+    def changes(self, info, span) -> bool:
+        return info.dtype in FLOAT_DTYPES and (not self.coefs["copy_unread"]
+                                                or span.index in self.expert_blocks.get(info.name, ()))
+
+    # --- the loop ----------------------------------------------------------------------------------
+    def merge_group(self, item, fetched) -> list:
+        """(writer, offset, bytes or future) of each block of a group, in output order; the merges run on
+        the engine's executor (torch releases the GIL), overlapping the reads and the writes."""
+        info, group = item
+        snap, base, experts = fetched
+        shard = self.shard_of[info.name]
+        writer = self.writers[shard.fname]
+        g0 = group[0].rel_offset
+        out = []
+        for span in group:
+            raw = memoryview(snap)[span.rel_offset - g0: span.rel_offset - g0 + span.nbytes]
+            data = raw
+            if self.changes(info, span):
+                data = self.executor.submit(self.timed_merge, info, span, raw, base.get(span.index),
+                                            experts.get(span.index))
+            out.append((writer, shard.offsets[info.name] + span.rel_offset, data))
+        return out
+
+    def timed_merge(self, *args):
+        t_c = time.perf_counter()
+        data = self.merge_block(*args)
+        self.timing["compute_s"] += time.perf_counter() - t_c
+        return data
+
+    def write_due(self, pending: deque, limit: int) -> None:
+        while len(pending) > limit:
+            writer, offset, data = pending.popleft()
+            if not isinstance(data, memoryview):
+                data = data.result()
+            t_w = time.perf_counter()
+            writer.write(offset, data)
+            self.timing["write_s"] += time.perf_counter() - t_w
+
+    def run(self) -> dict:
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mergepipe-extend-read")
+        self.executor = self.engine.make_executor()
+        queued, reads, pending, done = deque(self.work), deque(), deque(), 0
+        try:
+            while queued or reads:
+                while queued and len(reads) < READAHEAD:
+                    item = queued.popleft()
+                    reads.append((item, pool.submit(self.fetch, item)))
+                item, fut = reads.popleft()
+                t_wait = time.perf_counter()
+                fetched = fut.result()
+                self.timing["read_wait_s"] += time.perf_counter() - t_wait
+                pending.extend(self.merge_group(item, fetched))
+                del fetched
+                self.write_due(pending, 4 * self.engine.workers)
+                done += len(item[1])
+                if self.progress:
+                    self.progress(done, self.total_blocks, self.expert_reader.bytes_read)
+            self.write_due(pending, 0)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            self.executor.shutdown()
+            for r in (self.snap_reader, self.base_reader, self.expert_reader):
+                r.close()
+        return self.finish()
+
+    def finish(self) -> dict:
+        plan, staging = self.plan, self.staging
+        outputs = {name: w.close() for name, w in self.writers.items()}
+        finish_files(self.base_ck, staging, self.shards, plan.data.get("tokenizer"))
+        for extra in sorted(p for p in staging.rglob("*") if p.is_file()):
+            name = extra.relative_to(staging).as_posix()
+            if name not in outputs:
+                outputs[name] = {"sha256": file_sha256(extra), "bytes": extra.stat().st_size}
+        eid = self.changed["id"]
+        realized = {eid: self.expert_reader.bytes_read}
+        est = plan["estimate"]
+        for what, got, planned in (("expert", realized[eid], est["expert_read"]),
+                                   ("base", self.base_reader.bytes_read, est["base_read"]),
+                                   ("snapshot", self.snap_reader.bytes_read, est["snapshot_read"])):
+            if got != planned:
+                raise ExecutionError(f"realized {what} read ({got} B) differs from the plan ({planned} B); "
+                                     f"nothing was published")
+        return {
+            "outputs": outputs, "realized_by_expert": realized, "realized_by_tensor": self.by_tensor,
+            "touched": plan["access"], "base_read": self.base_reader.bytes_read,
+            "snapshot_read": self.snap_reader.bytes_read, "timing": self.timing, "inflight": None,
+            "analysis_read": {}, "output_write": sum(o["bytes"] for o in outputs.values()),
+        }
