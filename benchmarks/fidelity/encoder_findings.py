@@ -15,7 +15,7 @@ def rule_threshold(res: dict) -> dict:
     """A planner rule 'smallest budget whose bound ≤ x · ‖update‖': x = the smallest plan bound (relative to the
     update) at which each additive configuration's smallest F1-meeting budget lies, and what it picks."""
     rows = [r for r in smallest_budget(res) if r["op"] in ("linear", "task_arithmetic")]
-    xs = [r["bound_rel"] for r in rows if r["bound_rel"] is not None]
+    xs = [r["disjoint_rel"] for r in rows if r["disjoint_rel"] is not None]
     x = min(xs) if xs else None
     picks = []
     for r in rows:
@@ -24,7 +24,7 @@ def rule_threshold(res: dict) -> dict:
         if x is not None:
             for b in BUDGETS:
                 c = cell(merges, r["k"], r["op"], b)
-                if c and c["bound_rel"] is not None and c["bound_rel"] <= x + 1e-12:
+                if c and c["disjoint_rel"] is not None and c["disjoint_rel"] <= x + 1e-12:
                     pick = b
                     break
         full = cell(merges, r["k"], r["op"], 100)["acc"]
@@ -70,9 +70,10 @@ def summary(res: dict, docs: Path) -> list[str]:
     rule = rule_threshold(res)
     if rule["x"] is not None:
         lines.append(f"- **A budget rule the planner can suggest (additive operators):** the smallest budget whose "
-                     f"plan bound is ≤ {rule['x']:.2f} × ‖merged update‖ (the loosest bound at which every measured "
-                     "additive configuration of family A was already within 1 point of its full merge). It picks: "
-                     + "; ".join(f"{p['variant']} K={p['k']} {p['op']} {p['pick']} % ({100 * p['diff']:+.1f})"
+                     f"disjoint-block bound is ≤ {rule['x']:.2f} × ‖merged update‖ (the smallest such bound at which an "
+                     "additive configuration of family A was within 1 point of its full merge; the plan's additive bound "
+                     "is 10-70× the update here, useless as a threshold). On the measured configurations it picks "
+                     + "; ".join(f"{p['variant']} K={p['k']} {p['op']} {p['pick']} % ({100 * p['diff']:+.1f} points)"
                                  for p in rule["picks"]) + ".")
     llama = llama_results(docs)
     if llama:
