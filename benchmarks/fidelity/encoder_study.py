@@ -21,7 +21,6 @@ import os
 import platform
 import shutil
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch

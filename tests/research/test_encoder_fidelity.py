@@ -6,7 +6,6 @@ the report's arithmetic on hand-made results."""
 from __future__ import annotations
 
 import hashlib
-import random
 import re
 from dataclasses import replace
 from pathlib import Path
