@@ -21,7 +21,6 @@ import os
 import platform
 import shutil
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -284,15 +283,17 @@ def main(argv=None) -> int:
     from benchmarks.fidelity.encoder_report import write_report
     main_dir = WORK / ("minilm-study-mini" if args.mini else "minilm-study")
     res = json.loads((main_dir / "results.json").read_text())
-    for extra in sorted(WORK.glob(main_dir.name + "-*/results.json")):  # partial runs (--phases, --tag)
+    extras = [] if args.mini else sorted(p for p in WORK.glob(main_dir.name + "-*/results.json")
+                                         if p.parent.name != "minilm-study-mini")
+    for extra in extras:  # partial runs (--phases, --tag)
         more = json.loads(extra.read_text())
         for variant, v in more["variants"].items():
             res["variants"].setdefault(variant, {"lambda": {}, "merges": []})
-            have = {(m["k"], m["strategy"]) for m in res["variants"][variant]["merges"]}
-            res["variants"][variant]["merges"] += [m for m in v["merges"] if (m["k"], m["strategy"]) not in have
-                                                   and not (m["budget_pct"] == 100 and m["k"] == len(m["experts"])
-                                                            and (m["k"], "all") in have)]
-            res["variants"][variant]["lambda"].update(v["lambda"])
+            key = lambda m: (m["operator"], m["budget_pct"], m["strategy"], tuple(m["experts"]))  # noqa: E731
+            have = {key(m) for m in res["variants"][variant]["merges"]}
+            res["variants"][variant]["merges"] += [m for m in v["merges"] if key(m) not in have]
+            for key_k, lam in v["lambda"].items():
+                res["variants"][variant]["lambda"].setdefault(key_k, lam)
         res["phases_done"] += more["phases_done"]
         res["block_sweep"] = res.get("block_sweep", []) + more.get("block_sweep", [])
     for p in write_report(res, mini=args.mini):

@@ -6,7 +6,6 @@ the report's arithmetic on hand-made results."""
 from __future__ import annotations
 
 import hashlib
-import random
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -205,10 +204,13 @@ def test_budgeted_merges_scored_with_each_head(tmp_path, fam):
 
 # --- report arithmetic ----------------------------------------------------------------------------------
 def _m(k, op, b, s, acc, rel=0.0, bound=None):
-    return {"k": k, "operator": op, "budget_pct": b, "strategy": s if b < 100 else "all", "block_bytes": 65536,
-            "accuracy": {"mean": acc}, "retention": {"mean": acc - 0.5},
-            "deviation": {"relative": rel, "relative_delta": 10 * rel},
-            "bound": None if bound is None else {"relative": bound}, "bytes_realized": b, "full_expert_bytes": 100}
+    m = {"k": k, "operator": op, "budget_pct": b, "strategy": s if b < 100 else "all", "block_bytes": 65536,
+         "accuracy": {"mean": acc}, "retention": {"mean": acc - 0.5},
+         "deviation": {"relative": rel, "relative_delta": 10 * rel, "update_norm": 2.0},
+         "bound": None if bound is None else {"relative": bound}, "bytes_realized": b, "full_expert_bytes": 100}
+    if bound is not None:
+        m["bound_disjoint_blocks"] = bound / 5  # relative to the update norm 2.0: bound / 10
+    return m
 
 
 def test_report_cells_targets_and_budget_rule():
@@ -226,6 +228,7 @@ def test_report_cells_targets_and_budget_rule():
     merges[-2]["deviation"]["relative"] = 6e-4
     assert not f2_rows(res)[0]["met"]
     (sb,) = smallest_budget(res)
-    assert (sb["budget"], sb["bound_rel"]) == (25, 0.5)
-    rule = rule_threshold(res)
-    assert rule["x"] == 0.5 and rule["picks"][0]["pick"] == 25
+    assert (sb["budget"], sb["bound_rel"], sb["disjoint_rel"]) == (25, 0.5, pytest.approx(0.05))
+    rule = rule_threshold(res)  # the smallest budget whose disjoint-block bound <= 0.05 of the update
+    assert rule["x"] == pytest.approx(0.05) and rule["picks"][0]["pick"] == 25
+    assert rule["picks"][0]["diff"] == pytest.approx(-0.005)
