@@ -1,5 +1,5 @@
 """Merges as range tasks on a real local Ray cluster (one per module, 2 CPUs): bit-identical to the
-local executor for every operator family, realized bytes summed from the workers equal to the plan,
+local executor for every operator (passthrough: see tests/parity/test_parity_slices.py), realized bytes summed from the workers equal to the plan,
 a worker process killed mid-task (SIGKILL from inside the task) retried to a correct snapshot or
 failing cleanly, and the CLI's --executor ray (joining the cluster, and without Ray installed)."""
 
@@ -49,7 +49,7 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cat(fam, workdir):
     c = open_copy(fam, workdir / "c.sqlite")
-    analyze(c, ["e1", "e2"], gram=True)  # slerp's coefficients
+    analyze(c, ["e1", "e2", "e3"], arcee=True)  # the interpolation methods' Gram statistics, arcee's thresholds
     yield c
     c.close()
 
@@ -70,6 +70,17 @@ CASES = {
     "breadcrumbs_ties": dict(experts=["e1", "e2"], density=0.5, gamma=0.01),
     "della": dict(experts=["e1", "e2"], density=0.5, epsilon=0.1),
     "slerp": dict(experts=["e1"], t=0.3),
+    "breadcrumbs": dict(experts=["e1", "e2"], density=0.5, gamma=0.01),
+    "della_linear": dict(experts=["e1", "e2", "e3"], density=0.5, epsilon=0.1, budget="80%"),
+    "nuslerp": dict(experts=["e1", "e2"], weights=[1.0, 2.0]),
+    "model_stock": dict(experts=["e1", "e2", "e3"]),
+    "multislerp": dict(experts=["e1", "e2"]),
+    "karcher": dict(experts=["e1", "e2", "e3"]),
+    "nearswap": dict(experts=["e1"], t=0.5),
+    "sce": dict(experts=["e1", "e2", "e3"]),
+    "ram": dict(experts=["e1", "e2", "e3"]),
+    "ramplus_tl": dict(experts=["e1", "e2", "e3"]),
+    "arcee_fusion": dict(experts=["e1"]),
 }
 
 
