@@ -205,7 +205,8 @@ def run(args) -> dict:
         phases.append((f"{variant} K={len(tasks)} norm", variant, None, {"norm": K8_FULL["norm"]}, OPERATORS))
     for variant in spec.variants:
         others = {s: c for s, c in (K8_FULL if variant == "full" else K8_LORA).items() if s != "norm"}
-        phases.append((f"{variant} K={len(tasks)} strategies", variant, None, others, STRATEGY_OPERATORS))
+        phases.append((f"{variant} K={len(tasks)} strategies", variant, None, others,
+                       tuple(args.strategy_ops.split(",")) if args.strategy_ops else STRATEGY_OPERATORS))
     for k in small:
         for variant in spec.variants:
             ops = ("task_arithmetic",)
@@ -218,14 +219,14 @@ def run(args) -> dict:
         results["variants"][variant] = {"analyze_seconds": st.analyze_seconds, "lambda": {}, "merges": []}
     for name, variant, k, cells, ops in phases:
         if args.ops:  # a cut run: these operators, norm at these budgets, a fixed lambda
-            ops = tuple(o for o in ops if o in args.ops.split(","))
+            ops = tuple(args.ops.split(","))
             cells = {"norm": (tuple(int(b) for b in args.budgets.split(",")),) * 2}
         st, v = studies[variant], results["variants"][variant]
         if args.lam is not None:
             v["lambda"][str(len(tasks) if k is None else k)] = {"candidates": {}, "chosen": args.lam}
         groups = [tuple(tasks)] if k is None else small[k]
         key = str(len(groups[0]))
-        if key not in v["lambda"] and "task_arithmetic" in ops:
+        if key not in v["lambda"] and "task_arithmetic" in ops and args.lam is None:
             v["lambda"][key] = st.pick_lambda(valid, groups, LAMBDAS if k is None else SIZE_LAMBDAS)
         for i, g in enumerate(groups):
             rows = st.grid(v["lambda"].get(key, {"chosen": None})["chosen"], cells, operators=ops, experts=None if k is None else g)
@@ -272,6 +273,7 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", default=None, help="only the block-size sweep at these block sizes (bytes, comma-separated)")
     ap.add_argument("--ops", default=None, help="cut run: only these operators (with --budgets, --lam)")
     ap.add_argument("--budgets", default="25,50")
+    ap.add_argument("--strategy-ops", default=None, help="operators of the strategy phases (default linear,ties)")
     ap.add_argument("--lam", type=float, default=None, help="task_arithmetic lambda without validation")
     ap.add_argument("--tag", default="", help="suffix of the study's work directory (parallel partial runs)")
     ap.add_argument("--report", action="store_true", help="write docs/fidelity from the last results.json")
