@@ -76,14 +76,15 @@ def summary(res: dict, docs: Path) -> list[str]:
                      + "; ".join(f"{p['variant']} K={p['k']} {p['op']} {p['pick']} % ({100 * p['diff']:+.1f} points)"
                                  for p in rule["picks"]) + ".")
     lines.append("- **Recommendation (for the lead; the product defaults are unchanged here).** Keep `norm` as the "
-                 "default strategy: on family A it is within a point of the best strategy where several were measured "
-                 "and random / uniform selection lose up to 10-17 points with ties; keep 1 MiB blocks: 64 KiB "
+                 "default strategy: on family A (25 %, K = 8, 6 operator-variant cells) it is within 0.8 points of the best "
+                 "strategy (conflict wins 4 cells by at most 0.8 points, norm or kept the two ties / dare_ties cells, by 1.4-1.7 over conflict) and random / uniform "
+                 "selection lose 7-17 points with ties / dare_ties; keep 1 MiB blocks: 64 KiB "
                  "blocks did not lower the deviation or raise accuracy on this encoder. A budget keeps quality only for "
                  "the sign-electing operators with many experts (ties / dare_ties, K = 8: 25 % within about 1 point, "
-                 "50 % at or above the full merge); additive merges need 50 % (−1 to −3 points) and 2-4-expert "
-                 "task_arithmetic merges lose 19-22 points at 25 %. A planner suggestion: 25 % for ties / dare_ties "
-                 "with K ≥ 8, otherwise the smallest budget whose disjoint-block bound is ≤ about 1.2 × ‖update‖ "
-                 "(50 % here), and the full budget for task_arithmetic with K ≤ 4. F2's 5e-4 is out of reach on "
+                 "50 % at or above the full merge); additive merges need 50 % (−1 to −3 points) and 2- and 4-expert "
+                 "merges lose 11-22 points at 25 % with every operator measured (linear, task_arithmetic, ties). A "
+                 "planner suggestion: 25 % for ties / dare_ties with K ≥ 8, otherwise the smallest budget whose "
+                 "disjoint-block bound is ≤ about 1.2 × ‖update‖ (50 % here), and the full budget for K ≤ 4. F2's 5e-4 is out of reach on "
                  "real fine-tunes: the norm strategy at 50 % leaves about 60 % of the update's norm out, because Adam "
                  "spreads the update evenly over blocks.")
     llama = llama_results(docs)

@@ -277,7 +277,7 @@ def variant_section(res: dict, variant: str) -> list[str]:
 def size_section(res: dict) -> list[str]:
     lines = ["### Merge size: K = 2 and 4 (norm)", "",
              "Disjoint groups (task i with task i + 4 in suite order; K = 4 joins consecutive pairs), scored on the "
-             "merged experts' own tasks. K = 2 and 4: full experts, task_arithmetic with λ = "
+             "merged experts' own tasks. K = 2 and 4: full experts, linear, ties and task_arithmetic with λ = "
              + ", ".join(f"{res['variants']['full']['lambda'].get(str(k), {}).get('chosen', '–')} (K = {k})" for k in (2, 4))
              + " fixed (no time for a validation selection), 25 % and 100 % only (cut). Accuracy (%) / retention, "
              "mean over groups:", "",
@@ -286,7 +286,7 @@ def size_section(res: dict) -> list[str]:
     for variant, v in res["variants"].items():
         ks = sorted({m["k"] for m in v["merges"]})
         for k in ks:
-            ops = OPERATORS if k == max(ks) else res["settings"]["size_operators"]
+            ops = OPERATORS
             for op in ops:
                 cells = [cell(v["merges"], k, op, b) for b in (*BUDGETS, 100)]
                 if cells[-1] is None:
@@ -384,9 +384,10 @@ def encoder_markdown(res: dict, files: list[Path]) -> list[str]:
              "`python -m benchmarks.fidelity.encoder_study`. Raw numbers: [minilm_results.json](minilm_results.json).",
              "", *family_section(res),
              "**What was cut** (2 cores shared with six other jobs; the study ran as five partial runs merged into one "
-             "result, `--phases/--ops/--blocks/--tag`): the other planner strategies only at 25 % for linear and ties "
-             "(full experts), none for LoRA; K = 2 and 4 only for task_arithmetic with full experts, at 25 and 100 %, "
-             "λ = 0.5 fixed; the block-size sweep only 64 KiB vs 1 MiB (linear); 120 held-out sentences per task (a "
+             "result, `--phases/--ops/--strategy-ops/--blocks/--tag`): the other planner strategies only at 25 % (every "
+             "operator for full experts, linear and ties for LoRA); K = 2 and 4 only with full experts, at 25 and 100 %, "
+             "for task_arithmetic (λ = 0.5 fixed), linear and ties; the block-size sweep only 64 KiB vs 1 MiB (linear); "
+             "120 held-out sentences per task (a "
              "per-task accuracy's standard error is up to 4.6 points, an 8-task mean's about 1.6).", "",
              "### Targets", "", "| target | measured | met |", "|---|---|---|",
              *[f"| {r['target']} | {r['measured']} | {'yes' if r['met'] else 'no'} |" for r in rows], ""]
