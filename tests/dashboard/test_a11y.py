@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from dashboard_helpers import REPO, build_catalog, free_port, wait_for_health
+from mergepipe import api
 from mergepipe.api import merge
 from mergepipe.catalog.db import Catalog
 from mergepipe.dashboard.server import run_dashboard
@@ -24,7 +25,7 @@ CHROMIUM = "/usr/bin/chromium"
 AXE = REPO / "node_modules" / "axe-core" / "axe.min.js"
 IDLE = "[data-testid='stApp'][data-test-script-state='notRunning']"
 PAGES = ["/", "/models", "/catalog", "/catalog?rows=block", "/plan", "/plan?op=ties", "/run", "/snapshots",
-         "/compare", "/lineage"]
+         "/compare", "/lineage", "/sweeps"]
 
 import playwright.sync_api as playwright_sync  # noqa: E402
 
@@ -52,6 +53,10 @@ def server(tmp_path_factory):
     cat = Catalog(built.db)
     merge(cat, "base", list(built.experts), root / "merged" / "m2", operator="ties", model_id="merged-2",
           density=0.5, budget="60%")
+    sweep = root / "sweep.yml"  # the Sweeps page with a sweep's table and frontier chart
+    sweep.write_text(f"name: a11y\nbase: base\nexperts: {list(built.experts)}\nout: {root / 'sweep-outs'}\n"
+                     "grid: {operator: [linear], budget: ['30%', '100%']}\n")
+    api.run_sweep(cat, api.load_sweep(sweep))
     cat.close()
     port = free_port()
     log = open(root / "server.log", "wb")
