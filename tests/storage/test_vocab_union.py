@@ -100,6 +100,12 @@ CASES = {
     "different_vocabularies": (["base", "e1", "e2"], "union", {}, None),
     "padded": (["base", "e1", "e2"], "union", {}, 8),
     "model_source": (["base", "e1", "e2"], "e2", {}, None),
+    # `base`: mergekit still re-orders every other model's rows to the base's vocabulary
+    "base_source": (["base", "e1", "e2"], "base", {}, None),
+    # (with `source: base` mergekit 0.1.5 crashes here, KeyError in PermutedVocabulary: it adds the
+    # token to the base's own tokenizer object, then skips it as past the base's vocab_size)
+    "tokens_added_padded": (["base", "e2"], "union", {"<new>": TokenSetting(source=("e2", "<im>")),
+                                                      "d": TokenSetting(source=(ZERO,), force=True)}, 4),
     "tokens_block": (["base", "e1", "e2"], "union",
                      {"<new>": TokenSetting(source=("e1", "x")), "a": TokenSetting(source="e2", force=True),
                       "z": TokenSetting(source=(ZERO,)), "y": TokenSetting(source=("base", 4))}, None),
@@ -189,3 +195,13 @@ def test_tokens_setting_from_a_model_that_is_not_merged_is_refused(folders):
     vocab = build_vocabulary("base", {m: folders[m] for m in ("base", "e1")}, add_tokens=("<new>",))
     with pytest.raises(StorageError, match=r"tokenizer.tokens: '<new>' takes its row from e2, which is not merged"):
         row_sources(vocab, ["base", "e1"], "base", {"<new>": TokenSetting(source="e2")})
+
+
+def test_base_source_with_a_new_token_gives_it_default_rows(folders):
+    """mergekit 0.1.5 fails here (KeyError); MergePipe treats the base as lacking the new token."""
+    vocab = build_vocabulary("base", {m: folders[m] for m in ("base", "e2")}, "base", ("<new>",))
+    new = vocab.vocab["<new>"]
+    assert new == 7 and vocab.permutations["base"][new] == vocab.permutations["e2"][new] == -1
+    src = row_sources(vocab, ["base", "e2"], "base", {"<new>": TokenSetting(source=("e2", "z"))})
+    assert src["base"][new] == src["e2"][new] == (ROW, "e2", 7)
+    assert src["e2"][vocab.vocab["d"]] == (ROW, "base", 6)
