@@ -197,30 +197,30 @@ ReadRows = Callable[[str, list[int]], np.ndarray]  # (model, row ids) -> those r
 
 
 def compose_rows(model: str, sources: dict[str, list[tuple]], read_rows: ReadRows, start: int, stop: int,
-                 pad_row: np.ndarray | None = None) -> np.ndarray:
-    """Rows ``start:stop`` of ``model``'s re-ordered tensor, reading only the rows they come from
-    (``pad_row``: the model's padding row, needed when the range reaches past the vocabulary)."""
+                 row_shape: tuple, dtype, pad_row: np.ndarray | None = None) -> np.ndarray:
+    """Rows ``start:stop`` of ``model``'s re-ordered tensor (rows of ``row_shape``, in ``dtype``: mergekit's
+    promotion of the models' dtypes), reading only the rows they come from (``pad_row``: the model's
+    padding row, needed when the range reaches past the vocabulary)."""
     wanted = sources[model][start:stop]
     needs: dict[str, set[int]] = {}
     for s in wanted:
         for m, r in _rows_of(model, s):
             needs.setdefault(m, set()).add(r)
     got = {m: dict(zip(sorted(rs), read_rows(m, sorted(rs)))) for m, rs in needs.items()}
-    first = next(iter(next(iter(got.values())).values())) if got else pad_row
-    if first is None:
-        raise StorageError("compose_rows: no row to take the width from")
-    out = np.zeros((len(wanted), *first.shape), dtype=first.dtype)
+    out = np.zeros((len(wanted), *row_shape), dtype=dtype)
     for k, s in enumerate(wanted):
         if s[0] == OWN:
             out[k] = got[model][s[1]]
         elif s[0] == ROW:
             out[k] = got[s[1]][s[2]]
         elif s[0] == MEAN:
-            acc = np.zeros(first.shape, dtype=first.dtype)
+            acc = np.zeros(row_shape, dtype=dtype)
             for m, r in s[1]:
                 acc = acc + got[m][r]
-            out[k] = acc / np.asarray(len(s[1]), dtype=first.dtype)
+            out[k] = acc / np.asarray(len(s[1]), dtype=dtype)
         elif s[0] == PAD:
+            if pad_row is None:
+                raise StorageError("compose_rows: the range reaches the padding rows; give pad_row")
             out[k] = pad_row
     return out
 
@@ -235,9 +235,10 @@ def _rows_of(model: str, s: tuple) -> list[tuple[str, int]]:
     return []
 
 
-def compose_tensor(model: str, sources: dict[str, list[tuple]], read_rows: ReadRows, n_vocab: int) -> np.ndarray:
+def compose_tensor(model: str, sources: dict[str, list[tuple]], read_rows: ReadRows, n_vocab: int,
+                   row_shape: tuple, dtype) -> np.ndarray:
     """The model's whole re-ordered tensor (padding rows: the mean of its vocabulary rows)."""
-    body = compose_rows(model, sources, read_rows, 0, n_vocab)
+    body = compose_rows(model, sources, read_rows, 0, n_vocab, row_shape, dtype)
     rows = len(sources[model])
     if rows == n_vocab:
         return body

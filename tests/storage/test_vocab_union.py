@@ -140,7 +140,7 @@ def test_vocabulary_and_rows_match_mergekit(folders, case):
         return tensors[m].numpy()[rows]
 
     for m in models:
-        ours = compose_tensor(m, sources, read_rows, len(vocab.vocab))
+        ours = compose_tensor(m, sources, read_rows, len(vocab.vocab), (5,), np.float32)
         want = mk_rows[m].numpy()
         assert ours.shape == want.shape == (vocab.rows, 5)
         for t, i in vocab.vocab.items():
@@ -175,10 +175,14 @@ def test_compose_rows_reads_only_the_rows_of_its_block(folders):
         asked.append((m, list(rows)))
         return tensors[m].numpy()[rows]
 
-    block = compose_rows("base", sources, read_rows, 7, 9)  # x (e1's only) and y (e1 and e2)
+    block = compose_rows("base", sources, read_rows, 7, 9, (5,), np.float32)  # x (e1's only) and y (e1 and e2)
     assert sorted(asked) == [("e1", [7, 8]), ("e2", [3])]
-    full = compose_tensor("base", sources, lambda m, r: tensors[m].numpy()[r], len(vocab.vocab))
+    full = compose_tensor("base", sources, lambda m, r: tensors[m].numpy()[r], len(vocab.vocab), (5,), np.float32)
     assert np.array_equal(block, full[7:9])
+    asked.clear()
+    src = row_sources(vocab, models, "base", {"x": TokenSetting(source=(ZERO,), force=True)})
+    zero = compose_rows("e1", src, read_rows, 7, 8, (5,), np.float32)  # a block of zero rows reads nothing
+    assert asked == [] and np.array_equal(zero, np.zeros((1, 5), np.float32))
 
 
 def test_union_tokenizer_saved_loads_and_round_trips(folders, tmp_path):
