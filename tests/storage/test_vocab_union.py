@@ -40,7 +40,8 @@ def write_tokenizer(d: Path, words: list[str], added: list[str] = (), vocab_size
     (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
                                                          "bos_token": "<s>", "eos_token": "</s>",
                                                          "unk_token": "<unk>"}))
-    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size or len(vocab)}))
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                               "vocab_size": vocab_size or len(vocab)}))
     return d
 
 
