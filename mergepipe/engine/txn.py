@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -191,3 +192,57 @@ def recovery_findings(catalog: Catalog) -> list[str]:
                 findings.append(f"stale staging directory {entry} belongs to no unfinished transaction: "
                                 "nothing will publish it; delete it")
     return findings
+
+
+class RemoteTransaction(Transaction):
+    """A snapshot published to an ``s3://`` prefix (mergepipe.storage.publish): files are written to a
+    local temporary directory as for a local merge, uploaded under a staging prefix, copied to their
+    final keys, and the manifest object is written last; the catalog commit follows. An abort removes
+    the local files and every object this publish created (the manifest first)."""
+
+    def __init__(self, catalog: Catalog, out: str):
+        from mergepipe.storage.publish import RemoteOutput
+        self.catalog = catalog
+        self.id = "txn-" + uuid.uuid4().hex[:16]
+        self.remote = RemoteOutput(out, self.id)
+        self.out = self.remote.uri
+        self.tmp = self.staging = None
+        self.state = "new"
+
+    def check(self) -> None:
+        """The bucket exists and nothing is published at the prefix yet (before anything is recorded)."""
+        self.remote.check()
+
+    def begin(self) -> Path:
+        self.check()
+        self.tmp = Path(tempfile.mkdtemp(prefix="mergepipe-out-"))
+        self.staging = self.tmp / "snapshot"
+        with self.catalog.transaction():
+            runs_table.insert_txn(self.catalog, self.id, f"{self.out}/{self.remote.staging}", self.out, os.getpid())
+        ACTIVE.add(self.id)
+        self.state = "recorded"
+        self.staging.mkdir()
+        self.state = "staging"
+        return self.staging
+
+    def publish(self) -> None:
+        self.remote.stage(self.staging)
+        with self.catalog.transaction():
+            runs_table.set_txn_status(self.catalog, self.id, "renamed", finished=False)
+        self.state = "renamed"
+        self.remote.publish(self.staging)
+
+    def commit(self, register_fn) -> None:
+        super().commit(register_fn)
+        self._remove_tmp()
+
+    def _remove_tmp(self) -> None:
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def abort(self) -> None:
+        if self.state in ("staging", "renamed"):
+            self.remote.abort()
+        self._remove_tmp()
+        self.state = "staging" if self.state == "renamed" else self.state
+        super().abort()
