@@ -256,6 +256,9 @@ class S3Proxy:
         up = urlsplit(upstream)
         self.log: list[tuple[str, str, bool]] = []
         self.fail_copies_after: int | None = None
+        # hold the copy request after that many until ``release`` is set (a process killed mid-upload)
+        self.hold_copies_after: int | None = None
+        self.held, self.release = threading.Event(), threading.Event()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -269,6 +272,13 @@ class S3Proxy:
                 body = self.rfile.read(n) if n else None
                 copy = "x-amz-copy-source" in {k.lower() for k in self.headers}
                 proxy.log.append((self.command, self.path, copy))
+                if copy and proxy.hold_copies_after is not None:
+                    if proxy.hold_copies_after == 0:
+                        proxy.held.set()
+                        proxy.release.wait(120)
+                        self.close_connection = True
+                        return
+                    proxy.hold_copies_after -= 1
                 if copy and proxy.fail_copies_after is not None:
                     if proxy.fail_copies_after == 0:
                         msg = b"<Error><Code>InternalError</Code><Message>injected</Message></Error>"
@@ -310,6 +320,7 @@ class S3Proxy:
         return self
 
     def __exit__(self, *exc):
+        self.release.set()
         os.environ["AWS_ENDPOINT_URL"] = self.saved
         self.server.shutdown()
         self.server.server_close()

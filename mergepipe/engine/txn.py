@@ -20,6 +20,8 @@ from mergepipe.catalog import runs as runs_table
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.snapshots import snapshot_at
 from mergepipe.errors import ExecutionError
+from mergepipe.storage.publish import RemoteOutput, is_remote
+from mergepipe.storage.publish import leftovers as remote_leftovers
 from mergepipe.storage.writers import write_failure
 
 STAGING_MARK = ".mergepipe-staging-"
@@ -143,8 +145,13 @@ def _stale_txns(catalog: Catalog) -> list[dict]:
             if not (t["id"] in ACTIVE or (t["pid"] != os.getpid() and pid_alive(t["pid"])))]
 
 
-def _leftovers(catalog: Catalog, t: dict) -> list[Path]:
-    """What recovering txn ``t`` removes: its staging directory, or its renamed but uncommitted output."""
+def _leftovers(catalog: Catalog, t: dict) -> list:
+    """What recovering txn ``t`` removes: its staging directory, or its renamed but uncommitted output
+    (for an s3:// output: the URIs of its staging objects, and of every object at the prefix when no
+    snapshot there is in the catalog; a manifest object without a catalog record goes too)."""
+    if is_remote(t["out"]):
+        names = remote_leftovers(t["out"], t["id"], committed=bool(snapshot_at(catalog, t["out"])))
+        return [f"{t['out']}/{n}" for n in names]
     staging, out = Path(t["staging"]), Path(t["out"])
     paths = [staging] if staging.exists() else []
     if t["status"] == "renamed" and out.exists() and not snapshot_at(catalog, str(out)):
@@ -156,9 +163,13 @@ def recover(catalog: Catalog) -> dict:
     """Roll back every unfinished transaction whose process is gone; fail runs that died."""
     removed, rolled_back = [], []
     for t in _stale_txns(catalog):
-        for path in _leftovers(catalog, t):
-            shutil.rmtree(path)
-            removed.append(str(path))
+        paths = _leftovers(catalog, t)
+        if is_remote(t["out"]):
+            RemoteOutput(t["out"], t["id"]).remove([p[len(t["out"]) + 1:] for p in paths])
+        else:
+            for path in paths:
+                shutil.rmtree(path)
+        removed += map(str, paths)
         with catalog.transaction():
             runs_table.set_txn_status(catalog, t["id"], "rolled_back")
         rolled_back.append(t["id"])
@@ -185,7 +196,7 @@ def recovery_findings(catalog: Catalog) -> list[str]:
                             "`mergepipe recover` marks it failed")
     txns = runs_table.txn_rows(catalog)
     unfinished = {t["staging"] for t in txns if t["status"] in ("staging", "renamed")}
-    parents = {Path(t["out"]).parent for t in txns}
+    parents = {Path(t["out"]).parent for t in txns if not is_remote(t["out"])}
     for parent in sorted(p for p in parents if p.is_dir()):
         for entry in sorted(parent.iterdir()):
             if STAGING_MARK in entry.name and str(entry) not in unfinished:
@@ -201,7 +212,6 @@ class RemoteTransaction(Transaction):
     the local files and every object this publish created (the manifest first)."""
 
     def __init__(self, catalog: Catalog, out: str):
-        from mergepipe.storage.publish import RemoteOutput
         self.catalog = catalog
         self.id = "txn-" + uuid.uuid4().hex[:16]
         self.remote = RemoteOutput(out, self.id)

@@ -107,12 +107,13 @@ class RemoteOutput:
             pass
 
 
-def leftovers(uri: str, txn_id: str) -> list[str]:
-    """What a crashed publish of txn ``txn_id`` left at ``uri``: its staging objects, and every object
-    when the prefix has no manifest (data objects copied before the crash)."""
+def leftovers(uri: str, txn_id: str, committed: bool) -> list[str]:
+    """What a crashed publish of txn ``txn_id`` left at ``uri`` (names relative to it): its staging
+    objects; and, when the catalog holds no snapshot there (``committed`` False), every object at the
+    prefix: data objects copied before the crash, or a manifest written just before it."""
     out = RemoteOutput(uri, txn_id)
     names = out.names()
-    if MANIFEST_NAME not in names:
+    if not committed:
         return names
     return [n for n in names if n.startswith(out.staging + "/")]
 

@@ -11,6 +11,7 @@ answers 500 to the copies to the final keys (after some succeeded) or a missing 
 from __future__ import annotations
 
 import hashlib
+import json
 import subprocess
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from mergepipe.catalog.models import register, register_many
 from mergepipe.research.family import make_family
 from mergepipe.storage import registry
 
-from merge_helpers import dir_hashes, dump_db, run_cli_proc
+from merge_helpers import cli_cmd, dir_hashes, dump_db, rows, run_cli_proc
 from remote_helpers import S3Proxy, moto_s3
 
 MANIFEST = "mergepipe_manifest.json"
@@ -151,3 +152,45 @@ def test_missing_bucket_and_http_output_are_refused(s3, tmp_path):
                                 "goes to a local directory or an s3:// prefix")
     assert dump_db(db) == before
     assert not fs().exists("nobucket")
+
+
+def test_killed_mid_upload_is_invisible_and_recover_removes_it(s3, tmp_path):
+    db = tmp_path / "c.sqlite"
+    catalog(db, s3["fam"]).close()
+    with S3Proxy(s3["endpoint"]) as proxy:
+        proxy.hold_copies_after = 2  # the process dies while copying the third object to its final key
+        proc = subprocess.Popen(cli_cmd() + ["--db", str(db), "merge", "--base", "base", "--experts", "e1", "e2",
+                                             "--out", "s3://out/snap5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert proxy.held.wait(240)
+        during = sorted(objects("out/snap5"))
+        proc.kill()
+        proc.communicate(timeout=60)
+    staged = [n for n in during if n.startswith(".mergepipe-staging-txn-")]
+    final = [n for n in during if n not in staged]
+    assert len(final) == 2 and MANIFEST not in final and staged  # a reader finds no manifest: no snapshot
+    txn = rows(db, "SELECT id, status FROM txns")
+    assert [t["status"] for t in txn] == ["renamed"]
+    assert rows(db, "SELECT * FROM snapshots") == []
+    res = run_cli_proc(["--db", db, "recover", "--json"])
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["rolled_back"] == [txn[0]["id"]]
+    assert sorted(report["removed"]) == sorted(f"s3://out/snap5/{n}" for n in during)
+    assert objects("out/snap5") == {}
+    assert rows(db, "SELECT status FROM txns") == [{"status": "rolled_back"}]
+
+
+def test_cli_merge_to_s3_then_verify(s3, tmp_path):
+    db = tmp_path / "c.sqlite"
+    catalog(db, s3["fam"]).close()
+    r = cli(db, "merge", "--base", "base", "--experts", "e1", "e2", "--out", "s3://out/snap6", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["out"] == "s3://out/snap6"
+    r = cli(db, "verify", "snap6", "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["ok"] and res["out"] == "s3://out/snap6"
+    assert res["files_checked"] == len(objects("out/snap6")) - 1
+    fs().pipe_file("out/snap6/config.json", b"{}")
+    r = cli(db, "verify", "snap6", "--json")
+    assert r.returncode == 1 and [p.split(":")[0] for p in json.loads(r.stdout)["problems"]] == ["config.json"]
