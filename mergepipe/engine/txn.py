@@ -19,7 +19,7 @@ from pathlib import Path
 from mergepipe.catalog import runs as runs_table
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.snapshots import snapshot_at
-from mergepipe.errors import ExecutionError
+from mergepipe.errors import ExecutionError, StorageError
 from mergepipe.storage.publish import RemoteOutput, is_remote
 from mergepipe.storage.publish import leftovers as remote_leftovers
 from mergepipe.storage.writers import write_failure
@@ -187,7 +187,10 @@ def recovery_findings(catalog: Catalog) -> list[str]:
     nothing. Transactions and runs of live processes are not findings (they are in progress)."""
     findings = []
     for t in _stale_txns(catalog):
-        what = ", ".join(f"remove {p}" for p in _leftovers(catalog, t)) or "nothing left on disk"
+        try:
+            what = ", ".join(f"remove {p}" for p in _leftovers(catalog, t)) or "nothing left on disk"
+        except StorageError as exc:  # a remote output that cannot be listed now
+            what = f"cannot list its objects now: {exc}"
         findings.append(f"transaction {t['id']} ({t['status']}, writing {t['out']}) was never committed: "
                         f"`mergepipe recover` rolls it back ({what})")
     for r in runs_table.unfinished_runs(catalog):

@@ -171,6 +171,9 @@ def test_killed_mid_upload_is_invisible_and_recover_removes_it(s3, tmp_path):
     txn = rows(db, "SELECT id, status FROM txns")
     assert [t["status"] for t in txn] == ["renamed"]
     assert rows(db, "SELECT * FROM snapshots") == []
+    doctor = run_cli_proc(["--db", db, "doctor", "--json"])
+    assert (f"transaction {txn[0]['id']} (renamed, writing s3://out/snap5) was never committed: `mergepipe "
+            f"recover` rolls it back (remove s3://out/snap5/{during[0]}") in doctor.stdout, doctor.stdout
     res = run_cli_proc(["--db", db, "recover", "--json"])
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
