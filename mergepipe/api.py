@@ -290,11 +290,14 @@ def _config(config) -> MergekitConfig:
 def check_target(catalog: Catalog, out, model_id: str | None = None) -> tuple[Path, str]:
     """The output directory and merged model id a merge would use, refused now if either is taken
     (the engine checks again; checking first spares registering and analyzing for nothing)."""
-    out = check_output(out)
-    model_id = model_id or out.name
+    from mergepipe.storage.publish import check_remote_output, is_remote
+    remote = is_remote(out)
+    out = check_remote_output(str(out)) if remote else check_output(out)
+    model_id = model_id or (out.rsplit("/", 1)[-1] if remote else out.name)
     if catalog.has_model(model_id):
         raise ExecutionError(f"model id {model_id!r} is already registered; choose another --model-id")
-    check_output_path(out)
+    if not remote:
+        check_output_path(out)
     return out, model_id
 
 

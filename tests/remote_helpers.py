@@ -242,3 +242,85 @@ def upload_tree(local: Path, bucket_prefix: str) -> None:
     for f in sorted(Path(local).rglob("*")):
         if f.is_file():
             fs.pipe_file(f"{bucket_prefix}/{f.relative_to(local)}", f.read_bytes())
+
+
+class S3Proxy:
+    """A loopback reverse proxy in front of an S3 server (moto) that logs every request (method, path,
+    whether it is a server-side copy) in arrival order, and answers ``fail_copies_after`` copy requests
+    later with a real HTTP 500 (the S3 server is not asked): a server failing mid-upload."""
+
+    def __init__(self, upstream: str):
+        import http.client
+        from urllib.parse import urlsplit
+
+        up = urlsplit(upstream)
+        self.log: list[tuple[str, str, bool]] = []
+        self.fail_copies_after: int | None = None
+        # hold the copy request after that many until ``release`` is set (a process killed mid-upload)
+        self.hold_copies_after: int | None = None
+        self.held, self.release = threading.Event(), threading.Event()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def _forward(self):
+                n = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(n) if n else None
+                copy = "x-amz-copy-source" in {k.lower() for k in self.headers}
+                proxy.log.append((self.command, self.path, copy))
+                if copy and proxy.hold_copies_after is not None:
+                    if proxy.hold_copies_after == 0:
+                        proxy.held.set()
+                        proxy.release.wait(120)
+                        self.close_connection = True
+                        return
+                    proxy.hold_copies_after -= 1
+                if copy and proxy.fail_copies_after is not None:
+                    if proxy.fail_copies_after == 0:
+                        msg = b"<Error><Code>InternalError</Code><Message>injected</Message></Error>"
+                        self.send_response(500)
+                        self.send_header("Content-Length", str(len(msg)))
+                        self.end_headers()
+                        self.wfile.write(msg)
+                        return
+                    proxy.fail_copies_after -= 1
+                conn = http.client.HTTPConnection(up.hostname, up.port, timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "expect")}
+                headers["Host"] = up.netloc
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status)
+                head = self.command == "HEAD"
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection") and (head or k.lower() != "content-length"):
+                        self.send_header(k, v)
+                if not head:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        self.saved = os.environ.get("AWS_ENDPOINT_URL")
+        os.environ["AWS_ENDPOINT_URL"] = self.url
+        return self
+
+    def __exit__(self, *exc):
+        self.release.set()
+        os.environ["AWS_ENDPOINT_URL"] = self.saved
+        self.server.shutdown()
+        self.server.server_close()

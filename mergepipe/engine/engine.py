@@ -29,7 +29,7 @@ from mergepipe.catalog.snapshots import record_snapshot
 from mergepipe.engine.executor import Executor, LocalExecutor, RangeExecutor
 from mergepipe.engine.extend import ExtendPipeline
 from mergepipe.engine.pipeline import MergePipeline
-from mergepipe.engine.txn import Transaction, check_output_path
+from mergepipe.engine.txn import RemoteTransaction, Transaction, check_output_path
 from mergepipe.errors import ExecutionError
 from mergepipe.manifest.build import Manifest
 from mergepipe.manifest.card import CARD_NAME, write_card
@@ -37,6 +37,7 @@ from mergepipe.planner.extend import is_extend
 from mergepipe.planner.plan import Plan, load_plan
 from mergepipe.storage.grid import DEFAULT_BLOCK_BYTES
 from mergepipe.storage.paths import check_output
+from mergepipe.storage.publish import check_remote_output, is_remote
 from mergepipe.version import __version__
 
 DEFAULT_SHARD_BYTES = 2 << 30
@@ -117,18 +118,22 @@ class Engine:
             plan = load_plan(self.catalog, plan)
         if out is None:
             raise ExecutionError("an output directory is required (--out)")
-        out = check_output(out)
-        model_id = model_id or out.name
+        remote = is_remote(out)
+        out = check_remote_output(str(out)) if remote else check_output(out)
+        model_id = model_id or (out.rsplit("/", 1)[-1] if remote else out.name)
         if self.catalog.has_model(model_id):
             raise ExecutionError(f"model id {model_id!r} is already registered; choose another --model-id")
         if out_shard_bytes <= 0:
             raise ExecutionError("--out-shard-size must be positive")
-        check_output_path(out)
+        txn = RemoteTransaction(self.catalog, out) if remote else Transaction(self.catalog, out)
+        if remote:
+            txn.check()
+        else:
+            check_output_path(out)
         hashed = self._check_inputs(plan)
         from mergepipe.planner.plan import save_plan
         if not has_plan(self.catalog, plan.id):
             save_plan(self.catalog, plan)
-        txn = Transaction(self.catalog, out)
         previous = signal.getsignal(signal.SIGTERM)
         if previous in (signal.SIG_DFL, None):
             signal.signal(signal.SIGTERM, _raise_interrupt)

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import uuid
 from pathlib import Path
 
 from mergepipe.catalog import runs as runs_table
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.snapshots import snapshot_at
-from mergepipe.errors import ExecutionError
+from mergepipe.errors import ExecutionError, StorageError
+from mergepipe.storage.publish import RemoteOutput, is_remote
+from mergepipe.storage.publish import leftovers as remote_leftovers
 from mergepipe.storage.writers import write_failure
 
 STAGING_MARK = ".mergepipe-staging-"
@@ -142,8 +145,13 @@ def _stale_txns(catalog: Catalog) -> list[dict]:
             if not (t["id"] in ACTIVE or (t["pid"] != os.getpid() and pid_alive(t["pid"])))]
 
 
-def _leftovers(catalog: Catalog, t: dict) -> list[Path]:
-    """What recovering txn ``t`` removes: its staging directory, or its renamed but uncommitted output."""
+def _leftovers(catalog: Catalog, t: dict) -> list:
+    """What recovering txn ``t`` removes: its staging directory, or its renamed but uncommitted output
+    (for an s3:// output: the URIs of its staging objects, and of every object at the prefix when no
+    snapshot there is in the catalog; a manifest object without a catalog record goes too)."""
+    if is_remote(t["out"]):
+        names = remote_leftovers(t["out"], t["id"], committed=bool(snapshot_at(catalog, t["out"])))
+        return [f"{t['out']}/{n}" for n in names]
     staging, out = Path(t["staging"]), Path(t["out"])
     paths = [staging] if staging.exists() else []
     if t["status"] == "renamed" and out.exists() and not snapshot_at(catalog, str(out)):
@@ -155,9 +163,13 @@ def recover(catalog: Catalog) -> dict:
     """Roll back every unfinished transaction whose process is gone; fail runs that died."""
     removed, rolled_back = [], []
     for t in _stale_txns(catalog):
-        for path in _leftovers(catalog, t):
-            shutil.rmtree(path)
-            removed.append(str(path))
+        paths = _leftovers(catalog, t)
+        if is_remote(t["out"]):
+            RemoteOutput(t["out"], t["id"]).remove([p[len(t["out"]) + 1:] for p in paths])
+        else:
+            for path in paths:
+                shutil.rmtree(path)
+        removed += map(str, paths)
         with catalog.transaction():
             runs_table.set_txn_status(catalog, t["id"], "rolled_back")
         rolled_back.append(t["id"])
@@ -175,7 +187,10 @@ def recovery_findings(catalog: Catalog) -> list[str]:
     nothing. Transactions and runs of live processes are not findings (they are in progress)."""
     findings = []
     for t in _stale_txns(catalog):
-        what = ", ".join(f"remove {p}" for p in _leftovers(catalog, t)) or "nothing left on disk"
+        try:
+            what = ", ".join(f"remove {p}" for p in _leftovers(catalog, t)) or "nothing left on disk"
+        except StorageError as exc:  # a remote output that cannot be listed now
+            what = f"cannot list its objects now: {exc}"
         findings.append(f"transaction {t['id']} ({t['status']}, writing {t['out']}) was never committed: "
                         f"`mergepipe recover` rolls it back ({what})")
     for r in runs_table.unfinished_runs(catalog):
@@ -184,10 +199,63 @@ def recovery_findings(catalog: Catalog) -> list[str]:
                             "`mergepipe recover` marks it failed")
     txns = runs_table.txn_rows(catalog)
     unfinished = {t["staging"] for t in txns if t["status"] in ("staging", "renamed")}
-    parents = {Path(t["out"]).parent for t in txns}
+    parents = {Path(t["out"]).parent for t in txns if not is_remote(t["out"])}
     for parent in sorted(p for p in parents if p.is_dir()):
         for entry in sorted(parent.iterdir()):
             if STAGING_MARK in entry.name and str(entry) not in unfinished:
                 findings.append(f"stale staging directory {entry} belongs to no unfinished transaction: "
                                 "nothing will publish it; delete it")
     return findings
+
+
+class RemoteTransaction(Transaction):
+    """A snapshot published to an ``s3://`` prefix (mergepipe.storage.publish): files are written to a
+    local temporary directory as for a local merge, uploaded under a staging prefix, copied to their
+    final keys, and the manifest object is written last; the catalog commit follows. An abort removes
+    the local files and every object this publish created (the manifest first)."""
+
+    def __init__(self, catalog: Catalog, out: str):
+        self.catalog = catalog
+        self.id = "txn-" + uuid.uuid4().hex[:16]
+        self.remote = RemoteOutput(out, self.id)
+        self.out = self.remote.uri
+        self.tmp = self.staging = None
+        self.state = "new"
+
+    def check(self) -> None:
+        """The bucket exists and nothing is published at the prefix yet (before anything is recorded)."""
+        self.remote.check()
+
+    def begin(self) -> Path:
+        self.check()
+        self.tmp = Path(tempfile.mkdtemp(prefix="mergepipe-out-"))
+        self.staging = self.tmp / "snapshot"
+        with self.catalog.transaction():
+            runs_table.insert_txn(self.catalog, self.id, f"{self.out}/{self.remote.staging}", self.out, os.getpid())
+        ACTIVE.add(self.id)
+        self.state = "recorded"
+        self.staging.mkdir()
+        self.state = "staging"
+        return self.staging
+
+    def publish(self) -> None:
+        self.remote.stage(self.staging)
+        with self.catalog.transaction():
+            runs_table.set_txn_status(self.catalog, self.id, "renamed", finished=False)
+        self.state = "renamed"
+        self.remote.publish(self.staging)
+
+    def commit(self, register_fn) -> None:
+        super().commit(register_fn)
+        self._remove_tmp()
+
+    def _remove_tmp(self) -> None:
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def abort(self) -> None:
+        if self.state in ("staging", "renamed"):
+            self.remote.abort()
+        self._remove_tmp()
+        self.state = "staging" if self.state == "renamed" else self.state
+        super().abort()

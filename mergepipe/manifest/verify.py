@@ -11,6 +11,9 @@ from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.models import input_change
 from mergepipe.errors import MergePipeError, VerifyError
 from mergepipe.manifest.build import MANIFEST_NAME, Manifest, file_sha256
+from mergepipe.storage.publish import is_remote, object_sha256, read_object
+
+MAX_MANIFEST_BYTES = 256 << 20
 
 
 def load_manifest(catalog: Catalog | None, ref: str) -> Manifest:
@@ -156,7 +159,51 @@ def verify(catalog: Catalog | None, ref: str, check_inputs: bool = True) -> dict
     """Re-hash a snapshot's files against its manifest (and the catalog's manifest hash), and check
     that its inputs' files are still those it was merged from (their fingerprints; ``check_inputs``)."""
     manifest = load_manifest(catalog, ref)
-    out = Path(ref) if Path(ref).is_dir() else Path(manifest.run["out"])
+    if is_remote(manifest.run["out"]) and not Path(ref).is_dir():
+        problems, checked = _remote_files(manifest)
+        out = manifest.run["out"]
+    else:
+        out = Path(ref) if Path(ref).is_dir() else Path(manifest.run["out"])
+        problems, checked = _local_files(manifest, out)
+    if catalog is not None:
+        recorded = snapshots.snapshot_manifest_hash(catalog, manifest.snapshot_id)
+        if recorded is not None and recorded != manifest.manifest_hash:
+            problems.append(f"catalog records manifest hash {recorded}")
+    inputs = manifest.core["inputs"]
+    changed = [] if not check_inputs else \
+        [why for why in map(input_change, [inputs["base"], *inputs["experts"]]) if why]
+    problems += [f"input {why} since the merge (the snapshot cannot be reproduced from it)" for why in changed]
+    result = {"snapshot_id": manifest.snapshot_id, "out": str(out), "manifest_hash": manifest.manifest_hash,
+              "files_checked": checked, "inputs_checked": len(inputs["experts"]) + 1 if check_inputs else 0,
+              "ok": not problems, "problems": problems}
+    return result
+
+
+def _remote_files(manifest: Manifest) -> tuple[list[str], int]:
+    """Re-hash a snapshot published to an s3:// prefix: the manifest object, then every output object
+    read by range requests."""
+    uri = manifest.run["out"]
+    problems = []
+    raw = read_object(uri, MANIFEST_NAME, MAX_MANIFEST_BYTES)
+    if raw is None:
+        problems.append(f"{MANIFEST_NAME} is missing (the snapshot at {uri} is not visible)")
+    else:
+        remote = parse_manifest(raw.decode("utf-8", "replace"), f"{uri}/{MANIFEST_NAME}")
+        if remote.manifest_hash != manifest.manifest_hash:
+            problems.append(f"{MANIFEST_NAME} at {uri} has hash {remote.manifest_hash}, catalog has {manifest.manifest_hash}")
+    checked = 0
+    for name, info in sorted(manifest.core["outputs"].items()):
+        got = object_sha256(uri, name)
+        if got is None:
+            problems.append(f"{name}: missing")
+            continue
+        checked += 1
+        if got[0] != info["sha256"]:
+            problems.append(f"{name}: sha256 {got[0][:23]}... != manifest {info['sha256'][:23]}...")
+    return problems, checked
+
+
+def _local_files(manifest: Manifest, out: Path) -> tuple[list[str], int]:
     problems = []
     if not out.is_dir():
         raise VerifyError(f"{out}: snapshot directory is missing")
@@ -167,10 +214,6 @@ def verify(catalog: Catalog | None, ref: str, check_inputs: bool = True) -> dict
             problems.append(f"{MANIFEST_NAME} on disk has hash {on_disk.manifest_hash}, catalog has {manifest.manifest_hash}")
     else:
         problems.append(f"{MANIFEST_NAME} is missing")
-    if catalog is not None:
-        recorded = snapshots.snapshot_manifest_hash(catalog, manifest.snapshot_id)
-        if recorded is not None and recorded != manifest.manifest_hash:
-            problems.append(f"catalog records manifest hash {recorded}")
     checked = 0
     for name, info in sorted(manifest.core["outputs"].items()):
         f = out / name
@@ -185,11 +228,4 @@ def verify(catalog: Catalog | None, ref: str, check_inputs: bool = True) -> dict
         checked += 1
         if digest != info["sha256"]:
             problems.append(f"{name}: sha256 {digest[:23]}... != manifest {info['sha256'][:23]}...")
-    inputs = manifest.core["inputs"]
-    changed = [] if not check_inputs else \
-        [why for why in map(input_change, [inputs["base"], *inputs["experts"]]) if why]
-    problems += [f"input {why} since the merge (the snapshot cannot be reproduced from it)" for why in changed]
-    result = {"snapshot_id": manifest.snapshot_id, "out": str(out), "manifest_hash": manifest.manifest_hash,
-              "files_checked": checked, "inputs_checked": len(inputs["experts"]) + 1 if check_inputs else 0,
-              "ok": not problems, "problems": problems}
-    return result
+    return problems, checked
