@@ -122,9 +122,9 @@ def analyze_family(args, prof, fam, work, analyze_runs: int) -> tuple[Path, dict
     db = work / f"{fam['root'].name}.sqlite"
     ids = [f"e{i}" for i in range(1, len(fam["experts"]) + 1)]
     cat = _family_catalog(db, fam, ids)
-    if not all(cat.is_analyzed(e) for e in ids) or cat.grid_block_bytes("base") != prof["block"]:
+    if cat.grid_block_bytes("base") != prof["block"] or _stale(cat, ids):
         print(f"[bench] analyzing {len(ids)} experts into {db} ...", flush=True)
-        analyze(cat, ids, block_bytes=prof["block"])
+        analyze(cat, ids, block_bytes=prof["block"], force=True)
     cat.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     family_bytes = sum(open_checkpoint(p).nbytes for p in [fam["base"], *fam["experts"]])
     rec = {"experts": len(ids), "family_bytes": family_bytes, "catalog_bytes": db.stat().st_size, "runs": []}
@@ -145,6 +145,15 @@ def analyze_family(args, prof, fam, work, analyze_runs: int) -> tuple[Path, dict
                      "--block-bytes", str(prof["block"]), "--model-id", *ids[:k]])
         rec["runs"].append({"contender": "analyze", "op": "-", "rep": rep, **r})
     return db, rec
+
+
+def _stale(cat: Catalog, ids: list[str]) -> bool:
+    """Statistics to (re)gather: an expert not analyzed, or analyzed by an older MergePipe without what a
+    benchmark plan needs (e.g. the exact top-k at DENSITY): such a plan would be a first merge."""
+    if not all(cat.is_analyzed(e) for e in ids):
+        return True
+    plan = Planner(cat).plan("base", ids, "ties", density=DENSITY, save=False)
+    return any(e.get("analyze") for e in plan["experts"])
 
 
 def _family_catalog(db: Path, fam: dict, ids: list[str]) -> Catalog:
