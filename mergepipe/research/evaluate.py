@@ -259,21 +259,8 @@ def accuracy(model_or_dir, suite: dict[str, list[tuple[str, str]]], tokenizer=No
 
 
 def read_suite(path) -> dict[str, list[tuple[str, str]]]:
-    suite: dict[str, list[tuple[str, str]]] = {}
-    try:
-        lines = Path(path).read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise MergePipeError(f"{path}: cannot read the task suite ({exc.strerror if isinstance(exc, OSError) else exc})") from None
-    for i, line in enumerate(lines, 1):
-        if line.strip():
-            try:
-                row = json.loads(line)
-                suite.setdefault(str(row["task"]), []).append((str(row["prompt"]), str(row["answer"])))
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise MergePipeError(f"{path}:{i}: expected a JSON object with task, prompt and answer ({exc})") from None
-    if not suite:
-        raise MergePipeError(f"{path}: the task suite is empty")
-    return suite
+    """A task suite as (prompt, answer) pairs per task (the format: :func:`read_task_suite`)."""
+    return {name: [(ex.prompt, ex.answer) for ex in examples] for name, examples in read_task_suite(path).items()}
 
 
 def write_suite(suite: dict[str, list[tuple[str, str]]], path) -> None:

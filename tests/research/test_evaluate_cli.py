@@ -36,7 +36,7 @@ def test_deviation_of_a_model_from_itself_and_its_base(fam):
 @pytest.mark.parametrize("case,message", [
     ("missing model", "no such file or directory"),
     ("missing suite", "cannot read the task suite"),
-    ("bad suite row", "expected a JSON object with task, prompt and answer"),
+    ("bad suite row", "expected a JSON object with task, prompt, answer"),
     ("empty suite", "the task suite is empty"),
     ("no tokenizer", "no usable tokenizer"),
 ])
