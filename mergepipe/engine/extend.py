@@ -18,6 +18,7 @@ import torch
 
 from mergepipe.engine.blocks import check_finite, tensor_bytes
 from mergepipe.engine.pipeline import block_groups
+from mergepipe.engine.write_behind import WriteBehind
 from mergepipe.errors import ExecutionError
 from mergepipe.manifest.build import file_sha256
 from mergepipe.planner.plan import Plan, expand_ranges
@@ -58,7 +59,8 @@ class ExtendPipeline:
 
     # --- reads -------------------------------------------------------------------------------------
     def fetch(self, item):
-        """The snapshot's bytes of a group, and the base and expert blocks it needs (read thread)."""
+        """The snapshot's bytes of a group, the base and expert blocks it needs, and the expert bytes read
+        (on a read thread; several groups may be read at once)."""
         info, group = item
         sinfo = self.snap_ck.tensors[info.name]
         if (sinfo.dtype, tuple(sinfo.shape)) != (info.dtype, tuple(info.shape)):
@@ -71,68 +73,83 @@ class ExtendPipeline:
         views = self.base_reader.read_ranges([(info.file, info.offset + s.rel_offset, s.nbytes) for s in need_base])
         base = dict(zip((s.index for s in need_base), views))
         spans = [s for s in group if s.index in self.expert_blocks.get(info.name, ())]
-        experts = {}
+        experts, nread = {}, 0
         if spans:
             if self.fixed is None or self.fixed[0] != info.name:
                 self.fixed = (info.name, self.expert_reader.read_ranges(self.source.fixed_ranges(info.name)))
             per_span = [self.source.block_ranges(info.name, s) for s in spans]
             views = self.expert_reader.read_ranges([r for rs in per_span for r in rs])
-            self.by_tensor[info.name] = self.by_tensor.get(info.name, 0) + sum(
-                n for rs in per_span for _, _, n in rs)
+            nread = sum(n for rs in per_span for _, _, n in rs)
             pos = 0
             for s, rs in zip(spans, per_span):
                 experts[s.index] = (views[pos:pos + len(rs)], self.fixed[1])
                 pos += len(rs)
-        return snap, base, experts
+        return snap, base, experts, nread
 
     # --- one block ---------------------------------------------------------------------------------
     def merge_block(self, info, span, raw, base_raw, expert):
+        """M' = a*M + b*x + g*base of one block: the fused kernel for bf16 (full-checkpoint experts),
+        else torch."""
+        full = expert is None or self.source.kind == "full"
+        data = self.fused_block(info, raw, base_raw, expert) if full and info.dtype == "BF16" else None
+        if data is None:
+            data = self.torch_block(info, span, raw, base_raw, expert)
+        check_finite(data, info, span)
+        return data
+
+    def fused_block(self, info, raw, base_raw, expert):
+        if not self.engine.fused:
+            return None
+        from mergepipe.ops import kernels
+        c = self.coefs
+        x_raw, g = (None, c["g"]) if expert is None else (expert[0][0], c["g_read"])
+        x_dtype = self.source.checkpoint.tensors[info.name].dtype if expert is not None else "BF16"
+        out = kernels.affine_bf16(raw, c["a"], x_raw, x_dtype, c["b"], base_raw if g != 0 else None, g)
+        return None if out is None else memoryview(out)
+
+    def torch_block(self, info, span, raw, base_raw, expert):
         c = self.coefs
         shape = rows_shape(info, span.row_end - span.row_start)
         wide = torch.float64 if DTYPES[info.dtype][0].itemsize > 2 else torch.float32
-        out = bytes_to_tensor(raw, info.dtype, shape).to(wide)
+        out = bytes_to_tensor(raw, info.dtype, shape).to(wide, copy=True)  # updated in place
         if c["a"] != 1:
-            out = out * c["a"]
-        base = None if base_raw is None else bytes_to_tensor(base_raw, info.dtype, shape).to(wide)
+            out.mul_(c["a"])
+        g = c["g"]
         if expert is not None:
             bufs, fixed = expert
             if self.source.kind == "full":  # g_read = g - b: x's coefficient is b, the base's g - b
                 xinfo = self.source.checkpoint.tensors[info.name]
-                out = out + c["b"] * bytes_to_tensor(bufs[0], xinfo.dtype, shape).to(wide)
+                out.add_(torch.mul(bytes_to_tensor(bufs[0], xinfo.dtype, shape).to(wide), c["b"]))
                 g = c["g_read"]
             else:
-                out = out + c["b"] * self.source.delta(info.name, span, bufs, fixed, None).reshape(shape).to(wide)
-                g = c["g"]
-        else:
-            g = c["g"]
+                out.add_(torch.mul(self.source.delta(info.name, span, bufs, fixed, None).reshape(shape).to(wide),
+                                   c["b"]))
         if g != 0:
-            out = out + g * base
-        data = tensor_bytes(out.to(DTYPES[info.dtype][0]))
-        check_finite(data, info, span)
-        return data
+            out.add_(torch.mul(bytes_to_tensor(base_raw, info.dtype, shape).to(wide), g))
+        return tensor_bytes(out.to(DTYPES[info.dtype][0]))
 
     def changes(self, info, span) -> bool:
         return info.dtype in FLOAT_DTYPES and (not self.coefs["copy_unread"]
                                                 or span.index in self.expert_blocks.get(info.name, ()))
 
     # --- the loop ----------------------------------------------------------------------------------
-    def merge_group(self, item, fetched) -> list:
-        """(writer, offset, bytes or future) of each block of a group, in output order; the merges run on
-        the engine's executor (torch releases the GIL), overlapping the reads and the writes."""
+    def merge_group(self, item, fetched) -> None:
+        """Hand each block of a group to the writer, in output order: its snapshot bytes as they are, or
+        the future of its merge (run on the engine's executor; torch releases the GIL)."""
         info, group = item
-        snap, base, experts = fetched
+        snap, base, experts, nread = fetched
+        if nread:
+            self.by_tensor[info.name] = self.by_tensor.get(info.name, 0) + nread
         shard = self.shard_of[info.name]
         writer = self.writers[shard.fname]
         g0 = group[0].rel_offset
-        out = []
         for span in group:
             raw = memoryview(snap)[span.rel_offset - g0: span.rel_offset - g0 + span.nbytes]
             data = raw
             if self.changes(info, span):
                 data = self.executor.submit(self.timed_merge, info, span, raw, base.get(span.index),
                                             experts.get(span.index))
-            out.append((writer, shard.offsets[info.name] + span.rel_offset, data))
-        return out
+            self.write_behind.put(writer, shard.offsets[info.name] + span.rel_offset, data)
 
     def timed_merge(self, *args):
         t_c = time.perf_counter()
@@ -140,19 +157,15 @@ class ExtendPipeline:
         self.timing["compute_s"] += time.perf_counter() - t_c
         return data
 
-    def write_due(self, pending: deque, limit: int) -> None:
-        while len(pending) > limit:
-            writer, offset, data = pending.popleft()
-            if not isinstance(data, memoryview):
-                data = data.result()
-            t_w = time.perf_counter()
-            writer.write(offset, data)
-            self.timing["write_s"] += time.perf_counter() - t_w
-
     def run(self) -> dict:
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mergepipe-extend-read")
+        """Read ahead on one thread, merge on the executor, write behind on another thread."""
+        # groups read ahead are read at once (a deeper disk queue); a LoRA source reads its A once per
+        # tensor (self.fixed), which needs the groups read in order
+        readers = READAHEAD if self.source.kind == "full" else 1
+        pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="mergepipe-extend-read")
         self.executor = self.engine.make_executor()
-        queued, reads, pending, done = deque(self.work), deque(), deque(), 0
+        self.write_behind = WriteBehind(4 * self.engine.workers, self.timing)
+        queued, reads, done = deque(self.work), deque(), 0
         try:
             while queued or reads:
                 while queued and len(reads) < READAHEAD:
@@ -162,13 +175,15 @@ class ExtendPipeline:
                 t_wait = time.perf_counter()
                 fetched = fut.result()
                 self.timing["read_wait_s"] += time.perf_counter() - t_wait
-                pending.extend(self.merge_group(item, fetched))
+                self.merge_group(item, fetched)
                 del fetched
-                self.write_due(pending, 4 * self.engine.workers)
                 done += len(item[1])
                 if self.progress:
                     self.progress(done, self.total_blocks, self.expert_reader.bytes_read)
-            self.write_due(pending, 0)
+            self.write_behind.close()
+        except BaseException:
+            self.write_behind.abort()
+            raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
             self.executor.shutdown()

@@ -361,6 +361,51 @@ def merge_block(base_addr, base_code, out_addr, out_code, n, addrs, codes, is_de
         _store(out_addr, out_code, n, start, m, res)
 
 
+@njit(nogil=True, cache=True, error_model="numpy")
+def _affine_bf16(out_addr, n, s_addr, a, scale_s, x_addr, x_code, b, has_x, base_addr, g, has_base):
+    """out = bf16(a*s + b*x + g*base) over ``n`` bf16 elements, in float32, operation by operation as
+    the torch path (each product and sum rounded to float32, no fused multiply-add)."""
+    r = np.empty(CHUNK, np.float32)
+    t = np.empty(CHUNK, np.float32)
+    for start in range(0, n, CHUNK):
+        m = min(CHUNK, n - start)
+        _load(s_addr, BF16, n, start, m, r)
+        rr = r[:m]
+        tt = t[:m]
+        if scale_s:
+            for j in range(m):
+                rr[j] = rr[j] * a
+        if has_x:
+            _load(x_addr, x_code, n, start, m, t)
+            for j in range(m):
+                rr[j] = rr[j] + tt[j] * b
+        if has_base:
+            _load(base_addr, BF16, n, start, m, t)
+            for j in range(m):
+                rr[j] = rr[j] + tt[j] * g
+        _store(out_addr, BF16, n, start, m, r)
+
+
+def affine_bf16(snap_raw, a: float, x_raw, x_dtype: str, b: float, base_raw, g: float) -> np.ndarray | None:
+    """``bf16(a*snap + b*x + g*base)`` of raw bf16 blocks (``x_raw``/``base_raw`` may be None: left
+    out), as a uint8 array; None when a buffer does not fit the kernel (then the torch path)."""
+    n = len(snap_raw) // 2
+    if x_raw is not None and (x_dtype not in CODES or len(x_raw) != n * _ITEMSIZE[CODES[x_dtype]]):
+        return None
+    if base_raw is not None and len(base_raw) != 2 * n:
+        return None
+    keep: list = []
+    s_addr = _address(snap_raw, 2, keep)
+    x_addr = _address(x_raw, _ITEMSIZE[CODES[x_dtype]], keep) if x_raw is not None else s_addr
+    base_addr = _address(base_raw, 2, keep) if base_raw is not None else s_addr
+    out = np.empty(2 * n, np.uint8)
+    _affine_bf16(out.ctypes.data, n, s_addr, np.float32(a), a != 1, x_addr,
+                 CODES[x_dtype] if x_raw is not None else BF16, np.float32(b), x_raw is not None,
+                 base_addr, np.float32(g), base_raw is not None)
+    del keep
+    return out
+
+
 # --- the Python entry point ------------------------------------------------------------------------------
 FUSED_SPARSIFY = (None, Sparsify.MAGNITUDE, Sparsify.RANDOM)
 _ITEMSIZE = {BF16: 2, F32: 4}
@@ -500,6 +545,7 @@ def warm_up() -> None:
         params = {"normalize": True, "rescale": True, "lambda": 1.0}
         fused_merge(spec, params, raw, "BF16", LANES, [(raw, "BF16", False, 1.0, 0.5, [0.0], 1)], 1.0)
     uniform_array(1, LANES)
+    affine_bf16(raw, 2.0, raw, "BF16", 1.0, raw, -1.0)
     for dtype in _FLOAT_BITS:
         nonfinite_count(raw, dtype)
     abs_sum64(np.zeros(LANES, np.float32))

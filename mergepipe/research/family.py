@@ -168,12 +168,32 @@ def make_family(out: str | Path, experts: int = 4, size: str = "small", dtype: s
     write_checkpoint(out / "base", base, config, shard_bytes)
     paths = {"base": str(out / "base"), "experts": []}
     for e in range(1, experts + 1):
-        tensors = {}
-        for n, s in shapes.items():
-            d = delta_tensor(n, s, seed, e, n_layers)
-            tensors[n] = base[n] if d is None else (base[n].float() + d).to(tdtype)
-        write_checkpoint(out / f"expert_{e}", tensors, config, shard_bytes)
+        write_checkpoint(out / f"expert_{e}", expert_tensors(base, shapes, seed, e, n_layers, tdtype), config,
+                         shard_bytes)
         paths["experts"].append(str(out / f"expert_{e}"))
         if progress:
             progress(e, experts)
     return paths
+
+
+def expert_tensors(base: dict, shapes: dict, seed: int, e: int, n_layers: int, tdtype) -> dict:
+    """Expert ``e`` of a family: the base plus its seeded deltas."""
+    tensors = {}
+    for n, s in shapes.items():
+        d = delta_tensor(n, s, seed, e, n_layers)
+        tensors[n] = base[n] if d is None else (base[n].float() + d).to(tdtype)
+    return tensors
+
+
+def add_expert(out: str | Path, e: int, size: str = "small", dtype: str = "bf16", shard_bytes: int = 256 << 20,
+               seed: int = 0) -> str:
+    """Write ``out/expert_{e}`` of the family ``make_family(out, size=size, dtype=dtype, seed=seed)`` (the same
+    base, the deltas of expert ``e``): one more expert for a family already on disk."""
+    if size not in SIZES or dtype not in DTYPES:
+        raise MergePipeError(f"unknown size {size!r} or dtype {dtype!r}")
+    shapes = tensor_shapes(size)
+    base = {n: base_tensor(n, s, seed).to(DTYPES[dtype]) for n, s in shapes.items()}
+    path = Path(out) / f"expert_{e}"
+    write_checkpoint(path, expert_tensors(base, shapes, seed, e, SIZES[size]["layers"], DTYPES[dtype]),
+                     hf_config(size, dtype), shard_bytes)
+    return str(path)

@@ -152,3 +152,34 @@ def test_engine_fused_equals_torch_path(tmp_path_factory, monkeypatch, family, o
         assert dir_hashes(d / "fused", "*.safetensors") == dir_hashes(d / "torch", "*.safetensors")
     finally:
         cat.close()
+
+
+# --- the incremental merge's affine kernel ------------------------------------------------------------
+@pytest.mark.parametrize("a, b, g, x_dtype, with_x, with_base", [
+    (1.0, 0.7, -0.7, "BF16", True, True),      # task_arithmetic extend: M + b*x - b*base
+    (0.9375, 0.0625, 0.0, "BF16", True, False),  # linear extend: rescaled snapshot plus the new expert
+    (1.6, 0.0, -0.3, "BF16", False, True),     # a reweight where the expert's block was not read
+    (1.0, 0.25, -0.25, "F32", True, True),     # an fp32 expert folded into a bf16 merge
+    (3.0, -2.0, 0.0, "BF16", True, False),     # removing 1.0 of 1.5 from a linear soup
+])
+def test_affine_kernel_matches_the_torch_operations_bit_for_bit(a, b, g, x_dtype, with_x, with_base):
+    rng = np.random.default_rng(7)
+    n = 3 * kernels.CHUNK + 123  # a tail chunk
+    snap, s = raw_bytes(rng.standard_normal(n).astype(np.float32), "BF16")
+    x_raw, x = raw_bytes((rng.standard_normal(n) * 0.01).astype(np.float32), x_dtype)
+    base_raw, base = raw_bytes(rng.standard_normal(n).astype(np.float32), "BF16")
+    expected = s * a if a != 1 else s.clone()
+    if with_x:
+        expected = expected + x * b
+    if with_base:
+        expected = expected + base * g
+    expected = expected.to(torch.bfloat16).view(torch.uint16).numpy()
+    got = kernels.affine_bf16(snap, a, x_raw if with_x else None, x_dtype, b, base_raw if with_base else None, g)
+    assert np.array_equal(got.view(np.uint16), expected)
+
+
+def test_affine_kernel_refuses_buffers_it_cannot_read():
+    raw = bytes(8)
+    assert kernels.affine_bf16(raw, 1.0, bytes(6), "BF16", 1.0, None, 0.0) is None  # x of another length
+    assert kernels.affine_bf16(raw, 1.0, bytes(16), "F16", 1.0, None, 0.0) is None  # a dtype it does not know
+    assert kernels.affine_bf16(raw, 1.0, None, "BF16", 0.0, bytes(4), 1.0) is None  # base of another length
