@@ -411,6 +411,9 @@ def _plan_method(cat: Catalog, planner: Planner, resolved: Resolved, save: bool)
     except NeedsAnalysis:
         pass
     from mergepipe.analyze.runner import analyze
-    analyze(cat, [e["model"] for e in resolved.experts], gram=True, arcee=resolved.config.method == "arcee_fusion")
+    method = resolved.config.method
+    topk = resolved.request().params.get("select_topk", 1.0) if method == "sce" else 1.0
+    analyze(cat, [e["model"] for e in resolved.experts], gram=True, arcee=method == "arcee_fusion",
+            sce_topk=(topk,) if 0.0 < topk < 1.0 else ())
     return planner.plan(resolved.request(), save=save)
 

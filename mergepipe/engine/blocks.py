@@ -104,7 +104,8 @@ def method_block(op, params, sources, info, span, raw, contributors, scalars, n_
     so its values are the base's), then the method's block kernel with the tensor's scalars."""
     from mergepipe.ops.core import METHODS
     shape, base, xs = _values(sources, info, span, raw, contributors, n_experts)
-    merged = METHODS[op.name][1](op, base, xs, scalars, params, len(info.shape))
+    # the block's index in the tensor's grid: sce's exact-k cut among tied entries is by block (ops/topk.py)
+    merged = METHODS[op.name][1](op, base, xs, scalars, {**params, "block_index": span.index}, len(info.shape))
     return tensor_bytes(merged.reshape(shape).to(DTYPES[info.dtype][0]))
 
 

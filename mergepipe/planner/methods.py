@@ -20,7 +20,8 @@ import json
 import numpy as np
 
 from mergepipe.catalog import analyses
-from mergepipe.catalog.gram import load_arcee_thresholds, load_gram, load_set_counts, set_key
+from mergepipe.catalog.gram import (load_arcee_thresholds, load_gram, load_sce_selection, load_set_counts,
+                                    sce_row_keys, set_key)
 from mergepipe.errors import PlanError
 from mergepipe.ops.core import METHODS
 from mergepipe.ops.interp import Gram
@@ -63,6 +64,9 @@ def tensor_scalars(ctx) -> dict[str, list[float]]:
     changed = {e: set(analyses.changed_tensors(ctx.catalog, e)) for e in ids} if op.gram else {}
     counts = load_set_counts(ctx.catalog, ctx.base["id"], set_key(ids)) if op.name == "ramplus_tl" else None
     arcee = load_arcee_thresholds(ctx.catalog, ctx.base["id"], ids[0]) if op.name == "arcee_fusion" else None
+    topk = params.get("select_topk", 1.0) if op.name == "sce" else 1.0
+    sce = (load_sce_selection(ctx.catalog, ctx.base["id"], sce_row_keys(topk, set_key(ids)))
+           if 0.0 < topk < 1.0 else None)
     names = [t["name"] for t in ctx.tensors]
     layers = num_layers(names, json.loads(ctx.base["config"] or "{}"))
     out = {}
@@ -80,6 +84,8 @@ def tensor_scalars(ctx) -> dict[str, list[float]]:
             settings["ram_counts"] = ([per[e][0] for e in ids], [per[e][1] for e in ids])
         if arcee is not None:
             settings["arcee_threshold"] = _arcee_threshold(arcee, ids[0], t)
+        if sce is not None:
+            settings["sce"] = _sce_selection(sce, ids, t, topk)
         if "t" in params:
             settings["t"] = resolve([params["t"]], name, layer_t(name, layers), 0.0)
         zero = {e for e in ids if name not in changed[e]} if op.gram else set()
@@ -97,6 +103,18 @@ def _arcee_threshold(thresholds: dict, expert: str, t) -> float:
                             f"the catalog does not hold{why}: ANALYZE --arcee stores it for full checkpoints whose "
                             f"base it reads (`mergepipe analyze --arcee {expert}`)")
     return value
+
+
+def _sce_selection(rows: dict, ids: list[str], t, topk: float) -> tuple:
+    """sce's top-k of one tensor, stored by ANALYZE --sce-topk for exactly these experts: (each expert's sum
+    of kept delta^2, threshold, cut block, cut rank)."""
+    per = rows.get(t["name"], {})
+    first = sorted(ids)[0]
+    if set(per.get("sums", {})) != set(ids) or any(first not in per.get(k, {}) for k in ("thr", "cut", "rank")):
+        raise NeedsAnalysis(f"sce select_topk {topk:g} needs the top-k of the variance across exactly these experts "
+                            f"on tensor {t['name']}, which the catalog does not hold: `mergepipe analyze "
+                            f"--sce-topk {topk:g} {' '.join(ids)}`")
+    return [per["sums"][e] for e in ids], per["thr"][first], per["cut"][first], per["rank"][first]
 
 
 def _gram(op, rows: dict, ids: list[str], name: str, t, zero: set) -> Gram:
