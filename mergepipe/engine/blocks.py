@@ -69,7 +69,7 @@ def _merged_bytes(fused, op, params, seed, experts, sources, weight_sum, info, s
         thr = thresholds.get(e["id"], {}).get(info.name, [])
         density = tensor_density(e, info.name) or 1.0
         bseed = block_seed(seed, content_id(bufs), info.name, span.index) if op.random and density < 1.0 else 0
-        d = sparsify(op, delta, density, expert_params(params, e), thr, bseed, span.index)
+        d = sparsify(op, delta, density, expert_params(params, e, info.name), thr, bseed, span.index)
         deltas.append((tensor_weight(e, info.name), d))
     merged = combine(op, base, deltas, weight_sum, params)
     return tensor_bytes(merged.to(DTYPES[info.dtype][0]))

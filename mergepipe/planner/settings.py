@@ -115,10 +115,14 @@ def tensor_weight(expert: dict, tensor: str) -> float:
 PER_MODEL_PARAMS = ("gamma", "epsilon")
 
 
-def expert_params(params: dict, expert: dict) -> dict:
-    """The operator parameters for one expert: the merge-wide ones with the expert's own gamma/epsilon."""
+def expert_params(params: dict, expert: dict, tensor: str | None = None) -> dict:
+    """The operator parameters for one expert (on ``tensor``): the merge-wide ones with the expert's own
+    gamma/epsilon, a number or, given as filters or a gradient, its value on the tensor (the plan's per-expert
+    ``tensor_params``)."""
     own = {k: float(expert[k]) for k in PER_MODEL_PARAMS if k in params and isinstance(expert.get(k), (int, float))
            and not isinstance(expert[k], bool)}  # anything else is refused by the planner, naming it
+    if tensor is not None and expert.get("tensor_params"):
+        own.update(expert["tensor_params"].get(tensor) or {})
     return {**params, **own} if own else params
 
 
