@@ -48,7 +48,7 @@ MERGEKIT_ONLY_METHODS = ("slerp", "nuslerp", "multislerp", "model_stock", "passt
                          "zipit", "generalized_anysize", "tokenizer_permute")
 # mergekit methods that ignore or allow an absent base_model but that MergePipe still needs one for (named so
 # that the refusal says so); linear and karcher take none (OpSpec.base_optional).
-BASELESS_LATER = ("multislerp", "nuslerp", "passthrough")
+BASELESS_LATER = ("passthrough",)
 # mergekit dtype names -> safetensors dtype names, and back.
 DTYPE_NAMES = {"float32": "F32", "fp32": "F32", "float": "F32", "bfloat16": "BF16", "bf16": "BF16",
                "float16": "F16", "fp16": "F16", "half": "F16", "float64": "F64", "fp64": "F64"}

@@ -70,7 +70,7 @@ class PlanContext(StrategyScores, Bounds):
         if self.output_layout is not None:
             self._check_layout_models()
         if self.op.nonlinear:  # interpolation methods: expert counts, statistics present (planner/methods.py)
-            methods.check_experts(self.op, self.experts)
+            methods.check_experts(self.op, self.experts, request.base_member)
         self._check_finite()
         self.block_bytes = catalog.grid_block_bytes(self.base["id"]) or DEFAULT_BLOCK_BYTES
         names = [t["name"] for t in self.tensors]

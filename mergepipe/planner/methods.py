@@ -35,8 +35,9 @@ class NeedsAnalysis(PlanError):
     mergekit config path does it by itself)."""
 
 
-def check_experts(op, experts: list[dict]) -> None:
-    k = len(experts)
+def check_experts(op, experts: list[dict], member: dict | None = None) -> None:
+    # without a base_model (a soup, config/soup.py) the reference model is one of the models
+    k = len(experts) + (member is not None)
     if k < op.min_experts or (op.max_experts is not None and k > op.max_experts):
         if op.max_experts == op.min_experts:
             want = f"exactly {op.min_experts} model{'s' if op.min_experts > 1 else ''} besides the base"
@@ -75,6 +76,8 @@ def tensor_scalars(ctx) -> dict[str, list[float]]:
             continue
         name = t["name"]
         settings = {"weights": [tensor_weight(e, name) for e in ctx.experts]}
+        if ctx.base_member is not None:  # no base_model: the reference (the "base") is one of the models
+            settings["reference_weight"] = tensor_weight(ctx.base_member, name)
         if counts is not None:
             per = counts.get(name)
             if per is None or set(per) != set(ids):
@@ -89,7 +92,7 @@ def tensor_scalars(ctx) -> dict[str, list[float]]:
         if "t" in params:
             settings["t"] = resolve([params["t"]], name, layer_t(name, layers), 0.0)
         zero = {e for e in ids if name not in changed[e]} if op.gram else set()
-        g = _gram(op, gram.get(name, {}), ids, name, t, zero) if op.gram else None
+        g = _gram(op, gram.get(name, {}), ids, name, t, zero, ctx.base_member is not None) if op.gram else None
         out[name] = [float(v) for v in scalars_fn(op, g, settings, params, len(t["shape"]))]
     return out
 
@@ -117,7 +120,7 @@ def _sce_selection(rows: dict, ids: list[str], t, topk: float) -> tuple:
     return [per["sums"][e] for e in ids], per["thr"][first], per["cut"][first], per["rank"][first]
 
 
-def _gram(op, rows: dict, ids: list[str], name: str, t, zero: set) -> Gram:
+def _gram(op, rows: dict, ids: list[str], name: str, t, zero: set, whole: bool = False) -> Gram:
     """The tensor's Gram statistics; a pair with an expert whose delta is zero on this tensor (a LoRA
     adapter that does not target it has no rows) is 0."""
     def get(a, b, what):
@@ -129,7 +132,7 @@ def _gram(op, rows: dict, ids: list[str], name: str, t, zero: set) -> Gram:
                             f"experts must be analyzed together (`mergepipe analyze --gram {' '.join(ids)}`)"
                             + ("; the base is not read for delta checkpoints" if a == "" else ""))
         return rows[key]
-    needs_base = op.name in ("slerp", "karcher")
+    needs_base = op.name in ("slerp", "karcher") or whole  # whole models: ||x_i||^2 and <x_i, x_j> need the base
     bb = get("", "", "||base||^2") if needs_base else rows.get(("", ""))
     bd = tuple(get("", e, "<base, delta>") if needs_base else rows.get(("", e), 0.0) for e in ids)
     dd = tuple(tuple(get(a, b, "the dot products of the experts' deltas") for b in ids) for a in ids)
