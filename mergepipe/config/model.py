@@ -97,6 +97,7 @@ class MergekitConfig:
     chat_template: str | None = None  # "auto", a template name or the template text
     method_params: dict = dataclasses.field(default_factory=dict)  # METHOD_PARAMS given (t, filter_wise, ...)
     slices: tuple | None = None  # `slices:` as config/slices.py reads it (OutputSlice, ...); None: `models:`
+    slices_reference: bool = False  # slices without base_model: the base is the first source (a reference)
 
     def with_overrides(self, operator=None, budget=None, target_bound=None, strategy=None, seed=None,
                        **params) -> MergekitConfig:

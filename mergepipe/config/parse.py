@@ -122,7 +122,7 @@ def _parse(text, source: str) -> MergekitConfig:
         dtype=dtype, out_dtype=out_dtype, budget=budget, target_bound=target, strategy=strategy, seed=seed,
         plan_id=plan_id, tokenizer_source=tokenizer_source, tokenizer_tokens=tokens,
         pad_to_multiple_of=pad, chat_template=chat_template, method_params=_method_params(globals_, values),
-        slices=slices)
+        slices=slices, slices_reference=slices is not None and doc.get("base_model") is None)
 
 
 def _method_params(globals_: dict, values: dict) -> dict:

@@ -245,6 +245,11 @@ def _expand_slices(r: _Resolver, base_id: str) -> None:
         tensors[mid], layers[mid] = shapes, model_layers(config, shapes)
     ex = expand(r.cfg, r.out.ids, base_id, tensors, layers)
     r.out.layout, r.out.method_params = ex.layout, ex.method_params
+    if get_op(r.cfg.method).whole_models:  # linear: the base is averaged in at its place among the sources
+        first = [r.out.ids[s.ref] for s in r.cfg.slices[0].sources]
+        weight = ex.settings.get(base_id, {}).get("weight")
+        r.out.base_member = {"weight": 1.0 if weight is None else weight, "position": first.index(base_id),
+                             "reference": r.cfg.slices_reference}
     for spec in r.out.experts:
         spec.pop("weight", None)
         spec.pop("density", None)
