@@ -189,9 +189,13 @@ def prepare(cat: Catalog, cfg: MergekitConfig, register_paths: bool = True, chec
     ``check_path`` vets a path before it is read (the dashboard's allowed folders); ``reserved_ids``
     are ids a derived id must avoid (the merged model's)."""
     op = get_op(cfg.method)
+    # a parameter every slice gives (t per slice, no merge-wide t) is checked when the slices expand
+    per_slice = {k: 0.0 for sl in cfg.slices or () for holder in (sl, *sl.sources) for k in holder.params
+                 if k not in cfg.method_params and k != "scale"}
     resolve_params(op, normalize=cfg.normalize, rescale=cfg.rescale, lam=cfg.lam,
                             **{k: v for k, v in (("gamma", cfg.gamma), ("epsilon", cfg.epsilon)) if v is not None},
-                            **{k: v for k, v in cfg.method_params.items() if not (cfg.slices and k == "scale")})
+                            **{k: v for k, v in cfg.method_params.items() if not (cfg.slices and k == "scale")},
+                            **{k: v for k, v in per_slice.items() if k not in ("weight", "density")})
     if cfg.base is None and not op.base_optional:  # e.g. a soup's config run with --op ties
         raise ConfigError(f"{cfg.source}: `base_model` is required by {op.name}: MergePipe stores experts as deltas "
                           f"against their base")

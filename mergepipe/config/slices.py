@@ -39,13 +39,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mergepipe.config.model import ConfigError, ConfigModel, GRADIENT_PARAMS, PER_TENSOR
-from mergepipe.planner.settings import check_setting, evaluate
+from mergepipe.planner.settings import LAYER, PRE_LAYER_NAMES, check_setting, evaluate
 
 SLICE_KEYS = ("sources",)
 SOURCE_KEYS = ("model", "layer_range", "parameters")
 # the parameters a slice or a source may give: the per-input ones and the merge-wide gradients (t, scale)
 SLICE_PARAMS = tuple(dict.fromkeys(PER_TENSOR + GRADIENT_PARAMS))
-LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -207,10 +206,11 @@ def expand(cfg, ids: dict[str, str], base_id: str, tensors: dict[str, dict[str, 
         else:
             outside.append(name)
     if not by_layer:
-        raise ConfigError(f"{cfg.source}: slices: the base has no tensors named like `...layers.N...`; MergePipe "
-                          f"slices decoder layers named that way (Llama, Mistral, Qwen, Gemma, ...)")
-    pre = [n for n in outside if "embed" in n]
-    post = [n for n in outside if "embed" not in n]
+        raise ConfigError(f"{cfg.source}: slices: the base has no tensors named like `...layers.N...`, `...h.N...`, "
+                          f"`...layer.N...` or `...blocks.N...`; MergePipe slices layers named that way (Llama, "
+                          f"Mistral, Qwen, Gemma, GPT-2, BERT, ...)")
+    pre = [n for n in outside if any(p in n for p in PRE_LAYER_NAMES)]
+    post = [n for n in outside if n not in pre]
     entries = []  # (out name, slice, source or None: every source, input name, t)
     for name in pre:
         entries.append((name, slices[0], name, 0.0))

@@ -17,7 +17,11 @@ import re
 
 from mergepipe.errors import PlanError
 
-LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# a decoder/encoder layer's tensors: ``layers.N.`` (Llama, Mistral, Qwen, Gemma, GPT-NeoX, Phi), ``h.N.``
+# (GPT-2, Falcon, Bloom), ``layer.N.`` (BERT, RoBERTa: ``encoder.layer.N.``), ``blocks.N.`` (MPT)
+LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
+# tensors before the layers (mergekit's pre_weights: embeddings); the others outside the layers come after
+PRE_LAYER_NAMES = ("embed", "wte.", "wpe.")
 
 
 def is_scalar(value) -> bool:
