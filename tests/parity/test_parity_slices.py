@@ -408,3 +408,21 @@ def test_linear_over_slices_without_base_model_equals_mergekit(small):
     part = load_dir(work / "mp-linear-slices-half")
     dist = sum(float((part[n].double() - got[n].double()).square().sum()) for n in got) ** 0.5
     assert dist <= plan["error_bound"]["absolute"] * (1 + 1e-6)
+
+
+def test_multi_module_config_is_refused_by_the_cli_and_changes_nothing(small, tmp_path):
+    """mergekit's ``modules:`` with modules other than ``default`` (multi-module architectures): one ``error:``
+    line naming the key, no traceback, catalog unchanged."""
+    fam, cat, work = small
+    path = tmp_path / "mm.yaml"
+    path.write_text(yaml.safe_dump({
+        "modules": {"text_decoder": {"models": [{"model": str(fam.experts[0])}]},
+                    "vision_tower": {"models": [{"model": str(fam.experts[1])}]}},
+        "merge_method": "task_arithmetic", "base_model": str(fam.base)}))
+    db = work / "cat.sqlite"
+    before = _counts(db)
+    r = run_cli(["--db", db, "merge", "--config", path, "--out", tmp_path / "out", "--model-id", "mm"])
+    assert r.returncode != 0
+    assert r.stderr.strip() == ("error: mm.yaml: modules: MergePipe merges single-module models, whose one module "
+                                "mergekit names `default` (got text_decoder, vision_tower)")
+    assert _counts(db) == before and not (tmp_path / "out").exists()
