@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mergepipe.analyze.sce import SceSelection
 from mergepipe.catalog.gram import set_key
 
 RAM_EPSILON = 1e-5  # mergekit's default epsilon of ram / ramplus_tl (ops/ram.py)
@@ -71,6 +72,9 @@ class GramAccumulator:
         # arcee_fusion: per expert, the importance of its entries (or of a sample), full checkpoints only
         self.arcee = [ArceeImportance(binfo) for _ in passes] if self.has_base and any(
             getattr(p.job, "with_arcee", False) for p in passes) else None
+        # sce with select_topk < 1: the top-k of the variance across the experts (analyze/sce.py)
+        topks = sorted({t for p in passes for t in getattr(p.job, "sce_topk", ())})
+        self.sce = SceSelection(binfo, passes[0].spans, k, topks, self._reread) if topks and k else None
 
     def add(self, base_raw: np.ndarray | None, expert_arrays: list[np.ndarray]) -> None:
         """One block: the float32 deltas as mergekit forms them (written into one [rows, n] array, the
@@ -95,6 +99,8 @@ class GramAccumulator:
             if kind == "full":
                 np.subtract(m[i], b, out=m[i])  # float32, as mergekit's x - base
         kernels.shared_unique_counts(m[first:], m.dtype.type(RAM_EPSILON), self.shared, self.unique)
+        if self.sce is not None:
+            self.sce.add(m[first:])
         g = np.zeros((len(m), len(m)))
         kernels.gram_accumulate(m, g)
         if b is not None:
@@ -118,10 +124,29 @@ class GramAccumulator:
         key = set_key(ids)
         out += [(f"~shared:{key}", e, float(v)) for e, v in zip(ids, self.shared)]
         out += [(f"~unique:{key}", e, float(v)) for e, v in zip(ids, self.unique)]
+        if self.sce is not None:
+            out += self.sce.rows(ids, key)
         for e, acc in zip(ids, self.arcee or ()):
             value = acc.threshold()
             if value is not None:
                 out.append(("~arcee", e, value))
+        return out
+
+    def _reread(self, span) -> np.ndarray:
+        """A block's [K, n] float32 deltas read again (sce's passes over a tensor too large to keep)."""
+        reads = [p.reread(span) for p in self.passes]
+        base_raw = next((b for _, b in reads if b is not None), None)
+        n = (base_raw if base_raw is not None else reads[0][0]).size
+        out = np.empty((len(reads), n), dtype=np.float32)
+        base = None
+        if base_raw is not None:
+            base = np.empty(n, dtype=np.float32)
+            _fill(base, base_raw, self.binfo.dtype)
+        for i, (p, (e, _)) in enumerate(zip(self.passes, reads)):
+            kind = p.source.kind
+            _fill(out[i], e, self.binfo.dtype if kind == "lora" else p.source.checkpoint.tensors[self.binfo.name].dtype)
+            if kind == "full":
+                np.subtract(out[i], base, out=out[i])
         return out
 
     def finish(self) -> None:

@@ -30,7 +30,7 @@ def store_analyses(catalog: Catalog, jobs: list[ExpertAnalysis], seconds: dict |
 
 
 def _prepare(catalog: Catalog, expert_id: str, block_bytes, sketch_size, densities, force,
-             gram: bool = False, arcee: bool = False) -> ExpertAnalysis | None:
+             gram: bool = False, arcee: bool = False, sce_topk=()) -> ExpertAnalysis | None:
     """The analysis job for one expert, or None when its stored statistics are current."""
     expert = catalog.model(expert_id)
     if not expert["base_id"]:
@@ -50,7 +50,8 @@ def _prepare(catalog: Catalog, expert_id: str, block_bytes, sketch_size, densiti
     ):
         return None
     return ExpertAnalysis(expert, base, open_checkpoint(base["uri"]), block_bytes, sketch_size, densities,
-                          grid_seen=grid_bytes, with_gram=gram, with_arcee=arcee)
+                          grid_seen=grid_bytes, with_gram=gram, with_arcee=arcee,
+                          sce_topk=sce_topk)
 
 
 def check_settings(block_bytes, sketch_size, densities) -> tuple:
@@ -73,6 +74,16 @@ def check_settings(block_bytes, sketch_size, densities) -> tuple:
         if isinstance(d, bool) or not (0 < v <= 1):
             raise CatalogError(f"--densities: {d!r} is outside the range (0, 1] of densities")
     return (None if block_bytes is None else int(block_bytes)), int(sketch_size), tuple(float(d) for d in densities)
+
+
+def check_sce_topk(values) -> tuple[float, ...]:
+    """sce's select_topk values to select for: numbers in (0, 1) (1 selects everything: nothing to store)."""
+    out = []
+    for v in values or ():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < 1):
+            raise CatalogError(f"--sce-topk: {v!r} is outside the range (0, 1) of select_topk")
+        out.append(float(v))
+    return tuple(sorted(set(out)))
 
 
 def run_analyses(jobs: list[ExpertAnalysis], progress: Progress | None = None) -> None:
@@ -105,20 +116,23 @@ def _run_tasks(jobs: list[ExpertAnalysis], progress: Progress | None) -> None:
 
 def analyze(catalog: Catalog, model_ids=None, progress: Progress | None = None, block_bytes: int | None = None,
             sketch_size: int = DEFAULT_SKETCH_SIZE, densities=DEFAULT_DENSITIES,
-            force: bool = False, gram: bool = False, arcee: bool = False) -> list[AnalyzeResult]:
+            force: bool = False, gram: bool = False, arcee: bool = False, sce_topk=()) -> list[AnalyzeResult]:
     """Analyze the given experts (default: every registered model that has a base) in one pass;
     experts whose statistics are current are skipped. All statistics are stored in one transaction.
     ``gram``: also the pairwise Gram statistics of these experts, analyzed together (the interpolation
     methods need them; implies ``force``, since the pairs depend on the set). ``arcee``: also arcee_fusion's
-    per-tensor importance thresholds (implies ``gram``)."""
-    gram = gram or arcee
+    per-tensor importance thresholds (implies ``gram``). ``sce_topk``: also sce's variance top-k for these
+    select_topk values < 1 (analyze/sce.py; implies ``gram``)."""
+    sce_topk = check_sce_topk(sce_topk)
+    gram = gram or arcee or bool(sce_topk)
     force = force or gram
     block_bytes, sketch_size, densities = check_settings(block_bytes, sketch_size, densities)
     if not model_ids:
         model_ids = [m["id"] for m in catalog.models() if m["base_id"]]
     for mid in model_ids:
         catalog.model(mid)  # fail before any work on an unknown id
-    jobs = {mid: _prepare(catalog, mid, block_bytes, sketch_size, densities, force, gram, arcee) for mid in model_ids}
+    jobs = {mid: _prepare(catalog, mid, block_bytes, sketch_size, densities, force, gram, arcee,
+                                sce_topk) for mid in model_ids}
     todo = [j for j in jobs.values() if j is not None]
     grids = {}
     for job in todo:  # one grid per base

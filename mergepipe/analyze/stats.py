@@ -97,11 +97,12 @@ class ExpertAnalysis:
 
     def __init__(self, expert: dict, base: dict, base_ck: Checkpoint, block_bytes: int,
                  sketch_size: int = DEFAULT_SKETCH_SIZE, densities=DEFAULT_DENSITIES, grid_seen: int | None = None,
-                 with_gram: bool = False, with_arcee: bool = False):
+                 with_gram: bool = False, with_arcee: bool = False, sce_topk=()):
         self.expert, self.base = expert, base
         # arcee_fusion's importance thresholds (analyze/gram.py): opt-in as well, measured 1.7x the time of
         # ANALYZE --gram on the small family (a softmax of every row of base and expert, a sort per tensor)
         self.with_arcee = with_arcee
+        self.sce_topk = tuple(sce_topk)  # sce's select_topk values < 1 to select for (analyze/sce.py)
         # the interpolation methods' Gram statistics: opt-in, their K^2 dot products cost more than
         # everything else ANALYZE computes (measured: ANALYZE of 4 experts 2.7x slower with them)
         self.with_gram = with_gram
@@ -208,7 +209,8 @@ def _first_pass(passes: list["_TensorPass"], binfo: TensorInfo) -> None:
                 for span in spans]
     keep = binfo.numel * 4 <= IN_MEMORY_TENSOR_BYTES and sum(per_span) <= KEEP_TASK_BYTES
     arena = _Arena(sum(per_span) if keep else max(per_span))
-    gram = GramAccumulator(passes, binfo) if any(p.job.with_gram or p.job.with_arcee for p in passes) else None
+    gram = GramAccumulator(passes, binfo) if any(p.job.with_gram or p.job.with_arcee or p.job.sce_topk
+                                                       for p in passes) else None
     with passes[0].job.base_ck.reader(sequential=True) as base_reader:
         for i, span in enumerate(spans):
             for ahead in spans[i + PREFETCH_BLOCKS:i + PREFETCH_BLOCKS + 1] if i else spans[:PREFETCH_BLOCKS + 1]:

@@ -11,6 +11,12 @@ def set_key(ids) -> str:
     return ",".join(sorted(ids))
 
 
+def sce_row_keys(topk: float, key: str) -> dict[str, str]:
+    """The ``a`` column of each of sce's top-k rows (analyze/sce.py) for this select_topk and expert set."""
+    tag = f"{float(topk)!r}:{key}"
+    return {"sums": f"~sce:{tag}", "thr": f"~scethr:{tag}", "cut": f"~scecut:{tag}", "rank": f"~scerank:{tag}"}
+
+
 def replace_gram(catalog: Catalog, jobs) -> None:
     """Store the Gram rows of these ANALYZE jobs, dropping every stored row that involves one of their
     experts first (its delta changed or was re-analyzed; pairs with experts outside this run are gone
@@ -59,3 +65,16 @@ def load_arcee_thresholds(catalog: Catalog, base_id: str, expert_id: str) -> dic
     cur = catalog.conn.execute("SELECT tensor, value FROM gram WHERE base_id = ? AND a = '~arcee' AND b = ?",
                                [base_id, expert_id])
     return dict(cur.fetchall())
+
+
+def load_sce_selection(catalog: Catalog, base_id: str, keys: dict[str, str]) -> dict[str, dict[str, dict]]:
+    """tensor -> {kind: {expert: value}} of sce's top-k rows (analyze/sce.py ``row_keys``: kinds ``sums``,
+    ``thr``, ``cut``, ``rank``) for one select_topk and expert set."""
+    kind_of = {a: kind for kind, a in keys.items()}
+    marks = ",".join("?" * len(kind_of))
+    cur = catalog.conn.execute(f"SELECT tensor, a, b, value FROM gram WHERE base_id = ? AND a IN ({marks})",
+                               [base_id, *kind_of])
+    out: dict[str, dict[str, dict]] = {}
+    for tensor, a, b, value in cur:
+        out.setdefault(tensor, {}).setdefault(kind_of[a], {})[b] = value
+    return out

@@ -72,6 +72,9 @@ def _add_analyze(p):
                         "and the other interpolation methods need (implies --force)")
     p.add_argument("--arcee", action="store_true",
                    help="also the per-tensor importance thresholds arcee_fusion needs (implies --gram)")
+    p.add_argument("--sce-topk", type=float, action="append", metavar="X",
+                   help="also the per-tensor top-k of the variance across these experts that sce needs for "
+                        "select_topk X < 1 (repeatable; implies --gram)")
     p.add_argument("--run-id", type=int, help=argparse.SUPPRESS)
 
 
@@ -81,7 +84,8 @@ def cmd_analyze(args):
     cat = open_catalog(args, write=True)
     if args.ids:
         args.model_ids = [*(args.model_ids or []), *args.ids]
-    kw = {"force": args.force, "gram": args.gram, "arcee": args.arcee, "sketch_size": DEFAULT_SKETCH_SIZE if args.sketch_size is None else args.sketch_size,
+    kw = {"force": args.force, "gram": args.gram, "arcee": args.arcee, "sce_topk": tuple(args.sce_topk or ()),
+          "sketch_size": DEFAULT_SKETCH_SIZE if args.sketch_size is None else args.sketch_size,
           "densities": tuple(DEFAULT_DENSITIES) + tuple(args.densities or ())}
     if args.block_bytes is not None:
         kw["block_bytes"] = args.block_bytes

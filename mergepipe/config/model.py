@@ -48,7 +48,7 @@ MERGEKIT_ONLY_METHODS = ("slerp", "nuslerp", "multislerp", "model_stock", "passt
                          "zipit", "generalized_anysize", "tokenizer_permute")
 # mergekit methods that ignore or allow an absent base_model but that MergePipe still needs one for (named so
 # that the refusal says so); linear and karcher take none (OpSpec.base_optional).
-BASELESS_LATER = ("multislerp", "nuslerp", "passthrough")
+BASELESS_LATER = ("passthrough",)
 # mergekit dtype names -> safetensors dtype names, and back.
 DTYPE_NAMES = {"float32": "F32", "fp32": "F32", "float": "F32", "bfloat16": "BF16", "bf16": "BF16",
                "float16": "F16", "fp16": "F16", "half": "F16", "float64": "F64", "fp64": "F64"}
@@ -97,6 +97,7 @@ class MergekitConfig:
     chat_template: str | None = None  # "auto", a template name or the template text
     method_params: dict = dataclasses.field(default_factory=dict)  # METHOD_PARAMS given (t, filter_wise, ...)
     slices: tuple | None = None  # `slices:` as config/slices.py reads it (OutputSlice, ...); None: `models:`
+    slices_reference: bool = False  # slices without base_model: the base is the first source (a reference)
 
     def with_overrides(self, operator=None, budget=None, target_bound=None, strategy=None, seed=None,
                        **params) -> MergekitConfig:

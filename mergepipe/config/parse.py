@@ -122,7 +122,7 @@ def _parse(text, source: str) -> MergekitConfig:
         dtype=dtype, out_dtype=out_dtype, budget=budget, target_bound=target, strategy=strategy, seed=seed,
         plan_id=plan_id, tokenizer_source=tokenizer_source, tokenizer_tokens=tokens,
         pad_to_multiple_of=pad, chat_template=chat_template, method_params=_method_params(globals_, values),
-        slices=slices)
+        slices=slices, slices_reference=slices is not None and doc.get("base_model") is None)
 
 
 def _method_params(globals_: dict, values: dict) -> dict:
@@ -270,6 +270,13 @@ def _models(entries, globals_: dict) -> tuple[list[ConfigModel], dict]:
                 shared[p][where] = eff[p]
     values = {}
     for p, per in shared.items():
+        if p in PER_MODEL_PARAMS and any(isinstance(v, list) for v in per.values()):
+            # gamma/epsilon per tensor (filters, a gradient): each model its own setting, mergekit's fallback to
+            # the merge-wide one folded in (a condition list that yields nothing falls back to it)
+            models = [dataclasses.replace(m, own={**m.own, p: _with_fallback(own.get(p), globals_.get(p))})
+                      if m.where in per else m for m, (_, own, _) in zip(models, entries)]
+            values[p] = None
+            continue
         distinct = sorted(set(per.values()))
         if len(distinct) > 1 and p in PER_MODEL_PARAMS:  # mergekit's per-model gamma/epsilon: each model its own
             models = [dataclasses.replace(m, own={**m.own, p: per[m.where]}) if m.where in per else m for m in models]
@@ -392,14 +399,16 @@ def _param(value, where: str, name: str):
         return _param(value["value"], where, name)  # {value: x} without a filter is just x
     if name in PER_TENSOR or name in GRADIENT_PARAMS or (name == "lambda" and where == "parameters.lambda"):
         return _setting(value, where)
+    if name in PER_MODEL_PARAMS and isinstance(value, (list, dict)):
+        return _setting(value, where)  # gamma/epsilon per tensor: each value range-checked by the planner
     if name in ("normalize", "rescale") and where == f"parameters.{name}" and isinstance(value, (list, dict)):
         return value  # filters of true/false: checked by _flag_setting
     if isinstance(value, (list, dict)):
         kind = "per-tensor filters" if isinstance(value, dict) or any(isinstance(v, dict) for v in value) \
             else "a gradient across layers"
         raise ConfigError(f"{where} is {kind}: not supported for {name}; MergePipe applies one {name} to every "
-                          f"tensor (filters and gradients work for weight and density, and merge-wide for "
-                          f"lambda, normalize and rescale)")
+                          f"tensor (filters and gradients work for weight, density, gamma and epsilon, and "
+                          f"merge-wide for lambda, normalize and rescale)")
     if name == "int8_mask" or PARAMS[name].kind is bool:
         return _flag(value, where)
     return PARAMS[name].check(_number(value, where), where, ConfigError)

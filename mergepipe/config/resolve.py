@@ -189,9 +189,13 @@ def prepare(cat: Catalog, cfg: MergekitConfig, register_paths: bool = True, chec
     ``check_path`` vets a path before it is read (the dashboard's allowed folders); ``reserved_ids``
     are ids a derived id must avoid (the merged model's)."""
     op = get_op(cfg.method)
+    # a parameter every slice gives (t per slice, no merge-wide t) is checked when the slices expand
+    per_slice = {k: 0.0 for sl in cfg.slices or () for holder in (sl, *sl.sources) for k in holder.params
+                 if k not in cfg.method_params and k != "scale"}
     resolve_params(op, normalize=cfg.normalize, rescale=cfg.rescale, lam=cfg.lam,
                             **{k: v for k, v in (("gamma", cfg.gamma), ("epsilon", cfg.epsilon)) if v is not None},
-                            **{k: v for k, v in cfg.method_params.items() if not (cfg.slices and k == "scale")})
+                            **{k: v for k, v in cfg.method_params.items() if not (cfg.slices and k == "scale")},
+                            **{k: v for k, v in per_slice.items() if k not in ("weight", "density")})
     if cfg.base is None and not op.base_optional:  # e.g. a soup's config run with --op ties
         raise ConfigError(f"{cfg.source}: `base_model` is required by {op.name}: MergePipe stores experts as deltas "
                           f"against their base")
@@ -245,6 +249,11 @@ def _expand_slices(r: _Resolver, base_id: str) -> None:
         tensors[mid], layers[mid] = shapes, model_layers(config, shapes)
     ex = expand(r.cfg, r.out.ids, base_id, tensors, layers)
     r.out.layout, r.out.method_params = ex.layout, ex.method_params
+    if get_op(r.cfg.method).whole_models:  # linear: the base is averaged in at its place among the sources
+        first = [r.out.ids[s.ref] for s in r.cfg.slices[0].sources]
+        weight = ex.settings.get(base_id, {}).get("weight")
+        r.out.base_member = {"weight": 1.0 if weight is None else weight, "position": first.index(base_id),
+                             "reference": r.cfg.slices_reference}
     for spec in r.out.experts:
         spec.pop("weight", None)
         spec.pop("density", None)
@@ -411,6 +420,9 @@ def _plan_method(cat: Catalog, planner: Planner, resolved: Resolved, save: bool)
     except NeedsAnalysis:
         pass
     from mergepipe.analyze.runner import analyze
-    analyze(cat, [e["model"] for e in resolved.experts], gram=True, arcee=resolved.config.method == "arcee_fusion")
+    method = resolved.config.method
+    topk = resolved.request().params.get("select_topk", 1.0) if method == "sce" else 1.0
+    analyze(cat, [e["model"] for e in resolved.experts], gram=True, arcee=method == "arcee_fusion",
+            sce_topk=(topk,) if 0.0 < topk < 1.0 else ())
     return planner.plan(resolved.request(), save=save)
 

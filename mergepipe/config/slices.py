@@ -18,26 +18,33 @@ tensors (:func:`expand`, at resolve time) into data the planner and engine alrea
 * per-tensor settings for the merge (each expert's weight and density, slerp's t) as exact-name
   conditions: the operators merge each input tensor as they always do.
 
+``linear`` over slices averages every source, the base among them: it is planned as a soup (config/soup.py)
+whose base member is the base (or, without ``base_model``, the first source of the first slice, the
+reference) at its place among the first slice's sources, with its weight resolved per tensor like any source's.
+
 What MergePipe cannot do exactly is refused: a merging method (not passthrough) merges a layer with the
-same layer of the other models, every slice lists the same models with the base among them, and each
-input layer is merged at most once (repeat layers with passthrough).
+same layer of the other models (sources at different offsets, layer i of A with layer j of B, would need
+deltas between differently named tensors: ANALYZE's statistics, the plan's budget and bound are all per
+same-named base tensor), every slice lists the same models with the base among them, and each input layer is
+merged at most once (repeat layers with passthrough).
 """
 
 from __future__ import annotations
 
 import json
 import re
+
+from mergepipe.ops.core import get_op
 from dataclasses import dataclass
 from pathlib import Path
 
 from mergepipe.config.model import ConfigError, ConfigModel, GRADIENT_PARAMS, PER_TENSOR
-from mergepipe.planner.settings import check_setting, evaluate
+from mergepipe.planner.settings import LAYER, PRE_LAYER_NAMES, check_setting, evaluate
 
 SLICE_KEYS = ("sources",)
 SOURCE_KEYS = ("model", "layer_range", "parameters")
 # the parameters a slice or a source may give: the per-input ones and the merge-wide gradients (t, scale)
 SLICE_PARAMS = tuple(dict.fromkeys(PER_TENSOR + GRADIENT_PARAMS))
-LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -72,9 +79,10 @@ def read_slices(doc: dict, method: str, globals_: dict, ref_of) -> tuple[str, li
     slices = tuple(_slice(item, f"slices[{i}]", ref_of) for i, item in enumerate(raw))
     base = doc.get("base_model")
     if base is None:
-        if method != "passthrough":
+        if method != "passthrough" and not get_op(method).whole_models:
             raise ConfigError(f"`base_model` is required for {method} over slices (it must be a source of every slice)")
-        base = slices[0].sources[0].ref  # mergekit's passthrough has no base: the first source is the reference
+        # mergekit's passthrough has no base, linear ignores it: the first source is the reference (config/soup.py)
+        base = slices[0].sources[0].ref
     base = ref_of(base, "base_model")
     _check_models(slices, method, base)
     refs = list(dict.fromkeys(s.ref for sl in slices for s in sl.sources if s.ref != base))
@@ -135,10 +143,6 @@ def _params(raw, where: str) -> dict:
 
 def _check_models(slices, method: str, base: str) -> None:
     """What MergePipe merges exactly (see the module docstring)."""
-    from mergepipe.ops.core import get_op
-    if get_op(method).whole_models:
-        raise ConfigError(f"{method} over `slices:` averages the base with the other sources, which MergePipe's "
-                          f"{method} does not (it averages the models besides the base); use `models:`")
     if method == "passthrough":
         for sl in slices:
             if len(sl.sources) != 1:
@@ -202,10 +206,11 @@ def expand(cfg, ids: dict[str, str], base_id: str, tensors: dict[str, dict[str, 
         else:
             outside.append(name)
     if not by_layer:
-        raise ConfigError(f"{cfg.source}: slices: the base has no tensors named like `...layers.N...`; MergePipe "
-                          f"slices decoder layers named that way (Llama, Mistral, Qwen, Gemma, ...)")
-    pre = [n for n in outside if "embed" in n]
-    post = [n for n in outside if "embed" not in n]
+        raise ConfigError(f"{cfg.source}: slices: the base has no tensors named like `...layers.N...`, `...h.N...`, "
+                          f"`...layer.N...` or `...blocks.N...`; MergePipe slices layers named that way (Llama, "
+                          f"Mistral, Qwen, Gemma, GPT-2, BERT, ...)")
+    pre = [n for n in outside if any(p in n for p in PRE_LAYER_NAMES)]
+    post = [n for n in outside if n not in pre]
     entries = []  # (out name, slice, source or None: every source, input name, t)
     for name in pre:
         entries.append((name, slices[0], name, 0.0))
@@ -236,8 +241,9 @@ def expand(cfg, ids: dict[str, str], base_id: str, tensors: dict[str, dict[str, 
     if all(out == name for out, _, name, _ in entries) and len(entries) == len(base_names):
         layout = None  # the base's own tensors, in place: a plain merge
     settings = {}
+    whole = get_op(cfg.method).whole_models
     for ref, mid in ids.items():
-        if mid == base_id:
+        if mid == base_id and not whole:  # linear: the base is averaged in, weighted like any source
             continue
         settings[mid] = {}
         for p in ("weight", "density"):
@@ -260,7 +266,8 @@ def expand(cfg, ids: dict[str, str], base_id: str, tensors: dict[str, dict[str, 
 
 def _global(cfg, ref: str, p: str):
     """The merge-wide value of a per-input parameter (parse keeps it on every model)."""
-    m = next((m for m in cfg.models if m.ref == ref), None)
+    # every model carries the merge-wide value (read_slices); the base is not among them (linear averages it too)
+    m = next((m for m in cfg.models if m.ref == ref), cfg.models[0] if cfg.models else None)
     return getattr(m, p, None) if m is not None else None
 
 

@@ -69,7 +69,7 @@ def _merged_bytes(fused, op, params, seed, experts, sources, weight_sum, info, s
         thr = thresholds.get(e["id"], {}).get(info.name, [])
         density = tensor_density(e, info.name) or 1.0
         bseed = block_seed(seed, content_id(bufs), info.name, span.index) if op.random and density < 1.0 else 0
-        d = sparsify(op, delta, density, expert_params(params, e), thr, bseed, span.index)
+        d = sparsify(op, delta, density, expert_params(params, e, info.name), thr, bseed, span.index)
         deltas.append((tensor_weight(e, info.name), d))
     merged = combine(op, base, deltas, weight_sum, params)
     return tensor_bytes(merged.to(DTYPES[info.dtype][0]))
@@ -104,7 +104,8 @@ def method_block(op, params, sources, info, span, raw, contributors, scalars, n_
     so its values are the base's), then the method's block kernel with the tensor's scalars."""
     from mergepipe.ops.core import METHODS
     shape, base, xs = _values(sources, info, span, raw, contributors, n_experts)
-    merged = METHODS[op.name][1](op, base, xs, scalars, params, len(info.shape))
+    # the block's index in the tensor's grid: sce's exact-k cut among tied entries is by block (ops/topk.py)
+    merged = METHODS[op.name][1](op, base, xs, scalars, {**params, "block_index": span.index}, len(info.shape))
     return tensor_bytes(merged.reshape(shape).to(DTYPES[info.dtype][0]))
 
 

@@ -62,7 +62,8 @@ class InflightAnalysis:
         """The stored densities plus every top-k fraction this merge needs from the expert."""
         needed = {f for t in self.order if t.dtype in FLOAT_DTYPES
                   for f in threshold_fractions(self.op, tensor_density(expert, t.name) or 1.0,
-                                               expert_params(params_on(self.params, self.per_tensor, t.name), expert))
+                                               expert_params(params_on(self.params, self.per_tensor, t.name), expert,
+                                                             t.name))
                   if f < 1.0}
         return tuple(sorted(set(DEFAULT_DENSITIES) | needed))
 
@@ -89,7 +90,7 @@ class InflightAnalysis:
         thr = None
         if stats["delta_nnz"] and self.op.thresholded:
             thr = tensor_statistics(self.op, tensor_density(expert, name) or 1.0,
-                                    expert_params(params_on(self.params, self.per_tensor, name), expert),
+                                    expert_params(params_on(self.params, self.per_tensor, name), expert, name),
                                     stats["thresholds"],
                                     stats.get("topk"), stats["delta_l1"], stats["delta_max_abs"],
                                     stats["numel"])

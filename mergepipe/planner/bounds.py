@@ -20,8 +20,9 @@ class Bounds:
         keys, mat = self._sketch_matrix()
         key_tensor = np.zeros(len(keys), dtype=np.int64)
         for (tensor, _), i in keys.items():
-            key_tensor[i] = self.tensor_index[tensor]
+            key_tensor[i] = self.tensor_index.get(tensor, -1)  # -1: not merged (a layer a layout leaves out)
         coefs = self.coef_matrix[:, key_tensor].T  # [B, K]
+        coefs[key_tensor < 0] = 0.0
         l2 = np.zeros((len(keys), len(self.experts)))
         for ei, e in enumerate(self.experts):
             for tensor, block, value in analyses.changed_block_l2(self.catalog, e["id"]):

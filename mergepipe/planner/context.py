@@ -70,7 +70,7 @@ class PlanContext(StrategyScores, Bounds):
         if self.output_layout is not None:
             self._check_layout_models()
         if self.op.nonlinear:  # interpolation methods: expert counts, statistics present (planner/methods.py)
-            methods.check_experts(self.op, self.experts)
+            methods.check_experts(self.op, self.experts, request.base_member)
         self._check_finite()
         self.block_bytes = catalog.grid_block_bytes(self.base["id"]) or DEFAULT_BLOCK_BYTES
         names = [t["name"] for t in self.tensors]
@@ -124,6 +124,8 @@ class PlanContext(StrategyScores, Bounds):
                 spec["density"] = dd if self.op.uses_density else None
             else:
                 spec.update(self._per_tensor(row["id"], [w, global_w], [d, global_d], expert_params(self.params, spec)))
+            if any(isinstance(spec.get(k), list) for k in PER_MODEL_PARAMS):
+                spec["tensor_params"] = self._own_per_tensor(row["id"], spec)
             out.append(spec)
         return out
 
@@ -222,9 +224,32 @@ class PlanContext(StrategyScores, Bounds):
                 continue
             if key not in self.params:
                 raise PlanError(f"operator {self.op.name} takes no parameter {key} (given for {expert_id})")
+            if isinstance(value, (list, tuple, dict)):  # filters or a gradient: resolved per tensor (_own_per_tensor)
+                out[key] = check_setting(value, f"{key} of {expert_id}")
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise PlanError(f"{key} of {expert_id} must be a number, not {value!r}")
             out[key] = declared[key].check(float(value), f"{key} of {expert_id}")
+        return out
+
+    def _own_per_tensor(self, expert_id: str, spec: dict) -> dict:
+        """An expert's gamma/epsilon given as filters or a gradient, per float tensor (mergekit's per-model
+        parameters resolved per tensor; a tensor no condition matches takes the merge-wide value), each checked
+        against its range and, for breadcrumbs, with the tensor's density."""
+        from mergepipe.ops.spec import all_parameters
+        declared = {p.name: p for p in all_parameters()}
+        layers = num_layers([t["name"] for t in self.tensors], json.loads(self.base["config"] or "{}"))
+        out = {}
+        for t in self.tensors:
+            if t["dtype"] not in FLOAT_DTYPES:
+                continue
+            name = t["name"]
+            own = {k: declared[k].check(resolve([spec[k]], name, layer_t(name, layers), self.params[k]),
+                                        f"{k} of {expert_id} on {name}")
+                   for k in PER_MODEL_PARAMS if isinstance(spec.get(k), list)}
+            check_density(self.op, {**expert_params(self.params, spec), **own}, tensor_density(spec, name) or 1.0,
+                          f" of {expert_id} on {name}")
+            out[name] = own
         return out
 
     def _per_tensor(self, expert_id: str, weight_settings, density_settings, params: dict | None = None) -> dict:
@@ -256,7 +281,7 @@ class PlanContext(StrategyScores, Bounds):
             rows = analyses.changed_tensor_thresholds(self.catalog, e["id"])
             per = {}
             for name, text, topk, l1, max_abs, numel in rows:
-                params = expert_params(self.params_for(name), e)
+                params = expert_params(self.params_for(name), e, name)
                 fracs = threshold_fractions(self.op, tensor_density(e, name) or 1.0, params)
                 vals = tensor_statistics(self.op, tensor_density(e, name) or 1.0, params, text, topk, l1, max_abs,
                                          numel)

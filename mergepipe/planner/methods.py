@@ -20,7 +20,8 @@ import json
 import numpy as np
 
 from mergepipe.catalog import analyses
-from mergepipe.catalog.gram import load_arcee_thresholds, load_gram, load_set_counts, set_key
+from mergepipe.catalog.gram import (load_arcee_thresholds, load_gram, load_sce_selection, load_set_counts,
+                                    sce_row_keys, set_key)
 from mergepipe.errors import PlanError
 from mergepipe.ops.core import METHODS
 from mergepipe.ops.interp import Gram
@@ -34,8 +35,9 @@ class NeedsAnalysis(PlanError):
     mergekit config path does it by itself)."""
 
 
-def check_experts(op, experts: list[dict]) -> None:
-    k = len(experts)
+def check_experts(op, experts: list[dict], member: dict | None = None) -> None:
+    # without a base_model (a soup, config/soup.py) the reference model is one of the models
+    k = len(experts) + (member is not None)
     if k < op.min_experts or (op.max_experts is not None and k > op.max_experts):
         if op.max_experts == op.min_experts:
             want = f"exactly {op.min_experts} model{'s' if op.min_experts > 1 else ''} besides the base"
@@ -63,6 +65,9 @@ def tensor_scalars(ctx) -> dict[str, list[float]]:
     changed = {e: set(analyses.changed_tensors(ctx.catalog, e)) for e in ids} if op.gram else {}
     counts = load_set_counts(ctx.catalog, ctx.base["id"], set_key(ids)) if op.name == "ramplus_tl" else None
     arcee = load_arcee_thresholds(ctx.catalog, ctx.base["id"], ids[0]) if op.name == "arcee_fusion" else None
+    topk = params.get("select_topk", 1.0) if op.name == "sce" else 1.0
+    sce = (load_sce_selection(ctx.catalog, ctx.base["id"], sce_row_keys(topk, set_key(ids)))
+           if 0.0 < topk < 1.0 else None)
     names = [t["name"] for t in ctx.tensors]
     layers = num_layers(names, json.loads(ctx.base["config"] or "{}"))
     out = {}
@@ -71,6 +76,8 @@ def tensor_scalars(ctx) -> dict[str, list[float]]:
             continue
         name = t["name"]
         settings = {"weights": [tensor_weight(e, name) for e in ctx.experts]}
+        if ctx.base_member is not None:  # no base_model: the reference (the "base") is one of the models
+            settings["reference_weight"] = tensor_weight(ctx.base_member, name)
         if counts is not None:
             per = counts.get(name)
             if per is None or set(per) != set(ids):
@@ -80,10 +87,12 @@ def tensor_scalars(ctx) -> dict[str, list[float]]:
             settings["ram_counts"] = ([per[e][0] for e in ids], [per[e][1] for e in ids])
         if arcee is not None:
             settings["arcee_threshold"] = _arcee_threshold(arcee, ids[0], t)
+        if sce is not None:
+            settings["sce"] = _sce_selection(sce, ids, t, topk)
         if "t" in params:
             settings["t"] = resolve([params["t"]], name, layer_t(name, layers), 0.0)
         zero = {e for e in ids if name not in changed[e]} if op.gram else set()
-        g = _gram(op, gram.get(name, {}), ids, name, t, zero) if op.gram else None
+        g = _gram(op, gram.get(name, {}), ids, name, t, zero, ctx.base_member is not None) if op.gram else None
         out[name] = [float(v) for v in scalars_fn(op, g, settings, params, len(t["shape"]))]
     return out
 
@@ -99,7 +108,19 @@ def _arcee_threshold(thresholds: dict, expert: str, t) -> float:
     return value
 
 
-def _gram(op, rows: dict, ids: list[str], name: str, t, zero: set) -> Gram:
+def _sce_selection(rows: dict, ids: list[str], t, topk: float) -> tuple:
+    """sce's top-k of one tensor, stored by ANALYZE --sce-topk for exactly these experts: (each expert's sum
+    of kept delta^2, threshold, cut block, cut rank)."""
+    per = rows.get(t["name"], {})
+    first = sorted(ids)[0]
+    if set(per.get("sums", {})) != set(ids) or any(first not in per.get(k, {}) for k in ("thr", "cut", "rank")):
+        raise NeedsAnalysis(f"sce select_topk {topk:g} needs the top-k of the variance across exactly these experts "
+                            f"on tensor {t['name']}, which the catalog does not hold: `mergepipe analyze "
+                            f"--sce-topk {topk:g} {' '.join(ids)}`")
+    return [per["sums"][e] for e in ids], per["thr"][first], per["cut"][first], per["rank"][first]
+
+
+def _gram(op, rows: dict, ids: list[str], name: str, t, zero: set, whole: bool = False) -> Gram:
     """The tensor's Gram statistics; a pair with an expert whose delta is zero on this tensor (a LoRA
     adapter that does not target it has no rows) is 0."""
     def get(a, b, what):
@@ -111,7 +132,7 @@ def _gram(op, rows: dict, ids: list[str], name: str, t, zero: set) -> Gram:
                             f"experts must be analyzed together (`mergepipe analyze --gram {' '.join(ids)}`)"
                             + ("; the base is not read for delta checkpoints" if a == "" else ""))
         return rows[key]
-    needs_base = op.name in ("slerp", "karcher")
+    needs_base = op.name in ("slerp", "karcher") or whole  # whole models: ||x_i||^2 and <x_i, x_j> need the base
     bb = get("", "", "||base||^2") if needs_base else rows.get(("", ""))
     bd = tuple(get("", e, "<base, delta>") if needs_base else rows.get(("", e), 0.0) for e in ids)
     dd = tuple(tuple(get(a, b, "the dot products of the experts' deltas") for b in ids) for a in ids)

@@ -17,7 +17,11 @@ import re
 
 from mergepipe.errors import PlanError
 
-LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# a decoder/encoder layer's tensors: ``layers.N.`` (Llama, Mistral, Qwen, Gemma, GPT-NeoX, Phi), ``h.N.``
+# (GPT-2, Falcon, Bloom), ``layer.N.`` (BERT, RoBERTa: ``encoder.layer.N.``), ``blocks.N.`` (MPT)
+LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
+# tensors before the layers (mergekit's pre_weights: embeddings); the others outside the layers come after
+PRE_LAYER_NAMES = ("embed", "wte.", "wpe.")
 
 
 def is_scalar(value) -> bool:
@@ -115,10 +119,14 @@ def tensor_weight(expert: dict, tensor: str) -> float:
 PER_MODEL_PARAMS = ("gamma", "epsilon")
 
 
-def expert_params(params: dict, expert: dict) -> dict:
-    """The operator parameters for one expert: the merge-wide ones with the expert's own gamma/epsilon."""
+def expert_params(params: dict, expert: dict, tensor: str | None = None) -> dict:
+    """The operator parameters for one expert (on ``tensor``): the merge-wide ones with the expert's own
+    gamma/epsilon, a number or, given as filters or a gradient, its value on the tensor (the plan's per-expert
+    ``tensor_params``)."""
     own = {k: float(expert[k]) for k in PER_MODEL_PARAMS if k in params and isinstance(expert.get(k), (int, float))
            and not isinstance(expert[k], bool)}  # anything else is refused by the planner, naming it
+    if tensor is not None and expert.get("tensor_params"):
+        own.update(expert["tensor_params"].get(tensor) or {})
     return {**params, **own} if own else params
 
 

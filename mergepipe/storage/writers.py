@@ -163,8 +163,8 @@ def finish_files(base_ck: Checkpoint, staging: Path, shards: list[OutShard], tok
 
 
 def write_layout_config(staging: Path, layout: dict) -> None:
-    """A `slices:` output's config.json: ``num_hidden_layers`` is the number of output layers (as mergekit
-    writes it), and a per-layer ``layer_types`` list follows the layers the output took."""
+    """A `slices:` output's config.json: ``num_hidden_layers`` (or the architecture's key: ``n_layer``,
+    ``num_layers``) is the number of output layers (as mergekit writes it), and a per-layer ``layer_types`` list follows the layers the output took."""
     path = staging / "config.json"
     if not path.is_file():
         return
@@ -173,7 +173,9 @@ def write_layout_config(staging: Path, layout: dict) -> None:
     types = config.get("layer_types")
     if isinstance(types, list) and all(0 <= i < len(types) for _, i in layers):
         config["layer_types"] = [types[i] for _, i in layers]
-    config["num_hidden_layers"] = len(layers)
+    keys = [k for k in ("num_hidden_layers", "n_layer", "num_layers") if k in config] or ["num_hidden_layers"]
+    for key in keys:  # the key the architecture uses (GPT-2's n_layer), as mergekit writes it
+        config[key] = len(layers)
     write_text(path, json.dumps(config, indent=2) + "\n")
 def write_bytes(path: Path, data: bytes) -> None:
     try:

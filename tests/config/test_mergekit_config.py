@@ -302,11 +302,12 @@ def _bad(fam):
         ("soup of one model", f"merge_method: linear\n{ok_models}", ["lists one model"]),
         ("slices", (f"merge_method: linear\nbase_model: {base}\nslices:\n  - sources:\n"
                    f"      - model: {e1}\n        layer_range: [0, 2]\n"), ["slices"]),
-        ("gamma gradient", (f"merge_method: breadcrumbs\nbase_model: {base}\n{ok_models}parameters:\n"
-                           f"  gamma: [0.01, 0.02]\n"), ["parameters.gamma", "gradient", "not supported for gamma"]),
-        ("epsilon filter", (f"merge_method: della\nbase_model: {base}\nmodels:\n  - model: {e1}\n    parameters:\n"
-                           f"      epsilon:\n        - filter: mlp\n          value: 0.05\n"),
-         ["models[0].parameters.epsilon", "per-tensor filters", "not supported for epsilon"]),
+        ("lambda gradient per model", (f"merge_method: ties\nbase_model: {base}\nmodels:\n  - model: {e1}\n"
+                                       f"    parameters:\n      lambda: [0.5, 1.0]\n"),
+         ["models[0].parameters.lambda", "gradient", "not supported for lambda"]),
+        ("int8_mask filter", (f"merge_method: ties\nbase_model: {base}\n{ok_models}parameters:\n"
+                             f"  int8_mask:\n    - filter: mlp\n      value: true\n"),
+         ["parameters.int8_mask", "per-tensor filters", "not supported for int8_mask"]),
         ("normalize list", f"merge_method: ties\nbase_model: {base}\n{ok_models}parameters: {{normalize: [true]}}\n",
          ["parameters.normalize"]),
         ("nested filter", (f"merge_method: ties\nbase_model: {base}\n{ok_models}parameters:\n  density:\n"

@@ -365,3 +365,64 @@ def test_passthrough_without_a_layout_and_bad_layouts_are_refused(tiny):
     with pytest.raises(PlanError) as exc:
         planner.plan("base", ["e1"], "slerp", t=0.5, layout=twice, save=False)
     assert str(exc.value) == f"the layout merges {name} twice: a merge reads each input tensor once"
+
+
+def test_linear_over_slices_equals_mergekit(small):
+    """linear over slices averages every source, the base among them (a soup whose base member is the base,
+    weighted per slice like any source): bit-equal to mergekit, reordered layers included."""
+    fam, cat, work = small
+    base, e1, e2 = fam.base, fam.experts[0], fam.experts[1]
+    cfg = {"slices": [{"sources": [_src(base, 2, 4, weight=0.5), _src(e1, 2, 4), _src(e2, 2, 4, weight=0.25)]},
+                      {"sources": [_src(base, 0, 2), _src(e1, 0, 2, weight=[0.2, 0.8]), _src(e2, 0, 2)]}],
+           "merge_method": "linear", "base_model": str(base), "parameters": {"weight": 1.0}}
+    plan, manifest, got, ref = _merge_both(cat, work, cfg, "linear-slices")
+    assert sorted(got) == sorted(ref)
+    for name in ref:
+        assert torch.equal(got[name], ref[name]), name
+    assert plan["base_member"]["position"] == 0 and not plan["base_member"]["reference"]
+    assert plan["layout"]["layers"] == [["base", 2], ["base", 3], ["base", 0], ["base", 1]]
+    assert manifest.core["realized"]["expert_read"] == plan["full_expert_bytes"]
+    assert _layers(work / "mp-linear-slices") == 4
+
+
+def test_linear_over_slices_without_base_model_equals_mergekit(small):
+    """No base_model: the first source of the first slice is the reference (averaged in with its weight)."""
+    fam, cat, work = small
+    e1, e2 = fam.experts[0], fam.experts[1]
+    cfg = {"slices": [{"sources": [_src(e1, 0, 3, weight=0.7), _src(e2, 0, 3, weight=0.3)]}],
+           "merge_method": "linear", "parameters": {"normalize": False}}
+    plan, _, got, ref = _merge_both(cat, work, cfg, "linear-slices-ref")
+    assert sorted(got) == sorted(ref)
+    for name in ref:
+        assert torch.equal(got[name], ref[name]), name
+    assert plan["base"]["uri"] == str(e1)
+    assert plan["base_member"] == {"weight": 0.7, "position": 0, "reference": True}
+    assert _layers(work / "mp-linear-slices-ref") == 3
+    # under a budget: the bytes read are the plan's, within it, and the error bound applies (additive soup)
+    half = dict(cfg, dtype="float32", mergepipe={"budget": "50%"})
+    plan, _, manifest = api.merge_config(cat, parse_config(yaml.safe_dump(half)), work / "mp-linear-slices-half",
+                                         model_id="mp-linear-slices-half")
+    read = manifest.core["realized"]["expert_read"]
+    assert read == plan["estimate"]["expert_read"] <= plan["budget"]["bytes"] < plan["full_expert_bytes"]
+    assert plan["error_bound"]["absolute"] > 0
+    part = load_dir(work / "mp-linear-slices-half")
+    dist = sum(float((part[n].double() - got[n].double()).square().sum()) for n in got) ** 0.5
+    assert dist <= plan["error_bound"]["absolute"] * (1 + 1e-6)
+
+
+def test_multi_module_config_is_refused_by_the_cli_and_changes_nothing(small, tmp_path):
+    """mergekit's ``modules:`` with modules other than ``default`` (multi-module architectures): one ``error:``
+    line naming the key, no traceback, catalog unchanged."""
+    fam, cat, work = small
+    path = tmp_path / "mm.yaml"
+    path.write_text(yaml.safe_dump({
+        "modules": {"text_decoder": {"models": [{"model": str(fam.experts[0])}]},
+                    "vision_tower": {"models": [{"model": str(fam.experts[1])}]}},
+        "merge_method": "task_arithmetic", "base_model": str(fam.base)}))
+    db = work / "cat.sqlite"
+    before = _counts(db)
+    r = run_cli(["--db", db, "merge", "--config", path, "--out", tmp_path / "out", "--model-id", "mm"])
+    assert r.returncode != 0
+    assert r.stderr.strip() == ("error: mm.yaml: modules: MergePipe merges single-module models, whose one module "
+                                "mergekit names `default` (got text_decoder, vision_tower)")
+    assert _counts(db) == before and not (tmp_path / "out").exists()

@@ -165,9 +165,7 @@ def test_karcher_without_base_averages_the_models_like_mergekit(soup_fam):
         assert worst <= (1e-3 if soup_fam["dtype"] == "fp32" else 2 ** -7) * scale, (name, worst / scale)
 
 
-@pytest.mark.parametrize("method, extra", [("ties", ""), ("task_arithmetic", ""),
-                                          ("multislerp", " (mergekit's multislerp can run without one; MergePipe "
-                                                         "does not support that yet)")])
+@pytest.mark.parametrize("method, extra", [("ties", ""), ("task_arithmetic", ""), ("model_stock", "")])
 def test_methods_that_need_a_base_refuse_a_config_without_one(soup_fam, tmp_path, method, extra):
     cat = Catalog(tmp_path / "c.sqlite")
     try:

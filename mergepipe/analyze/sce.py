@@ -1,0 +1,130 @@
+"""ANALYZE's statistics for sce with ``select_topk`` < 1 (ops/sce.py), gathered beside the Gram statistics.
+
+mergekit's sce keeps, per tensor, the k = int(count_nonzero(var) * select_topk) entries with the largest
+variance across the experts (var = torch.var over the stacked task vectors, unbiased=False, float32), then
+weighs each expert by the mean of its *masked* task vector squared. Both are whole-tensor statistics, so
+ANALYZE gathers them for the experts analyzed together (one row set per expert set and select_topk):
+
+- the exact k-th largest variance T by a radix select on its float32 bit pattern (var >= 0): pass one (the
+  ANALYZE pass) histograms the top 16 bits and sums each expert's delta^2 per bin (float64); pass two
+  counts the low 16 bits (and sums delta^2) of only the bin that holds the k-th largest;
+- where entries tied at T straddle the top k, the exact-k cut (ops/topk.py, the same rule as ties): entries
+  ordered by variance descending, then flat index ascending, the first k kept; a third pass over the tensor
+  finds the block and rank of the cut and the delta^2 of the tied entries kept. (torch.topk on the CPU keeps
+  an unspecified subset of the tied entries: there mergekit and MergePipe may keep different ones.)
+
+Memory: the histograms ([32768 x K] float64 sums, [65536 x K] for the selected bin) plus the tensor's
+float32 deltas when they fit in ``CACHE_BYTES``; a larger tensor is re-read block by block for passes two and
+three (from the page cache ANALYZE's pass just filled). Rows ``("~sce:<topk>:<set>", expert)`` hold each
+expert's sum of squared kept deltas; ``~scethr``/``~scecut``/``~scerank`` (under the set's first expert)
+the threshold and the cut.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mergepipe.analyze.thresholds import NO_CUT
+from mergepipe.catalog.gram import sce_row_keys as row_keys
+
+TOP_BINS = 1 << 15  # a non-negative float32's top 16 bits
+CACHE_BYTES = 64 << 20  # a tensor's float32 deltas kept in memory for passes two and three
+
+
+def variance(deltas):
+    """mergekit's per-entry variance across the experts (float32 torch tensor [n]) of a [K, n] float32 array."""
+    import torch
+    return torch.var(torch.from_numpy(np.ascontiguousarray(deltas, dtype=np.float32)), dim=0, unbiased=False)
+
+
+def keep_count(nonzero: int, topk: float) -> int:
+    """mergekit's k: int(count_nonzero(var) * density), a float32 product (an int64 tensor times a float)."""
+    import torch
+    return int(torch.tensor(nonzero, dtype=torch.int64) * topk)
+
+
+class SceSelection:
+    """One base tensor's sce statistics for the experts (passes) of one ANALYZE task."""
+
+    def __init__(self, binfo, spans, n_experts: int, topks, reread):
+        self.spans, self.numel, self.topks = spans, binfo.numel, tuple(topks)
+        self.reread = reread  # span -> [K, n] float32 deltas (read again)
+        self.hist = np.zeros(TOP_BINS, dtype=np.int64)
+        self.sq = np.zeros((TOP_BINS, n_experts))
+        self.zeros = 0
+        self.cache: list | None = [] if binfo.numel * n_experts * 4 <= CACHE_BYTES else None
+
+    def add(self, deltas: np.ndarray) -> None:
+        """Pass one, one block: [K, n] float32 deltas."""
+        var = variance(deltas).numpy()
+        self.zeros += int(np.count_nonzero(var == 0))
+        top = var.view(np.uint32).astype(np.int64) >> 16
+        self.hist += np.bincount(top, minlength=TOP_BINS)[:TOP_BINS]
+        for i, d in enumerate(deltas):
+            self.sq[:, i] += np.bincount(top, weights=np.square(d, dtype=np.float64), minlength=TOP_BINS)[:TOP_BINS]
+        if self.cache is not None:
+            self.cache.append(np.array(deltas, dtype=np.float32))
+
+    def _blocks(self):
+        return iter(self.cache) if self.cache is not None else (self.reread(s) for s in self.spans)
+
+    def rows(self, ids: list[str], key: str) -> list[tuple[str, str, float]]:
+        out = []
+        for topk in self.topks:
+            thr, cut, rank, sums = self._select(topk)
+            keys = row_keys(topk, key)
+            out += [(keys["sums"], e, float(v)) for e, v in zip(ids, sums)]
+            out += [(keys["thr"], ids[0], thr), (keys["cut"], ids[0], float(cut)), (keys["rank"], ids[0], float(rank))]
+        return out
+
+    def _select(self, topk: float) -> tuple[float, int, int, np.ndarray]:
+        """(threshold, cut block, cut rank, each expert's sum of kept delta^2) for one select_topk."""
+        nonzero = self.numel - self.zeros
+        k = keep_count(nonzero, topk)
+        if k <= 0:
+            return float("inf"), NO_CUT, 0, np.zeros(self.sq.shape[1])
+        desc = np.cumsum(self.hist[::-1])
+        j = int(np.searchsorted(desc, k))
+        top = TOP_BINS - 1 - j
+        above = int(desc[j - 1]) if j > 0 else 0
+        sums = self.sq[top + 1:].sum(axis=0)
+        low_hist, low_sq = self._low_bits(top)
+        low_desc = np.cumsum(low_hist[::-1])
+        lj = int(np.searchsorted(low_desc, k - above))
+        low = (1 << 16) - 1 - lj
+        above += int(low_desc[lj - 1]) if lj > 0 else 0
+        sums = sums + low_sq[low + 1:].sum(axis=0)
+        pattern = (top << 16) | low
+        thr = float(np.array([pattern], dtype=np.uint32).view(np.float32)[0])
+        equal, m = int(low_hist[low]), k - above
+        if m == equal:
+            return thr, NO_CUT, 0, sums + low_sq[low]
+        cut, rank, tied = self._cut(pattern, m)
+        return thr, cut, rank, sums + tied
+
+    def _low_bits(self, top: int) -> tuple[np.ndarray, np.ndarray]:
+        """Pass two: counts and delta^2 sums of the low 16 bits of the entries in bin ``top``."""
+        k = self.sq.shape[1]
+        hist, sq = np.zeros(1 << 16, dtype=np.int64), np.zeros((1 << 16, k))
+        for deltas in self._blocks():
+            bits = variance(deltas).numpy().view(np.uint32).astype(np.int64)
+            sel = (bits >> 16) == top
+            low = bits[sel] & 0xFFFF
+            hist += np.bincount(low, minlength=1 << 16)
+            for i in range(k):
+                sq[:, i] += np.bincount(low, weights=np.square(deltas[i][sel], dtype=np.float64), minlength=1 << 16)
+        return hist, sq
+
+    def _cut(self, pattern: int, m: int) -> tuple[int, int, np.ndarray]:
+        """Pass three: the exact-k cut (block index, rank in it) of the first ``m`` entries tied at the
+        threshold in flat order, and their delta^2 sums."""
+        seen, sums = 0, np.zeros(self.sq.shape[1])
+        for span, deltas in zip(self.spans, self._blocks()):
+            eq = np.flatnonzero(variance(deltas).numpy().view(np.uint32) == pattern)
+            if seen + eq.size > m:  # the (m+1)-th tied entry is in this block
+                r = m - seen
+                sums += np.square(deltas[:, eq[:r]], dtype=np.float64).sum(axis=1)
+                return span.index, r, sums
+            sums += np.square(deltas[:, eq], dtype=np.float64).sum(axis=1)
+            seen += eq.size
+        raise AssertionError("fewer tied entries than counted")
