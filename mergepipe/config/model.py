@@ -91,8 +91,8 @@ class MergekitConfig:
     strategy: str | None = None
     seed: int | None = None
     plan_id: str | None = None  # informational (written by export)
-    tokenizer_source: str | None = None  # "union", a model reference as written; None: the base
-    tokenizer_tokens: tuple = ()  # mergekit's tokenizer.tokens as ((token, force), ...)
+    tokenizer_source: str | None = None  # "union", "base", a model reference as written; None: not given
+    tokenizer_tokens: tuple = ()  # mergekit's tokenizer.tokens as ((token, force, source as written), ...)
     pad_to_multiple_of: int | None = None
     chat_template: str | None = None  # "auto", a template name or the template text
     method_params: dict = dataclasses.field(default_factory=dict)  # METHOD_PARAMS given (t, filter_wise, ...)
