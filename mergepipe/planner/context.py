@@ -73,7 +73,7 @@ class PlanContext(StrategyScores, Bounds):
             methods.check_experts(self.op, self.experts)
         self._check_finite()
         self.vocab = vocab_rows.vocab_of(request)  # different vocabularies: embedding rows re-ordered, read in full
-        vocab_rows.check_shapes(catalog, self.base, self.experts, self.vocab)
+        vocab_rows.check_shapes(catalog, self.op, self.base, self.experts, self.vocab)
         if self.vocab is not None and self.to_analyze:
             raise methods.NeedsAnalysis(f"a merge that re-orders embedding rows needs its experts analyzed first "
                                         f"(not analyzed: {', '.join(e['id'] for e in self.to_analyze)})")
@@ -347,6 +347,11 @@ class PlanContext(StrategyScores, Bounds):
         """A tensor as written (a re-ordered embedding tensor has the output vocabulary's rows)."""
         return _info(row) if self.vocab is None else vocab_rows.output_info(row, self.vocab)
 
+    def _vocab_blocks(self) -> int:
+        if self.vocab is None:
+            return 0
+        return sum(b - a for rs in vocab_rows.access(self.tensors, self.vocab, self.block_bytes).values() for a, b in rs)
+
     def output_bytes(self) -> int:
         if self.vocab is None:
             return self.base_bytes()
@@ -455,7 +460,8 @@ class PlanContext(StrategyScores, Bounds):
             "expert_read_by_expert": per_expert_bytes,
             "expert_read_by_tensor": dict(sorted(per_tensor_bytes.items())),
             "blocks_selected": {e: sum(r[1] - r[0] for rs in ts.values() for r in rs) for e, ts in access.items()},
-            "blocks_candidate": {e["id"]: int((cands.expert == i).sum()) for i, e in enumerate(self.experts)},
+            "blocks_candidate": {e["id"]: int((cands.expert == i).sum()) + self._vocab_blocks()
+                                 for i, e in enumerate(self.experts)},
             "blocks_total": sum(len(tensor_grid(self.output_info(t), self.block_bytes)) for t in self.tensors),
             "error_bound": bound,
             "target_bound": target_bound,

@@ -67,7 +67,7 @@ def explain_plan(p: dict) -> str:
                      + (f", chat template {template[:40]!r}{'...' if len(template) > 40 else ''}" if template else ""))
         if vocab:
             moved = {m: sum(1 for e in es if e[0] != "own") for m, es in vocab["sources"].items()}
-            lines.append(f"  vocab rows {', '.join(f'{n} x {r}' for n, (r, _) in sorted(vocab['tensors'].items()))} "
+            lines.append(f"  vocab rows {', '.join(f'{n} {r} x {w}' for n, (r, w) in sorted(vocab['tensors'].items()))} "
                          f"re-ordered to it (rows not a model's own: "
                          f"{', '.join(f'{m} {n}' for m, n in moved.items())}); read in full for every model "
                          f"whatever the budget" + (f"; tokens: {', '.join(t[0] for t in vocab['tokens'])}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from mergepipe.errors import PlanError
+from mergepipe.planner.settings import tensor_density
 from mergepipe.storage.grid import tensor_grid
 from mergepipe.storage.safetensors import TensorInfo
 
@@ -23,7 +24,7 @@ def vocab_of(request) -> dict | None:
     return (request.tokenizer or {}).get("vocab")
 
 
-def check_shapes(catalog, base: dict, experts: list[dict], vocab: dict | None) -> None:
+def check_shapes(catalog, op, base: dict, experts: list[dict], vocab: dict | None) -> None:
     """Without a vocabulary setting every expert's embedding rows must be the base's; with one, the
     experts must be the models whose rows it re-orders."""
     base_shapes = {t["name"]: tuple(t["shape"]) for t in catalog.tensors(base["id"])}
@@ -38,6 +39,14 @@ def check_shapes(catalog, base: dict, experts: list[dict], vocab: dict | None) -
                                     f"(another vocabulary): merge it from a config with `tokenizer_source` (union, "
                                     f"base or a model), which re-orders the embedding rows to one tokenizer")
         return
+    for e in experts:
+        for name in vocab["tensors"]:
+            d = tensor_density(e, name)
+            if op.thresholded and d is not None and d < 1.0:
+                raise PlanError(f"tokenizer_source: {op.name} at density {d:g} on {name} of {e['id']} needs the "
+                                f"magnitude threshold of its re-ordered rows, which MergePipe does not compute yet: "
+                                f"give the embedding tensors density 1 (a `filter:` on embed_tokens/lm_head) or "
+                                f"use linear, task_arithmetic or dare")
     have = sorted(e["id"] for e in experts)
     want = sorted(m for m in vocab["row_models"] if m != base["id"])
     if have != want:
