@@ -20,9 +20,6 @@ TOP_KEYS = ("models", "slices", "modules", "base_model", "merge_method", "parame
 REFUSED_TOP_KEYS: dict[str, str] = {}
 # mergekit's `tokenizer:` block
 TOKENIZER_KEYS = ("source", "tokens", "pad_to_multiple_of")
-UNION_REFUSAL = ("a union of different vocabularies is not supported yet: it re-orders and extends the "
-                 "embed_tokens/lm_head rows of each model to the union. MergePipe merges models that share one "
-                 "vocabulary (then a union, or any model's tokenizer, is that vocabulary and no row moves)")
 
 
 # The parameters a config may give, from the operators' declarations (ops/spec.py): merge-wide, all

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.models import check_unchanged, is_vocab_tensor, model_ids, models_at, register
+from mergepipe.catalog.models import check_unchanged, model_ids, models_at, register
 from mergepipe.config.model import ConfigError, ConfigModel, MERGEKIT_DTYPE, MergekitConfig
 from mergepipe.config import soup
 from mergepipe.config.parse import _exists

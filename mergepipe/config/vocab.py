@@ -124,16 +124,20 @@ def vocab_setting(cat, cfg, base_id: str, models: list[tuple[str, Path]], source
 
 def needs_vocab(cat, models: list[tuple[str, Path]], want: dict, cfg, base_id: str, vocabulary) -> bool:
     """Whether the settings move rows: a model's vocabulary differs from the output's, a token is added
-    or forced, or a model's embedding rows are not one per token (padded)."""
+    or forced, the models' embedding rows differ in number, or ``pad_to_multiple_of`` asks for another
+    row count than the base's. (Models sharing one vocabulary and one row count keep their rows as they
+    are, even when there are more rows than tokens -- padded embeddings, which mergekit would cut to the
+    tokenizer's length.)"""
     for mid, root in models:
         if vocabulary(root) != want:
             return True
     if any(tok not in want or force for tok, force, _ in cfg.tokenizer_tokens):
         return True
-    n = len(want)
-    pad = cfg.pad_to_multiple_of
-    rows = n if not pad else -(-n // pad) * pad
+    roots = dict(models)
+    base_rows = {n: s[0] for n, (s, _) in vocab_tensors(cat, base_id, roots[base_id]).items()}
     for mid, root in models:
-        if any(shape[0] != rows for shape, _ in vocab_tensors(cat, mid, root).values()):
+        if {n: s[0] for n, (s, _) in vocab_tensors(cat, mid, root).items()} != base_rows:
             return True
-    return False
+    pad = cfg.pad_to_multiple_of
+    rows = -(-len(want) // pad) * pad if pad else None
+    return rows is not None and any(r != rows for r in base_rows.values())
