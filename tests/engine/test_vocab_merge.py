@@ -241,3 +241,20 @@ def test_expert_with_another_vocabulary_needs_a_tokenizer_setting(fam, tmp_path)
     with pytest.raises(PlanError, match=r"expert e1's lm_head.weight has 258 rows, the base's 256 "
                                         r"\(another vocabulary\): merge it from a config with `tokenizer_source`"):
         Planner(cat).plan("base", ["e1"], "task_arithmetic", save=False)
+
+
+def test_exported_config_replans_to_the_same_digest(fam, tmp_path):
+    """The tokenizer settings travel through `export`: the exported YAML plans to the same digest
+    (vocabulary, row sources and tokens settings included); an incremental merge of such a snapshot
+    is refused (its vocabulary would change)."""
+    from mergepipe.config.export import export_mergekit
+    from mergepipe.planner.extend import ExtendRequest, plan_extend
+
+    cat, plan, manifest, out = mergepipe_merge(tmp_path, config(fam, "task_arithmetic", TOKENS_BLOCK))
+    text = export_mergekit(cat, plan.id)
+    assert "tokenizer:" in text and "force: true" in text and "kind: model_token" in text
+    again, _ = plan_from_config(cat, parse_config(text, "exported.yml"), save=False)
+    assert again.digest == plan.digest
+    with pytest.raises(PlanError, match=r"re-ordered its models' embedding rows to another vocabulary "
+                                        r"\(tokenizer_source\)"):
+        plan_extend(cat, ExtendRequest.build("mp", "remove", "expert_3"))
