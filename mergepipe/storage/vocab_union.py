@@ -13,8 +13,8 @@ model's tokenizer plus ``tokens:``. Each model's row for output token ``t`` is i
 the base's row, else the mean of the rows of the models holding it (in model order), zeros when none
 does. Rows past the vocabulary (``pad_to_multiple_of``) are the mean of that model's other rows.
 
-Not wired into the planner/engine yet (registration still refuses an expert whose embedding rows
-differ from its base's): this module is the vocabulary and row arithmetic they will use.
+Used by config/vocab.py (the request's vocabulary setting and row sources, encoded for the plan) and
+engine/vocab.py (the composed rows and the tokenizer written with the merge); docs/tokenizer-union.md.
 """
 
 from __future__ import annotations
