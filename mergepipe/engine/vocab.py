@@ -19,6 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from mergepipe.errors import ExecutionError
+from mergepipe.ops.spec import Sparsify
+from mergepipe.ops.topk import NO_CUT
+from mergepipe.planner.settings import expert_params, tensor_density
+from mergepipe.storage.grid import tensor_grid
 from mergepipe.storage.safetensors import TensorInfo
 from mergepipe.storage.tokenizer_files import is_tokenizer_file, write_chat_template
 from mergepipe.storage.vocab_union import (TokenSetting, build_vocabulary, compose_tensor, decode_sources,
@@ -83,7 +87,26 @@ class VocabRows:
                                       arrays[m].dtype)
                 out[m] = _to_bytes(body, self.dtypes[name])
             self.current = (name, out)
+            self._thresholds(name, out)
             return out, nread
+
+    def _thresholds(self, name: str, composed: dict[str, bytes]) -> None:
+        """TIES below density 1: each expert's exact top-k statistics over its re-ordered delta (what
+        ANALYZE stores for other tensors; mergekit takes the top k of the same rows)."""
+        p = self.p
+        if p.op.sparsify != Sparsify.MAGNITUDE:
+            return
+        info = next(t for t in p.order if t.name == name)
+        spans = tensor_grid(info, p.plan["grid"]["block_bytes"])
+        base = _floats(composed[p.plan["base"]["id"]], info)
+        for e in p.experts:
+            density = tensor_density(e, name) or 1.0
+            if density >= 1.0:
+                continue
+            delta = _floats(composed[e["id"]], info) - base
+            params = expert_params(p.params_for(name), e)
+            p.thresholds[e["id"]] = {**p.thresholds.get(e["id"], {}),
+                                     name: exact_topk(delta, density, params.get("rescale", False), spans, info)}
 
     def _read_all(self, name: str) -> tuple[dict[str, np.ndarray], int]:
         """Every model's whole tensor (float32 for bf16/fp16: the mean rows are averaged in float32)."""
@@ -101,6 +124,43 @@ class VocabRows:
             self.dtypes[name] = info.dtype
             arrays[m] = _decode(reader.read(info.file, info.offset, info.nbytes), info)
         return arrays, nread
+
+
+def _floats(data: bytes, info: TensorInfo):
+    import torch
+    from mergepipe.storage.safetensors import bytes_to_tensor
+    return bytes_to_tensor(bytearray(data), info.dtype, tuple(info.shape)).float()
+
+
+def exact_topk(delta, density: float, rescale: bool, spans, info: TensorInfo) -> list[float]:
+    """``[thr, ratio, cut_block, cut_rank]`` of ops.core.tensor_statistics for a whole float32 delta:
+    the top k = int(density * n) entries by |delta| descending, then flat index ascending (k = 0:
+    mergekit keeps the largest entry, and every entry tied with it); ``ratio`` mergekit's L1 rescale."""
+    import torch
+    a = delta.abs().reshape(-1)
+    n = a.numel()
+    k = int(density * n)
+    if k == 0:
+        thr, cut = float(a.max()), list(NO_CUT)
+        kept_l1 = float(a[a >= thr].double().sum())
+    else:
+        thr = float(torch.topk(a, k, sorted=True).values[-1])
+        above = int((a > thr).sum())
+        if thr == 0.0:
+            cut = list(NO_CUT)
+        else:
+            tied = torch.nonzero(a == thr).reshape(-1)
+            last = int(tied[k - above - 1])
+            row = last // info.shape[1]
+            span = next(s for s in spans if s.row_start <= row < s.row_end)
+            first = span.row_start * info.shape[1]
+            cut = [span.index, int(((tied >= first) & (tied <= last)).sum())]
+        kept_l1 = float(a[a > thr].double().sum()) + thr * (k - above)
+    ratio = 1.0
+    if rescale:
+        total = float(a.double().sum())
+        ratio = total / kept_l1 if total >= 1e-7 and kept_l1 >= 1e-7 else 1.0
+    return [thr, ratio, *cut]
 
 
 def _decode(buf, info: TensorInfo) -> np.ndarray:

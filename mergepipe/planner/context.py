@@ -262,6 +262,8 @@ class PlanContext(StrategyScores, Bounds):
             rows = analyses.changed_tensor_thresholds(self.catalog, e["id"])
             per = {}
             for name, text, topk, l1, max_abs, numel in rows:
+                if name in (self.vocab or {}).get("tensors", {}):
+                    continue  # re-ordered rows: the engine takes their top k (engine/vocab.py)
                 params = expert_params(self.params_for(name), e)
                 fracs = threshold_fractions(self.op, tensor_density(e, name) or 1.0, params)
                 vals = tensor_statistics(self.op, tensor_density(e, name) or 1.0, params, text, topk, l1, max_abs,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from mergepipe.errors import PlanError
+from mergepipe.ops.spec import Sparsify
 from mergepipe.planner.settings import tensor_density
 from mergepipe.storage.grid import tensor_grid
 from mergepipe.storage.safetensors import TensorInfo
@@ -42,11 +43,11 @@ def check_shapes(catalog, op, base: dict, experts: list[dict], vocab: dict | Non
     for e in experts:
         for name in vocab["tensors"]:
             d = tensor_density(e, name)
-            if op.thresholded and d is not None and d < 1.0:
+            if op.thresholded and op.sparsify != Sparsify.MAGNITUDE and d is not None and d < 1.0:
                 raise PlanError(f"tokenizer_source: {op.name} at density {d:g} on {name} of {e['id']} needs the "
-                                f"magnitude threshold of its re-ordered rows, which MergePipe does not compute yet: "
-                                f"give the embedding tensors density 1 (a `filter:` on embed_tokens/lm_head) or "
-                                f"use linear, task_arithmetic or dare")
+                                f"thresholds of its re-ordered rows, which MergePipe computes for ties only: give "
+                                f"the embedding tensors density 1 (a `filter:` on embed_tokens/lm_head) or use "
+                                f"linear, task_arithmetic, ties or dare")
     have = sorted(e["id"] for e in experts)
     want = sorted(m for m in vocab["row_models"] if m != base["id"])
     if have != want:
