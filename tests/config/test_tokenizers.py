@@ -274,3 +274,20 @@ def test_expert_with_added_tokens_needs_its_tokenizer_to_register(fam, tmp_path)
     with pytest.raises(Exception, match=r"embed_tokens.weight: shape .* \(another vocabulary size: .*tokenizer_source"
                                         r".*needs the model's tokenizer files"):
         register(cat, "e1", str(e0), base_id="base")
+
+
+def test_tokenizer_source_base_carries_every_tokenizer_file(fam, tmp_path):
+    """`tokenizer_source: base` (issue 15 item 4's note): every tokenizer and processor file the base has
+    -- BERT's vocab.txt, a sentencepiece spiece.model, processor configs, chat templates -- is carried
+    into the output and hashed; models sharing the base's vocabulary and row count keep their rows."""
+    _, base, experts = fam
+    b = bertify(copy_model(base, tmp_path / "bert-base"))
+    models = [bertify(copy_model(e, tmp_path / f"bert-e{i}")) for i, e in enumerate(experts)]
+    cat, plan, manifest, out = merge_config(tmp_path, cfg(b, models, "tokenizer_source: base\n"))
+    assert "tokenizer" not in plan.data  # nothing moves: the plan is the default one
+    for name in CARRIED:
+        assert (out / name).read_bytes() == (b / name).read_bytes(), name
+        assert manifest.core["outputs"][name]["sha256"] == sha(out / name), name
+    tok = transformers.AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    assert tok.tokenize("The cats") == ["the", "cat", "##s"]
+    assert load_file(str(out / "model.safetensors"))["model.embed_tokens.weight"].shape[0] == 256
