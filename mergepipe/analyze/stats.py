@@ -133,7 +133,7 @@ class ExpertAnalysis:
         return sorted(self.base_ck.tensors.values(), key=self._read_position)
 
     def _read_position(self, binfo: TensorInfo):
-        if not self.source.has_delta(binfo.name):  # tensors without a delta go last
+        if not self.source.has_delta(binfo.name, binfo.shape):  # tensors without a delta go last
             return (1, "", 0)
         fname, offset, _ = self.source.block_ranges(binfo.name, tensor_grid(binfo, 1 << 62)[0])[0]
         return (0, fname, offset)
@@ -181,7 +181,7 @@ def analyze_tensor(jobs: list[ExpertAnalysis], binfo: TensorInfo) -> None:
     """One base tensor for several experts of that base: each base block is read once for all of them
     (the base's bytes are still counted for every expert that uses them)."""
     t0 = time.perf_counter()
-    passes = [_TensorPass(job, binfo) for job in jobs if job.source.has_delta(binfo.name)]
+    passes = [_TensorPass(job, binfo) for job in jobs if job.source.has_delta(binfo.name, binfo.shape)]
     if passes and is_float(binfo):
         _first_pass(passes, binfo)
     for job in jobs:

@@ -19,6 +19,7 @@ from mergepipe.storage.registry import canonical_uri, open_adapter, open_checkpo
 from mergepipe.storage.uris import remote_model_name
 from mergepipe.storage.dtypes import dtype_label
 from mergepipe.storage.safetensors import FLOAT_DTYPES, Checkpoint
+from mergepipe.storage.tokenizer_files import has_tokenizer
 
 KINDS = ("full", "delta", "lora")
 
@@ -97,10 +98,13 @@ def is_vocab_tensor(name: str) -> bool:
     return name.endswith(VOCAB_TENSOR_SUFFIXES)
 
 
-def layout_mismatches(base: Checkpoint, expert: Checkpoint, limit: int = 20, any_float: bool = False) -> list[str]:
+def layout_mismatches(base: Checkpoint, expert: Checkpoint, limit: int = 20, any_float: bool = False,
+                      vocab_rows: bool = False) -> list[str]:
     """Differences in tensor names, shapes and dtypes between an expert and its base.
 
-    ``any_float``: a float tensor may have another float dtype (a delta checkpoint)."""
+    ``any_float``: a float tensor may have another float dtype (a delta checkpoint); ``vocab_rows``: an
+    embedding or output tensor may have another number of rows (another vocabulary, with its own
+    tokenizer: merged by re-ordering its rows to one tokenizer, ``tokenizer_source``)."""
     problems = []
     for name in sorted(set(base.tensors) - set(expert.tensors)):
         problems.append(f"missing tensor {name}")
@@ -108,12 +112,13 @@ def layout_mismatches(base: Checkpoint, expert: Checkpoint, limit: int = 20, any
         problems.append(f"extra tensor {name}")
     for name in sorted(set(base.tensors) & set(expert.tensors)):
         b, e = base.tensors[name], expert.tensors[name]
-        if b.shape != e.shape:
+        other_rows = len(b.shape) == 2 and b.shape[1:] == e.shape[1:] and is_vocab_tensor(name)
+        if b.shape != e.shape and not (vocab_rows and other_rows):
             hint = ""
-            if len(b.shape) == 2 and b.shape[1:] == e.shape[1:] and is_vocab_tensor(name):
-                hint = (" (another vocabulary size: merging models with different vocabularies needs their "
-                        "embedding rows re-ordered to one tokenizer, mergekit's tokenizer_source: union, which "
-                        "MergePipe does not do yet)")
+            if other_rows:
+                hint = (" (another vocabulary size: merging models with different vocabularies re-orders their "
+                        "embedding rows to one tokenizer, mergekit's tokenizer_source, and needs the model's "
+                        "tokenizer files next to its weights)")
             problems.append(f"{name}: shape {list(e.shape)} != base {list(b.shape)}{hint}")
         if b.dtype != e.dtype and not (any_float and {b.dtype, e.dtype} <= FLOAT_DTYPES):
             problems.append(f"{name}: dtype {e.dtype} != base {b.dtype}")
@@ -274,7 +279,8 @@ def _check_one(catalog: Catalog, model_id: str, uri: str, kind: str, base_id: st
     ckpt = adapter.checkpoint if adapter else open_checkpoint(uri)
     if base_ckpt is not None:
         problems = (base_mismatches(adapter, base_ckpt) if adapter
-                    else layout_mismatches(base_ckpt, ckpt, any_float=kind == "delta"))
+                    else layout_mismatches(base_ckpt, ckpt, any_float=kind == "delta",
+                                           vocab_rows=kind == "full" and has_tokenizer(Path(uri))))
         if problems:
             raise CatalogError(f"{model_id} does not match base {base_id}: " + "; ".join(problems))
     checked = Checked(model_id, uri, kind, base_id, ckpt, ckpt.fingerprint(), existing=False)

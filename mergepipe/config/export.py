@@ -146,7 +146,10 @@ def _to_yaml(cat: Catalog | None, r: dict) -> str:
     if base_dtype in MERGEKIT_DTYPE:
         doc["out_dtype"] = MERGEKIT_DTYPE[base_dtype]
     tok = r["tokenizer"] or {}
-    if tok.get("source_uri") or "base_model" in doc:
+    vocab = tok.get("vocab")
+    if vocab:  # re-ordered rows: the tokenizer settings that made them
+        doc.update(_vocab_settings(vocab, tok, {m: uri for m, uri in vocab["models"]}))
+    elif tok.get("source_uri") or "base_model" in doc:
         doc["tokenizer_source"] = tok.get("source_uri", "base")
     if tok.get("chat_template"):
         doc["chat_template"] = tok["chat_template"]
@@ -166,3 +169,26 @@ def _to_yaml(cat: Catalog | None, r: dict) -> str:
               "has no key for; mergekit ignores it."), *notes]
     body = yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, allow_unicode=True)
     return "\n".join(header) + "\n" + body
+
+
+def _vocab_settings(vocab: dict, tok: dict, uris: dict[str, str]) -> dict:
+    """``tokenizer_source`` or the ``tokenizer:`` block of a plan that re-ordered embedding rows."""
+    source = vocab["source"] if vocab["source"] in ("union", "base") else tok.get("source_uri", uris[vocab["source"]])
+    if not vocab["tokens"] and vocab.get("pad_to_multiple_of") is None:
+        return {"tokenizer_source": source}
+    block: dict = {"source": source}
+    if vocab["tokens"]:
+        block["tokens"] = {t: {"source": _token_source(s, uris), **({"force": True} if force else {})}
+                           for t, force, s in vocab["tokens"]}
+    if vocab.get("pad_to_multiple_of") is not None:
+        block["pad_to_multiple_of"] = vocab["pad_to_multiple_of"]
+    return {"tokenizer": block}
+
+
+def _token_source(src, uris: dict[str, str]):
+    if isinstance(src, list) and src[0] == "zero":
+        return {"kind": "zero"}
+    if isinstance(src, list):
+        key = "token_id" if isinstance(src[1], int) else "token"
+        return {"kind": "model_token", "model": uris[src[0]], key: src[1]}
+    return uris[src]

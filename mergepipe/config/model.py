@@ -20,9 +20,6 @@ TOP_KEYS = ("models", "slices", "modules", "base_model", "merge_method", "parame
 REFUSED_TOP_KEYS: dict[str, str] = {}
 # mergekit's `tokenizer:` block
 TOKENIZER_KEYS = ("source", "tokens", "pad_to_multiple_of")
-UNION_REFUSAL = ("a union of different vocabularies is not supported yet: it re-orders and extends the "
-                 "embed_tokens/lm_head rows of each model to the union. MergePipe merges models that share one "
-                 "vocabulary (then a union, or any model's tokenizer, is that vocabulary and no row moves)")
 
 
 # The parameters a config may give, from the operators' declarations (ops/spec.py): merge-wide, all
@@ -91,8 +88,8 @@ class MergekitConfig:
     strategy: str | None = None
     seed: int | None = None
     plan_id: str | None = None  # informational (written by export)
-    tokenizer_source: str | None = None  # "union", a model reference as written; None: the base
-    tokenizer_tokens: tuple = ()  # mergekit's tokenizer.tokens as ((token, force), ...)
+    tokenizer_source: str | None = None  # "union", "base", a model reference as written; None: not given
+    tokenizer_tokens: tuple = ()  # mergekit's tokenizer.tokens as ((token, force, source as written), ...)
     pad_to_multiple_of: int | None = None
     chat_template: str | None = None  # "auto", a template name or the template text
     method_params: dict = dataclasses.field(default_factory=dict)  # METHOD_PARAMS given (t, filter_wise, ...)

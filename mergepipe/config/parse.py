@@ -288,9 +288,31 @@ def _models(entries, globals_: dict) -> tuple[list[ConfigModel], dict]:
     return models, values
 
 
+def _token_source(tok: str, src):
+    """A ``tokens:`` entry's source as written: a model reference (str), ``("zero",)``, or
+    ``(model reference, token or token_id)`` (mergekit's ``kind: model_token``); None: none given."""
+    if src is None or isinstance(src, str):
+        return src
+    where = f"tokenizer.tokens.{tok}.source"
+    if not isinstance(src, dict) or src.get("kind") not in ("zero", "model_token"):
+        raise ConfigError(f"{where} must be a model, {{kind: zero}} or {{kind: model_token, model, token | token_id}}")
+    if src["kind"] == "zero":
+        if set(src) != {"kind"}:
+            raise ConfigError(f"{where}: kind: zero takes no other key")
+        return ("zero",)
+    keys = set(src) - {"kind", "model"}
+    if not isinstance(src.get("model"), str) or len(keys) != 1 or keys - {"token", "token_id"}:
+        raise ConfigError(f"{where}: kind: model_token needs `model` and one of `token`, `token_id`")
+    value = src.get("token", src.get("token_id"))
+    if "token" in src and not isinstance(value, str) or "token_id" in src and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ConfigError(f"{where}: token must be a string, token_id a non-negative integer")
+    return (src["model"], value)
+
+
 def _tokenizer(doc: dict) -> tuple:
     """(tokenizer source: ``union``, a model reference, or None for the base; the ``tokens`` settings as
-    ((token, force), ...); ``pad_to_multiple_of``; chat_template as written).
+    ((token, force, source), ...); ``pad_to_multiple_of``; chat_template as written).
 
     ``tokenizer_source`` or the ``tokenizer:`` block's ``source`` (mergekit's default there: union).
     Whether a union, a model's tokenizer, tokens or padding can be honoured depends on the models'
@@ -319,7 +341,7 @@ def _tokenizer(doc: dict) -> tuple:
             force = setting.get("force", False)
             if not isinstance(force, bool):
                 raise ConfigError(f"tokenizer.tokens.{tok}.force must be true or false")
-            out.append((tok, force))
+            out.append((tok, force, _token_source(tok, setting.get("source"))))
         tokens = tuple(out)
         pad = block.get("pad_to_multiple_of")
         if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or pad < 1):
@@ -339,7 +361,7 @@ def _tokenizer(doc: dict) -> tuple:
                               f"({', '.join(sorted(CHAT_TEMPLATES))}) nor a Jinja template (paste its text)")
         if "{" in template and len(template) < 20:
             raise ConfigError(f"chat_template: {template!r} is too short to be a Jinja chat template")
-    return (None if src in (None, "base") else src), tokens, pad, template
+    return src, tokens, pad, template
 
 
 def _extension(doc: dict):

@@ -15,18 +15,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.models import check_unchanged, is_vocab_tensor, model_ids, models_at, register
-from mergepipe.config.model import ConfigError, ConfigModel, MERGEKIT_DTYPE, MergekitConfig, UNION_REFUSAL
+from mergepipe.catalog.models import check_unchanged, model_ids, models_at, register
+from mergepipe.config.model import ConfigError, ConfigModel, MERGEKIT_DTYPE, MergekitConfig
 from mergepipe.config import soup
 from mergepipe.config.parse import _exists
 from mergepipe.config.templates import CHAT_TEMPLATES
+from mergepipe.config.vocab import VocabRefusal, needs_vocab, row_model_order, vocab_setting
 from mergepipe.ops.core import get_op, resolve_params
 from mergepipe.planner.context import Planner
 from mergepipe.planner.plan import Plan
 from mergepipe.planner.request import MergeRequest
 from mergepipe.storage.dtypes import dtype_label, split_dtypes
 from mergepipe.storage.registry import open_checkpoint
-from mergepipe.storage.tokenizer_files import has_tokenizer, read_chat_template, vocab_difference, vocabulary
+from mergepipe.storage.tokenizer_files import has_tokenizer, read_chat_template, vocabulary
 
 REMOTE_HINT = ("(a remote checkpoint, s3://, https:// or hf://, is registered first with `mergepipe register URI` "
                "and then named here by its id)")
@@ -264,14 +265,14 @@ def _expand_slices(r: _Resolver, base_id: str) -> None:
 
 def _tokenizer(r: _Resolver, base_id: str, base_path: Path | None) -> dict | None:
     """The output tokenizer a config asks for: None (the base's files, as they are), or the tokenizer
-    source's folder and/or a chat template.
+    source's folder, a chat template and/or the re-ordered vocabulary (``vocab``, config/vocab.py).
 
     mergekit builds the output vocabulary (the base's, a model's, or the union of every model's, plus
     ``tokens``), then re-orders each model's embed_tokens/lm_head rows to it, with ``len(vocabulary)``
     rows (padded to ``pad_to_multiple_of``). When every model has the source's vocabulary and the
     embeddings have that many rows, every re-ordering is the identity: MergePipe then merges as it is
-    and copies the source's tokenizer files (a union's is the base's). Anything else moves rows and is
-    refused, naming the models and tokens that differ."""
+    and copies the source's tokenizer files (a union's is the base's). Otherwise the request carries
+    the vocabulary and every model's row sources, and the merge writes mergekit's tokenizer."""
     cfg, cat = r.cfg, r.cat
     vocab_asked = cfg.tokenizer_source is not None or cfg.tokenizer_tokens or cfg.pad_to_multiple_of is not None
     if not vocab_asked and cfg.chat_template is None:
@@ -281,51 +282,34 @@ def _tokenizer(r: _Resolver, base_id: str, base_path: Path | None) -> dict | Non
     for kw in r.out.to_register:
         uris[kw["model_id"]] = Path(kw["uri"])
     models = [(base_id, base_root)]
+    kinds = {base_id: "full"}
     for e in r.out.experts:
         mid = e["model"]
         row = cat.model(mid) if cat.has_model(mid) else None
-        if row is not None and row["kind"] == "lora":
+        kinds[mid] = row["kind"] if row is not None else next(
+            kw["kind"] for kw in r.out.to_register if kw["model_id"] == mid)
+        if kinds[mid] == "lora":
             continue  # an adapter has the base's vocabulary (embedding LoRA is refused)
         models.append((mid, uris.get(mid) or Path(row["uri"])))
     out: dict = {}
     where = "tokenizer_source"
     ref = cfg.tokenizer_source
     source_id, source_root = base_id, base_root
-    if ref not in (None, "union", cfg.base, base_id):
-        if cat.has_model(ref):
-            if cat.model(ref)["kind"] == "lora":
-                r.fail(where, f"{ref!r}: a LoRA adapter has no tokenizer of its own; name the base or a model")
-            source_id, source_root = ref, Path(cat.model(ref)["uri"])
-        else:
-            path = r._path(ref, where)
-            if path is None:
-                r.fail(where, f"{ref!r} is neither `base`, `union`, a registered model id nor an existing path")
-            source_id = next((m for m, p in models if p == path), ref)
-            source_root = path
+    if ref not in (None, "union", "base", cfg.base, base_id):
+        source_id = _model_ref(r, ref, where, models)
+        source_root = dict(models).get(source_id) or Path(cat.model(source_id)["uri"])
     if vocab_asked:
         if not has_tokenizer(source_root):
             r.fail(where, f"{source_id} has no tokenizer files (tokenizer.json, tokenizer_config.json, vocab.txt, ...)")
         want = vocabulary(source_root)
-        for mid, root in models:
-            if not has_tokenizer(root) or root == source_root:
-                continue  # mergekit too assumes the base's vocabulary for a model without a tokenizer
-            have = vocabulary(root)
-            if have != want:
-                if ref == "union":
-                    r.fail(where, f"union: the vocabulary of {mid} differs from that of {base_id} "
-                                  f"({vocab_difference(want, have)}): {UNION_REFUSAL}")
-                r.fail(where, f"the vocabulary of {ref} differs from that of {mid} "
-                              f"({vocab_difference(want, have)}): using it needs the embed_tokens/lm_head rows "
-                              f"of every model re-ordered to it, which MergePipe does not do yet; use "
-                              f"`tokenizer_source: base` or a model whose vocabulary every model shares")
-        for tok, force in cfg.tokenizer_tokens:
-            if tok not in want:
-                r.fail("tokenizer.tokens", f"{tok!r} is not in the vocabulary: adding it needs new embed_tokens/"
-                                           f"lm_head rows, which MergePipe does not make yet")
-            if force:
-                r.fail("tokenizer.tokens", f"{tok!r}: force: true replaces its embedding rows, which MergePipe "
-                                           f"does not do yet")
-        _check_vocab_rows(r, base_id, base_root, len(want), cfg.pad_to_multiple_of)
+        with_tokenizer = [(m, p) for m, p in models if has_tokenizer(p)]  # mergekit assumes the base's otherwise
+        if needs_vocab(cat, with_tokenizer, want, cfg, base_id, vocabulary):
+            row_order = [m for m in row_model_order(cfg, r.out.ids, base_id) if m in kinds]
+            try:
+                out["vocab"] = vocab_setting(cat, cfg, base_id, models, "union" if ref == "union" else source_id,
+                                             row_order, lambda text, w: _model_ref(r, text, w, models), kinds)
+            except VocabRefusal as exc:
+                r.fail(*exc.args)
         if source_root != base_root:
             out.update({"source": source_id, "source_uri": str(source_root)})
     if cfg.chat_template is not None:
@@ -342,20 +326,24 @@ def _tokenizer(r: _Resolver, base_id: str, base_path: Path | None) -> dict | Non
     return out or None
 
 
-def _check_vocab_rows(r: _Resolver, base_id: str, base_root: Path, n_tokens: int, pad: int | None) -> None:
-    """mergekit writes embed_tokens/lm_head with one row per token (padded): refuse when that is not
-    the base's shape (MergePipe keeps the base's shapes)."""
-    rows = n_tokens if not pad else -(-n_tokens // pad) * pad
-    if r.cat.has_model(base_id):
-        shapes = {t["name"]: tuple(t["shape"]) for t in r.cat.tensors(base_id)}
-    else:
-        shapes = {n: t.shape for n, t in open_checkpoint(base_root).tensors.items()}
-    for name, shape in sorted(shapes.items()):
-        if is_vocab_tensor(name) and len(shape) == 2 and shape[0] != rows:
-            padded = f" padded to a multiple of {pad}" if pad else ""
-            r.fail("tokenizer", f"mergekit writes {name} with one row per token of the output vocabulary "
-                                f"({rows}{padded}); the base's has {shape[0]} rows, and MergePipe keeps the base's "
-                                f"shapes: leave the tokenizer settings out (the base's tokenizer files are copied)")
+def _model_ref(r: _Resolver, ref: str, where: str, models: list[tuple[str, Path]]) -> str:
+    """The catalog id of a model a tokenizer setting names (a registered id, a path, ``base``)."""
+    cat = r.cat
+    if ref == "base" or ref == r.cfg.base:
+        return r.out.base
+    if ref in r.out.ids:
+        return r.out.ids[ref]
+    if cat.has_model(ref):
+        if cat.model(ref)["kind"] == "lora":
+            r.fail(where, f"{ref!r}: a LoRA adapter has no tokenizer of its own; name the base or a model")
+        return ref
+    path = r._path(ref, where)
+    if path is None:
+        r.fail(where, f"{ref!r} is neither `base`, `union`, a registered model id nor an existing path")
+    found = next((m for m, p in models if p == path), None)
+    if found is None:
+        r.fail(where, f"{ref} is not one of the models merged")
+    return found
 
 
 def _check_out_dtype(cat: Catalog, cfg: MergekitConfig, base_id: str, base_path: Path | None) -> None:
@@ -403,7 +391,8 @@ def plan_from_config(cat: Catalog, cfg: MergekitConfig, save: bool = True, reser
     kept. Experts without statistics are read in full and analyzed by the merge (the plan says so)."""
     resolved = prepare(cat, cfg, register_paths=register_paths, check_path=check_path, reserved_ids=reserved_ids)
     planner = Planner(cat)
-    if not resolved.pending and not get_op(cfg.method).nonlinear and resolved.layout is None:
+    vocab = (resolved.tokenizer or {}).get("vocab")  # re-ordered rows: its experts are analyzed first
+    if not resolved.pending and not get_op(cfg.method).nonlinear and resolved.layout is None and vocab is None:
         return planner.plan(resolved.request(), save=save), resolved
     with cat.transaction():
         apply(cat, resolved)
@@ -421,8 +410,9 @@ def _plan_method(cat: Catalog, planner: Planner, resolved: Resolved, save: bool)
         pass
     from mergepipe.analyze.runner import analyze
     method = resolved.config.method
+    op = get_op(method)
     topk = resolved.request().params.get("select_topk", 1.0) if method == "sce" else 1.0
-    analyze(cat, [e["model"] for e in resolved.experts], gram=True, arcee=method == "arcee_fusion",
-            sce_topk=(topk,) if 0.0 < topk < 1.0 else ())
+    analyze(cat, [e["model"] for e in resolved.experts], gram=op.nonlinear or resolved.layout is not None,
+            arcee=method == "arcee_fusion", sce_topk=(topk,) if 0.0 < topk < 1.0 else ())
     return planner.plan(resolved.request(), save=save)
 

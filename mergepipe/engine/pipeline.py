@@ -20,6 +20,7 @@ from pathlib import Path
 
 from mergepipe.engine.blocks import merge_block, warm_kernels
 from mergepipe.engine.inflight import InflightAnalysis
+from mergepipe.engine.vocab import VocabRows, vocab_setting, write_vocab_files
 from mergepipe.errors import ExecutionError
 from mergepipe.manifest.build import file_sha256
 from mergepipe.ops.core import get_op
@@ -74,6 +75,8 @@ class MergePipeline:
         self.inputs = {plan["base"]["id"]: base_ck}
         self.inputs.update({e["id"]: src.checkpoint for e, src in zip(experts, self.sources)
                             if self.layout and getattr(src, "kind", None) == "full"})
+        vocab = vocab_setting(plan)  # different vocabularies: re-ordered embedding rows (engine/vocab.py)
+        self.vocab_rows = VocabRows(self, vocab) if vocab else None
         self.order = order = self._output_tensors()
         self.shards = plan_shards(order, out_shard_bytes)
         self.shard_of = {n: s for s in self.shards for n in s.offsets}
@@ -122,6 +125,8 @@ class MergePipeline:
         base_id = self.plan["base"]["id"]
         if self.layout is None:
             order = sorted(self.base_ck.tensors.values(), key=lambda t: (t.file, t.offset))
+            if self.vocab_rows:
+                order = [self.vocab_rows.output_info(t) if self.vocab_rows.covers(t.name) else t for t in order]
             self.input_name = {t.name: t.name for t in order}
             self.input_model = {t.name: base_id for t in order}
             self.scale = {}
@@ -171,6 +176,8 @@ class MergePipeline:
 
     def span_cost(self, info, span) -> int:
         """Bytes one block makes the engine hold: base + selected experts."""
+        if self.vocab_rows and self.vocab_rows.covers(info.name):
+            return self.vocab_rows.span_cost(span)
         cost = span.nbytes
         name = self.input_name[info.name]
         for ei, e in enumerate(self.experts):
@@ -182,6 +189,8 @@ class MergePipeline:
     def fetch(self, item):
         """Read one group: the base range and each expert's selected blocks (on the read thread)."""
         info, group = item
+        if self.vocab_rows and self.vocab_rows.covers(info.name):
+            return self.vocab_rows.fetch(info, group)
         experts, sources, readers, fixed_cache = self.experts, self.sources, self.readers, self.fixed_cache
         start, end = group[0], group[-1]
         base_buf = self.input_readers[self.input_model[info.name]].read(
@@ -345,6 +354,8 @@ def finish_snapshot(plan: Plan, base_ck, staging: Path, shards, outputs: dict, r
     bytes), check the realized expert reads against the plan, and return what the manifest needs
     (``counters``: realized_by_tensor, touched, base_read, timing, inflight, analysis_read)."""
     finish_files(base_ck, staging, shards, plan.data.get("tokenizer"))
+    if vocab_setting(plan):
+        write_vocab_files(plan, staging)
     if plan.data.get("layout") is not None:
         write_layout_config(staging, plan.data["layout"])
     for extra in sorted(p for p in staging.rglob("*") if p.is_file()):  # config, index, tokenizer files

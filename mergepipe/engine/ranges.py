@@ -150,7 +150,8 @@ class ShardLayout(MergePipeline):
         target = max(1, sum(costs) // max(1, count))
         tasks, first, acc = [], 0, 0
         for i, (cost, (info, _)) in enumerate(zip(costs, self.work)):
-            boundary = i > first and (not whole_tensors or info.name != self.work[i - 1][0].name)
+            whole = whole_tensors or (self.vocab_rows is not None and self.vocab_rows.covers(info.name))
+            boundary = i > first and (not whole or info.name != self.work[i - 1][0].name)
             if boundary and acc >= target:
                 tasks.append((first, i))
                 first, acc = i, 0

@@ -28,7 +28,7 @@ from mergepipe.errors import PlanError
 from mergepipe.manifest.build import canonical
 from mergepipe.ops.core import coefficient, lookup_thresholds, tensor_statistics, threshold_fractions, useful_blocks
 from mergepipe.ops.spec import OpSpec
-from mergepipe.planner import methods
+from mergepipe.planner import methods, vocab_rows
 from mergepipe.planner.bounds import Bounds
 from mergepipe.planner.budget import Budget
 from mergepipe.planner.candidates import Candidates
@@ -72,6 +72,12 @@ class PlanContext(StrategyScores, Bounds):
         if self.op.nonlinear:  # interpolation methods: expert counts, statistics present (planner/methods.py)
             methods.check_experts(self.op, self.experts, request.base_member)
         self._check_finite()
+        self.vocab = vocab_rows.vocab_of(request)  # different vocabularies: embedding rows re-ordered, read in full
+        vocab_rows.check_shapes(catalog, self.op, self.base, self.experts, self.vocab)
+        if self.vocab is not None and self.to_analyze:
+            raise methods.NeedsAnalysis(f"a merge that re-orders embedding rows needs its experts analyzed first "
+                                        f"(not analyzed: {', '.join(e['id'] for e in self.to_analyze)})")
+        self.vocab_bytes = vocab_rows.reserved(catalog, self.experts, self.vocab)
         self.block_bytes = catalog.grid_block_bytes(self.base["id"]) or DEFAULT_BLOCK_BYTES
         names = [t["name"] for t in self.tensors]
         # [K, T] weight of each expert on each tensor, and its coefficient in the merged delta
@@ -281,6 +287,8 @@ class PlanContext(StrategyScores, Bounds):
             rows = analyses.changed_tensor_thresholds(self.catalog, e["id"])
             per = {}
             for name, text, topk, l1, max_abs, numel in rows:
+                if name in (self.vocab or {}).get("tensors", {}):
+                    continue  # re-ordered rows: the engine takes their top k (engine/vocab.py)
                 params = expert_params(self.params_for(name), e, name)
                 fracs = threshold_fractions(self.op, tensor_density(e, name) or 1.0, params)
                 vals = tensor_statistics(self.op, tensor_density(e, name) or 1.0, params, text, topk, l1, max_abs,
@@ -307,7 +315,7 @@ class PlanContext(StrategyScores, Bounds):
         source = open_source(expert["kind"], expert["uri"])
         rows = []
         for ti, t in enumerate(self.tensors):
-            if t["dtype"] not in FLOAT_DTYPES or not source.has_delta(t["name"]):
+            if t["dtype"] not in FLOAT_DTYPES or not source.has_delta(t["name"], t["shape"]):
                 continue
             setup = fixed_bytes(source, t["name"])
             for span in tensor_grid(_info(t), self.block_bytes):
@@ -316,7 +324,8 @@ class PlanContext(StrategyScores, Bounds):
         return np.array(rows, dtype=np.float64).reshape(-1, 6)
 
     def _candidates(self) -> Candidates:
-        float_tensor = {t["name"] for t in self.tensors if t["dtype"] in FLOAT_DTYPES}
+        float_tensor = {t["name"] for t in self.tensors if t["dtype"] in FLOAT_DTYPES
+                        and t["name"] not in (self.vocab or {}).get("tensors", {})}
         parts = []
         for ei, e in enumerate(self.experts if not self.op.copies else ()):  # passthrough reads no delta
             if e.get("analyze"):
@@ -361,13 +370,28 @@ class PlanContext(StrategyScores, Bounds):
             return sum(self.tensors[self.tensor_index[t[2]]]["nbytes"] for t in self.output_layout["tensors"])
         return sum(t["nbytes"] for t in self.tensors)
 
+    def output_info(self, row: dict) -> TensorInfo:
+        """A tensor as written (a re-ordered embedding tensor has the output vocabulary's rows)."""
+        return _info(row) if self.vocab is None else vocab_rows.output_info(row, self.vocab)
+
+    def _vocab_blocks(self) -> int:
+        if self.vocab is None:
+            return 0
+        return sum(b - a for rs in vocab_rows.access(self.tensors, self.vocab, self.block_bytes).values() for a, b in rs)
+
+    def output_bytes(self) -> int:
+        if self.vocab is None:
+            return self.base_bytes()
+        return self.base_bytes() + sum(self.output_info(t).nbytes - t["nbytes"] for t in self.tensors)
+
     def plan(self, budget=None, budget_mb=None, target_bound: float | None = None) -> Plan:
         """The plan at ``budget`` (a :class:`Budget` or any spelling it takes; default the request's)."""
         if budget is None and budget_mb is None and target_bound is None:
             budget = self.request.budget
         budget = Budget.of(budget, mb=budget_mb, target_bound=target_bound)
         cands = self.candidates
-        full = cands.full_bytes
+        reserved = sum(self.vocab_bytes.values())
+        full = cands.full_bytes + reserved
         target_bound = budget.target_bound
         if budget.is_target and not self.op.additive:
             raise PlanError(f"--target-bound needs an additive operator (linear, task_arithmetic), not {self.op.name}")
@@ -375,12 +399,13 @@ class PlanContext(StrategyScores, Bounds):
             return self._build(cands.order, budget.spec, full, target_bound, first_merge=True)
         if budget.is_target:
             norm = self.full_norm_estimate()
-            budget_bytes = cands.smallest_budget_for(target_bound * norm) if full else 0
+            budget_bytes = (cands.smallest_budget_for(target_bound * norm) + reserved) if full else 0
         else:
             budget_bytes = budget.bytes_of(full) if full else 0
-        chosen = cands.select(budget_bytes) if full else np.zeros(0, dtype=np.int64)
+        rest = vocab_rows.budget_rest(budget_bytes, reserved, budget.spec) if reserved else budget_bytes
+        chosen = cands.select(rest) if full else np.zeros(0, dtype=np.int64)
         if self.op.joint and full:  # all experts' blocks of a (tensor, block) or none
-            chosen = methods.select_joint(cands, budget_bytes)
+            chosen = methods.select_joint(cands, rest)
         return self._build(chosen, budget.spec, budget_bytes, target_bound)
 
     def _transfer(self, access: dict, per_expert_bytes: dict, base_bytes: int) -> dict:
@@ -404,6 +429,15 @@ class PlanContext(StrategyScores, Bounds):
             per_expert_bytes[eid] += int(nbytes)
             per_tensor_bytes[tname] = per_tensor_bytes.get(tname, 0) + int(nbytes)
         access = {e: {t: compact_ranges(b) for t, b in sorted(ts.items())} for e, ts in access.items()}
+        if self.vocab is not None:  # every expert's embedding rows, in full (planner/vocab_rows.py)
+            rows = vocab_rows.access(self.tensors, self.vocab, self.block_bytes)
+            for e in self.experts:
+                access[e["id"]] = dict(sorted({**access[e["id"]], **rows}.items()))
+                per_expert_bytes[e["id"]] += self.vocab_bytes[e["id"]]
+            for e in self.experts:
+                for t in rows:
+                    per_tensor_bytes[t] = per_tensor_bytes.get(t, 0) + next(
+                        r["nbytes"] for r in self.catalog.tensors(e["id"]) if r["name"] == t)
         expert_read = sum(per_expert_bytes.values())
         selected_mask = np.zeros(len(cands.nbytes), dtype=bool)
         selected_mask[chosen] = True
@@ -448,13 +482,14 @@ class PlanContext(StrategyScores, Bounds):
         data.update({
             "id": "plan-" + digest[:16],
             "digest": "sha256:" + digest,
-            "full_expert_bytes": cands.full_bytes,
-            "estimate": {"base_read": base_bytes, "expert_read": expert_read, "output_write": base_bytes},
+            "full_expert_bytes": cands.full_bytes + sum(self.vocab_bytes.values()),
+            "estimate": {"base_read": base_bytes, "expert_read": expert_read, "output_write": self.output_bytes()},
             "expert_read_by_expert": per_expert_bytes,
             "expert_read_by_tensor": dict(sorted(per_tensor_bytes.items())),
             "blocks_selected": {e: sum(r[1] - r[0] for rs in ts.values() for r in rs) for e, ts in access.items()},
-            "blocks_candidate": {e["id"]: int((cands.expert == i).sum()) for i, e in enumerate(self.experts)},
-            "blocks_total": sum(len(tensor_grid(_info(t), self.block_bytes)) for t in self.tensors),
+            "blocks_candidate": {e["id"]: int((cands.expert == i).sum()) + self._vocab_blocks()
+                                 for i, e in enumerate(self.experts)},
+            "blocks_total": sum(len(tensor_grid(self.output_info(t), self.block_bytes)) for t in self.tensors),
             "error_bound": bound,
             "target_bound": target_bound,
             "software": {"mergepipe": __version__},

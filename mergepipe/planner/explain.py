@@ -60,8 +60,18 @@ def explain_plan(p: dict) -> str:
     tok = p.get("tokenizer")
     if tok:  # the base's tokenizer files otherwise (no line)
         template = tok.get("chat_template")
-        lines.append(f"  tokenizer  {tok.get('source', p['base']['id'])}'s files"
+        vocab = tok.get("vocab")
+        files = (f"{vocab['source']} vocabulary of {vocab['tokens_n']} tokens ({vocab['sha256'][:19]}), written by "
+                 f"the merge" if vocab else f"{tok.get('source', p['base']['id'])}'s files")
+        lines.append(f"  tokenizer  {files}"
                      + (f", chat template {template[:40]!r}{'...' if len(template) > 40 else ''}" if template else ""))
+        if vocab:
+            moved = {m: sum(1 for e in es if e[0] != "own") for m, es in vocab["sources"].items()}
+            lines.append(f"  vocab rows {', '.join(f'{n} {r} x {w}' for n, (r, w) in sorted(vocab['tensors'].items()))} "
+                         f"re-ordered to it (rows not a model's own: "
+                         f"{', '.join(f'{m} {n}' for m, n in moved.items())}); read in full for every model "
+                         f"whatever the budget" + (f"; tokens: {', '.join(t[0] for t in vocab['tokens'])}"
+                                                   if vocab["tokens"] else ""))
     lines.append("  experts")
     for e in p["experts"]:
         eid = e["id"]

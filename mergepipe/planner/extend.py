@@ -123,6 +123,10 @@ class _ExtendContext:
         self.op = get_op(core["operator"])
         if not self.op.additive:
             raise PlanError(non_additive_message(self.op.name, request.snapshot, core, request))
+        if (core.get("tokenizer") or {}).get("vocab"):
+            raise PlanError(f"snapshot {request.snapshot} re-ordered its models' embedding rows to another vocabulary "
+                            f"(tokenizer_source): adding or removing an expert changes that vocabulary; merge from "
+                            f"scratch instead")
         self.params = core["params"]
         if self.params["lambda"] == 0:
             raise PlanError(f"snapshot {request.snapshot} was merged with lambda 0: it holds no trace of its "

@@ -55,7 +55,8 @@ class MergeRequest:
     out: str | None = None
     model_id: str | None = None
     # the output tokenizer when not the base's files as they are: {"source": id, "source_uri": folder,
-    # "chat_template": text} (either key may be absent); recorded in the plan (and its digest) when set
+    # "chat_template": text, "vocab": the re-ordered vocabulary, config/vocab.py} (each key may be absent);
+    # recorded in the plan (and its digest) when set
     tokenizer: dict | None = None
     # a `slices:` config's output layout (config/slices.py): {"tensors": [[out name, model id, input name,
     # scale or None], ...] in output order, "layers": [[model id, input layer], ...] per output layer};
@@ -147,12 +148,18 @@ class MergeRequest:
         return replace(self, **changes).validated()
 
 
+VOCAB_KEYS = ("source", "sha256", "tokens_n", "rows", "models", "row_models", "tensors", "sources")
+
+
 def _tokenizer_setting(tokenizer) -> dict | None:
     if not tokenizer:
         return None
-    if not isinstance(tokenizer, dict) or set(tokenizer) - {"source", "source_uri", "chat_template"} \
-            or not all(isinstance(v, str) for v in tokenizer.values()):
-        raise PlanError("tokenizer must be a mapping of source, source_uri and chat_template (strings)")
+    if not isinstance(tokenizer, dict) or set(tokenizer) - {"source", "source_uri", "chat_template", "vocab"} \
+            or not all(isinstance(v, str) for k, v in tokenizer.items() if k != "vocab"):
+        raise PlanError("tokenizer must be a mapping of source, source_uri and chat_template (strings) and vocab")
+    if "vocab" in tokenizer and not (isinstance(tokenizer["vocab"], dict)
+                                     and set(VOCAB_KEYS) <= set(tokenizer["vocab"])):
+        raise PlanError(f"tokenizer.vocab must be a mapping of {', '.join(VOCAB_KEYS)} (config/vocab.py)")
     if ("source" in tokenizer) != ("source_uri" in tokenizer):
         raise PlanError("a tokenizer source needs both its id (source) and its folder (source_uri)")
     return dict(sorted(tokenizer.items()))

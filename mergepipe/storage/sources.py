@@ -33,8 +33,11 @@ class CheckpointSource:
         self.checkpoint = checkpoint
         self.needs_base = kind == "full"
 
-    def has_delta(self, name: str) -> bool:
-        return name in self.checkpoint.tensors
+    def has_delta(self, name: str, shape=None) -> bool:
+        """Whether it holds ``name`` (of ``shape`` when given: an expert whose embedding rows differ from
+        its base's, another vocabulary, has no block-wise delta there)."""
+        info = self.checkpoint.tensors.get(name)
+        return info is not None and (shape is None or tuple(info.shape) == tuple(shape))
 
     def block_ranges(self, name: str, span: BlockSpan) -> list[Range]:
         return [_rows_range(self.checkpoint.tensors[name], span)]
@@ -61,7 +64,7 @@ class LoraSource:
         self.adapter = adapter
         self.checkpoint = adapter.checkpoint
 
-    def has_delta(self, name: str) -> bool:
+    def has_delta(self, name: str, shape=None) -> bool:
         return name in self.adapter.pairs
 
     def block_ranges(self, name: str, span: BlockSpan) -> list[Range]:

@@ -13,8 +13,8 @@ model's tokenizer plus ``tokens:``. Each model's row for output token ``t`` is i
 the base's row, else the mean of the rows of the models holding it (in model order), zeros when none
 does. Rows past the vocabulary (``pad_to_multiple_of``) are the mean of that model's other rows.
 
-Not wired into the planner/engine yet (registration still refuses an expert whose embedding rows
-differ from its base's): this module is the vocabulary and row arithmetic they will use.
+Used by config/vocab.py (the request's vocabulary setting and row sources, encoded for the plan) and
+engine/vocab.py (the composed rows and the tokenizer written with the merge); docs/tokenizer-union.md.
 """
 
 from __future__ import annotations
@@ -244,3 +244,46 @@ def compose_tensor(model: str, sources: dict[str, list[tuple]], read_rows: ReadR
         return body
     pad = body.mean(axis=0, dtype=body.dtype)
     return np.concatenate([body, np.broadcast_to(pad, (rows - n_vocab, *pad.shape))])
+
+
+def vocab_sha(vocab: dict[str, int]) -> str:
+    """sha256 of the output vocabulary (token -> id, canonical JSON): what the plan records and the
+    engine checks the tokenizer it writes against."""
+    import hashlib
+    text = json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def encode_sources(sources: list[tuple]) -> list[list]:
+    """One model's row sources, compact for a plan: runs of own rows ``["own", out, row, n]``, then
+    ``["row", out, model, row]``, ``["mean", out, [[model, row], ...]]``; zero and padding rows are
+    left out (decode_sources restores them from the row counts)."""
+    out: list[list] = []
+    for i, s in enumerate(sources):
+        if s[0] == OWN:
+            last = out[-1] if out and out[-1][0] == OWN else None
+            if last is not None and last[1] + last[3] == i and last[2] + last[3] == s[1]:
+                last[3] += 1
+            else:
+                out.append([OWN, i, s[1], 1])
+        elif s[0] == ROW:
+            out.append([ROW, i, s[1], s[2]])
+        elif s[0] == MEAN:
+            out.append([MEAN, i, [[m, r] for m, r in s[1]]])
+    return out
+
+
+def decode_sources(entries: list[list], n_vocab: int, rows: int) -> list[tuple]:
+    """The inverse of :func:`encode_sources` (``n_vocab`` tokens, ``rows`` rows with the padding)."""
+    out: list[tuple] = [(ZERO,)] * n_vocab + [(PAD,)] * (rows - n_vocab)
+    for e in entries:
+        if e[0] == OWN:
+            for k in range(e[3]):
+                out[e[1] + k] = (OWN, e[2] + k)
+        elif e[0] == ROW:
+            out[e[1]] = (ROW, e[2], e[3])
+        elif e[0] == MEAN:
+            out[e[1]] = (MEAN, tuple((m, r) for m, r in e[2]))
+        else:
+            raise StorageError(f"unknown row source {e[0]!r}")
+    return out

@@ -342,10 +342,10 @@ def _bad(fam):
          ["unknown dtype 'int4'"]),
         ("tokenizer union", (f"merge_method: linear\nbase_model: {base}\n{ok_models}"
                              f"tokenizer: {{source: union, tokens: {{'<new>': {{source: base}}}}}}\n"),
-         ["tokenizer.tokens", "'<new>' is not in the vocabulary"]),
+         ["tokenizer.tokens", "'<new>': base has no such token"]),
         ("tokenizer config", (f"merge_method: linear\nbase_model: {base}\n{ok_models}"
-                              f"tokenizer: {{source: base, pad_to_multiple_of: 100}}\n"),
-         ["padded to a multiple of 100", "MergePipe keeps the base's shapes"]),
+                              f"tokenizer: {{source: base, tokens: {{'<new>': {{force: true}}}}}}\n"),
+         ["tokenizer.tokens", "'<new>' has no source"]),
         ("lambda differs", (f"merge_method: task_arithmetic\nbase_model: {base}\nmodels:\n"
                            f"  - model: {e1}\n    parameters: {{weight: 1, lambda: 1.0}}\n"
                            f"  - model: {e2}\n    parameters: {{weight: 1, lambda: 0.5}}\n"), ["`lambda` differs"]),

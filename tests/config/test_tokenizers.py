@@ -1,7 +1,7 @@
 """Tokenizers: every tokenizer/processor file of the tokenizer source is carried into the output and
 hashed in the manifest (BERT's vocab.txt, sentencepiece models, processor configs, chat templates);
 ``tokenizer_source: <model>`` / ``tokenizer: {source: ...}`` copy that model's tokenizer when every
-model shares its vocabulary (refused otherwise, and for union / tokens / pad_to_multiple_of);
+model shares its vocabulary (and otherwise re-order the rows: tests/engine/test_vocab_merge.py);
 ``chat_template`` (a name, the text, or auto) is set; outputs load with transformers and match
 mergekit 0.1.5's (tensors, vocabulary, chat template)."""
 
@@ -147,15 +147,19 @@ def test_tokenizer_source_model_copies_its_files(fam, tmp_path):
     assert "tokenizer" not in plan.data
 
 
-def test_tokenizer_source_with_another_vocabulary_is_refused(fam, tmp_path):
+def test_tokenizer_source_with_another_vocabulary_re_orders_rows(fam, tmp_path):
+    """A source whose vocabulary differs (a token past e0's embedding rows): the rows are re-ordered
+    to it (tests/engine/test_vocab_merge.py checks the merge against mergekit)."""
     _, base, experts = fam
     e0 = copy_model(experts[0], tmp_path / "e0")
     tj = json.loads((e0 / "tokenizer.json").read_text())
     tj["model"]["vocab"]["<extra>"] = len(tj["model"]["vocab"])
     (e0 / "tokenizer.json").write_text(json.dumps(tj))
     cat = Catalog(tmp_path / "c.sqlite")
-    with pytest.raises(ConfigError, match=r"vocabulary of .*e0 differs from that of .*'<extra>'.*re-ordered"):
-        prepare(cat, parse_config(cfg(base, [e0, experts[1]], f"tokenizer_source: {e0}\n"), "tok.yml"))
+    res = prepare(cat, parse_config(cfg(base, [e0, experts[1]], f"tokenizer_source: {e0}\n"), "tok.yml"))
+    vocab = res.tokenizer["vocab"]
+    assert (vocab["source"], vocab["tokens_n"], vocab["rows"]) == ("e0", 257, 257)
+    assert vocab["sources"]["base"][-1] == ["own", 0, 0, 256]  # <extra>: no model has its row (zero)
     assert not cat.query("SELECT id FROM models")
 
 
@@ -175,9 +179,11 @@ def test_parse_refusals(fam, extra, words):
 
 @pytest.mark.parametrize("extra, words", [
     ("tokenizer:\n  source: union\n  tokens:\n    <tool>: {source: base}\n",
-     ["tokenizer.tokens", "'<tool>' is not in the vocabulary"]),
-    ("tokenizer:\n  source: union\n  tokens:\n    t5: {source: base, force: true}\n", ["'t5': force: true"]),
-    ("tokenizer: {source: base, pad_to_multiple_of: 100}\n", ["(300 padded to a multiple of 100)", "256 rows"]),
+     ["tokenizer.tokens", "'<tool>': base has no such token"]),
+    ("tokenizer:\n  source: union\n  tokens:\n    <tool>: {source: {kind: model_token, model: base, token: nope}}\n",
+     ["tokenizer.tokens", "'<tool>': base has no such token"]),
+    ("tokenizer:\n  source: union\n  tokens:\n    t5: {source: {kind: zero, model: base}}\n",
+     ["tokenizer.tokens.t5.source: kind: zero takes no other key"]),
 ])
 def test_resolve_refusals(fam, tmp_path, extra, words):
     _, base, experts = fam
@@ -202,10 +208,9 @@ def test_union_of_one_shared_vocabulary_is_the_base_tokenizer(fam, tmp_path):
     tj = json.loads((e0 / "tokenizer.json").read_text())
     tj["model"]["vocab"]["<extra>"] = len(tj["model"]["vocab"])
     (e0 / "tokenizer.json").write_text(json.dumps(tj))
-    with pytest.raises(ConfigError, match=r"union: the vocabulary of e0 differs from that of base .*'<extra>'.*"
-                                          r"not supported yet"):
-        prepare(Catalog(tmp_path / "d.sqlite"), parse_config(cfg(base, [e0, experts[1]], "tokenizer_source: union\n"),
-                                                             "tok.yml"))
+    res = prepare(Catalog(tmp_path / "d.sqlite"), parse_config(cfg(base, [e0, experts[1]], "tokenizer_source: union\n"),
+                                                               "tok.yml"))
+    assert res.tokenizer["vocab"]["tokens_n"] == 256  # <extra> is past e0's vocab_size: mergekit skips it too
 
 
 def test_chat_template_named_and_auto(fam, tmp_path):
@@ -249,9 +254,10 @@ def test_parity_with_mergekit_tokenizer_source_and_chat_template(fam, tmp_path, 
     assert a.chat_template == b.chat_template == CHATML
 
 
-def test_expert_with_added_tokens_refused_naming_the_vocabulary(fam, tmp_path):
-    """An expert fine-tuned with added tokens has more embedding rows than its base: registering it
-    against the base says why it cannot be merged (a union tokenizer is not supported yet)."""
+def test_expert_with_added_tokens_needs_its_tokenizer_to_register(fam, tmp_path):
+    """An expert fine-tuned with added tokens has more embedding rows than its base: it registers with
+    its tokenizer files (its rows are re-ordered by a tokenizer setting), and is refused without them,
+    saying why."""
     from safetensors.torch import save_file
 
     _, base, experts = fam
@@ -262,5 +268,26 @@ def test_expert_with_added_tokens_refused_naming_the_vocabulary(fam, tmp_path):
     save_file(t, str(e0 / "model.safetensors"))
     cat = Catalog(tmp_path / "c.sqlite")
     register(cat, "base", str(base))
-    with pytest.raises(Exception, match=r"embed_tokens.weight: shape .* \(another vocabulary size: .*union"):
-        register(cat, "e0", str(e0), base_id="base")
+    register(cat, "e0", str(e0), base_id="base")
+    for name in tokenizer_files(e0):
+        (e0 / name).unlink()
+    with pytest.raises(Exception, match=r"embed_tokens.weight: shape .* \(another vocabulary size: .*tokenizer_source"
+                                        r".*needs the model's tokenizer files"):
+        register(cat, "e1", str(e0), base_id="base")
+
+
+def test_tokenizer_source_base_carries_every_tokenizer_file(fam, tmp_path):
+    """`tokenizer_source: base` (issue 15 item 4's note): every tokenizer and processor file the base has
+    -- BERT's vocab.txt, a sentencepiece spiece.model, processor configs, chat templates -- is carried
+    into the output and hashed; models sharing the base's vocabulary and row count keep their rows."""
+    _, base, experts = fam
+    b = bertify(copy_model(base, tmp_path / "bert-base"))
+    models = [bertify(copy_model(e, tmp_path / f"bert-e{i}")) for i, e in enumerate(experts)]
+    cat, plan, manifest, out = merge_config(tmp_path, cfg(b, models, "tokenizer_source: base\n"))
+    assert "tokenizer" not in plan.data  # nothing moves: the plan is the default one
+    for name in CARRIED:
+        assert (out / name).read_bytes() == (b / name).read_bytes(), name
+        assert manifest.core["outputs"][name]["sha256"] == sha(out / name), name
+    tok = transformers.AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    assert tok.tokenize("The cats") == ["the", "cat", "##s"]
+    assert load_file(str(out / "model.safetensors"))["model.embed_tokens.weight"].shape[0] == 256
