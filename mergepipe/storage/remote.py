@@ -32,15 +32,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from mergepipe.errors import StorageError
+from mergepipe.errors import CatalogError, StorageError
 from mergepipe.storage.base import Storage
+from mergepipe.storage.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraAdapter, adapter_of, checked_config
 from mergepipe.storage.safetensors import (
     INDEX_NAME, MAX_JSON_BYTES, Checkpoint, check_index, checked_config, header_length, header_tensors,
     index_weight_map, json_object,
 )
 from mergepipe.storage.tokenizer_files import is_tokenizer_file
 from mergepipe.storage.transports import HttpTransport, S3Transport, Transient, describe, env_float
-from mergepipe.storage.uris import canonical_remote, hf_endpoint, hf_token, parse_hf
+from mergepipe.storage.uris import RemoteRoot, canonical_remote, hf_endpoint, hf_token, parse_hf
 
 # side files a merged model takes from a remote base that cannot list its folder (plain HTTP, the Hub)
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -52,27 +53,6 @@ _HEADER_CACHE_LOCK = threading.Lock()
 
 def env_int(name: str, default: int) -> int:
     return int(env_float(name, default))
-
-
-class RemoteRoot(str):
-    """Where a remote checkpoint lives (its URI), standing in for a local root Path: never a local
-    directory or file, so nothing local is looked for under it."""
-
-    @property
-    def name(self) -> str:
-        return self.rstrip("/").rsplit("/", 1)[-1]
-
-    def __truediv__(self, other: str) -> "RemoteRoot":
-        return RemoteRoot(f"{self.rstrip('/')}/{other}")
-
-    def is_dir(self) -> bool:
-        return False
-
-    def is_file(self) -> bool:
-        return False
-
-    def exists(self) -> bool:
-        return False
 
 
 def split_location(uri: str) -> tuple[str, str | None]:
@@ -224,6 +204,22 @@ class RemoteStorage(Storage):
                     _HEADER_CACHE.popitem(last=False)
         return tensors, probe.size, probe.etag
 
+    def open_adapter(self, uri: str) -> LoraAdapter:
+        """A PEFT LoRA adapter folder: adapter_config.json (one small GET) and the header of its
+        adapter_model.safetensors (range requests), as for a checkpoint."""
+        uri = canonical_remote(os.fspath(uri)).rstrip("/")
+        t = self.transport(uri)
+        raw = self._small(t, ADAPTER_CONFIG)
+        if raw is None:
+            raise CatalogError(f"{uri}: not a PEFT adapter (no {ADAPTER_CONFIG})")
+        where = t.where(ADAPTER_CONFIG)
+        config = checked_config(where, json_object(where, raw))
+        probe, _ = self.retrying(t.where(ADAPTER_WEIGHTS), lambda: t.probe(ADAPTER_WEIGHTS, 0))
+        if probe is None:
+            raise CatalogError(f"{uri}: no {ADAPTER_WEIGHTS} (an adapter saved as adapter_model.bin is not "
+                               "supported: save it with safe_serialization=True)")
+        return adapter_of(RemoteRoot(uri), config, self.open(f"{uri}/{ADAPTER_WEIGHTS}"))
+
     def size(self, checkpoint: Checkpoint, fname: str) -> int:
         return checkpoint.file_sizes[fname]
 
@@ -241,8 +237,17 @@ class RemoteStorage(Storage):
 
     def side_files(self, checkpoint: Checkpoint) -> dict[str, bytes] | None:
         """config.json and the tokenizer/generation files at the checkpoint's folder (for a merged model)."""
-        t = self.transport(checkpoint.remote["folder"])
-        listing = checkpoint.remote["listing"]
+        return self._folder_files(checkpoint.remote["folder"], checkpoint.remote["listing"])
+
+    def tokenizer_files(self, uri: str) -> dict[str, bytes]:
+        """The tokenizer files (and generation_config.json) at a remote folder, each fetched whole."""
+        folder = split_location(canonical_remote(os.fspath(uri)))[0]
+        t = self.transport(folder)
+        listing = self.retrying(folder, t.list)[0]
+        return {n: b for n, b in self._folder_files(folder, listing).items() if n != "config.json"}
+
+    def _folder_files(self, folder: str, listing: list[str] | None) -> dict[str, bytes]:
+        t = self.transport(folder)
         names = SIDE_FILES if listing is None else [n for n in listing if n == "config.json" or is_tokenizer_file(n)]
         out = {}
         for name in names:
