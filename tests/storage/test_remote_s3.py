@@ -141,3 +141,19 @@ def test_an_object_overwritten_during_the_merge_is_one_error(bucket, tmp_path):
     assert not (tmp_path / "out").exists()
     after = dump_db(db)
     assert after["models"] == before["models"] and after.get("snapshots") == before.get("snapshots")
+
+
+def test_bin_checkpoints_on_s3_have_the_local_layout_and_bytes(bucket, tmp_path):
+    from test_bin_checkpoints import to_bin
+
+    local = to_bin(Path(bucket["experts"][0]), tmp_path / "bin_e1", 2)
+    upload_tree(local, "models/bin/e1")
+    registry._BACKENDS.pop("s3", None)
+    ck = registry.open_checkpoint("s3://models/bin/e1")
+    ref = registry.open_checkpoint(local)
+    assert ck.tensors == ref.tensors and ck.file_sizes == ref.file_sizes
+    name = max(ref.tensors, key=lambda n: ref.tensors[n].nbytes)
+    t = ref.tensors[name]
+    with ck.reader() as r:
+        data = bytes(r.read(t.file, t.offset, t.nbytes))
+    assert data == (local / t.file).read_bytes()[t.offset:t.offset + t.nbytes]
