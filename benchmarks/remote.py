@@ -218,7 +218,9 @@ def report(res: dict) -> str:
               f"base; transferred {rows['mergepipe merge 10%']['transferred_bytes'] / MB:.1f} MB.",
               "- Registration transferred the safetensors headers, the shard index and config.json only.",
               "- The estimated transfer time is EXPLAIN's tier model (storage/tiers.py) with its default http "
-              "parameters (50 ms, 100 MB/s), not fitted to this link."]
+              "parameters (50 ms, 100 MB/s), not fitted to this link.",
+              "- Coalescing-aware plans (fewer requests at equal bytes) are measured by "
+              "benchmarks/remote_coalesce.py: [remote-coalesce.md](remote-coalesce.md)."]
     return "\n".join(lines) + "\n"
 
 

@@ -4,7 +4,7 @@
 ``/{org}/{model}/resolve/{revision}/{file}`` (``root/{org}/{model}/{file}``) and plain paths
 ``/files/{path}`` (``root/{path}``), honouring single ``Range: bytes=a-b`` requests with 206 and
 Content-Range, giving ETags, counting requests and body bytes per file, optionally limited to a
-bandwidth (shared by all connections) and able to inject 500s or dropped connections.
+bandwidth (shared by all connections) and a per-request latency, and able to inject 500s or dropped connections.
 
 ``moto_s3``: moto's S3 in server mode on a free port, with the environment pointed at it.
 """
@@ -48,9 +48,11 @@ class Faults:
 
 
 class RangeServer:
-    def __init__(self, root: Path, bandwidth: float | None = None, revisions=("main",), token: str | None = None):
+    def __init__(self, root: Path, bandwidth: float | None = None, revisions=("main",), token: str | None = None,
+                 latency: float = 0.0):
         self.root = Path(root)
         self.bandwidth = bandwidth  # bytes per second, all connections together
+        self.latency = latency  # seconds each request waits before its response starts (a long link)
         self.revisions = set(revisions)
         self.token = token
         self.faults = Faults()
@@ -165,6 +167,8 @@ class RangeServer:
                     server.requests[rel] += 1
                     if rng and body:
                         server.ranges.append((rel, start, end))
+                if server.latency:
+                    time.sleep(server.latency)
                 if not rng and self.headers.get("If-None-Match") == etag:
                     return self.empty(304, {"ETag": etag})
                 fault = server.faults.hit(start) if body and rng else None
@@ -246,7 +250,7 @@ def upload_tree(local: Path, bucket_prefix: str) -> None:
 
 class S3Proxy:
     """A loopback reverse proxy in front of an S3 server (moto) that logs every request (method, path,
-    whether it is a server-side copy) in arrival order, and answers ``fail_copies_after`` copy requests
+    whether it is a server-side copy) in arrival order, can run a hook before a ranged GET, and answers ``fail_copies_after`` copy requests
     later with a real HTTP 500 (the S3 server is not asked): a server failing mid-upload."""
 
     def __init__(self, upstream: str):
@@ -259,6 +263,8 @@ class S3Proxy:
         # hold the copy request after that many until ``release`` is set (a process killed mid-upload)
         self.hold_copies_after: int | None = None
         self.held, self.release = threading.Event(), threading.Event()
+        # called with (path, Range header) before a ranged GET is forwarded (e.g. to change the object)
+        self.before_range_get = None
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -272,6 +278,8 @@ class S3Proxy:
                 body = self.rfile.read(n) if n else None
                 copy = "x-amz-copy-source" in {k.lower() for k in self.headers}
                 proxy.log.append((self.command, self.path, copy))
+                if self.command == "GET" and self.headers.get("Range") and proxy.before_range_get:
+                    proxy.before_range_get(self.path.split("?")[0], self.headers["Range"])
                 if copy and proxy.hold_copies_after is not None:
                     if proxy.hold_copies_after == 0:
                         proxy.held.set()

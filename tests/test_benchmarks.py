@@ -102,3 +102,27 @@ def test_remote_ci_profile(tmp_path):
     (check,) = res["checks"].values()
     assert check["same_names"] and check["differing"] == 0
     assert (out / "remote-ci.md").read_text().startswith("# Remote checkpoints")
+
+
+def test_remote_coalesce_small_run(tmp_path):
+    """benchmarks/remote_coalesce.py on a small family: the coalescing plan issues fewer requests (counted by
+    the server) for at most the budget's bytes, and its HTTP merge equals the local merge of its access set."""
+    out = tmp_path / "report"
+    out.mkdir()
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "remote_coalesce.py"), "--family", "small-bf16-K2", "--k", "2",
+         "--family-root", str(tmp_path / "fam"), "--work", str(tmp_path / "work"), "--out", str(out),
+         "--mbps", "1000", "--latency-ms", "5", "--block-bytes", str(64 << 10), "--budgets", "10%",
+         "--tolerances", "0.25", "--repeats", "1"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "remote-coalesce.json").read_text())
+    greedy, coalesced = sorted(res["rows"], key=lambda r: r["tolerance"] is not None)
+    assert greedy["tolerance"] is None and coalesced["tolerance"] == 0.25
+    assert coalesced["expert_requests"] < greedy["expert_requests"]
+    assert coalesced["planned_expert_bytes"] <= coalesced["budget_bytes"] == greedy["budget_bytes"]
+    for row in (greedy, coalesced):
+        assert row["planned_expert_bytes"] <= row["expert_bytes"] <= row["planned_expert_bytes"] * 1.01 + (16 << 10)
+    same, compared = res["checks"].values()
+    assert same is True and compared["same_names"] and compared["differing"] == 0
+    assert (out / "remote-coalesce.md").read_text().startswith("# Coalescing-aware plans")

@@ -64,6 +64,12 @@ def _add_plan_args(p, with_out: bool):
     p.add_argument("--strategy", default=None,
                    help="how blocks are ranked: norm (default), conflict, kept, random, uniform")
     p.add_argument("--seed", type=int, default=None, help="seed of the random operators and strategy (default 0)")
+    p.add_argument("--coalesce", choices=("auto", "on", "off"), default=None,
+                   help="prefer fewer, larger ranges at (nearly) equal bytes: auto (default: when an expert is "
+                        "remote), on, off")
+    p.add_argument("--coalesce-tolerance", type=float, default=None,
+                   help="coalescing re-chooses blocks within this fraction of the cut-off score per byte "
+                        "(default 0.1)")
     if with_out:
         _add_out_args(p)
 
@@ -159,7 +165,8 @@ def _request(args):
     if not args.base or not args.experts:
         raise MergePipeError("--base and --experts are required (or give a mergekit YAML with --config)")
     return api.merge_request(args.base, args.experts, args.op or "linear", budget=budget, seed=args.seed,
-                             strategy=args.strategy, out=getattr(args, "out", None),
+                             strategy=args.strategy, coalesce=args.coalesce,
+                             coalesce_tolerance=args.coalesce_tolerance, out=getattr(args, "out", None),
                              model_id=getattr(args, "model_id", None), **_settings(args))
 
 
@@ -176,6 +183,9 @@ def _load_config(args):
     budget = _budget(args)
     if args.base or args.experts:
         raise MergePipeError("--base/--experts cannot be combined with --config (the config names the models)")
+    if args.coalesce is not None or args.coalesce_tolerance is not None:
+        raise MergePipeError("--coalesce and --coalesce-tolerance go with --base/--experts; a config's plan coalesces automatically "
+                             "when an expert is remote")
     return api.load_config(args.config).with_overrides(
         operator=args.op, budget=None if budget is None or budget.is_target else budget,
         target_bound=args.target_bound, strategy=args.strategy, seed=args.seed, **_settings(args))

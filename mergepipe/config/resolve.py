@@ -21,16 +21,17 @@ from mergepipe.config import soup
 from mergepipe.config.parse import _exists
 from mergepipe.config.templates import CHAT_TEMPLATES
 from mergepipe.config.vocab import VocabRefusal, needs_vocab, row_model_order, vocab_setting
+from mergepipe.errors import MergePipeError
 from mergepipe.ops.core import get_op, resolve_params
 from mergepipe.planner.context import Planner
 from mergepipe.planner.plan import Plan
 from mergepipe.planner.request import MergeRequest
 from mergepipe.storage.dtypes import dtype_label, split_dtypes
-from mergepipe.storage.registry import open_checkpoint
+from mergepipe.storage.registry import canonical_uri, open_checkpoint, scheme_of, tokenizer_folder
+from mergepipe.storage.uris import RemoteRoot, remote_model_name
 from mergepipe.storage.tokenizer_files import has_tokenizer, read_chat_template, vocabulary
 
-REMOTE_HINT = ("(a remote checkpoint, s3://, https:// or hf://, is registered first with `mergepipe register URI` "
-               "and then named here by its id)")
+REMOTE_HINT = "(or a remote URI: s3://bucket/prefix, https://..., hf://org/model@revision)"
 
 
 # --- resolving references against the catalog ---------------------------------------------------------
@@ -70,6 +71,22 @@ def _default_check(text: str) -> Path:
     return Path(text).expanduser().absolute()
 
 
+def _location(uri: str) -> Path | RemoteRoot:
+    """A catalog URI as the resolver compares locations: a Path, or a remote URI (never a Path: it would
+    fold ``//``)."""
+    return RemoteRoot(uri) if scheme_of(uri) is not None else Path(uri)
+
+
+def _files(location: Path | RemoteRoot) -> Path:
+    """A local folder with a location's tokenizer files (a remote folder's are fetched: storage/registry.py)."""
+    return tokenizer_folder(location) if isinstance(location, RemoteRoot) else location
+
+
+def _known(text: str) -> bool:
+    """An existing local path, or a remote URI (whether it exists is found when it is opened)."""
+    return scheme_of(text) is not None or _exists(text)
+
+
 class _Resolver:
     def __init__(self, cat: Catalog, cfg: MergekitConfig, register_paths: bool, check_path: PathCheck | None,
                  reserved_ids):
@@ -85,15 +102,24 @@ class _Resolver:
     def fail(self, where: str, message: str):
         raise ConfigError(f"{self.cfg.source}: {where}: {message}")
 
-    def _path(self, text: str, where: str) -> Path | None:
-        """The absolute path a reference names, or None when nothing exists there."""
+    def _path(self, text: str, where: str) -> Path | RemoteRoot | None:
+        """The absolute path a reference names (a remote URI in canonical form), or None when nothing
+        exists there; a remote URI is registered on the fly, as a path is."""
+        if scheme_of(text) is not None:
+            try:
+                return RemoteRoot(canonical_uri(text))
+            except MergePipeError as exc:
+                self.fail(where, str(exc))
         if not _exists(text):
             return None
         p = self.check(text)
         return Path(p).resolve()
 
-    def _derive_id(self, path: Path) -> str:
-        name = path.name if path.is_dir() else path.stem
+    def _derive_id(self, path: Path | RemoteRoot) -> str:
+        if isinstance(path, RemoteRoot):
+            name = remote_model_name(path)
+        else:
+            name = path.name if path.is_dir() else path.stem
         name = name or "model"
         cand, n = name, 2
         while cand in self.taken:
@@ -111,7 +137,7 @@ class _Resolver:
     def base(self) -> tuple[str, Path | None]:
         text, where = self.base_text, self.base_where
         if self.cat.has_model(text):
-            return text, Path(self.cat.model(text)["uri"])
+            return text, _location(self.cat.model(text)["uri"])
         path = self._path(text, where)
         if path is None:
             if self.split_lora(text):
@@ -138,7 +164,7 @@ class _Resolver:
         for i, ch in enumerate(text):
             if ch == "+":
                 left, right = text[:i], text[i + 1:]
-                if left and right and (self.cat.has_model(left) or _exists(left)) and _exists(right):
+                if left and right and (self.cat.has_model(left) or _known(left)) and _known(right):
                     return left, right
         return None
 
@@ -153,8 +179,8 @@ class _Resolver:
         kind = "lora" if lora else "full"
         if lora:
             left, right = lora
-            same_base = left == base_id or (base_path is not None and _exists(left)
-                                            and Path(self.check(left)).resolve() == base_path)
+            same_base = left == base_id or (base_path is not None and not self.cat.has_model(left)
+                                            and self._path(left, where) == base_path)
             if not same_base:
                 self.fail(where, f"the adapter {right} is applied to {left}, but the merge base is "
                                  f"{self.base_text}: MergePipe merges adapters trained on the merge base")
@@ -246,7 +272,7 @@ def _expand_slices(r: _Resolver, base_id: str) -> None:
             config = json.loads(r.cat.model(mid)["config"] or "{}")
         else:
             shapes = {n: tuple(t.shape) for n, t in open_checkpoint(uris[mid]).tensors.items()}
-            config = read_config(Path(uris[mid]))
+            config = open_checkpoint(uris[mid]).config if scheme_of(uris[mid]) else read_config(Path(uris[mid]))
         tensors[mid], layers[mid] = shapes, model_layers(config, shapes)
     ex = expand(r.cfg, r.out.ids, base_id, tensors, layers)
     r.out.layout, r.out.method_params = ex.layout, ex.method_params
@@ -277,10 +303,10 @@ def _tokenizer(r: _Resolver, base_id: str, base_path: Path | None) -> dict | Non
     vocab_asked = cfg.tokenizer_source is not None or cfg.tokenizer_tokens or cfg.pad_to_multiple_of is not None
     if not vocab_asked and cfg.chat_template is None:
         return None
-    base_root = base_path or Path(cat.model(base_id)["uri"])
+    base_root = base_path or _location(cat.model(base_id)["uri"])
     uris = {base_id: base_root}
     for kw in r.out.to_register:
-        uris[kw["model_id"]] = Path(kw["uri"])
+        uris[kw["model_id"]] = _location(kw["uri"])
     models = [(base_id, base_root)]
     kinds = {base_id: "full"}
     for e in r.out.experts:
@@ -290,20 +316,20 @@ def _tokenizer(r: _Resolver, base_id: str, base_path: Path | None) -> dict | Non
             kw["kind"] for kw in r.out.to_register if kw["model_id"] == mid)
         if kinds[mid] == "lora":
             continue  # an adapter has the base's vocabulary (embedding LoRA is refused)
-        models.append((mid, uris.get(mid) or Path(row["uri"])))
+        models.append((mid, uris.get(mid) or _location(row["uri"])))
     out: dict = {}
     where = "tokenizer_source"
     ref = cfg.tokenizer_source
     source_id, source_root = base_id, base_root
     if ref not in (None, "union", "base", cfg.base, base_id):
         source_id = _model_ref(r, ref, where, models)
-        source_root = dict(models).get(source_id) or Path(cat.model(source_id)["uri"])
+        source_root = dict(models).get(source_id) or _location(cat.model(source_id)["uri"])
     if vocab_asked:
-        if not has_tokenizer(source_root):
+        if not has_tokenizer(_files(source_root)):
             r.fail(where, f"{source_id} has no tokenizer files (tokenizer.json, tokenizer_config.json, vocab.txt, ...)")
-        want = vocabulary(source_root)
-        with_tokenizer = [(m, p) for m, p in models if has_tokenizer(p)]  # mergekit assumes the base's otherwise
-        if needs_vocab(cat, with_tokenizer, want, cfg, base_id, vocabulary):
+        want = vocabulary(_files(source_root))
+        with_tokenizer = [(m, p) for m, p in models if has_tokenizer(_files(p))]  # mergekit assumes the base's otherwise
+        if needs_vocab(cat, with_tokenizer, want, cfg, base_id, lambda p: vocabulary(_files(p))):
             row_order = [m for m in row_model_order(cfg, r.out.ids, base_id) if m in kinds]
             try:
                 out["vocab"] = vocab_setting(cat, cfg, base_id, models, "union" if ref == "union" else source_id,
@@ -313,11 +339,11 @@ def _tokenizer(r: _Resolver, base_id: str, base_path: Path | None) -> dict | Non
         if source_root != base_root:
             out.update({"source": source_id, "source_uri": str(source_root)})
     if cfg.chat_template is not None:
-        if not has_tokenizer(source_root):
+        if not has_tokenizer(_files(source_root)):
             r.fail("chat_template", f"the tokenizer source ({source_id}) has no tokenizer files to attach it to")
         template = cfg.chat_template
         if template == "auto":  # mergekit: the most common template among the models (none: leave it)
-            found = [t.strip() for t in (read_chat_template(root) for _, root in models) if t]
+            found = [t.strip() for t in (read_chat_template(_files(root)) for _, root in models) if t]
             template = Counter(found).most_common(1)[0][0] if found else None
         else:
             template = CHAT_TEMPLATES.get(template, template)

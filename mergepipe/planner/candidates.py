@@ -33,6 +33,7 @@ class Candidates:
             ratio = np.where(cost > 0, self.score / np.maximum(cost, 1), np.inf)
         else:
             ratio = self.priority
+        self.ratio = ratio  # the greedy key: score per byte, or the strategy's priority
         # lexsort: last key is primary -> sort by -ratio, then expert, tensor, block
         self.order = np.lexsort((self.block, self.tensor, self.expert, -ratio))
         grp = self.group[self.order]

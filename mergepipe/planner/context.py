@@ -39,11 +39,12 @@ from mergepipe.planner.settings import (
     tensor_density, tensor_weight,
 )
 from mergepipe.ops.core import TENSOR_PARAMS
+from mergepipe.planner.coalesce import coalesce
 from mergepipe.planner.strategies import StrategyScores, _uniform_priority
 from mergepipe.storage.grid import DEFAULT_BLOCK_BYTES, tensor_grid
 from mergepipe.storage.safetensors import FLOAT_DTYPES, TensorInfo
 from mergepipe.storage.sources import fixed_bytes, open_source
-from mergepipe.storage.tiers import transfer_estimate
+from mergepipe.storage.tiers import tier_name, transfer_estimate
 from mergepipe.version import __version__
 
 
@@ -406,7 +407,19 @@ class PlanContext(StrategyScores, Bounds):
         chosen = cands.select(rest) if full else np.zeros(0, dtype=np.int64)
         if self.op.joint and full:  # all experts' blocks of a (tensor, block) or none
             chosen = methods.select_joint(cands, rest)
-        return self._build(chosen, budget.spec, budget_bytes, target_bound)
+        greedy = None
+        if full and self._coalesces(budget):
+            greedy, chosen = chosen, coalesce(cands, chosen, rest, self.request.coalesce_tolerance)
+        return self._build(chosen, budget.spec, budget_bytes, target_bound, greedy=greedy)
+
+    def _coalesces(self, budget: Budget) -> bool:
+        """Whether this plan re-chooses its marginal blocks for fewer ranges (planner/coalesce.py)."""
+        mode = self.request.coalesce
+        if mode == "off" or budget.is_target or self.op.joint or self.op.nonlinear:
+            return False
+        if self.strategy in ("random", "uniform") or self.candidates.setup.any():
+            return False
+        return mode == "on" or any(tier_name(e["uri"]) != "local" for e in self.experts)
 
     def _transfer(self, access: dict, per_expert_bytes: dict, base_bytes: int) -> dict:
         """Estimated transfer per storage tier (storage/tiers.py): the base read in full, one request per
@@ -415,8 +428,8 @@ class PlanContext(StrategyScores, Bounds):
         reads += [(e["uri"], per_expert_bytes[e["id"]], _runs(access[e["id"]])) for e in self.experts]
         return transfer_estimate(reads)
 
-    def _build(self, chosen: np.ndarray, budget_spec: str, budget_bytes: int, target_bound,
-               first_merge: bool = False) -> Plan:
+    def _access(self, chosen: np.ndarray) -> tuple[dict, dict, dict]:
+        """(block ranges per expert and tensor, bytes per expert, bytes per tensor) of a selection."""
         cands = self.candidates
         names = [t["name"] for t in self.tensors]
         access: dict[str, dict[str, list[int]]] = {e["id"]: {} for e in self.experts}
@@ -438,6 +451,22 @@ class PlanContext(StrategyScores, Bounds):
                 for t in rows:
                     per_tensor_bytes[t] = per_tensor_bytes.get(t, 0) + next(
                         r["nbytes"] for r in self.catalog.tensors(e["id"]) if r["name"] == t)
+        return access, per_expert_bytes, per_tensor_bytes
+
+    def _coalesce_note(self, greedy: np.ndarray, chosen: np.ndarray, transfer: dict) -> dict:
+        """What coalescing changed: the greedy selection's transfer estimate next to the plan's."""
+        access, per_expert, _ = self._access(greedy)
+        before = self._transfer(access, per_expert, self.base_bytes())
+        cands = self.candidates
+        return {"tolerance": self.request.coalesce_tolerance, "before": before, "after": transfer,
+                "expert_read_before": int(cands.bytes_of(greedy).sum()),
+                "expert_read_after": int(cands.bytes_of(chosen).sum()),
+                "blocks_swapped": int(len(np.setdiff1d(chosen, greedy)))}
+
+    def _build(self, chosen: np.ndarray, budget_spec: str, budget_bytes: int, target_bound,
+               first_merge: bool = False, greedy: np.ndarray | None = None) -> Plan:
+        cands = self.candidates
+        access, per_expert_bytes, per_tensor_bytes = self._access(chosen)
         expert_read = sum(per_expert_bytes.values())
         selected_mask = np.zeros(len(cands.nbytes), dtype=bool)
         selected_mask[chosen] = True
@@ -495,6 +524,8 @@ class PlanContext(StrategyScores, Bounds):
             "software": {"mergepipe": __version__},
         })
         data["transfer"] = self._transfer(access, per_expert_bytes, base_bytes)
+        if greedy is not None:  # outside the digest: the access set already says what is read
+            data["coalesce"] = self._coalesce_note(greedy, chosen, data["transfer"])
         if self.warnings:  # outside the digest: they follow from the catalog, like the estimates
             data["warnings"] = list(self.warnings)
         return Plan(data)

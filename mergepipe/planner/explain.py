@@ -14,6 +14,20 @@ def transfer_line(transfer: dict) -> str:
     return f"~{transfer['seconds']:.2f} s estimated: " + "; ".join(parts)
 
 
+def coalesce_line(c: dict) -> str:
+    """``coalesce   412 -> 96 requests, ~2.10 s -> ~1.52 s; ...`` (planner/coalesce.py)."""
+    from mergepipe.planner.budget import human_bytes
+
+    def requests(t: dict) -> int:
+        return sum(row["requests"] for row in t["tiers"].values())
+
+    before, after = c["before"], c["after"]
+    return (f"  coalesce   {requests(before)} -> {requests(after)} requests, ~{before['seconds']:.2f} s -> "
+            f"~{after['seconds']:.2f} s estimated; expert read {human_bytes(c['expert_read_before'])} -> "
+            f"{human_bytes(c['expert_read_after'])}, {c['blocks_swapped']} blocks swapped for neighbours "
+            f"(within {c['tolerance']:.0%} of the cut-off score per byte)")
+
+
 def explain_plan(p: dict) -> str:
     """EXPLAIN-style text: inputs, budget, estimates, then selection per expert and per tensor."""
     from mergepipe.planner.budget import human_bytes  # formatting only
@@ -32,6 +46,8 @@ def explain_plan(p: dict) -> str:
              f"{human_bytes(p['estimate']['expert_read'])}, write {human_bytes(p['estimate']['output_write'])}"]
     if p.get("transfer"):  # plans saved before the tier cost model lack it
         lines.append("  transfer   " + transfer_line(p["transfer"]))
+    if p.get("coalesce"):
+        lines.append(coalesce_line(p["coalesce"]))
     if p["error_bound"]:
         b = p["error_bound"]
         norm = "n/a" if b["full_delta_norm"] is None else f"{b['full_delta_norm']:.6g}"

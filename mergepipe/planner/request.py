@@ -25,6 +25,7 @@ from mergepipe.errors import PlanError
 from mergepipe.ops.core import get_op, resolve_params
 from mergepipe.ops.spec import OpSpec, Sparsify
 from mergepipe.planner.budget import Budget
+from mergepipe.planner.coalesce import MODES
 from mergepipe.planner.settings import check_setting, expert_params, is_scalar
 from mergepipe.planner.strategies import STRATEGIES
 
@@ -66,13 +67,18 @@ class MergeRequest:
     # "position": its index among the models in config order, "reference": true when MergePipe chose it
     # (a config without base_model) rather than the config listing its base_model among the models}
     base_member: dict | None = None
+    # fewer, larger ranges at (nearly) equal bytes (planner/coalesce.py): auto (when an expert is remote),
+    # on, off; it decides the access set, which the plan's digest covers
+    coalesce: str = "auto"
+    coalesce_tolerance: float = 0.10  # the band around the cut-off score per byte it re-chooses within
 
     @classmethod
     def build(cls, base: str, experts, operator: str = "linear", *, weights=None, weight=None, density=None,
               lam=None, normalize=None, rescale=None, gamma=None, epsilon=None, budget=None, budget_mb=None,
               target_bound=None, strategy: str | None = None, seed: int | None = None, out=None,
               model_id: str | None = None, tokenizer: dict | None = None, layout: dict | None = None,
-              base_member: dict | None = None,
+              base_member: dict | None = None, coalesce: str | None = None,
+              coalesce_tolerance: float | None = None,
               **unknown) -> MergeRequest:
         """Shape keyword arguments (the API's, the CLI's flags, a page's widgets) into a validated request.
         ``weights`` lists one weight per expert, in order; ``budget`` is any spelling :class:`Budget` takes."""
@@ -89,7 +95,9 @@ class MergeRequest:
                       params=params, budget=Budget.of(budget, mb=budget_mb, target_bound=target_bound),
                       strategy="norm" if strategy is None else strategy, seed=0 if seed is None else seed,
                       out=None if out is None else str(out), model_id=model_id,
-                      tokenizer=_tokenizer_setting(tokenizer), layout=_layout_setting(layout), base_member=base_member)
+                      tokenizer=_tokenizer_setting(tokenizer), layout=_layout_setting(layout), base_member=base_member,
+                      coalesce="auto" if coalesce is None else coalesce,
+                      coalesce_tolerance=0.10 if coalesce_tolerance is None else coalesce_tolerance)
         return request.validated()
 
     def validated(self) -> MergeRequest:
@@ -103,6 +111,11 @@ class MergeRequest:
                 return replace(self, base_member=member).validated()
         if self.strategy not in STRATEGIES:
             raise PlanError(f"unknown strategy {self.strategy!r} (choose from {', '.join(STRATEGIES)})")
+        if self.coalesce not in MODES:
+            raise PlanError(f"unknown coalesce mode {self.coalesce!r} (choose from {', '.join(MODES)})")
+        tol = self.coalesce_tolerance
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not (0 <= tol < 1):
+            raise PlanError(f"the coalesce tolerance must be a number in [0, 1), not {tol!r}")
         seed = check_seed(self.seed)
         if seed is not self.seed:
             return replace(self, operator=op.name, seed=seed)

@@ -90,7 +90,11 @@ def _config(root: Path) -> dict:
     path = root / ADAPTER_CONFIG
     if not path.is_file():
         raise CatalogError(f"{root}: not a PEFT adapter directory (no {ADAPTER_CONFIG})")
-    config = read_json_object(path)
+    return checked_config(path, read_json_object(path))
+
+
+def checked_config(path, config: dict) -> dict:
+    """An adapter_config.json's object (read from ``path``, local or remote), every field checked."""
     peft_type = config.get("peft_type", "LORA")
     if not isinstance(peft_type, str):
         raise CatalogError(f"{path}: peft_type must be a name (is {_kind(peft_type)})")
@@ -141,7 +145,12 @@ def open_adapter(uri: str | Path) -> LoraAdapter:
         other = " (found adapter_model.bin: save the adapter with safe_serialization=True)" \
             if (root / "adapter_model.bin").exists() else ""
         raise CatalogError(f"{root}: no {ADAPTER_WEIGHTS}{other}")
-    ckpt = open_checkpoint(weights)
+    return adapter_of(root, config, open_checkpoint(weights))
+
+
+def adapter_of(root, config: dict, ckpt: Checkpoint) -> LoraAdapter:
+    """The adapter of a checked config and its opened weights file (local or remote)."""
+    weights = root / ADAPTER_WEIGHTS
     ckpt.root = root  # files are named relative to the adapter directory
     ckpt.config = config
     halves: dict[str, dict[str, TensorInfo]] = {}

@@ -11,8 +11,10 @@ made on first use, so their client libraries are imported only by a catalog that
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import tempfile
 from pathlib import Path
 
 from mergepipe.errors import StorageError
@@ -78,9 +80,45 @@ def open_checkpoint(uri: str | os.PathLike) -> Checkpoint:
 
 
 def open_adapter(uri: str | os.PathLike) -> lora.LoraAdapter:
-    """A PEFT LoRA adapter directory (local only for now: its config is a small JSON file)."""
-    if storage_for(uri) is not LOCAL:
-        raise StorageError(f"{os.fspath(uri)}: LoRA adapters are read from local directories only")
+    """A PEFT LoRA adapter directory, local or remote (config by one small request, weights by ranges)."""
+    storage = storage_for(uri)
+    if storage is not LOCAL:
+        if not hasattr(storage, "open_adapter"):
+            raise StorageError(f"{redact(os.fspath(uri))}: this storage backend cannot read LoRA adapters")
+        return storage.open_adapter(uri)
     adapter = lora.open_adapter(local_path(uri))
     adapter.checkpoint.storage = LOCAL
     return adapter
+
+
+def tokenizer_folder(uri: str | os.PathLike) -> Path:
+    """A local folder holding the tokenizer files at ``uri``: the folder itself when it is local; for a
+    remote folder, its tokenizer files (small, fetched whole) in a folder named by their content under the
+    temporary directory, so tokenizer code reads local files either way."""
+    if scheme_of(uri) is None:
+        return Path(local_path(uri))
+    storage = storage_for(uri)
+    if not hasattr(storage, "tokenizer_files"):
+        raise StorageError(f"{redact(os.fspath(uri))}: this storage backend cannot fetch tokenizer files")
+    files = storage.tokenizer_files(os.fspath(uri))
+    h = hashlib.sha256()
+    for name, data in sorted(files.items()):
+        h.update(f"{name}\0{len(data)}\0".encode())
+        h.update(data)
+    folder = Path(tempfile.gettempdir()) / "mergepipe-tokenizers" / h.hexdigest()[:32]
+    if not folder.is_dir():
+        staging = Path(tempfile.mkdtemp(prefix=".fetch-", dir=_made(folder.parent)))
+        for name, data in files.items():
+            (staging / name).write_bytes(data)
+        try:
+            os.replace(staging, folder)
+        except OSError:  # another process made the same folder first: same content
+            for f in staging.iterdir():
+                f.unlink()
+            staging.rmdir()
+    return folder
+
+
+def _made(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder

@@ -23,6 +23,7 @@ backend's transferred bytes. Delete the folder to empty it.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import threading
@@ -32,15 +33,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from mergepipe.errors import StorageError
+from mergepipe.errors import CatalogError, StorageError
 from mergepipe.storage.base import Storage
+from mergepipe.storage.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraAdapter, adapter_of, checked_config
 from mergepipe.storage.safetensors import (
     INDEX_NAME, MAX_JSON_BYTES, Checkpoint, check_index, checked_config, header_length, header_tensors,
     index_weight_map, json_object,
 )
 from mergepipe.storage.tokenizer_files import is_tokenizer_file
+from mergepipe.storage.torchbin import BIN_INDEX, BIN_NAME, parse_bin_bytes
 from mergepipe.storage.transports import HttpTransport, S3Transport, Transient, describe, env_float
-from mergepipe.storage.uris import canonical_remote, hf_endpoint, hf_token, parse_hf
+from mergepipe.storage.uris import RemoteRoot, canonical_remote, hf_endpoint, hf_token, parse_hf
 
 # side files a merged model takes from a remote base that cannot list its folder (plain HTTP, the Hub)
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -54,30 +57,10 @@ def env_int(name: str, default: int) -> int:
     return int(env_float(name, default))
 
 
-class RemoteRoot(str):
-    """Where a remote checkpoint lives (its URI), standing in for a local root Path: never a local
-    directory or file, so nothing local is looked for under it."""
-
-    @property
-    def name(self) -> str:
-        return self.rstrip("/").rsplit("/", 1)[-1]
-
-    def __truediv__(self, other: str) -> "RemoteRoot":
-        return RemoteRoot(f"{self.rstrip('/')}/{other}")
-
-    def is_dir(self) -> bool:
-        return False
-
-    def is_file(self) -> bool:
-        return False
-
-    def exists(self) -> bool:
-        return False
-
-
 def split_location(uri: str) -> tuple[str, str | None]:
-    """(folder URI, file name) for ``.../model.safetensors``; (uri, None) for a folder."""
-    if uri.endswith(".safetensors"):
+    """(folder URI, file name) for ``.../model.safetensors`` or ``.../pytorch_model.bin``; (uri, None) for a
+    folder."""
+    if uri.endswith((".safetensors", ".bin")):
         folder, _, name = uri.rpartition("/")
         return folder, name
     return uri, None
@@ -100,6 +83,10 @@ class TransferStats:
         with self.lock:
             return {"requests": self.requests, "bytes": self.bytes, "retries": self.retries,
                     "cache_hits": self.cache_hits}
+
+
+class _Missing(StorageError):
+    """A weight file that is not there."""
 
 
 class RemoteStorage(Storage):
@@ -161,7 +148,13 @@ class RemoteStorage(Storage):
         t = self.transport(folder)
         listing = None if single else self.retrying(uri, t.list)[0]
         weight_map, names = self._weight_files(t, uri, single, listing)
-        probes = list(self.pool.map(lambda n: self._header(t, folder, n), names))
+        try:
+            probes = list(self.pool.map(lambda n: self._layout(t, folder, n), names))
+        except _Missing:
+            if single or listing is not None or weight_map is not None:
+                raise
+            weight_map, names = self._bin_files(t, uri)  # no listing (HTTP, the Hub): a .bin checkpoint?
+            probes = list(self.pool.map(lambda n: self._layout(t, folder, n), names))
         tensors, sizes, etags = {}, {}, {}
         for name, (found, size, etag) in zip(names, probes):
             for tname, info in found.items():
@@ -170,7 +163,7 @@ class RemoteStorage(Storage):
                 tensors[tname] = info
             sizes[name], etags[name] = size, etag
         if weight_map is not None:
-            check_index(t.where(INDEX_NAME), weight_map, tensors)
+            check_index(t.where(BIN_INDEX if names[0].endswith(".bin") else INDEX_NAME), weight_map, tensors)
         if not tensors:
             raise StorageError(f"{uri}: checkpoint holds no tensors")
         config = {}
@@ -192,22 +185,59 @@ class RemoteStorage(Storage):
         return data
 
     def _weight_files(self, t, uri: str, single: str | None, listing: list[str] | None):
+        """(weight map or None, weight file names): safetensors first, else PyTorch ``.bin`` files."""
         if single:
             return None, [single]
-        raw = self._small(t, INDEX_NAME) if listing is None or INDEX_NAME in listing else None
+        for index, default, suffix in ((INDEX_NAME, "model.safetensors", ".safetensors"),
+                                       (BIN_INDEX, BIN_NAME, ".bin")):
+            raw = self._small(t, index) if listing is None or index in listing else None
+            if raw is not None:
+                weight_map = index_weight_map(t.where(index), json_object(t.where(index), raw))
+                return weight_map, sorted(set(weight_map.values()))
+            if listing is None and suffix == ".safetensors":
+                return None, [default]  # without a listing: the standard name (open falls back to .bin)
+            names = [default] if listing is None else \
+                [n for n in listing if n.endswith(suffix) and (suffix != ".bin" or n.startswith("pytorch_model"))]
+            if names:
+                return None, names
+        raise StorageError(f"{uri}: no .safetensors (or pytorch_model*.bin) files at this location")
+
+    def _bin_files(self, t, uri: str) -> tuple[dict | None, list[str]]:
+        raw = self._small(t, BIN_INDEX)
         if raw is not None:
-            weight_map = index_weight_map(t.where(INDEX_NAME), json_object(t.where(INDEX_NAME), raw))
+            weight_map = index_weight_map(t.where(BIN_INDEX), json_object(t.where(BIN_INDEX), raw))
             return weight_map, sorted(set(weight_map.values()))
-        names = ["model.safetensors"] if listing is None else [n for n in listing if n.endswith(".safetensors")]
-        if not names:
-            raise StorageError(f"{uri}: no .safetensors files at this location")
-        return None, names
+        probe, _ = self.retrying(t.where(BIN_NAME), lambda: t.probe(BIN_NAME, 4))
+        if probe is None:
+            raise StorageError(f"{uri}: no model.safetensors, pytorch_model.bin or shard index at this location")
+        return None, [BIN_NAME]
+
+    def _layout(self, t, folder: str, name: str):
+        """(tensors, size, etag) of one weight file: a safetensors header, or a .bin's zip directory."""
+        return self._bin_layout(t, folder, name) if name.endswith(".bin") else self._header(t, folder, name)
+
+    def _bin_layout(self, t, folder: str, name: str):
+        """A ``.bin``'s tensors by range requests: its zip directory, data.pkl and each storage's local
+        header (storage/torchbin.py reads the same bytes of a local file, never unpickling anything)."""
+        probe, retries = self.retrying(t.where(name), lambda: t.probe(name, 4))
+        if probe is None:
+            raise _Missing(f"{t.where(name)}: not found")
+        self.stats.add(len(probe.head), retries)
+        key = (folder, name, probe.etag, probe.size)
+        with _HEADER_CACHE_LOCK:
+            hit = _HEADER_CACHE.get(key) if probe.etag else None
+        if hit is None:
+            hit = parse_bin_bytes(RemoteBytes(self, t, name, probe.size, probe.etag), probe.size, t.where(name), name)
+            if probe.etag:
+                with _HEADER_CACHE_LOCK:
+                    _HEADER_CACHE[key] = hit
+        return hit, probe.size, probe.etag
 
     def _header(self, t, folder: str, name: str):
         """(tensors, size, etag) of one weight file: its first 8 bytes, then exactly its header."""
         probe, retries = self.retrying(t.where(name), lambda: t.probe(name, 8))
         if probe is None:
-            raise StorageError(f"{t.where(name)}: not found")
+            raise _Missing(f"{t.where(name)}: not found")
         self.stats.add(len(probe.head), retries)
         key = (folder, name, probe.etag, probe.size)
         with _HEADER_CACHE_LOCK:
@@ -223,6 +253,22 @@ class RemoteStorage(Storage):
                 while len(_HEADER_CACHE) > 512:
                     _HEADER_CACHE.popitem(last=False)
         return tensors, probe.size, probe.etag
+
+    def open_adapter(self, uri: str) -> LoraAdapter:
+        """A PEFT LoRA adapter folder: adapter_config.json (one small GET) and the header of its
+        adapter_model.safetensors (range requests), as for a checkpoint."""
+        uri = canonical_remote(os.fspath(uri)).rstrip("/")
+        t = self.transport(uri)
+        raw = self._small(t, ADAPTER_CONFIG)
+        if raw is None:
+            raise CatalogError(f"{uri}: not a PEFT adapter (no {ADAPTER_CONFIG})")
+        where = t.where(ADAPTER_CONFIG)
+        config = checked_config(where, json_object(where, raw))
+        probe, _ = self.retrying(t.where(ADAPTER_WEIGHTS), lambda: t.probe(ADAPTER_WEIGHTS, 0))
+        if probe is None:
+            raise CatalogError(f"{uri}: no {ADAPTER_WEIGHTS} (an adapter saved as adapter_model.bin is not "
+                               "supported: save it with safe_serialization=True)")
+        return adapter_of(RemoteRoot(uri), config, self.open(f"{uri}/{ADAPTER_WEIGHTS}"))
 
     def size(self, checkpoint: Checkpoint, fname: str) -> int:
         return checkpoint.file_sizes[fname]
@@ -241,8 +287,17 @@ class RemoteStorage(Storage):
 
     def side_files(self, checkpoint: Checkpoint) -> dict[str, bytes] | None:
         """config.json and the tokenizer/generation files at the checkpoint's folder (for a merged model)."""
-        t = self.transport(checkpoint.remote["folder"])
-        listing = checkpoint.remote["listing"]
+        return self._folder_files(checkpoint.remote["folder"], checkpoint.remote["listing"])
+
+    def tokenizer_files(self, uri: str) -> dict[str, bytes]:
+        """The tokenizer files (and generation_config.json) at a remote folder, each fetched whole."""
+        folder = split_location(canonical_remote(os.fspath(uri)))[0]
+        t = self.transport(folder)
+        listing = self.retrying(folder, t.list)[0]
+        return {n: b for n, b in self._folder_files(folder, listing).items() if n != "config.json"}
+
+    def _folder_files(self, folder: str, listing: list[str] | None) -> dict[str, bytes]:
+        t = self.transport(folder)
         names = SIDE_FILES if listing is None else [n for n in listing if n == "config.json" or is_tokenizer_file(n)]
         out = {}
         for name in names:
@@ -342,6 +397,47 @@ class RemoteReader:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class RemoteBytes:
+    """One remote file as a byte source for storage/torchbin.py: exact range reads (``pread``) and a
+    seekable file object over them (``file()``, buffered in 8 KiB reads, for the zip's directory)."""
+
+    def __init__(self, storage: RemoteStorage, transport, name: str, size: int, etag: str | None):
+        self.storage, self.transport, self.name, self.size, self.etag = storage, transport, name, size, etag
+
+    def pread(self, n: int, offset: int) -> bytes:
+        end = min(offset + n, self.size)
+        if end <= offset:
+            return b""
+        return self.storage.fetch(self.transport, self.name, offset, end, self.etag, self.size)
+
+    def file(self):
+        return io.BufferedReader(_RangeRaw(self), buffer_size=8 << 10)
+
+
+class _RangeRaw(io.RawIOBase):
+    def __init__(self, src: RemoteBytes):
+        self.src, self.pos = src, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = max(0, offset if whence == 0 else self.pos + offset if whence == 1 else self.src.size + offset)
+        return self.pos
+
+    def readinto(self, buf) -> int:
+        data = self.src.pread(len(buf), self.pos)
+        buf[:len(data)] = data
+        self.pos += len(data)
+        return len(data)
 
 
 # --- the optional block cache ------------------------------------------------------------------------

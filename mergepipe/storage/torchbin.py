@@ -150,44 +150,60 @@ def bin_files(root: Path) -> list[Path]:
     return files
 
 
+class _LocalBytes:
+    """A local .bin file's bytes: positioned reads, and a file object for the zip directory."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def pread(self, n: int, offset: int) -> bytes:
+        return os.pread(self.fd, n, offset)
+
+    def file(self):
+        return os.fdopen(os.dup(self.fd), "rb")
+
+
 def parse_bin(path: Path, label: str | None = None) -> dict[str, TensorInfo]:
     """The tensors of one zip-format torch.save file: names, dtypes, shapes and absolute byte offsets."""
     path = Path(path)
-    label = label or path.name
     try:
         fd = open_regular(path)
     except OSError as exc:
         raise StorageError(f"{path}: cannot read ({exc.strerror})") from None
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        size = os.fstat(fd).st_size
-        with os.fdopen(os.dup(fd), "rb") as fh:
-            if fh.read(4) != _LOCAL_HEADER:
-                raise StorageError(f"{path}: not a zip-format torch checkpoint (the legacy torch.save format "
-                                   f"of torch < 1.6 is not read: re-save it with a current torch, or convert "
-                                   f"it to safetensors)")
-            fh.seek(0)
-            try:
-                zf = zipfile.ZipFile(fh)
-            except (zipfile.BadZipFile, OSError, ValueError) as exc:
-                raise StorageError(f"{path}: not a valid torch checkpoint zip ({exc})") from None
-            with zf:
-                entries = {i.filename: i for i in zf.infolist()}
-                pkl = [n for n in entries if n.endswith("/data.pkl") and n.count("/") == 1]
-                if len(pkl) != 1:
-                    raise StorageError(f"{path}: not a torch checkpoint (no single <name>/data.pkl entry)")
-                prefix = pkl[0][: -len("data.pkl")]
-                order = entries.get(prefix + "byteorder")
-                if order is not None and _entry_bytes(fd, path, order, size, 16) != b"little":
-                    raise StorageError(f"{path}: a big-endian torch checkpoint is not supported")
-                info = entries[pkl[0]]
-                if info.file_size > MAX_PICKLE_BYTES:
-                    raise StorageError(f"{path}: data.pkl is {info.file_size} bytes (limit {MAX_PICKLE_BYTES})")
-                raw = _entry_bytes(fd, path, info, size, MAX_PICKLE_BYTES)
-                obj = _unpickle(raw, label)
-                return _layout(path, label, fd, size, prefix, entries, obj)
+        return parse_bin_bytes(_LocalBytes(fd), os.fstat(fd).st_size, path, label or path.name)
     finally:
         os.close(fd)
+
+
+def parse_bin_bytes(src, size: int, path, label: str) -> dict[str, TensorInfo]:
+    """:func:`parse_bin` of any byte source: ``src.pread(n, offset)`` and ``src.file()`` (a seekable binary
+    file object for the zip's central directory); a remote file's reads are range requests."""
+    if src.pread(4, 0) != _LOCAL_HEADER:
+        raise StorageError(f"{path}: not a zip-format torch checkpoint (the legacy torch.save format "
+                           f"of torch < 1.6 is not read: re-save it with a current torch, or convert "
+                           f"it to safetensors)")
+    with src.file() as fh:
+        try:
+            zf = zipfile.ZipFile(fh)
+        except (zipfile.BadZipFile, OSError, ValueError) as exc:
+            raise StorageError(f"{path}: not a valid torch checkpoint zip ({exc})") from None
+        with zf:
+            entries = {i.filename: i for i in zf.infolist()}
+            pkl = [n for n in entries if n.endswith("/data.pkl") and n.count("/") == 1]
+            if len(pkl) != 1:
+                raise StorageError(f"{path}: not a torch checkpoint (no single <name>/data.pkl entry)")
+            prefix = pkl[0][: -len("data.pkl")]
+            order = entries.get(prefix + "byteorder")
+            if order is not None and _entry_bytes(src, path, order, size, 16) != b"little":
+                raise StorageError(f"{path}: a big-endian torch checkpoint is not supported")
+            info = entries[pkl[0]]
+            if info.file_size > MAX_PICKLE_BYTES:
+                raise StorageError(f"{path}: data.pkl is {info.file_size} bytes (limit {MAX_PICKLE_BYTES})")
+            raw = _entry_bytes(src, path, info, size, MAX_PICKLE_BYTES)
+            obj = _unpickle(raw, label)
+            return _layout(path, label, src, size, prefix, entries, obj)
 
 
 def _unpickle(raw: bytes, label: str):
@@ -200,7 +216,7 @@ def _unpickle(raw: bytes, label: str):
             from None
 
 
-def _data_start(fd: int, path: Path, info: zipfile.ZipInfo, size: int) -> int:
+def _data_start(src, path: Path, info: zipfile.ZipInfo, size: int) -> int:
     """Absolute offset of an entry's bytes: after its local header (whose extra field, torch's alignment
     padding, may differ from the central directory's)."""
     if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
@@ -208,7 +224,7 @@ def _data_start(fd: int, path: Path, info: zipfile.ZipInfo, size: int) -> int:
                            f"(re-save with torch.save, which stores them uncompressed)")
     if info.flag_bits & 0x1:
         raise StorageError(f"{path}: entry {info.filename} is encrypted")
-    head = os.pread(fd, 30, info.header_offset)
+    head = src.pread(30, info.header_offset)
     if len(head) < 30 or head[:4] != _LOCAL_HEADER:
         raise StorageError(f"{path}: entry {info.filename} has no valid local header (corrupt zip)")
     n_name = int.from_bytes(head[26:28], "little")
@@ -219,10 +235,10 @@ def _data_start(fd: int, path: Path, info: zipfile.ZipInfo, size: int) -> int:
     return start
 
 
-def _entry_bytes(fd: int, path: Path, info: zipfile.ZipInfo, size: int, limit: int) -> bytes:
-    start = _data_start(fd, path, info, size)
+def _entry_bytes(src, path: Path, info: zipfile.ZipInfo, size: int, limit: int) -> bytes:
+    start = _data_start(src, path, info, size)
     n = min(info.file_size, limit)
-    data = os.pread(fd, n, start)
+    data = src.pread(n, start)
     if len(data) != n:
         raise StorageError(f"{path}: entry {info.filename} is truncated")
     return data
@@ -237,7 +253,7 @@ def _contiguous(shape, stride) -> bool:
     return True
 
 
-def _layout(path, label, fd, size, prefix, entries, obj) -> dict[str, TensorInfo]:
+def _layout(path, label, src, size, prefix, entries, obj) -> dict[str, TensorInfo]:
     if not isinstance(obj, dict):
         raise StorageError(f"{path}: holds a {type(obj).__name__}, not a state dict of tensors")
     bad = [k for k, v in obj.items() if not isinstance(k, str) or not isinstance(v, _Tensor)]
@@ -268,7 +284,7 @@ def _layout(path, label, fd, size, prefix, entries, obj) -> dict[str, TensorInfo
         if t.offset + numel > st.numel:
             raise StorageError(f"{path}: tensor {name!r} lies outside its storage data/{st.key}")
         if st.key not in starts:
-            starts[st.key] = _data_start(fd, path, entry, size)
+            starts[st.key] = _data_start(src, path, entry, size)
         users.setdefault(st.key, []).append((name, t))
         tensors[name] = TensorInfo(name, st.dtype, shape, label, starts[st.key] + t.offset * item, numel * item)
     for key, used in users.items():

@@ -164,6 +164,10 @@ class HttpTransport:
         self.pool.clear()
 
 
+class _Changed(Exception):
+    """S3 refused a conditional read: the object's ETag is no longer the one it was opened with."""
+
+
 class S3Transport:
     """S3 (or any S3-compatible store) through s3fs: exact ``cat_file`` ranges, no read-ahead blocks."""
 
@@ -190,7 +194,7 @@ class S3Transport:
     def _call(self, name: str, fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except FileNotFoundError:
+        except (FileNotFoundError, _Changed):
             raise
         except PermissionError:
             raise StorageError(f"{self.where(name)}: access denied; check AWS credentials (AWS_ACCESS_KEY_ID, "
@@ -215,13 +219,36 @@ class S3Transport:
         return Probe(head, int(info["size"]), info.get("ETag"))
 
     def get(self, name: str, start: int, end: int, etag: str | None) -> bytes:
+        """Bytes [start, end) of ``name``, exactly; with ``etag``, a GetObject with If-Match: the store refuses
+        (412) when the object changed since it was opened, so a merge never mixes two versions' bytes."""
+        from fsspec.asyn import sync
+
         try:
-            data = self._call(name, self.fs.cat_file, self.key(name), start=start, end=end)
+            data = self._call(name, sync, self.fs.loop, self._get_object, self.key(name), start, end, etag)
         except FileNotFoundError:
             raise StorageError(f"{self.where(name)}: no longer exists") from None
+        except _Changed:
+            raise StorageError(f"{self.where(name)}: the object changed since it was opened (its ETag is no "
+                               f"longer {etag}); re-register the model") from None
         if len(data) != end - start:
             raise Transient(f"short body ({len(data)} of {end - start} bytes)")
         return data
+
+    async def _get_object(self, key: str, start: int, end: int, etag: str | None) -> bytes:
+        bucket, path, _ = self.fs.split_path(key)
+        condition = {"IfMatch": etag} if etag else {}
+        try:
+            resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=path, Range=f"bytes={start}-{end - 1}",
+                                          **condition)
+        except OSError as exc:
+            cause = exc.__cause__ or exc.__context__
+            if getattr(cause, "response", {}).get("Error", {}).get("Code") == "PreconditionFailed":
+                raise _Changed() from None
+            raise
+        try:
+            return await resp["Body"].read()
+        finally:
+            resp["Body"].close()
 
     def fetch_all(self, name: str, limit: int) -> tuple[bytes, bool] | None:
         probe = self.probe(name, 0)

@@ -117,3 +117,24 @@ def remote_model_name(uri: str) -> str:
         return parts[parts.index("resolve") - 1]
     last = parts[-1] if parts else urlsplit(text).netloc
     return last[: -len(".safetensors")] if last.endswith(".safetensors") else last
+
+
+class RemoteRoot(str):
+    """Where a remote checkpoint lives (its URI), standing in for a local root Path: never a local
+    directory or file, so nothing local is looked for under it."""
+
+    @property
+    def name(self) -> str:
+        return self.rstrip("/").rsplit("/", 1)[-1]
+
+    def __truediv__(self, other: str) -> "RemoteRoot":
+        return RemoteRoot(f"{self.rstrip('/')}/{other}")
+
+    def is_dir(self) -> bool:
+        return False
+
+    def is_file(self) -> bool:
+        return False
+
+    def exists(self) -> bool:
+        return False

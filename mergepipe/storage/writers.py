@@ -152,7 +152,8 @@ def finish_files(base_ck: Checkpoint, staging: Path, shards: list[OutShard], tok
                 except OSError as exc:
                     failed = staging / name if exc.filename != str(src) else src
                     raise write_failure(exc, "copying" if failed == src else "writing", failed) from exc
-    source = Path(tokenizer["source_uri"]) if tokenizer.get("source_uri") else base_ck.root
+    from mergepipe.storage.registry import tokenizer_folder  # a remote source's files are fetched first
+    source = tokenizer_folder(tokenizer["source_uri"]) if tokenizer.get("source_uri") else base_ck.root
     try:
         if side_files is None or tokenizer.get("source_uri"):
             copy_tokenizer_files(source, staging)
