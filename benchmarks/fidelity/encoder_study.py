@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -149,14 +150,15 @@ class EncoderStudy:
         return rows
 
 
-# What the study runs (cut to fit 2 shared cores, see the report). K = 8: norm at every budget for every
-# operator; the other strategies at 25 % for linear and ties; K = 2, 4: 25 % and 100 %.
-K8_FULL = {"norm": (BUDGETS, BUDGETS), **{s: ((25,), (25,)) for s in STRATEGIES if s != "norm"}}
-K8_LORA = {"norm": (BUDGETS, BUDGETS), **{s: ((25,), (25,)) for s in STRATEGIES if s != "norm"}}
-SMALL_K = {"norm": ((25,), (25,))}
-SIZE_LAMBDAS = (0.5,)  # fixed (no validation merges): the machine had no time for the selection
-STRATEGY_OPERATORS = {"full": OPERATORS, "lora": ("linear", "ties")}  # strategy comparison at 25 % (cut)
-SMALL_K_OPERATORS = ("linear", "task_arithmetic", "ties")  # K = 2, 4: full experts only (cut)
+# What the study runs. K = 8: every planner strategy for every operator, norm at every budget, the other
+# strategies at 10 and 25 % (cut: not at 5 and 50 %); K = 2 and 4: norm at 10, 25, 50 % (cut: not at 5 %).
+# Both variants, every operator, task_arithmetic's lambda validated for every K.
+K8_CELLS = {"norm": (BUDGETS, BUDGETS), **{s: ((10, 25), (10, 25)) for s in STRATEGIES if s != "norm"}}
+K8_FULL = K8_LORA = K8_CELLS
+SMALL_K = {"norm": ((10, 25, 50), (10, 25, 50))}
+SIZE_LAMBDAS = LAMBDAS
+STRATEGY_OPERATORS = {"full": OPERATORS, "lora": OPERATORS}
+SMALL_K_OPERATORS = OPERATORS
 
 
 def run(args) -> dict:
@@ -202,15 +204,15 @@ def run(args) -> dict:
         save("block sweep")
         return results
     small = size_groups(tasks) if len(tasks) >= 4 else {}
+    variants = [args.variant] if args.variant else list(spec.variants)
     phases = []
-    for variant in spec.variants:
+    for variant in variants:
         phases.append((f"{variant} K={len(tasks)} norm", variant, None, {"norm": K8_FULL["norm"]}, OPERATORS))
-    for variant in spec.variants:
         others = {s: c for s, c in (K8_FULL if variant == "full" else K8_LORA).items() if s != "norm"}
         phases.append((f"{variant} K={len(tasks)} strategies", variant, None, others,
                        tuple(args.strategy_ops.split(",")) if args.strategy_ops else STRATEGY_OPERATORS[variant]))
-    for k in small:
-        phases.append((f"full K={k} norm", "full", k, SMALL_K, SMALL_K_OPERATORS))
+        for k in sorted(small, reverse=True):
+            phases.append((f"{variant} K={k} norm", variant, k, SMALL_K, SMALL_K_OPERATORS))
     if args.phases:  # e.g. "K=2,K=4": run only the phases whose name contains one of these
         phases = [p for p in phases if any(f in p[0] for f in args.phases.split(","))]
     studies = {v: EncoderStudy(fam, v, out_root / v, suite, BLOCK_BYTES) for v in spec.variants
@@ -239,11 +241,38 @@ def run(args) -> dict:
         save(name)
     for st in studies.values():
         shutil.rmtree(st.out / "merges", ignore_errors=True)
-    if not args.no_block_sweep and not args.phases:
+    if not args.no_block_sweep and not args.phases and "full" in variants:
         results["block_sweep"] = block_sweep(fam, suite, results["variants"]["full"]["lambda"][str(len(tasks))]["chosen"],
                                              out_root / "blocks")
         save("block sweep")
     return results
+
+
+def run_parallel(args, argv: list[str]) -> dict:
+    """Each variant's phases in its own process (``--variant v --tag v``), then one results.json."""
+    import subprocess
+    spec = MINI if args.mini else FULL
+    build_family(Path(args.family or (DEFAULT_OUT.with_name("minilm-mini") if args.mini else DEFAULT_OUT)), spec)
+    rest = [a for a in argv if not a.startswith("--jobs")]
+    rest = [a for i, a in enumerate(rest) if not (i and rest[i - 1] == "--jobs")]
+    procs = {v: subprocess.Popen([sys.executable, "-m", "benchmarks.fidelity.encoder_study", *rest, "--variant", v,
+                                  "--tag", v]) for v in spec.variants}
+    failed = [v for v, p in procs.items() if p.wait() != 0]
+    if failed:
+        raise SystemExit(f"error: the study of {', '.join(failed)} failed")
+    base = "minilm-study-mini" if args.mini else "minilm-study"
+    parts = [json.loads((WORK / f"{base}-{v}" / "results.json").read_text()) for v in spec.variants]
+    res = parts[0]
+    for more in parts[1:]:
+        res["variants"].update(more["variants"])
+        res["phases_done"] += more["phases_done"]
+        res["seconds_total"] = max(res["seconds_total"], more["seconds_total"])
+        res["block_sweep"] = res.get("block_sweep", []) + more.get("block_sweep", [])
+    (WORK / base).mkdir(parents=True, exist_ok=True)
+    (WORK / base / "results.json").write_text(json.dumps(res, indent=1))
+    for v in spec.variants:  # merged: not to be merged again by --report
+        (WORK / f"{base}-{v}" / "results.json").rename(WORK / f"{base}-{v}" / "results.merged.json")
+    return res
 
 
 def block_sweep(fam: dict, suite: dict, lam: float, out: Path, sizes=BLOCK_SWEEP) -> list[dict]:
@@ -277,10 +306,14 @@ def main(argv=None) -> int:
     ap.add_argument("--lam", type=float, default=None, help="task_arithmetic lambda without validation")
     ap.add_argument("--tag", default="", help="suffix of the study's work directory (parallel partial runs)")
     ap.add_argument("--report", action="store_true", help="write docs/fidelity from the last results.json")
+    ap.add_argument("--variant", choices=("full", "lora"), help="only this expert variant's phases")
+    ap.add_argument("--jobs", type=int, default=1, help="2: the variants in two processes, one result")
     args = ap.parse_args(argv)
-    if not args.report:
+    if args.jobs > 1 and not args.report:
+        run_parallel(args, sys.argv[1:] if argv is None else list(argv))
+    elif not args.report:
         run(args)
-        if args.phases or args.blocks:
+        if args.phases or args.blocks or args.variant:
             return 0
     from benchmarks.fidelity.encoder_report import write_report
     main_dir = WORK / ("minilm-study-mini" if args.mini else "minilm-study")

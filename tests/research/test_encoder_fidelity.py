@@ -34,27 +34,28 @@ def fam(tmp_path_factory):
 def _label_of(task: str, s: str) -> int:
     """An independent reading of each generated sentence's label."""
     w = s.split()
-    if task == "agent":
-        return tt.ANIMALS.index(w[-4] if " was " in s else w[1])
-    if task in ("taller", "before"):
-        w = w[w.index(",") + 1:]  # after the time phrase
-    if task == "taller":
-        a, b = w[0], w[-1]
-        return tt.NAMES.index(a if ("taller" in s or "not as short" in s) else b)
-    if task == "before":
-        acts = [x for x in w if x in tt.ACTIONS]
-        return tt.ACTIONS.index(acts[1] if w[2] == "after" or w[0] == "before" else acts[0])
+    if task == "parity":
+        return int(len(w[w.index("said") + 1:]) % 2 == 0)
+    if task == "negparity":
+        return int(w.count("not") % 2 == 0)
+    if task == "larger":
+        i = w.index("is")
+        x, word, y = w[i - 1], w[i + 1], w[i + 3]
+        bigger = tt.NUMBERS.index(x) > tt.NUMBERS.index(y)
+        return int(bigger == (word in ("more", "bigger", "greater")))
+    if task == "xor":
+        first_state = {t: p for t, p, _ in tt.STATES}
+        things = [w[i + 1] for i, x in enumerate(w) if x == "the" and w[i + 1] in first_state]
+        states = [w[i + 1] for i, x in enumerate(w) if x == "was"]
+        return int((states[0] == first_state[things[0]]) != (states[1] == first_state[things[1]]))
+    if task == "older":
+        i = w.index("than")
+        return int((w[i - 3] == "alice") == (w[i - 1] in ("older", "taller")))
     if task == "negation":
-        pos = any(x in tt.POSITIVE for x in w)
-        negated = "not" in w or "never" in w
-        return int(pos != negated)
-    if task == "compare":
-        n1, n2 = (int(x) for x in re.findall(r"\d+", s))
-        return 0 if n1 > n2 else 1
-    if task == "count":
-        return s.count(" a ") - 2
-    if task == "repeat":
-        return int(len(set(w)) < len(w))
+        holds = any(h in s for h in tt.HOLDS)
+        return int((w[-1] in ("open", "unlocked")) == holds)
+    if task == "ends":
+        return int(w[0] == w[-1])
     if task == "order":
         return int(s in tt.docstring_lines())
     raise AssertionError(task)
@@ -66,16 +67,22 @@ def test_generated_labels_match_an_independent_reading(task):
     pairs = t.examples(200, 3)
     assert [_label_of(task, s) for s, _ in pairs] == [y for _, y in pairs]
     assert {y for _, y in pairs} == set(range(len(t.labels)))  # every class occurs
+    assert 0.4 < sum(y for _, y in pairs) / len(pairs) < 0.6  # balanced
     assert t.chance == pytest.approx(1 / len(t.labels))
+    if task != "order":  # the miniature family's word-level vocabulary covers every templated sentence
+        assert {x for s, _ in pairs for x in s.split()} <= set(tt.vocabulary())
 
 
 @pytest.mark.parametrize("task,sentence,label", [
-    ("agent", "the dog chased the cat in the park", 1), ("agent", "the dog was bit by the horse in the yard", 2),
-    ("taller", "today , bob is shorter than carol", 2), ("taller", "at noon , alice is not as short as david", 0),
-    ("before", "in winter , carol swam after carol read", 3), ("before", "on monday , before bob ate , bob slept", 1),
-    ("negation", "the meal was not bad at all", 1), ("negation", "the trip was never great", 0),
-    ("compare", "the jar holds 9 apples and the box holds 10 apples", 1),
-    ("count", "i bought a ticket, a river, a chair and a mirror", 2), ("repeat", "a b c d e a", 1)])
+    ("parity", "bob said apple apple apple", 0), ("parity", "kate said river river river river", 1),
+    ("negparity", "at noon emma was not not happy", 1), ("negparity", "on monday jack was not not not busy", 0),
+    ("larger", "seven is more than twelve", 0), ("larger", "seven is fewer than twelve", 1),
+    ("xor", "at noon the door was open and the lamp was off", 1),
+    ("xor", "in winter the cup was empty and the road was dry", 0),
+    ("older", "last week alice was younger than bob", 0), ("older", "at noon mary was shorter than alice", 1),
+    ("negation", "at noon , it is not true that the gate was locked", 1),
+    ("negation", "at noon , it is not false that the tap was shut", 0),
+    ("ends", "apple chair river pencil apple", 1), ("ends", "apple chair river chair pencil", 0)])
 def test_hand_made_sentences_read_as_expected(task, sentence, label):
     assert _label_of(task, sentence) == label
 
@@ -87,6 +94,8 @@ def test_splits_are_seeded_and_held_out():
         assert not {s for s, _ in train} & {s for s, _ in held}
         assert data(task, MINI) == (train, held)
         assert data(task, replace(MINI, seed=1)) != (train, held)
+        if task != "order":  # templated sentences: held out by their hash, never generated for training
+            assert all(tt.held_out(x) for x, _ in held) and not any(tt.held_out(x) for x, _ in train)
     doc_eval = set(tt._doc_split("eval"))
     assert doc_eval and not doc_eval & set(tt._doc_split("train"))
     held_lines = [s for s, y in data("order", MINI)[1] if y == 1]
@@ -140,12 +149,12 @@ def test_family_layout_and_update_structure(fam):
 
 
 def test_family_is_reproducible_and_reused(tmp_path, fam):
-    spec = replace(MINI, steps=3, tasks=("agent",))
+    spec = replace(MINI, steps=3, tasks=("larger",))
     a = build_family(tmp_path / "a", spec, log=lambda *_: None)
     b = build_family(tmp_path / "b", spec, log=lambda *_: None)
     for v in ("full", "lora"):
-        assert _digest(a["experts"][v]["agent"]) == _digest(b["experts"][v]["agent"])
-    assert _digest(a["experts"]["full"]["agent"]) != _digest(a["base"])
+        assert _digest(a["experts"][v]["larger"]) == _digest(b["experts"][v]["larger"])
+    assert _digest(a["experts"]["full"]["larger"]) != _digest(a["base"])
     log = []
     build_family(tmp_path / "a", spec, log=log.append)
     assert log == []  # nothing retrained
@@ -155,7 +164,7 @@ def test_family_is_reproducible_and_reused(tmp_path, fam):
 
 def test_merged_accuracy_matches_one_sentence_at_a_time(fam):
     """Batched, padded scoring vs an independent loop: each sentence alone, its own forward, mean, argmax."""
-    task = "agent"
+    task = "larger"
     expert = fam["experts"]["full"][task]
     pairs = eval_suite(MINI, [task])[task][:20]
     model, tok = load_encoder(expert)
