@@ -209,9 +209,10 @@ def family_section(res: dict) -> list[str]:
         f"{spec['lr']:g} (the top of the usual 2e-5..5e-5 range for BERT-size encoders, so that the parity-like tasks "
         "are learned within a few hundred steps). The 30522-row word-embedding matrix uses sparse gradients and "
         "lazy Adam (only rows of tokens seen in a batch move, no weight decay there), fused AdamW elsewhere. **lora**: "
-        f"PEFT LoRA r={spec['lora_r']}, α={2 * spec['lora_r']} on query/value (PEFT's default for BERT), lr "
-        f"{spec['lora_lr']:g}, same data and schedule, merged into the weights (`merge_and_unload`), so a LoRA expert is "
-        "a full checkpoint whose update is low-rank and confined to 12 of the encoder's matrices. Heads lr "
+        f"PEFT LoRA r={spec['lora_r']}, α={2 * spec['lora_r']} on {', '.join(spec.get('lora_targets', ('query', 'value')))} "
+        f"(every linear layer of the 6 blocks, 36 matrices; query/value alone, PEFT's default for BERT, learned neither "
+        f"xor nor older either), lr {spec['lora_lr']:g}, same data and schedule, merged into the weights "
+        "(`merge_and_unload`), so a LoRA expert is a full checkpoint whose update is low-rank in those matrices. Heads lr "
         f"{spec['head_lr']:g}, stored outside the checkpoints (FusionBench's GLUE protocol: a merge combines encoders, "
         "task t is scored with the merged encoder + t's head). The base's skill on a task is a linear probe (logistic "
         "regression, LBFGS) on its frozen mean-pooled embeddings of the same (distinct) training sentences. "
@@ -386,8 +387,10 @@ def encoder_markdown(res: dict, files: list[Path]) -> list[str]:
     lines = ["## Family A: all-MiniLM-L6-v2, a genuinely pretrained encoder", "",
              f"Run {res['started']}, {res['machine']['cpus']} CPUs shared with other jobs ({res['machine']['threads']} "
              f"threads), torch {res['machine']['torch']}; study {res['seconds_total'] / 60:.0f} min. Reproduce: "
-             "`python -m benchmarks.fidelity.encoder` (family, cached under `benchmarks/work/fidelity/minilm`), then "
-             "`python -m benchmarks.fidelity.encoder_study`. Raw numbers: [minilm_results.json](minilm_results.json).",
+             "`python -m benchmarks.fidelity.encoder` (family, cached under `benchmarks/work/fidelity/minilm`; `--only full` "
+             "and `--only lora` in two processes), then `python -m benchmarks.fidelity.encoder_study --jobs 2` (this run: "
+             "`--variant full` and `--variant lora` started two minutes apart as each variant's experts were ready, "
+             "then `--combine`). Raw numbers: [minilm_results.json](minilm_results.json).",
              "", *family_section(res),
              "**What was cut** (2 cores shared with other jobs; one study command, `--jobs 2`, a process per variant): "
              "the planner strategies other than norm only at 10 and 25 % (norm at 5, 10, 25, 50 %); K = 2 and 4 only "

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from benchmarks.fidelity import text_tasks as tt
 from benchmarks.fidelity.encoder import MINI, build_family, data, eval_suite, family_accuracy
-from benchmarks.fidelity.encoder_findings import rule_threshold
+from benchmarks.fidelity.encoder_findings import recommendation, rule_threshold, strategy_margins
 from benchmarks.fidelity.encoder_report import cell, f1_rows, f2_rows, smallest_budget
 from benchmarks.fidelity.encoder_study import EncoderStudy, op_params
 from mergepipe.research.classify import (
@@ -244,3 +244,21 @@ def test_report_cells_targets_and_budget_rule():
     rule = rule_threshold(res)  # the smallest budget whose disjoint-block bound <= 0.05 of the update
     assert rule["x"] == pytest.approx(0.05) and rule["picks"][0]["pick"] == 25
     assert rule["picks"][0]["diff"] == pytest.approx(-0.005)
+
+
+def test_strategy_margins_and_recommendation_keep_norm_within_the_standard_error():
+    merges = [_m(8, "linear", 100, "all", 0.80)]
+    for b, norm, conflict, rnd in ((10, 0.70, 0.69, 0.60), (25, 0.75, 0.77, 0.65)):
+        merges += [_m(8, "linear", b, "norm", norm, 1e-3), _m(8, "linear", b, "conflict", conflict, 1e-3),
+                   _m(8, "linear", b, "random", rnd, 2e-3)]
+    res = {"variants": {"full": {"merges": merges}}, "family": {"spec": {"n_eval": 100}}}
+    m = strategy_margins(res)
+    assert m["conflict"] == (pytest.approx(0.005), pytest.approx(-0.01), pytest.approx(0.02), 2)
+    assert m["random"][0] == pytest.approx(-0.10)
+    text = recommendation(res, {})
+    assert text.startswith("default strategy `norm`") and "conflict +0.5 (-1.0..+2.0, 2 cells)" in text
+    assert "standard error (1.8 points)" in text  # sqrt(0.25 / 100 / 8)
+    for mm in merges:  # conflict 4 points better everywhere: recommended instead
+        if mm["strategy"] == "conflict":
+            mm["accuracy"]["mean"] += 0.04
+    assert recommendation(res, {}).startswith("default strategy `conflict`")
