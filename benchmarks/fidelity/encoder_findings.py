@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from benchmarks.fidelity.encoder_report import (
-    BUDGETS, best_strategy, block_rows, cell, f1_rows, f2_rows, f3_row, pct, smallest_budget,
+    BUDGETS, OPERATORS, STRATEGIES, best_strategy, block_rows, cell, f1_rows, f2_rows, f3_row, pct, smallest_budget,
 )
 
 
@@ -31,6 +31,56 @@ def rule_threshold(res: dict) -> dict:
         got = cell(merges, r["k"], r["op"], pick)["acc"]
         picks.append({**r, "pick": pick, "diff": got - full})
     return {"x": x, "picks": picks}
+
+
+def plan_bound_range(res: dict) -> tuple[float, float]:
+    """Smallest and largest plan (additive) bound relative to the update over the budgeted merges."""
+    xs = [m["bound"]["relative"] for v in res["variants"].values() for m in v["merges"]
+          if m.get("bound") and m["budget_pct"] < 100]
+    return (min(xs), max(xs)) if xs else (float("nan"), float("nan"))
+
+
+def strategy_margins(res: dict) -> dict:
+    """Per strategy, mean accuracy difference to norm over the scored K = 8 (variant, operator, budget) cells."""
+    diffs = {}
+    for v in res["variants"].values():
+        k = max(m["k"] for m in v["merges"])
+        for op in OPERATORS:
+            for b in BUDGETS:
+                base = cell(v["merges"], k, op, b, "norm")
+                for s in STRATEGIES[1:]:
+                    c = cell(v["merges"], k, op, b, s)
+                    if base and c and base["acc"] is not None and c["acc"] is not None:
+                        diffs.setdefault(s, []).append(c["acc"] - base["acc"])
+    return {s: (sum(d) / len(d), min(d), max(d), len(d)) for s, d in diffs.items()}
+
+
+def recommendation(res: dict, wins: dict) -> str:
+    """Default strategy, block size and budget suggestion, each from the measured cells. A strategy other
+    than norm is recommended only if its mean gain over norm exceeds an 8-task mean's standard error."""
+    n_eval = res["family"]["spec"]["n_eval"]
+    se = (0.25 / n_eval / 8) ** 0.5
+    margins = strategy_margins(res)
+    better = [s for s, (m, _lo, _hi, _n) in margins.items() if m > se]
+    best = max(better, key=lambda s: margins[s][0]) if better else "norm"
+    text = (f"default strategy `{best}`: mean accuracy difference to norm over the scored K = 8 cells (min..max): "
+            + ", ".join(f"{s} {100 * m:+.1f} ({100 * lo:+.1f}..{100 * hi:+.1f}, {n} cells)"
+                        for s, (m, lo, hi, n) in margins.items()))
+    text += (f" — {'it beats' if better else 'none beats'} norm by more than an 8-task mean's standard error "
+             f"({100 * se:.1f} points)")
+    if res.get("block_sweep"):
+        rows = block_rows(res)
+        small, big = min(rows), max(rows)
+        text += (f"; block size: {big // 1024} KiB vs {small // 1024} KiB: relative deviation at 25 / 50 % "
+                 + " / ".join(f"{rows[big]['dev'][b] / rows[small]['dev'][b] - 1:+.0%}" for b in (25, 50) if b in rows[big]["dev"])
+                 + f", accuracy at 25 % {100 * (rows[big]['acc25'] - rows[small]['acc25']):+.1f} points")
+    sb = smallest_budget(res)
+    by_op = {}
+    for r in sb:
+        by_op.setdefault(r["op"], []).append(r["budget"])
+    text += ("; budget: the smallest budget within 1 point of the full merge is, over the (variant, K) configurations, "
+             + ", ".join(f"{op} {min(b)}-{max(b)} %" for op, b in by_op.items()) + ".")
+    return text
 
 
 def llama_results(docs: Path) -> dict | None:
@@ -68,25 +118,17 @@ def summary(res: dict, docs: Path) -> list[str]:
         lines.append("- **Block size (family A, full, K = 8, linear, norm):** relative deviation at 25 % / accuracy at 25 %: "
                      + ", ".join(f"{bb // 1024} KiB {r['dev'][25]:.2e} / {pct(r['acc25'])}" for bb, r in rows.items()) + ".")
     rule = rule_threshold(res)
+    lo, hi = plan_bound_range(res)
     if rule["x"] is not None:
         lines.append(f"- **A budget rule the planner can suggest (additive operators):** the smallest budget whose "
                      f"disjoint-block bound is ≤ {rule['x']:.2f} × ‖merged update‖ (the smallest such bound at which an "
                      "additive configuration of family A was within 1 point of its full merge; the plan's additive bound "
-                     "is 12-67× the update here, useless as a threshold). On the measured configurations it picks "
-                     + "; ".join(f"{p['variant']} K={p['k']} {p['op']} {p['pick']} % ({100 * p['diff']:+.1f} points)"
-                                 for p in rule["picks"]) + ".")
-    lines.append("- **Recommendation (for the lead; the product defaults are unchanged here).** Keep `norm` as the "
-                 "default strategy: on family A (25 %, K = 8, 6 operator-variant cells) it is within 0.8 points of the best "
-                 "strategy (conflict wins 4 cells by at most 0.8 points, norm or kept the two ties / dare_ties cells, by 1.4-1.7 over conflict) and random / uniform "
-                 "selection lose 7-17 points with ties / dare_ties; keep 1 MiB blocks: 64 KiB "
-                 "blocks did not lower the deviation or raise accuracy on this encoder. A budget keeps quality only for "
-                 "the sign-electing operators with many experts (ties / dare_ties, K = 8: 25 % within about 1 point, "
-                 "50 % at or above the full merge); additive merges need 50 % (−1 to −3 points) and 2- and 4-expert "
-                 "merges lose 11-22 points at 25 % with every operator measured (linear, task_arithmetic, ties). A "
-                 "planner suggestion: 25 % for ties / dare_ties with K ≥ 8, otherwise the smallest budget whose "
-                 "disjoint-block bound is ≤ about 1.2 × ‖update‖ (50 % here), and the full budget for K ≤ 4. F2's 5e-4 is out of reach on "
-                 "real fine-tunes: the norm strategy at 50 % leaves about 60 % of the update's norm out, because Adam "
-                 "spreads the update evenly over blocks.")
+                     f"is {lo:.0f}-{hi:.0f}× the update here, useless as a threshold). On the measured configurations it "
+                     "picks " + "; ".join(f"{p['variant']} K={p['k']} {p['op']} {p['pick']} % ({100 * p['diff']:+.1f} points)"
+                                          for p in rule["picks"]) + ".")
+    lines.append("- **Smallest budget within 1 point of the full merge (norm), per configuration:** " + "; ".join(
+        f"{r['variant']} K={r['k']} {r['op']} {r['budget']} %" for r in smallest_budget(res)) + ".")
+    lines.append("- **Recommendation:** " + recommendation(res, wins))
     llama = llama_results(docs)
     if llama:
         from benchmarks.fidelity.study import targets

@@ -206,26 +206,33 @@ def family_section(res: dict) -> list[str]:
         f"Experts, as encoders are fine-tuned: mean pooling + a linear head trained together with the encoder, "
         f"AdamW (weight decay {spec['weight_decay']}), {spec['steps']} steps of batch {spec['batch']}, linear warm-up "
         f"({100 * spec['warmup']:.0f} %) and decay, dropout on, gradient clipping 1.0. **full**: every weight, lr "
-        f"{spec['lr']:g}: 10× the usual 2e-5 for about 10× fewer steps than the usual few hundred, because the "
-        "machine (2 cores shared with six other jobs) could not afford more; Adam moves a weight by at most about lr "
-        "per step, so the total displacement budget is that of a few hundred steps at 2e-5. The 30522-row word-"
-        "embedding matrix uses sparse gradients and lazy Adam (only rows of tokens seen in a batch move, no weight "
-        f"decay there), fused AdamW elsewhere. **lora**: PEFT LoRA r={spec['lora_r']}, α={2 * spec['lora_r']} on query/value, lr {spec['lora_lr']:g}, "
-        "merged into the weights (`merge_and_unload`), so a LoRA expert is a full checkpoint whose update is low-rank "
-        f"and confined to 12 of the encoder's matrices. Heads lr {spec['head_lr']:g}, stored outside the checkpoints "
-        "(FusionBench's GLUE protocol: a merge combines encoders, task t is scored with the merged encoder + t's head). "
-        "The base's skill on a task is a linear probe (logistic regression, LBFGS) on its frozen mean-pooled "
-        "embeddings of the same training sentences.",
+        f"{spec['lr']:g} (the top of the usual 2e-5..5e-5 range for BERT-size encoders, so that the parity-like tasks "
+        "are learned within a few hundred steps). The 30522-row word-embedding matrix uses sparse gradients and "
+        "lazy Adam (only rows of tokens seen in a batch move, no weight decay there), fused AdamW elsewhere. **lora**: "
+        f"PEFT LoRA r={spec['lora_r']}, α={2 * spec['lora_r']} on {', '.join(spec.get('lora_targets', ('query', 'value')))} "
+        f"(every linear layer of the 6 blocks, 36 matrices; query/value alone, PEFT's default for BERT, learned neither "
+        f"xor nor older either), lr {spec['lora_lr']:g}, same data and schedule, merged into the weights "
+        "(`merge_and_unload`), so a LoRA expert is a full checkpoint whose update is low-rank in those matrices. Heads lr "
+        f"{spec['head_lr']:g}, stored outside the checkpoints (FusionBench's GLUE protocol: a merge combines encoders, "
+        "task t is scored with the merged encoder + t's head). The base's skill on a task is a linear probe (logistic "
+        "regression, LBFGS) on its frozen mean-pooled embeddings of the same (distinct) training sentences. "
+        + (f"Training speed on this machine (2 cores shared with other jobs, 1 thread per expert): full "
+           f"{fam['seconds_per_step']['full']:.2f} s/step, LoRA {fam['seconds_per_step']['lora']:.2f} s/step (mean over "
+           "the experts); the family builds in parallel processes (`--only full`, `--only lora`)."
+           if fam.get("seconds_per_step") else ""),
         "",
         "Held-out accuracy (%):",
         "",
         *lines,
         "",
         "Experts beat the base's probe by ≥ 10 points on: " + "; ".join(
-            f"{v} {len(beat[v])}/{len(tasks)} ({', '.join(beat[v])})" for v in variants)
-        + ". all-MiniLM-L6-v2 is a strong sentence encoder: a linear probe on its frozen embeddings already "
-        "solves most of these templated tasks, so the experts' margin over the probe is small except on word-order "
-        "tasks, and the short LoRA runs stay below the probe. 'base + head' is the base encoder with the expert's own "
+            f"{v} {len(beat[v])}/{len(tasks)}" + (f" (not: {', '.join(t for t in tasks if t not in beat[v])})"
+                                                   if len(beat[v]) < len(tasks) else "") for v in variants)
+        + "; smallest margin over the probe: " + "; ".join(
+            f"{v} {100 * min(acc['experts'][v][t] - acc['base_probe'][t] for t in tasks):+.1f} points" for v in variants)
+        + ". Every task is an interaction (a parity, a comparison, an exclusive or, a binding of roles) that the "
+        "base's mean-pooled embedding keeps only weakly, so the probe stays well below the fine-tuned experts even "
+        "though all-MiniLM-L6-v2 is a strong sentence encoder. 'base + head' is the base encoder with the expert's own "
         "head, the floor a merge scored with that head tends to as its budget goes to 0. **Retention** of a merge on "
         "task t = (merged − base+head) / (expert − base+head), over the tasks where the expert gains ≥ 10 points "
         "over that floor: " + "; ".join(f"{v}: {', '.join(scored[v])}" for v in variants) + ".",
@@ -241,7 +248,7 @@ def variant_section(res: dict, variant: str) -> list[str]:
     lines = [f"### {variant} experts, K = {k}", "",
              f"task_arithmetic λ = {lam['chosen']:g} " + ("(validation accuracy at full budget: " + ", ".join(
                  f"{a}: {pct(b)}" for a, b in lam["candidates"].items()) + ")" if lam["candidates"] else
-                 "(fixed: the full fine-tunes' validated value, no time for a selection)")
+                 "(fixed)")
              + "; ties / dare_ties density 0.5; "
              f"catalog grid {res['settings']['block_bytes'] // 1024} KiB blocks. Accuracy (%, mean over {k} tasks) / "
              "retention / relative deviation ‖M_A − M_full‖/‖M_full‖ / plan bound relative to the update (disjoint-block "
@@ -275,12 +282,12 @@ def variant_section(res: dict, variant: str) -> list[str]:
 
 
 def size_section(res: dict) -> list[str]:
-    lines = ["### Merge size: K = 2 and 4 (norm)", "",
+    lams = "; ".join(f"{variant} " + ", ".join(f"K = {k}: {v['lambda'][str(k)]['chosen']:g}" for k in (2, 4)
+                                                if str(k) in v["lambda"]) for variant, v in res["variants"].items())
+    lines = ["### Merge size: K = 2, 4 and 8 (norm)", "",
              "Disjoint groups (task i with task i + 4 in suite order; K = 4 joins consecutive pairs), scored on the "
-             "merged experts' own tasks. K = 2 and 4: full experts, linear, ties and task_arithmetic with λ = "
-             + ", ".join(f"{res['variants']['full']['lambda'].get(str(k), {}).get('chosen', '–')} (K = {k})" for k in (2, 4))
-             + " fixed (no time for a validation selection), 25 % and 100 % only (cut). Accuracy (%) / retention, "
-             "mean over groups:", "",
+             "merged experts' own tasks; task_arithmetic's λ chosen per K on held-out accuracy at full budget ("
+             + lams + "). Accuracy (%) / retention, mean over groups:", "",
              "| variant | K | operator | " + " | ".join(f"{b} %" for b in BUDGETS) + " | 100 % |",
              "|---|---|---|" + "---|" * (len(BUDGETS) + 1)]
     for variant, v in res["variants"].items():
@@ -380,15 +387,18 @@ def encoder_markdown(res: dict, files: list[Path]) -> list[str]:
     lines = ["## Family A: all-MiniLM-L6-v2, a genuinely pretrained encoder", "",
              f"Run {res['started']}, {res['machine']['cpus']} CPUs shared with other jobs ({res['machine']['threads']} "
              f"threads), torch {res['machine']['torch']}; study {res['seconds_total'] / 60:.0f} min. Reproduce: "
-             "`python -m benchmarks.fidelity.encoder` (family, cached under `benchmarks/work/fidelity/minilm`), then "
-             "`python -m benchmarks.fidelity.encoder_study`. Raw numbers: [minilm_results.json](minilm_results.json).",
+             "`python -m benchmarks.fidelity.encoder` (family, cached under `benchmarks/work/fidelity/minilm`; `--only full` "
+             "and `--only lora` in two processes), then `python -m benchmarks.fidelity.encoder_study --jobs 2` (this run: "
+             "`--variant full` and `--variant lora` started two minutes apart as each variant's experts were ready, "
+             "then `--combine`). Raw numbers: [minilm_results.json](minilm_results.json).",
              "", *family_section(res),
-             "**What was cut** (2 cores shared with six other jobs; the study ran as five partial runs merged into one "
-             "result, `--phases/--ops/--strategy-ops/--blocks/--tag`): the other planner strategies only at 25 % (every "
-             "operator for full experts, linear and ties for LoRA); K = 2 and 4 only with full experts, at 25 and 100 %, "
-             "for task_arithmetic (λ = 0.5 fixed), linear and ties; the block-size sweep only 64 KiB vs 1 MiB (linear); "
-             "120 held-out sentences per task (a "
-             "per-task accuracy's standard error is up to 4.6 points, an 8-task mean's about 1.6).", "",
+             "**What was cut** (2 cores shared with other jobs; one study command, `--jobs 2`, a process per variant): "
+             "the planner strategies other than norm only at 10 and 25 % (norm at 5, 10, 25, 50 %); K = 2 and 4 only "
+             "with the norm strategy at 10, 25, 50 and 100 %; the block-size sweep only 64 KiB vs 1 MiB (full experts, "
+             f"linear); {res['family']['spec']['n_eval']} held-out sentences per task (a per-task accuracy's standard "
+             f"error is up to {100 * (0.25 / res['family']['spec']['n_eval']) ** 0.5:.1f} points, an 8-task mean's about "
+             f"{100 * (0.25 / res['family']['spec']['n_eval'] / 8) ** 0.5:.1f}). task_arithmetic's λ is chosen on the first "
+             "half of the held-out sentences (no separate validation split).", "",
              "### Targets", "", "| target | measured | met |", "|---|---|---|",
              *[f"| {r['target']} | {r['measured']} | {'yes' if r['met'] else 'no'} |" for r in rows], ""]
     for variant in res["variants"]:

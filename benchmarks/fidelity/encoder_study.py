@@ -3,15 +3,20 @@
     python -m benchmarks.fidelity.encoder_study            # builds the family if missing, then the study
     python -m benchmarks.fidelity.encoder_study --mini     # the miniature family (a smoke run, seconds)
 
-Per expert variant (full fine-tunes, LoRA): K = 8 merges of every operator at 100 % and at 5, 10, 25,
-50 % (norm strategy), scored per task with the merged encoder + that task's head; the other planner
-strategies at 25 % (every operator for full experts, linear and ties for LoRA); K = 2 and K = 4 merges
-of full experts (disjoint groups, :func:`benchmarks.fidelity.study.size_groups`) for linear,
-task_arithmetic and ties at 25 and 100 %; a block-size point (1 MiB vs the grid's 64 KiB, linear).
-The grid was cut to fit two shared cores (see the report). Records accuracy, retention of the experts' gain over the base's linear probe,
-relative deviation from the full merge, plan bound vs realized deviation, bytes and seconds, into
-``benchmarks/work/fidelity/minilm-study/results.json``; ``--report`` writes docs/fidelity from it
+Per expert variant (full fine-tunes, LoRA), each variant in its own process with ``--jobs 2``:
+K = 8 merges of every operator at 100 % and, with the norm strategy, at 5, 10, 25 and 50 %; every
+other planner strategy at 10 and 25 % (cut: not at 5 and 50 %); K = 2 and K = 4 merges (disjoint
+groups, :func:`benchmarks.fidelity.study.size_groups`) of every operator, norm at 10, 25, 50 and 100 %;
+task_arithmetic's lambda chosen per K on held-out accuracy at full budget; a block-size point (1 MiB
+vs the grid's 64 KiB, full experts, linear). Scored per task with the merged encoder + that task's
+head. Records accuracy, retention of the experts' gain, relative deviation from the full merge, plan
+bound vs realized deviation, bytes and seconds into
+``benchmarks/work/fidelity/minilm-study/results.json`` (rewritten after every phase, so a cut run
+still reports what it measured) and writes docs/fidelity from it
 (:mod:`benchmarks.fidelity.encoder_report`).
+
+    python -m benchmarks.fidelity.encoder_study --jobs 2   # the whole study, one command
+    python -m benchmarks.fidelity.encoder_study --variant full --tag full   # one variant (then --combine)
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import json
 import os
 import platform
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -149,14 +155,15 @@ class EncoderStudy:
         return rows
 
 
-# What the study runs (cut to fit 2 shared cores, see the report). K = 8: norm at every budget for every
-# operator; the other strategies at 25 % for linear and ties; K = 2, 4: 25 % and 100 %.
-K8_FULL = {"norm": (BUDGETS, BUDGETS), **{s: ((25,), (25,)) for s in STRATEGIES if s != "norm"}}
-K8_LORA = {"norm": (BUDGETS, BUDGETS), **{s: ((25,), (25,)) for s in STRATEGIES if s != "norm"}}
-SMALL_K = {"norm": ((25,), (25,))}
-SIZE_LAMBDAS = (0.5,)  # fixed (no validation merges): the machine had no time for the selection
-STRATEGY_OPERATORS = {"full": OPERATORS, "lora": ("linear", "ties")}  # strategy comparison at 25 % (cut)
-SMALL_K_OPERATORS = ("linear", "task_arithmetic", "ties")  # K = 2, 4: full experts only (cut)
+# What the study runs. K = 8: every planner strategy for every operator, norm at every budget, the other
+# strategies at 10 and 25 % (cut: not at 5 and 50 %); K = 2 and 4: norm at 10, 25, 50 % (cut: not at 5 %).
+# Both variants, every operator, task_arithmetic's lambda validated for every K.
+K8_CELLS = {"norm": (BUDGETS, BUDGETS), **{s: ((10, 25), (10, 25)) for s in STRATEGIES if s != "norm"}}
+K8_FULL = K8_LORA = K8_CELLS
+SMALL_K = {"norm": ((10, 25, 50), (10, 25, 50))}
+SIZE_LAMBDAS = LAMBDAS
+STRATEGY_OPERATORS = {"full": OPERATORS, "lora": OPERATORS}
+SMALL_K_OPERATORS = OPERATORS
 
 
 def run(args) -> dict:
@@ -166,9 +173,9 @@ def run(args) -> dict:
     t_start = time.perf_counter()
     spec = MINI if args.mini else FULL
     fam_dir = Path(args.family or (DEFAULT_OUT.with_name("minilm-mini") if args.mini else DEFAULT_OUT))
-    fam = build_family(fam_dir, spec)
-    cached = fam_dir / "accuracy.json"
-    acc = json.loads(cached.read_text()) if cached.exists() else family_accuracy(fam, spec)
+    fam = build_family(fam_dir, spec, only=args.variant)
+    cached = fam_dir / ("accuracy.json" if not args.variant else f"accuracy-{args.variant}.json")
+    acc = json.loads(cached.read_text()) if cached.exists() else family_accuracy(fam, spec, variants=[args.variant] if args.variant else None)
     cached.write_text(json.dumps(acc, indent=2))
     suite = eval_suite(spec)
     valid = {t: pairs[: max(16, len(pairs) // 2)] for t, pairs in suite.items()}
@@ -176,7 +183,8 @@ def run(args) -> dict:
     results = {"started": time.strftime("%Y-%m-%d %H:%M:%S"),
                "machine": {"cpus": os.cpu_count(), "threads": args.threads, "torch": torch.__version__,
                            "python": platform.python_version()},
-               "family": {"dir": str(fam_dir), "spec": fam["spec"], "tasks": fam["tasks"]},
+               "family": {"dir": str(fam_dir), "spec": fam["spec"], "tasks": fam["tasks"],
+                          "seconds_per_step": fam["seconds_per_step"]},
                "settings": {"block_bytes": BLOCK_BYTES, "block_sweep": list(BLOCK_SWEEP), "density": DENSITY,
                             "budgets_pct": [*BUDGETS, 100], "strategies": list(STRATEGIES),
                             "operators": list(OPERATORS), "size_operators": list(SIZE_OPERATORS),
@@ -202,15 +210,15 @@ def run(args) -> dict:
         save("block sweep")
         return results
     small = size_groups(tasks) if len(tasks) >= 4 else {}
+    variants = [args.variant] if args.variant else list(spec.variants)
     phases = []
-    for variant in spec.variants:
+    for variant in variants:
         phases.append((f"{variant} K={len(tasks)} norm", variant, None, {"norm": K8_FULL["norm"]}, OPERATORS))
-    for variant in spec.variants:
         others = {s: c for s, c in (K8_FULL if variant == "full" else K8_LORA).items() if s != "norm"}
         phases.append((f"{variant} K={len(tasks)} strategies", variant, None, others,
                        tuple(args.strategy_ops.split(",")) if args.strategy_ops else STRATEGY_OPERATORS[variant]))
-    for k in small:
-        phases.append((f"full K={k} norm", "full", k, SMALL_K, SMALL_K_OPERATORS))
+        for k in sorted(small, reverse=True):
+            phases.append((f"{variant} K={k} norm", variant, k, SMALL_K, SMALL_K_OPERATORS))
     if args.phases:  # e.g. "K=2,K=4": run only the phases whose name contains one of these
         phases = [p for p in phases if any(f in p[0] for f in args.phases.split(","))]
     studies = {v: EncoderStudy(fam, v, out_root / v, suite, BLOCK_BYTES) for v in spec.variants
@@ -239,11 +247,45 @@ def run(args) -> dict:
         save(name)
     for st in studies.values():
         shutil.rmtree(st.out / "merges", ignore_errors=True)
-    if not args.no_block_sweep and not args.phases:
+    if not args.no_block_sweep and not args.phases and "full" in variants:
         results["block_sweep"] = block_sweep(fam, suite, results["variants"]["full"]["lambda"][str(len(tasks))]["chosen"],
                                              out_root / "blocks")
         save("block sweep")
     return results
+
+
+def run_parallel(args, argv: list[str]) -> dict:
+    """Each variant's phases in its own process (``--variant v --tag v``), then one results.json."""
+    import subprocess
+    spec = MINI if args.mini else FULL
+    build_family(Path(args.family or (DEFAULT_OUT.with_name("minilm-mini") if args.mini else DEFAULT_OUT)), spec)
+    rest = [a for i, a in enumerate(argv) if not a.startswith("--jobs") and not (i and argv[i - 1] == "--jobs")]
+    procs = {v: subprocess.Popen([sys.executable, "-m", "benchmarks.fidelity.encoder_study", *rest, "--variant", v,
+                                  "--tag", v]) for v in spec.variants}
+    failed = [v for v, p in procs.items() if p.wait() != 0]
+    if failed:
+        raise SystemExit(f"error: the study of {', '.join(failed)} failed")
+    return combine(spec.variants, args.mini)
+
+
+def combine(variants, mini: bool = False) -> dict:
+    """One results.json from the per-variant runs (``--variant v --tag v``)."""
+    base = "minilm-study-mini" if mini else "minilm-study"
+    parts = [json.loads((WORK / f"{base}-{v}" / "results.json").read_text()) for v in variants]
+    res = parts[0]
+    for more in parts[1:]:
+        res["variants"].update(more["variants"])
+        for key in ("experts", "base_expert_head"):
+            res["accuracy"][key].update(more["accuracy"][key])
+        res["phases_done"] += more["phases_done"]
+        res["family"]["seconds_per_step"].update(more["family"]["seconds_per_step"])
+        res["seconds_total"] = max(res["seconds_total"], more["seconds_total"])
+        res["block_sweep"] = res.get("block_sweep", []) + more.get("block_sweep", [])
+    (WORK / base).mkdir(parents=True, exist_ok=True)
+    (WORK / base / "results.json").write_text(json.dumps(res, indent=1))
+    for v in variants:  # merged: not to be merged again by --report
+        (WORK / f"{base}-{v}" / "results.json").rename(WORK / f"{base}-{v}" / "results.merged.json")
+    return res
 
 
 def block_sweep(fam: dict, suite: dict, lam: float, out: Path, sizes=BLOCK_SWEEP) -> list[dict]:
@@ -277,10 +319,18 @@ def main(argv=None) -> int:
     ap.add_argument("--lam", type=float, default=None, help="task_arithmetic lambda without validation")
     ap.add_argument("--tag", default="", help="suffix of the study's work directory (parallel partial runs)")
     ap.add_argument("--report", action="store_true", help="write docs/fidelity from the last results.json")
+    ap.add_argument("--variant", choices=("full", "lora"), help="only this expert variant's phases")
+    ap.add_argument("--jobs", type=int, default=1, help="2: the variants in two processes, one result")
+    ap.add_argument("--combine", action="store_true", help="join the --variant full / lora runs, then the report")
     args = ap.parse_args(argv)
-    if not args.report:
+    if args.combine:
+        combine(("full", "lora"), args.mini)
+        args.report = True
+    if args.jobs > 1 and not args.report:
+        run_parallel(args, sys.argv[1:] if argv is None else list(argv))
+    elif not args.report:
         run(args)
-        if args.phases or args.blocks:
+        if args.phases or args.blocks or args.variant:
             return 0
     from benchmarks.fidelity.encoder_report import write_report
     main_dir = WORK / ("minilm-study-mini" if args.mini else "minilm-study")

@@ -18,24 +18,32 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
-ANIMALS = ("cat", "dog", "horse", "rabbit")
-NAMES = ("alice", "bob", "carol", "david")
-ACTIONS = ("ate", "slept", "swam", "read")
-VERBS = ("chased", "pushed", "followed", "watched", "kicked", "scared", "bit", "licked")
-PLACES = ("garden", "kitchen", "park", "yard", "barn", "field")
+NAMES = ("bob", "carol", "david", "emma", "frank", "grace", "henry", "irene", "jack", "kate", "liam", "mary")
+NUMBERS = ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
+           "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen", "twenty")
 NOUNS = ("apple", "chair", "river", "pencil", "window", "garden", "bottle", "ticket", "candle", "mirror",
          "pillow", "basket", "jacket", "hammer", "blanket", "kettle", "ladder", "wallet", "saddle", "button")
-POSITIVE = ("good", "great", "lovely", "pleasant", "wonderful", "excellent", "fine", "nice")
-NEGATIVE = ("bad", "awful", "terrible", "boring", "dull", "horrible", "poor", "ugly")
-SUBJECTS = ("the movie", "the meal", "the hotel", "the concert", "the book", "the service", "the trip", "the game")
 WHEN = ("yesterday", "last week", "this morning", "on monday", "in the evening", "at noon", "after lunch",
-        "during the holiday", "in winter", "last summer", "on friday", "in the afternoon")
-CONTAINERS = ("box", "bag", "jar", "crate", "basket", "bucket")
+        "in winter", "last summer", "on friday")
+STATES = (("door", "open", "closed"), ("lamp", "on", "off"), ("window", "open", "shut"), ("oven", "hot", "cold"),
+          ("cup", "full", "empty"), ("road", "wet", "dry"), ("shop", "busy", "quiet"), ("dog", "awake", "asleep"))
+MOODS = ("happy", "ready", "home", "awake", "here", "busy")
+HOLDS = ("it is true that", "it is right that", "it is not false that")  # the claim holds
+FAILS = ("it is false that", "it is wrong that", "it is not true that")  # the claim fails
+THINGS = ("door", "window", "gate", "shop", "drawer", "box", "lid", "tap")
+OPEN_CLOSED = (("open", "closed"), ("open", "shut"), ("unlocked", "locked"))
+MORE, LESS = ("more", "bigger", "greater"), ("less", "smaller", "fewer")
+COMPARATIVES = {"older": "younger", "taller": "shorter"}  # label 1 words -> their opposites
 STDLIB_MODULES = ("os", "re", "json", "string", "random", "math", "itertools", "collections", "shutil", "pathlib",
                   "textwrap", "functools", "inspect", "subprocess", "socket", "tarfile", "zipfile", "csv", "datetime",
                   "calendar", "statistics", "fractions", "decimal", "heapq", "bisect", "email.utils", "urllib.parse",
                   "http.client", "logging", "argparse", "difflib", "pickle", "copy", "threading", "queue", "glob",
                   "fnmatch", "tempfile", "hashlib", "base64", "struct", "codecs", "unicodedata", "operator", "typing")
+HELD_OUT = 5  # a templated sentence is held out when crc32(sentence) % HELD_OUT == 0
+
+
+def held_out(sentence: str) -> bool:
+    return zlib.crc32(sentence.encode()) % HELD_OUT == 0
 
 
 @dataclass(frozen=True)
@@ -50,10 +58,15 @@ class TextTask:
         return 1 / len(self.labels)
 
     def example(self, rng: random.Random, split: str = "train") -> tuple[str, int]:
+        """One (sentence, label) of ``split``: templated sentences are split by a hash of the sentence,
+        docstring lines (``order``) by a hash of the line, so no held-out sentence is ever trained on."""
         y = rng.randrange(len(self.labels))
         if self.name == "order":
             return _order(rng, y, split), y
-        return self.make(rng, y), y
+        while True:
+            s = self.make(rng, y)
+            if held_out(s) == (split == "eval"):
+                return s, y
 
     def examples(self, n: int, seed: int, split: str = "train", exclude=frozenset()) -> list[tuple[str, int]]:
         """``n`` seeded examples; sentences in ``exclude`` (the training pool) are skipped."""
@@ -70,60 +83,56 @@ class TextTask:
         return out
 
 
-def _two(rng: random.Random, bank, first) -> tuple[str, str]:
-    other = rng.choice([x for x in bank if x != first])
-    return first, other
+# Every task is an interaction the base's mean-pooled embedding keeps only weakly (a parity, a
+# comparison, an exclusive or, who-relative-to-whom), so a linear probe on frozen features stays
+# well below what fine-tuning reaches; the label is drawn first, so classes are balanced.
+def _parity(rng: random.Random, y: int) -> str:  # labels: odd, even number of repeats
+    n = rng.choice((2, 4, 6, 8) if y else (1, 3, 5, 7))
+    return f"{rng.choice(NAMES)} said " + " ".join([rng.choice(NOUNS)] * n)
 
 
-def _agent(rng: random.Random, y: int) -> str:
-    a, b = _two(rng, ANIMALS, ANIMALS[y])
-    verb, place = rng.choice(VERBS), rng.choice(PLACES)
-    if rng.random() < 0.5:
-        return f"the {a} {verb} the {b} in the {place}"
-    return f"the {b} was {verb} by the {a} in the {place}"
+def _negparity(rng: random.Random, y: int) -> str:  # labels: negated, affirmed (an even number of "not")
+    n = rng.choice((0, 2, 4) if y else (1, 3, 5))
+    return f"{rng.choice(WHEN)} {rng.choice(NAMES)} was " + "not " * n + rng.choice(MOODS)
 
 
-def _taller(rng: random.Random, y: int) -> str:
-    tall, short = _two(rng, NAMES, NAMES[y])
-    return rng.choice(WHEN) + " , " + rng.choice((f"{tall} is taller than {short}", f"{short} is shorter than {tall}",
-                       f"{short} is not as tall as {tall}", f"{tall} is not as short as {short}"))
+def _larger(rng: random.Random, y: int) -> str:  # labels: false, true
+    i, j = rng.sample(range(len(NUMBERS)), 2)
+    more = rng.random() < 0.5
+    if ((i > j) == more) != bool(y):
+        i, j = j, i
+    return f"{NUMBERS[i]} is {rng.choice(MORE if more else LESS)} than {NUMBERS[j]}"
 
 
-def _before(rng: random.Random, y: int) -> str:
-    first, second = _two(rng, ACTIONS, ACTIONS[y])
-    who = rng.choice(NAMES)
-    return rng.choice(WHEN) + " , " + rng.choice((f"{who} {first} before {who} {second}", f"{who} {second} after {who} {first}",
-                       f"first {who} {first} and then {who} {second}", f"before {who} {second} , {who} {first}"))
+def _xor(rng: random.Random, y: int) -> str:  # labels: both or neither in the first state, exactly one
+    (t1, p1, n1), (t2, p2, n2) = rng.sample(STATES, 2)
+    a = rng.random() < 0.5
+    b = a != bool(y)
+    return f"{rng.choice(WHEN)} the {t1} was {p1 if a else n1} and the {t2} was {p2 if b else n2}"
 
 
-def _negation(rng: random.Random, y: int) -> str:  # labels: negative, positive
-    negate = rng.random() < 0.5
-    bank = (POSITIVE if negate else NEGATIVE) if y == 0 else (NEGATIVE if negate else POSITIVE)
-    adj, subj = rng.choice(bank), rng.choice(SUBJECTS)
-    neg = rng.choice(("not", "never", "not at all")) if negate else rng.choice(("really", "truly", "quite"))
-    if neg == "not at all":
-        return f"{subj} was not {adj} at all"
-    return f"{subj} was {neg} {adj}"
+def _older(rng: random.Random, y: int) -> str:  # labels: no, yes (alice is the older / taller one)
+    word = rng.choice(tuple(COMPARATIVES) + tuple(COMPARATIVES.values()))
+    alice_first = bool(y) == (word in COMPARATIVES)
+    other = rng.choice(NAMES)
+    a, b = ("alice", other) if alice_first else (other, "alice")
+    return f"{rng.choice(WHEN)} {a} was {word} than {b}"
 
 
-def _compare(rng: random.Random, y: int) -> str:  # labels: first holds more, second holds more
-    c1, c2 = rng.sample(CONTAINERS, 2)
-    lo = rng.randint(1, 98)
-    hi = rng.randint(lo + 1, 99)
-    n1, n2 = (hi, lo) if y == 0 else (lo, hi)
-    return f"the {c1} holds {n1} apples and the {c2} holds {n2} apples"
+def _negation(rng: random.Random, y: int) -> str:  # labels: closed, open (after the true/false wrapper)
+    holds = rng.random() < 0.5
+    yes, no = rng.choice(OPEN_CLOSED)
+    state = yes if bool(y) == holds else no
+    return f"{rng.choice(WHEN)} , {rng.choice(HOLDS if holds else FAILS)} the {rng.choice(THINGS)} was {state}"
 
 
-def _count(rng: random.Random, y: int) -> str:  # labels: 2..5 items
-    items = [f"a {n}" for n in rng.sample(NOUNS, y + 2)]
-    return f"i bought {', '.join(items[:-1])} and {items[-1]}"
-
-
-def _repeat(rng: random.Random, y: int) -> str:  # labels: all different, one word twice
-    words = rng.sample(NOUNS, 6)
-    if y == 1:
-        i, j = rng.sample(range(6), 2)
-        words[j] = words[i]
+def _ends(rng: random.Random, y: int) -> str:  # labels: the repeated word is elsewhere, first == last
+    words = rng.sample(NOUNS, 4)
+    if y:
+        words.append(words[0])
+    else:
+        i = rng.randrange(1, 4)
+        words.insert(rng.randrange(i + 1, 5), words[i])
     return " ".join(words)
 
 
@@ -165,13 +174,13 @@ def _order(rng: random.Random, y: int, split: str) -> str:  # labels: shuffled, 
 
 
 TEXT_TASKS: dict[str, TextTask] = {t.name: t for t in (
-    TextTask("agent", ANIMALS, _agent, "which animal did it (active or passive voice)"),
-    TextTask("negation", ("negative", "positive"), _negation, "sentiment of a review with or without a negation"),
-    TextTask("compare", ("first", "second"), _compare, "which container holds more (two numbers 1-99)"),
-    TextTask("count", ("2", "3", "4", "5"), _count, "how many items are listed"),
-    TextTask("taller", NAMES, _taller, "who is the taller of two people (taller / shorter / not as)"),
-    TextTask("before", ACTIONS, _before, "which action came first (before / after / then)"),
-    TextTask("repeat", ("distinct", "repeated"), _repeat, "does a word occur twice among six"),
+    TextTask("parity", ("odd", "even"), _parity, "is a word repeated an even number of times (1-8)"),
+    TextTask("negparity", ("negated", "affirmed"), _negparity, "an even or odd number of \"not\" (0-5)"),
+    TextTask("larger", ("false", "true"), _larger, "is \"<number> is more/less than <number>\" true (one-twenty)"),
+    TextTask("xor", ("same", "different"), _xor, "exactly one of two things in its first state (exclusive or)"),
+    TextTask("older", ("no", "yes"), _older, "is alice the older / taller one (older, younger, taller, shorter)"),
+    TextTask("negation", ("closed", "open"), _negation, "the state under a true / false / not true wrapper"),
+    TextTask("ends", ("elsewhere", "ends"), _ends, "is the repeated word the first and the last of five"),
     TextTask("order", ("shuffled", "original"), lambda rng, y: "", "is a stdlib docstring line in its word order"),
 )}
 TEXT_TASK_NAMES = tuple(TEXT_TASKS)
@@ -179,11 +188,9 @@ TEXT_TASK_NAMES = tuple(TEXT_TASKS)
 
 def vocabulary() -> list[str]:
     """Every word the templated tasks use (the miniature family's word-level vocabulary)."""
-    words = set(ANIMALS + NAMES + ACTIONS + VERBS + PLACES + NOUNS + POSITIVE + NEGATIVE + CONTAINERS)
-    for s in SUBJECTS:
-        words.update(s.split())
-    words.update(" ".join(WHEN).split())
-    words.update("the in was by a is than not as tall short taller shorter before after first and then , at all "
-                 "never really truly quite holds apples i bought".split())
-    words.update(str(n) for n in range(1, 100))
+    words = set(NAMES + NUMBERS + NOUNS + MOODS + THINGS + MORE + LESS + tuple(COMPARATIVES)
+                + tuple(COMPARATIVES.values()))
+    for phrase in WHEN + HOLDS + FAILS + tuple(w for s in STATES for w in s) + tuple(w for p in OPEN_CLOSED for w in p):
+        words.update(phrase.split())
+    words.update("alice said was not is than the and , a".split())
     return sorted(words)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from benchmarks.fidelity import text_tasks as tt
 from benchmarks.fidelity.encoder import MINI, build_family, data, eval_suite, family_accuracy
-from benchmarks.fidelity.encoder_findings import rule_threshold
+from benchmarks.fidelity.encoder_findings import recommendation, rule_threshold, strategy_margins
 from benchmarks.fidelity.encoder_report import cell, f1_rows, f2_rows, smallest_budget
 from benchmarks.fidelity.encoder_study import EncoderStudy, op_params
 from mergepipe.research.classify import (
@@ -34,27 +34,28 @@ def fam(tmp_path_factory):
 def _label_of(task: str, s: str) -> int:
     """An independent reading of each generated sentence's label."""
     w = s.split()
-    if task == "agent":
-        return tt.ANIMALS.index(w[-4] if " was " in s else w[1])
-    if task in ("taller", "before"):
-        w = w[w.index(",") + 1:]  # after the time phrase
-    if task == "taller":
-        a, b = w[0], w[-1]
-        return tt.NAMES.index(a if ("taller" in s or "not as short" in s) else b)
-    if task == "before":
-        acts = [x for x in w if x in tt.ACTIONS]
-        return tt.ACTIONS.index(acts[1] if w[2] == "after" or w[0] == "before" else acts[0])
+    if task == "parity":
+        return int(len(w[w.index("said") + 1:]) % 2 == 0)
+    if task == "negparity":
+        return int(w.count("not") % 2 == 0)
+    if task == "larger":
+        i = w.index("is")
+        x, word, y = w[i - 1], w[i + 1], w[i + 3]
+        bigger = tt.NUMBERS.index(x) > tt.NUMBERS.index(y)
+        return int(bigger == (word in ("more", "bigger", "greater")))
+    if task == "xor":
+        first_state = {t: p for t, p, _ in tt.STATES}
+        things = [w[i + 1] for i, x in enumerate(w) if x == "the" and w[i + 1] in first_state]
+        states = [w[i + 1] for i, x in enumerate(w) if x == "was"]
+        return int((states[0] == first_state[things[0]]) != (states[1] == first_state[things[1]]))
+    if task == "older":
+        i = w.index("than")
+        return int((w[i - 3] == "alice") == (w[i - 1] in ("older", "taller")))
     if task == "negation":
-        pos = any(x in tt.POSITIVE for x in w)
-        negated = "not" in w or "never" in w
-        return int(pos != negated)
-    if task == "compare":
-        n1, n2 = (int(x) for x in re.findall(r"\d+", s))
-        return 0 if n1 > n2 else 1
-    if task == "count":
-        return s.count(" a ") - 2
-    if task == "repeat":
-        return int(len(set(w)) < len(w))
+        holds = any(h in s for h in tt.HOLDS)
+        return int((w[-1] in ("open", "unlocked")) == holds)
+    if task == "ends":
+        return int(w[0] == w[-1])
     if task == "order":
         return int(s in tt.docstring_lines())
     raise AssertionError(task)
@@ -66,16 +67,22 @@ def test_generated_labels_match_an_independent_reading(task):
     pairs = t.examples(200, 3)
     assert [_label_of(task, s) for s, _ in pairs] == [y for _, y in pairs]
     assert {y for _, y in pairs} == set(range(len(t.labels)))  # every class occurs
+    assert 0.4 < sum(y for _, y in pairs) / len(pairs) < 0.6  # balanced
     assert t.chance == pytest.approx(1 / len(t.labels))
+    if task != "order":  # the miniature family's word-level vocabulary covers every templated sentence
+        assert {x for s, _ in pairs for x in s.split()} <= set(tt.vocabulary())
 
 
 @pytest.mark.parametrize("task,sentence,label", [
-    ("agent", "the dog chased the cat in the park", 1), ("agent", "the dog was bit by the horse in the yard", 2),
-    ("taller", "today , bob is shorter than carol", 2), ("taller", "at noon , alice is not as short as david", 0),
-    ("before", "in winter , carol swam after carol read", 3), ("before", "on monday , before bob ate , bob slept", 1),
-    ("negation", "the meal was not bad at all", 1), ("negation", "the trip was never great", 0),
-    ("compare", "the jar holds 9 apples and the box holds 10 apples", 1),
-    ("count", "i bought a ticket, a river, a chair and a mirror", 2), ("repeat", "a b c d e a", 1)])
+    ("parity", "bob said apple apple apple", 0), ("parity", "kate said river river river river", 1),
+    ("negparity", "at noon emma was not not happy", 1), ("negparity", "on monday jack was not not not busy", 0),
+    ("larger", "seven is more than twelve", 0), ("larger", "seven is fewer than twelve", 1),
+    ("xor", "at noon the door was open and the lamp was off", 1),
+    ("xor", "in winter the cup was empty and the road was dry", 0),
+    ("older", "last week alice was younger than bob", 0), ("older", "at noon mary was shorter than alice", 1),
+    ("negation", "at noon , it is not true that the gate was locked", 1),
+    ("negation", "at noon , it is not false that the tap was shut", 0),
+    ("ends", "apple chair river pencil apple", 1), ("ends", "apple chair river chair pencil", 0)])
 def test_hand_made_sentences_read_as_expected(task, sentence, label):
     assert _label_of(task, sentence) == label
 
@@ -87,6 +94,8 @@ def test_splits_are_seeded_and_held_out():
         assert not {s for s, _ in train} & {s for s, _ in held}
         assert data(task, MINI) == (train, held)
         assert data(task, replace(MINI, seed=1)) != (train, held)
+        if task != "order":  # templated sentences: held out by their hash, never generated for training
+            assert all(tt.held_out(x) for x, _ in held) and not any(tt.held_out(x) for x, _ in train)
     doc_eval = set(tt._doc_split("eval"))
     assert doc_eval and not doc_eval & set(tt._doc_split("train"))
     held_lines = [s for s, y in data("order", MINI)[1] if y == 1]
@@ -132,20 +141,23 @@ def test_family_layout_and_update_structure(fam):
         head = load_file(fam["heads"]["full"][task])
         assert head["weight"].shape == (len(tt.TEXT_TASKS[task].labels), 32)
         moved_lora = {n for n in base if not torch.equal(base[n], lora[n])}
-        # LoRA on query/value: exactly those weight matrices moved, nothing else (biases included)
-        assert moved_lora == {f"encoder.layer.{i}.attention.self.{m}.weight" for i in range(2) for m in ("query", "value")}
+        # LoRA on every linear layer of the blocks: exactly those weight matrices moved, nothing else (no bias,
+        # no embedding, no LayerNorm, not the pooler)
+        linear = [f"attention.self.{m}" for m in ("query", "key", "value")] + [
+            "attention.output.dense", "intermediate.dense", "output.dense"]
+        assert moved_lora == {f"encoder.layer.{i}.{m}.weight" for i in range(2) for m in linear}
         moved_full = {n for n in base if not torch.equal(base[n], full[n])}
         # full fine-tuning moves every tensor the loss reaches; the pooler is unused by mean pooling
         assert moved_full == {n for n in base if not n.startswith("pooler.") and base[n].is_floating_point()}
 
 
 def test_family_is_reproducible_and_reused(tmp_path, fam):
-    spec = replace(MINI, steps=3, tasks=("agent",))
+    spec = replace(MINI, steps=3, tasks=("larger",))
     a = build_family(tmp_path / "a", spec, log=lambda *_: None)
     b = build_family(tmp_path / "b", spec, log=lambda *_: None)
     for v in ("full", "lora"):
-        assert _digest(a["experts"][v]["agent"]) == _digest(b["experts"][v]["agent"])
-    assert _digest(a["experts"]["full"]["agent"]) != _digest(a["base"])
+        assert _digest(a["experts"][v]["larger"]) == _digest(b["experts"][v]["larger"])
+    assert _digest(a["experts"]["full"]["larger"]) != _digest(a["base"])
     log = []
     build_family(tmp_path / "a", spec, log=log.append)
     assert log == []  # nothing retrained
@@ -155,7 +167,7 @@ def test_family_is_reproducible_and_reused(tmp_path, fam):
 
 def test_merged_accuracy_matches_one_sentence_at_a_time(fam):
     """Batched, padded scoring vs an independent loop: each sentence alone, its own forward, mean, argmax."""
-    task = "agent"
+    task = "larger"
     expert = fam["experts"]["full"][task]
     pairs = eval_suite(MINI, [task])[task][:20]
     model, tok = load_encoder(expert)
@@ -232,3 +244,21 @@ def test_report_cells_targets_and_budget_rule():
     rule = rule_threshold(res)  # the smallest budget whose disjoint-block bound <= 0.05 of the update
     assert rule["x"] == pytest.approx(0.05) and rule["picks"][0]["pick"] == 25
     assert rule["picks"][0]["diff"] == pytest.approx(-0.005)
+
+
+def test_strategy_margins_and_recommendation_keep_norm_within_the_standard_error():
+    merges = [_m(8, "linear", 100, "all", 0.80)]
+    for b, norm, conflict, rnd in ((10, 0.70, 0.69, 0.60), (25, 0.75, 0.77, 0.65)):
+        merges += [_m(8, "linear", b, "norm", norm, 1e-3), _m(8, "linear", b, "conflict", conflict, 1e-3),
+                   _m(8, "linear", b, "random", rnd, 2e-3)]
+    res = {"variants": {"full": {"merges": merges}}, "family": {"spec": {"n_eval": 100}}}
+    m = strategy_margins(res)
+    assert m["conflict"] == (pytest.approx(0.005), pytest.approx(-0.01), pytest.approx(0.02), 2)
+    assert m["random"][0] == pytest.approx(-0.10)
+    text = recommendation(res, {})
+    assert text.startswith("default strategy `norm`") and "conflict +0.5 (-1.0..+2.0, 2 cells)" in text
+    assert "standard error (1.8 points)" in text  # sqrt(0.25 / 100 / 8)
+    for mm in merges:  # conflict 4 points better everywhere: recommended instead
+        if mm["strategy"] == "conflict":
+            mm["accuracy"]["mean"] += 0.04
+    assert recommendation(res, {}).startswith("default strategy `conflict`")
