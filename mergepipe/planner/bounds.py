@@ -8,6 +8,11 @@ import numpy as np
 
 from mergepipe.catalog import analyses
 
+# The suggested budget's rule: the smallest greedy budget whose blockwise bound is at most this fraction of
+# the estimated ||M_full - base||. From the fidelity study on real fine-tunes (docs/fidelity/README.md: the
+# smallest blockwise bound at which an additive merge stayed within 1 point of its full merge).
+SUGGEST_BOUND_FRACTION = 0.55
+
 
 class Bounds:
     """Error bounds of a plan: the full-merge norm estimated from sketches and the blockwise bound of the
@@ -48,3 +53,29 @@ class Bounds:
         _, group = np.unique(pos, return_inverse=True)
         per_position = np.bincount(group, weights=cands.bound_term[omitted])
         return float(np.sqrt(np.square(per_position).sum()))
+
+    def suggested_budget(self, fraction: float = SUGGEST_BOUND_FRACTION) -> dict | None:
+        """The smallest budget, in the plan's greedy order, whose blockwise bound is at most ``fraction`` x
+        the estimated norm of the merged update (the bound falls as blocks are added, so a binary search
+        over prefixes finds it); None when there is nothing to omit or no update."""
+        cands = self.candidates
+        norm = self.full_norm_estimate()
+        n = len(cands.order)
+        if n == 0 or norm <= 0:
+            return None
+        target = fraction * norm
+
+        def bound_of(k: int) -> float:
+            omitted = np.ones(len(cands.nbytes), dtype=bool)
+            omitted[cands.order[:k]] = False
+            return self._blockwise_bound(omitted)
+        lo, hi = 0, n  # bound_of(n) == 0 <= target
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if bound_of(mid) <= target:
+                hi = mid
+            else:
+                lo = mid + 1
+        nbytes = int(cands.cum_bytes[lo - 1]) if lo else 0
+        return {"bytes": nbytes, "fraction_of_full": nbytes / cands.full_bytes if cands.full_bytes else 0.0,
+                "bound_fraction": fraction, "blockwise": bound_of(lo), "full_delta_norm": norm}

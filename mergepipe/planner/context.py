@@ -524,6 +524,8 @@ class PlanContext(StrategyScores, Bounds):
             "software": {"mergepipe": __version__},
         })
         data["transfer"] = self._transfer(access, per_expert_bytes, base_bytes)
+        if self.op.additive and not self.to_analyze and not any(self.vocab_bytes.values()):  # outside the digest
+            data["suggested_budget"] = self.suggested_budget()
         if greedy is not None:  # outside the digest: the access set already says what is read
             data["coalesce"] = self._coalesce_note(greedy, chosen, data["transfer"])
         if self.warnings:  # outside the digest: they follow from the catalog, like the estimates

@@ -56,6 +56,8 @@ def explain_plan(p: dict) -> str:
         if "blockwise" in b:  # plans stored before the blockwise bound existed lack it
             lines.append(f"  tighter    ||M_full - M_A|| <= {b['blockwise']:.6g}  (relative "
                          f"{b['blockwise_relative']:.3e}; blocks at different positions are disjoint)")
+        if p.get("suggested_budget"):
+            lines.append(suggestion_line(p["suggested_budget"]))
     elif p.get("coefficients") is not None:  # an interpolation method (planner/methods.py)
         from mergepipe.ops.core import get_op
         op = get_op(p["operator"])
@@ -129,3 +131,11 @@ def layout_line(p: dict) -> str:
     copies = sum(1 for t in p["layout"]["tensors"] if t[0] != t[2] or t[1] != p["base"]["id"])
     return (f"  layout     {len(p['layout']['tensors'])} output tensors, {len(p['layout']['layers'])} layers: {text}"
             f" ({copies} renumbered or taken from another model)")
+
+
+def suggestion_line(s: dict) -> str:
+    """The budget the planner suggests (planner/bounds.py: suggested_budget)."""
+    from mergepipe.planner.budget import human_bytes
+    return (f"  suggest    budget {100 * s['fraction_of_full']:.0f}% ({human_bytes(s['bytes'])}): the smallest whose "
+            f"tighter bound <= {s['bound_fraction']:g} x ||M_full - base|| (on real fine-tunes that kept accuracy "
+            f"within 1 point of the full merge: docs/fidelity)")
