@@ -83,6 +83,9 @@ def make_engine(catalog: Catalog, executor: str = "local", address: str | None =
 
 def _execute(catalog: Catalog, plan: Plan, out, model_id, out_shard_bytes: int | None, progress, run_id=None,
              executor: str = "local", address: str | None = None):
+    if executor == "local" and not isinstance(plan, str):  # the disk works while torch loads
+        from mergepipe.engine.prefetch import start_warm_up
+        start_warm_up(plan)
     from mergepipe.engine.engine import DEFAULT_SHARD_BYTES
     if out_shard_bytes is None:
         out_shard_bytes = DEFAULT_SHARD_BYTES
