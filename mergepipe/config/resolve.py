@@ -321,15 +321,23 @@ def _tokenizer(r: _Resolver, base_id: str, base_path: Path | None) -> dict | Non
     where = "tokenizer_source"
     ref = cfg.tokenizer_source
     source_id, source_root = base_id, base_root
+    outside = None  # a tokenizer folder that is not one of the models merged (its files are copied)
     if ref not in (None, "union", "base", cfg.base, base_id):
-        source_id = _model_ref(r, ref, where, models)
-        source_root = dict(models).get(source_id) or _location(cat.model(source_id)["uri"])
+        outside = _outside_source(r, ref, where, models)
+        if outside is not None:
+            source_id, source_root = ref, outside
+        else:
+            source_id = _model_ref(r, ref, where, models)
+            source_root = dict(models).get(source_id) or _location(cat.model(source_id)["uri"])
     if vocab_asked:
         if not has_tokenizer(_files(source_root)):
             r.fail(where, f"{source_id} has no tokenizer files (tokenizer.json, tokenizer_config.json, vocab.txt, ...)")
         want = vocabulary(_files(source_root))
         with_tokenizer = [(m, p) for m, p in models if has_tokenizer(_files(p))]  # mergekit assumes the base's otherwise
         if needs_vocab(cat, with_tokenizer, want, cfg, base_id, lambda p: vocabulary(_files(p))):
+            if outside is not None:
+                r.fail(where, f"{ref} is not one of the models merged: re-ordering the embedding rows to its "
+                              f"vocabulary needs it among the models (or `base` / `union`)")
             row_order = [m for m in row_model_order(cfg, r.out.ids, base_id) if m in kinds]
             try:
                 out["vocab"] = vocab_setting(cat, cfg, base_id, models, "union" if ref == "union" else source_id,
@@ -350,6 +358,17 @@ def _tokenizer(r: _Resolver, base_id: str, base_path: Path | None) -> dict | Non
         if template is not None:
             out["chat_template"] = template
     return out or None
+
+
+def _outside_source(r: _Resolver, ref: str, where: str, models: list) -> Path | RemoteRoot | None:
+    """The location a tokenizer setting names when it is a folder (local or remote) that is not one of the
+    models merged; None for a model."""
+    if ref in r.out.ids or r.cat.has_model(ref):
+        return None
+    path = r._path(ref, where)
+    if path is None or any(p == path for _, p in models):
+        return None
+    return path
 
 
 def _model_ref(r: _Resolver, ref: str, where: str, models: list[tuple[str, Path]]) -> str:
