@@ -265,3 +265,18 @@ def test_exported_config_replans_to_the_same_digest(fam, tmp_path):
     with pytest.raises(PlanError, match=r"re-ordered its models' embedding rows to another vocabulary "
                                         r"\(tokenizer_source\)"):
         plan_extend(cat, ExtendRequest.build("mp", "remove", "expert_3"))
+
+
+def test_a_tokenizer_folder_outside_the_models_is_refused_where_rows_would_move(fam, tmp_path):
+    """A folder of tokenizer files only (not merged) can be the source when nothing moves; here the experts'
+    vocabularies differ, so its rows would be re-ordered: refused naming the key, catalog unchanged."""
+    base, experts = fam
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tok / name).write_bytes((experts[1] / name).read_bytes())
+    cat = Catalog(tmp_path / "c.sqlite")
+    with pytest.raises(ConfigError) as err:
+        plan_from_config(cat, parse_config(config(fam, "task_arithmetic", f"tokenizer_source: {tok}\n"), "v.yml"))
+    assert f"tokenizer_source: {tok} is not one of the models merged: re-ordering the embedding rows" in str(err.value)
+    assert cat.query("SELECT id FROM models") == [] and cat.query("SELECT id FROM plans") == []
