@@ -332,3 +332,17 @@ class S3Proxy:
         os.environ["AWS_ENDPOINT_URL"] = self.saved
         self.server.shutdown()
         self.server.server_close()
+
+
+def family_catalog(path: Path, fam, uri, block_bytes: int):
+    """A catalog of a family registered under ``uri(folder)`` (e.g. its loopback URL, or ``str`` for the local
+    path) as base and e1, e2, ..., analyzed on a ``block_bytes`` grid (density 0.5 thresholds too)."""
+    from mergepipe.analyze.runner import analyze
+    from mergepipe.catalog.db import Catalog
+    from mergepipe.catalog.models import register, register_many
+
+    cat = Catalog(path)
+    register(cat, "base", uri(fam["base"]))
+    register_many(cat, [(f"e{i}", uri(e)) for i, e in enumerate(fam["experts"], start=1)], base_id="base")
+    analyze(cat, block_bytes=block_bytes, densities=(0.5,))
+    return cat

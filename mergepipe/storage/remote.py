@@ -219,7 +219,21 @@ class RemoteStorage(Storage):
     def _bin_layout(self, t, folder: str, name: str):
         """A ``.bin``'s tensors by range requests: its zip directory, data.pkl and each storage's local
         header (storage/torchbin.py reads the same bytes of a local file, never unpickling anything)."""
-        probe, retries = self.retrying(t.where(name), lambda: t.probe(name, 4))
+        return self._probed(t, folder, name, 4, lambda probe: parse_bin_bytes(
+            RemoteBytes(self, t, name, probe.size, probe.etag), probe.size, t.where(name), name))
+
+    def _header(self, t, folder: str, name: str):
+        """(tensors, size, etag) of one weight file: its first 8 bytes, then exactly its header."""
+        def parse(probe):
+            n = header_length(t.where(name), probe.head, probe.size)
+            raw = self.fetch(t, name, 8, 8 + n, probe.etag, probe.size)
+            return header_tensors(t.where(name), raw, probe.size, name)
+        return self._probed(t, folder, name, 8, parse)
+
+    def _probed(self, t, folder: str, name: str, head: int, parse):
+        """(tensors, size, etag) of one weight file: probed (its first ``head`` bytes, size and ETag), then
+        ``parse(probe)`` unless the layout of that exact version (by ETag) is cached."""
+        probe, retries = self.retrying(t.where(name), lambda: t.probe(name, head))
         if probe is None:
             raise _Missing(f"{t.where(name)}: not found")
         self.stats.add(len(probe.head), retries)
@@ -227,32 +241,13 @@ class RemoteStorage(Storage):
         with _HEADER_CACHE_LOCK:
             hit = _HEADER_CACHE.get(key) if probe.etag else None
         if hit is None:
-            hit = parse_bin_bytes(RemoteBytes(self, t, name, probe.size, probe.etag), probe.size, t.where(name), name)
+            hit = parse(probe)
             if probe.etag:
                 with _HEADER_CACHE_LOCK:
                     _HEADER_CACHE[key] = hit
+                    while len(_HEADER_CACHE) > 512:
+                        _HEADER_CACHE.popitem(last=False)
         return hit, probe.size, probe.etag
-
-    def _header(self, t, folder: str, name: str):
-        """(tensors, size, etag) of one weight file: its first 8 bytes, then exactly its header."""
-        probe, retries = self.retrying(t.where(name), lambda: t.probe(name, 8))
-        if probe is None:
-            raise _Missing(f"{t.where(name)}: not found")
-        self.stats.add(len(probe.head), retries)
-        key = (folder, name, probe.etag, probe.size)
-        with _HEADER_CACHE_LOCK:
-            hit = _HEADER_CACHE.get(key) if probe.etag else None
-        if hit is not None:
-            return hit, probe.size, probe.etag
-        n = header_length(t.where(name), probe.head, probe.size)
-        raw = self.fetch(t, name, 8, 8 + n, probe.etag, probe.size)
-        tensors = header_tensors(t.where(name), raw, probe.size, name)
-        if probe.etag:
-            with _HEADER_CACHE_LOCK:
-                _HEADER_CACHE[key] = tensors
-                while len(_HEADER_CACHE) > 512:
-                    _HEADER_CACHE.popitem(last=False)
-        return tensors, probe.size, probe.etag
 
     def open_adapter(self, uri: str) -> LoraAdapter:
         """A PEFT LoRA adapter folder: adapter_config.json (one small GET) and the header of its

@@ -37,3 +37,56 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict
     """Per tensor max |a - b| (float64); the key sets must be equal."""
     assert set(a) == set(b), (sorted(set(a) ^ set(b)))[:10]
     return {k: float((a[k].double() - b[k].double()).abs().max()) if a[k].numel() else 0.0 for k in sorted(a)}
+
+
+# --- the three-expert parameter family and side-by-side merges of test_parity_params / _tensor_params ------
+PARAM_WEIGHTS = [0.6, 1.3, 0.35]
+PARAM_DENSITY = 0.5
+
+
+def params_family(tmp_path_factory, tag: str) -> dict:
+    """A tiny fp32 family of three experts, registered and analyzed on a 4 KiB grid; its paths, catalog and
+    tensors (the caller closes ``cat``)."""
+    from mergepipe.api import analyze
+    from mergepipe.catalog.db import Catalog
+    from mergepipe.catalog.models import register
+    from mergepipe.research.family import make_family
+
+    root = tmp_path_factory.mktemp(tag)
+    paths = make_family(root / "fam", experts=3, size="tiny", dtype="fp32", shard_bytes=1 << 30, seed=5)
+    cat = Catalog(root / "c.sqlite")
+    register(cat, "base", paths["base"])
+    for i, e in enumerate(paths["experts"], start=1):
+        register(cat, f"e{i}", e, base_id="base")
+    analyze(cat, block_bytes=4096)
+    return {"root": root, "cat": cat, "base": paths["base"], "experts": paths["experts"],
+            "base_t": load_dir(paths["base"]), "experts_t": [load_dir(e) for e in paths["experts"]]}
+
+
+def params_config(fam, method, per_model: dict | None = None, experts=(0, 1, 2), weights=PARAM_WEIGHTS,
+                  parameters=None) -> dict:
+    """A mergekit config of the family's experts (weights, density 0.5, per-model settings, seed 7)."""
+    models = []
+    for j, i in enumerate(experts):
+        p = {"weight": weights[j], "density": PARAM_DENSITY}
+        p.update({k: v[j] for k, v in (per_model or {}).items()})
+        models.append({"model": fam["experts"][i], "parameters": p})
+    cfg = {"merge_method": method, "base_model": fam["base"], "dtype": "float32", "models": models,
+           "mergepipe": {"seed": 7}}
+    if parameters:
+        cfg["parameters"] = parameters
+    return cfg
+
+
+def merge_both(fam, cfg: dict, tag: str, mergekit: bool = True):
+    """(plan, MergePipe's tensors, mergekit's tensors or None) of one config, each merged into ``root/tag``."""
+    from mergepipe.api import merge_config
+    from mergepipe.config.parse import parse_config
+
+    out = fam["root"] / tag
+    out.mkdir()
+    plan, _, _ = merge_config(fam["cat"], parse_config(yaml.safe_dump(cfg)), out / "mp", model_id=tag)
+    theirs = None
+    if mergekit:
+        theirs = mergekit_merge({k: v for k, v in cfg.items() if k != "mergepipe"}, out / "mk", seed=7)
+    return plan, load_dir(out / "mp"), theirs

@@ -17,60 +17,26 @@ import pytest
 import torch
 import yaml
 
-from mergepipe.api import analyze, merge_config
-from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.models import model_ids, register
+from mergepipe.api import merge_config
+from mergepipe.catalog.models import model_ids
 from mergepipe.config.parse import parse_config
 from mergepipe.errors import MergePipeError
 from mergepipe.planner.settings import LAYER
-from mergepipe.research.family import make_family
 
-from merge_helpers import load_dir
-from mergekit_runner import mergekit_merge
+from mergekit_runner import PARAM_DENSITY, merge_both, params_config, params_family
 
-WEIGHTS = [0.6, 1.3, 0.35]
-DENSITY = 0.5
+DENSITY = PARAM_DENSITY
 
 
 @pytest.fixture(scope="module")
 def tfam(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tparams")
-    paths = make_family(root / "fam", experts=3, size="tiny", dtype="fp32", shard_bytes=1 << 30, seed=5)
-    cat = Catalog(root / "c.sqlite")
-    register(cat, "base", paths["base"])
-    for i, e in enumerate(paths["experts"], start=1):
-        register(cat, f"e{i}", e, base_id="base")
-    analyze(cat, block_bytes=4096)
-    base = load_dir(paths["base"])
-    yield {"root": root, "cat": cat, "base": paths["base"], "experts": paths["experts"], "base_t": base,
-           "experts_t": [load_dir(e) for e in paths["experts"]],
-           "layers": 1 + max(int(m.group(1)) for n in base if (m := LAYER.search(n)))}
-    cat.close()
+    fam = params_family(tmp_path_factory, "tparams")
+    fam["layers"] = 1 + max(int(m.group(1)) for n in fam["base_t"] if (m := LAYER.search(n)))
+    yield fam
+    fam["cat"].close()
 
 
-def _cfg(fam, method, per_model=None, parameters=None, experts=(0, 1, 2)):
-    models = []
-    for j, i in enumerate(experts):
-        p = {"weight": WEIGHTS[j], "density": DENSITY}
-        if per_model:
-            p.update({k: v[j] for k, v in per_model.items()})
-        models.append({"model": fam["experts"][i], "parameters": p})
-    cfg = {"merge_method": method, "base_model": fam["base"], "dtype": "float32", "models": models,
-           "mergepipe": {"seed": 7}}
-    if parameters:
-        cfg["parameters"] = parameters
-    return cfg
-
-
-def _merge(fam, cfg, tag, mergekit=True):
-    out = fam["root"] / tag
-    out.mkdir()
-    plan, _, _ = merge_config(fam["cat"], parse_config(yaml.safe_dump(cfg)), out / "mp", model_id=tag)
-    theirs = None
-    if mergekit:
-        mk = {k: v for k, v in cfg.items() if k != "mergepipe"}
-        theirs = mergekit_merge(mk, out / "mk", seed=7)
-    return plan, load_dir(out / "mp"), theirs
+_cfg, _merge = params_config, merge_both
 
 
 def _gamma_on(setting, name: str, layers: int) -> float:

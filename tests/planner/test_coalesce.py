@@ -14,17 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mergepipe.analyze.runner import analyze
 from mergepipe.api import merge, merge_request, plan
 from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.models import register, register_many
 from mergepipe.errors import PlanError
 from mergepipe.planner.candidates import Candidates
 from mergepipe.planner.coalesce import coalesce
 from mergepipe.research.family import make_family
 
 from merge_helpers import dir_hashes, run_cli
-from remote_helpers import RangeServer
+from remote_helpers import RangeServer, family_catalog
 
 BLOCK = 64 << 10
 
@@ -93,11 +91,7 @@ def served(tmp_path_factory):
 
 
 def catalog(path: Path, fam, uri) -> Catalog:
-    cat = Catalog(path)
-    register(cat, "base", uri(fam["base"]))
-    register_many(cat, [(f"e{i}", uri(p)) for i, p in enumerate(fam["experts"], start=1)], base_id="base")
-    analyze(cat, block_bytes=BLOCK, densities=(0.5,))
-    return cat
+    return family_catalog(path, fam, uri, BLOCK)
 
 
 def test_a_coalescing_plan_issues_fewer_requests_and_merges_like_the_local_plan(served, tmp_path, monkeypatch):

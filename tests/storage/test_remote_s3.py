@@ -16,16 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from mergepipe.analyze.runner import analyze
 from mergepipe.api import merge
 from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.models import register, register_many
+from mergepipe.catalog.models import register
 from mergepipe.research.family import make_family
 from mergepipe.storage import registry
 from mergepipe.storage.safetensors import INDEX_NAME
 
 from merge_helpers import dir_hashes, dump_db, run_cli
-from remote_helpers import S3Proxy, moto_s3, upload_tree
+from remote_helpers import S3Proxy, family_catalog, moto_s3, upload_tree
 
 BLOCK = 16 << 10
 SIDE = ("config.json", "generation_config.json", "special_tokens_map.json", "tokenizer.json",
@@ -57,11 +56,7 @@ def registration_bytes(folder) -> int:
 
 
 def catalog(path: Path, fam, uri) -> Catalog:
-    cat = Catalog(path)
-    register(cat, "base", uri(fam["base"]))
-    register_many(cat, [(f"e{i}", uri(e)) for i, e in enumerate(fam["experts"], start=1)], base_id="base")
-    analyze(cat, block_bytes=BLOCK, densities=(0.5,))
-    return cat
+    return family_catalog(path, fam, uri, BLOCK)
 
 
 def test_register_from_s3_transfers_headers_index_and_config_only(bucket, tmp_path):
