@@ -5,7 +5,7 @@ known, its first reads are known too: :func:`start_warm_up` hands the leading ``
 in the order the engine reads them, to the kernel (``POSIX_FADV_WILLNEED``: asynchronous reads of exactly
 those ranges, rounded to pages) on a background thread, so the engine's exact reads find them in the page
 cache. Nothing outside the plan is read. Local files only; other plans (remote inputs, LoRA sources,
-``slices:`` layouts) are left alone. This module must not import torch (it runs before the engine loads).
+``slices:`` layouts, re-ordered vocabularies) are left alone. This module must not import torch (it runs before the engine loads).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def default_limit() -> int:
 def first_ranges(plan, limit: int) -> list[tuple[str, int, int]]:
     """(path, offset, nbytes) of the plan's reads in the engine's order, until ``limit`` bytes."""
     data = plan.data
-    if data.get("layout") is not None or limit <= 0:
-        return []
+    if data.get("layout") is not None or (data.get("tokenizer") or {}).get("vocab") or limit <= 0:
+        return []  # other models' tensors, or re-ordered embedding rows read whole: the engine's own order
     inputs = [data["base"], *(data["experts"] if "experts" in data else []), data.get("parent") or {},
               data.get("changed") or {}]
     if any(scheme_of(i["uri"]) is not None for i in inputs if i.get("uri")) or \
