@@ -94,6 +94,15 @@ def idle(page, timeout=60_000):
     page.wait_for_selector(IDLE, timeout=timeout)
 
 
+def settled(page, locator, timeout=90_000):
+    """Wait until ``locator`` shows, then until it shows once: a fragment's last tick and the app rerun it
+    triggers may briefly both render the same element."""
+    expect(locator.first).to_be_visible(timeout=timeout)
+    idle(page)
+    expect(locator).to_have_count(1, timeout=30_000)
+    return locator
+
+
 def nav(page, title: str, heading: str | None = None):
     page.locator("[data-testid='stSidebarNav'] a", has_text=title).first.click()
     expect(page.locator("h1", has_text=heading or title)).to_be_visible()
@@ -203,11 +212,7 @@ def test_dashboard_end_to_end(server, page):
     analyze = page.locator(".st-key-analyze_btn button")
     expect(analyze).to_have_count(1, timeout=30_000)  # a rerun under load may briefly keep a stale twin
     analyze.click()
-    # the fragment's last tick and the app rerun it triggers may briefly both show the finished run
-    done = page.get_by_text(re.compile(r"run \d+ succeeded: analyze expert_1,expert_2,expert_3: 100%"))
-    expect(done.first).to_be_visible(timeout=90_000)
-    idle(page)
-    expect(done).to_have_count(1, timeout=30_000)
+    settled(page, page.get_by_text(re.compile(r"run \d+ succeeded: analyze expert_1,expert_2,expert_3: 100%")))
     expect(page.get_by_text("Not analyzed yet")).to_have_count(0)
     cat = Catalog(server["db"])
     assert all(cat.is_analyzed(e) for e in EXPERTS) and cat.grid_block_bytes("base") == 4096
@@ -311,12 +316,9 @@ def test_dashboard_end_to_end(server, page):
     page.get_by_role("textbox", name="Model id of the merged model").press("Enter")
     idle(page)
     page.get_by_role("button", name="Launch merge").click()
-    # .first: the fragment's last render and the app rerun it triggers may briefly both show the message
-    expect(page.get_by_text(re.compile(r"Published snap-[0-9a-f]+ as model merged-e2e")).first).to_be_visible(
-        timeout=90_000)
+    settled(page, page.get_by_text(re.compile(r"Published snap-[0-9a-f]+ as model merged-e2e")))
     expect(page.get_by_role("combobox", name="Run")).to_have_value(re.compile(r"run \d+ · merged-e2e"))
-    expect(page.locator("[data-testid='stMetric']", has_text="Status")).to_contain_text("succeeded")
-    idle(page)
+    expect(settled(page, page.locator("[data-testid='stMetric']", has_text="Status"))).to_contain_text("succeeded")
     snap = re.search(r"snap-[0-9a-f]+", page.get_by_text(re.compile("Published snap-")).inner_text()).group(0)
     row = cat.query("SELECT status, snapshot_id FROM runs WHERE kind = 'merge'")[0]
     assert row == {"status": "succeeded", "snapshot_id": snap}
