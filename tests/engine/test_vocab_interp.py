@@ -61,6 +61,8 @@ CASES = {
     "nearswap": (lambda f: {"models": _models(f, 1, with_base=True), "parameters": {"t": 0.002}}, None),
     "ram": (lambda f: {"models": _models(f, 3)}, None),
     "nuslerp": (lambda f: {"models": _models(f, 2, [0.3, 0.7])}, 0.4),
+    "nuslerp-rows": (lambda f: {"models": _models(f, 2, [0.6, 0.4]), "parameters": {"nuslerp_flatten": False}},
+                     None),
     "model_stock": (lambda f: {"models": _models(f, 3)}, 1.7),
     "model_stock-filter_wise": (lambda f: {"models": _models(f, 3), "parameters": {"filter_wise": True}}, 0.9),
     # mergekit's float32 tangent-step residue grows with the tensor: 1.8 ulp on these 16 K-entry embeddings
@@ -68,9 +70,7 @@ CASES = {
     "multislerp": (lambda f: {"models": _models(f, 2, [0.5, 0.3])}, 2.0),
     "karcher": (lambda f: {"models": _models(f, 3)}, 4.0),
 }
-RUNS = [("slerp", "union"), ("slerp", "base"), ("slerp-gradient", "union"), ("slerp-gradient", "base"),
-        ("nearswap", "union"), ("ram", "union"), ("nuslerp", "union"), ("model_stock", "union"),
-        ("model_stock-filter_wise", "base"), ("multislerp", "union"), ("karcher", "union")]
+RUNS = [(case, tokenizer) for case in CASES for tokenizer in ("union", "base")]
 
 
 def config_text(fam, case: str, tokenizer: str, budget: str | None = None) -> str:
