@@ -194,3 +194,24 @@ class ArceeImportance:
             return None
         import torch
         return threshold(torch.cat(self.parts))
+
+
+def composed_gram(base: np.ndarray, xs: list[np.ndarray], blocks: list[tuple[int, int]]):
+    """The Gram statistics of whole float32 tensors held in memory (a re-ordered vocabulary's composed
+    embedding rows, engine/vocab.py): per block (``blocks``: flat entry ranges of the grid), the float32
+    deltas x_i - base, their products summed in float64 by the same kernel as :meth:`GramAccumulator.add`
+    and added up block by block, as ANALYZE does for a full checkpoint's tensor."""
+    from mergepipe.analyze import kernels
+    from mergepipe.ops.interp import Gram
+    k = len(xs)
+    total = np.zeros((k + 1, k + 1))
+    for start, stop in blocks:
+        m = np.empty((k + 1, stop - start), dtype=np.float32)
+        m[0] = base[start:stop]
+        for i, x in enumerate(xs, start=1):
+            np.subtract(x[start:stop], m[0], out=m[i])  # float32, as mergekit's x - base
+        g = np.zeros_like(total)
+        kernels.gram_accumulate(m, g)
+        total += g
+    dd = tuple(tuple(float(v) for v in row[1:]) for row in total[1:])
+    return Gram(float(total[0, 0]), tuple(float(v) for v in total[0, 1:]), dd, int(base.size))

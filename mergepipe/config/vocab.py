@@ -16,6 +16,7 @@ from pathlib import Path
 from mergepipe.catalog.models import is_vocab_tensor
 from mergepipe.errors import MergePipeError
 from mergepipe.ops.core import get_op
+from mergepipe.planner.methods import VOCAB_METHODS
 from mergepipe.storage.registry import open_checkpoint
 from mergepipe.storage.vocab_union import (TokenSetting, build_vocabulary, config_vocab_size, encode_sources,
                                            row_sources, vocab_sha)
@@ -74,10 +75,10 @@ def vocab_setting(cat, cfg, base_id: str, models: list[tuple[str, Path]], source
         raise VocabRefusal("tokenizer_source", "re-ordering embedding rows to another vocabulary needs a "
                                                "`base_model` (mergekit takes the base's rows for tokens it lacks)")
     op = get_op(cfg.method)
-    if op.nonlinear or op.copies:
+    if op.copies or (op.nonlinear and op.name not in VOCAB_METHODS):
         raise VocabRefusal("tokenizer_source", f"re-ordering embedding rows to another vocabulary is done for the "
-                                               f"task-vector methods (linear, task_arithmetic, ties, dare, ...), "
-                                               f"not {op.name}")
+                                               f"task-vector methods (linear, task_arithmetic, ties, dare, ...) and "
+                                               f"{', '.join(VOCAB_METHODS)}, not {op.name}")
     for mid, kind in kinds.items():
         if kind != "full":
             raise VocabRefusal("tokenizer_source", f"{mid} is a {kind} checkpoint: re-ordering embedding rows to "

@@ -91,7 +91,8 @@ class MergePipeline:
                             + ((tensor_weight(member, n) or 0.0) if member else 0.0)
                             for n in set(self.input_name.values())}
         # interpolation methods: per-tensor scalars, and the budget-omitted blocks (which keep the base)
-        self.coefficients = plan.data.get("coefficients") or {}
+        # (a copy: a re-ordered vocabulary's embedding tensors get theirs when composed, engine/vocab.py)
+        self.coefficients = dict(plan.data.get("coefficients") or {})
         self.omitted = {t: set(expand_ranges(rs)) for t, rs in (plan.data.get("omitted") or {}).items()}
         # linear without normalize scales the base by sum(w): then no block is a plain copy
         self.tensor_params = plan.data.get("tensor_params") or {}  # lambda/normalize/rescale per tensor

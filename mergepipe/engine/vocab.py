@@ -6,7 +6,9 @@ Each re-ordered tensor is read in full once per model (the base through the base
 through its own: the plan reserves exactly those bytes), composed with storage/vocab_union.py's
 ``compose_tensor`` (mergekit 0.1.5's PermutedVocabulary: own rows, another model's row, a mean, zero,
 padding), and dropped when the next one starts. The merge then runs block by block on the composed
-rows like on any tensor; other tensors never come here.
+rows like on any tensor; other tensors never come here. Statistics the plan cannot hold for composed rows
+are taken from them here, in memory: TIES's exact top k (``_thresholds``) and an interpolation method's
+Gram statistics and scalars (``_coefficients``).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
+from mergepipe.analyze.gram import composed_gram
 from mergepipe.errors import ExecutionError
 from mergepipe.ops.spec import Sparsify
 from mergepipe.ops.topk import NO_CUT
+from mergepipe.planner.methods import method_scalars
 from mergepipe.planner.settings import expert_params, tensor_density
 from mergepipe.storage.grid import tensor_grid
 from mergepipe.storage.safetensors import TensorInfo
@@ -88,7 +92,24 @@ class VocabRows:
                 out[m] = _to_bytes(body, self.dtypes[name])
             self.current = (name, out)
             self._thresholds(name, out)
+            self._coefficients(name, out)
             return out, nread
+
+    def _coefficients(self, name: str, composed: dict[str, bytes]) -> None:
+        """An interpolation method's scalars of a re-ordered tensor: its Gram statistics taken from the
+        composed rows of every model (as ANALYZE takes them for other tensors), turned into scalars by the
+        planner's own function with the settings the plan recorded (``composed_coefficients``)."""
+        p = self.p
+        settings = (p.plan.data.get("composed_coefficients") or {}).get(name)
+        if settings is None:
+            return
+        info = next(t for t in p.order if t.name == name)
+        itemsize = info.nbytes // max(1, info.shape[0] * info.shape[1])
+        blocks = [(s.rel_offset // itemsize, (s.rel_offset + s.nbytes) // itemsize)
+                  for s in tensor_grid(info, p.plan["grid"]["block_bytes"])]
+        flat = {m: _floats(data, info).numpy().reshape(-1) for m, data in composed.items()}
+        gram = composed_gram(flat[p.plan["base"]["id"]], [flat[e["id"]] for e in p.experts], blocks)
+        p.coefficients[name] = method_scalars(p.op, gram, settings, p.params, len(info.shape))
 
     def _thresholds(self, name: str, composed: dict[str, bytes]) -> None:
         """TIES below density 1: each expert's exact top-k statistics over its re-ordered delta (what

@@ -100,7 +100,10 @@ class PlanContext(StrategyScores, Bounds):
                                         f"{', '.join(e['id'] for e in self.to_analyze)}): `mergepipe analyze "
                                         f"{' '.join(e['id'] for e in self.to_analyze)}`")
         self.candidates = self._candidates()
-        self.method_scalars = methods.tensor_scalars(self) if self.op.nonlinear else None
+        # interpolation methods: per-tensor scalars; a re-ordered vocabulary's embedding tensors get theirs at
+        # merge time, from their composed rows (planner/methods.py)
+        self.method_scalars, self.composed_settings = (methods.tensor_scalars(self) if self.op.nonlinear
+                                                       else (None, {}))
 
     def _expert_specs(self, experts, density, weight=None) -> list[dict]:
         if not experts and self.op.min_experts > 0:
@@ -506,6 +509,8 @@ class PlanContext(StrategyScores, Bounds):
         if self.op.nonlinear:  # the interpolation methods' per-tensor scalars and budget-omitted blocks
             core["coefficients"] = self.method_scalars
             core["omitted"] = methods.omitted_blocks(self, chosen)
+            if self.composed_settings:  # only then: other plans keep their digests
+                core["composed_coefficients"] = self.composed_settings
         digest = hashlib.sha256(canonical(core)).hexdigest()
         data = dict(core)
         data.update({

@@ -64,6 +64,10 @@ def explain_plan(p: dict) -> str:
         lines.append(f"  bound      {op.bound_note or 'n/a'}")
         omitted = sum(b - a for rs in p.get("omitted", {}).values() for a, b in rs)
         lines.append(f"  omitted    {omitted} blocks not read; {op.budget_semantics}")
+        if p.get("composed_coefficients"):  # a re-ordered vocabulary (planner/methods.py, engine/vocab.py)
+            lines.append(f"  coefficients of {', '.join(sorted(p['composed_coefficients']))}: from the composed rows "
+                         f"at merge time (their Gram statistics, computed in memory from the rows read in full for "
+                         f"every model; no extra read)")
     if p.get("layout"):
         lines.append(layout_line(p))
     member = p.get("base_member")

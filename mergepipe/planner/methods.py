@@ -4,7 +4,10 @@ expert counts, per-tensor scalars from the catalog's Gram statistics, and joint 
 - Scalars: each float tensor's coefficients (slerp's ca/cb, model_stock's t, ...) are computed here from
   ANALYZE's Gram statistics (catalog/gram.py) and the tensor's settings (t resolved per tensor from a
   gradient or filters; the experts' weights per tensor) and recorded in the plan (``coefficients``, part of
-  the digest): the engine merges block by block with them and reads no extra byte.
+  the digest): the engine merges block by block with them and reads no extra byte. Over a re-ordered
+  vocabulary the catalog has no statistics of embed_tokens/lm_head's composed rows: the plan records those
+  tensors' settings instead (``composed_coefficients``) and the engine, which reads them in full for every
+  model, takes their Gram statistics from the composed rows and calls the same ``method_scalars``.
 - Joint selection (``spec.joint``): a block (tensor, index) is read for every expert that changed it, or
   for none; groups are taken greedily by summed score per summed byte (ties: tensor, block), while they fit
   the budget. ``omitted`` lists, per tensor, the blocks some expert changed that the plan does not read:
@@ -56,10 +59,22 @@ def check_experts(op, experts: list[dict], member: dict | None = None) -> None:
             raise PlanError(f"{op.name} takes no weights (mergekit's {op.name} has no weight parameter)")
 
 
-def tensor_scalars(ctx) -> dict[str, list[float]]:
-    """Per float tensor, the method's scalars (ops/<method>.py ``scalars``)."""
-    op, params = ctx.op, ctx.params
+# methods whose per-tensor scalars need the Gram statistics (or nothing) besides the tensor's settings: over a
+# re-ordered vocabulary (config/vocab.py) the engine computes those of embed_tokens/lm_head from the composed rows
+VOCAB_METHODS = ("slerp", "nuslerp", "model_stock", "multislerp", "karcher", "nearswap", "ram")
+
+
+def method_scalars(op, gram: Gram | None, settings: dict, params: dict, ndim: int) -> list[float]:
+    """One tensor's scalars (ops/<method>.py ``scalars``), as recorded in a plan's ``coefficients``."""
     scalars_fn, _ = METHODS[op.name]
+    return [float(v) for v in scalars_fn(op, gram, settings, params, ndim)]
+
+
+def tensor_scalars(ctx) -> tuple[dict[str, list[float]], dict[str, dict]]:
+    """Per float tensor, the method's scalars; and per re-ordered embedding tensor of a Gram method, the
+    settings its scalars are computed from at merge time (the catalog has no statistics of its composed
+    rows: the engine takes them from the rows it reads in full, engine/vocab.py)."""
+    op, params = ctx.op, ctx.params
     ids = [e["id"] for e in ctx.experts]
     gram = load_gram(ctx.catalog, ctx.base["id"], ids) if op.gram else {}
     changed = {e: set(analyses.changed_tensors(ctx.catalog, e)) for e in ids} if op.gram else {}
@@ -70,7 +85,8 @@ def tensor_scalars(ctx) -> dict[str, list[float]]:
            if 0.0 < topk < 1.0 else None)
     names = [t["name"] for t in ctx.tensors]
     layers = num_layers(names, json.loads(ctx.base["config"] or "{}"))
-    out = {}
+    composed = set((ctx.vocab or {}).get("tensors", ()))
+    out, at_merge = {}, {}
     for t in ctx.tensors:
         if t["dtype"] not in FLOAT_DTYPES:
             continue
@@ -78,6 +94,9 @@ def tensor_scalars(ctx) -> dict[str, list[float]]:
         settings = {"weights": [tensor_weight(e, name) for e in ctx.experts]}
         if ctx.base_member is not None:  # no base_model: the reference (the "base") is one of the models
             settings["reference_weight"] = tensor_weight(ctx.base_member, name)
+        if name in composed and op.name not in VOCAB_METHODS:
+            raise PlanError(f"tokenizer_source: {op.name} over a re-ordered vocabulary is not supported "
+                            f"(supported: {', '.join(VOCAB_METHODS)} and the task-vector methods)")
         if counts is not None:
             per = counts.get(name)
             if per is None or set(per) != set(ids):
@@ -91,10 +110,13 @@ def tensor_scalars(ctx) -> dict[str, list[float]]:
             settings["sce"] = _sce_selection(sce, ids, t, topk)
         if "t" in params:
             settings["t"] = resolve([params["t"]], name, layer_t(name, layers), 0.0)
+        if name in composed and op.gram:
+            at_merge[name] = settings
+            continue
         zero = {e for e in ids if name not in changed[e]} if op.gram else set()
         g = _gram(op, gram.get(name, {}), ids, name, t, zero, ctx.base_member is not None) if op.gram else None
-        out[name] = [float(v) for v in scalars_fn(op, g, settings, params, len(t["shape"]))]
-    return out
+        out[name] = method_scalars(op, g, settings, params, len(t["shape"]))
+    return out, at_merge
 
 
 def _arcee_threshold(thresholds: dict, expert: str, t) -> float:

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.models import register
@@ -35,49 +35,16 @@ from mergepipe.config.resolve import plan_from_config
 from mergepipe.engine.engine import Engine
 from mergepipe.errors import PlanError
 from mergepipe.planner.context import Planner
-from mergepipe.research.family import make_family
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parity"))
 import mergekit  # noqa: E402,F401  (the reference; in the test extra)
 from mergekit_runner import mergekit_merge  # noqa: E402
-
-ADDED = {1: ["<tool>", "<think>"], 2: ["<tool>", "<im>"], 3: []}
-TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
-VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
-
-
-def add_tokens(d: Path, tokens: list[str], seed: int) -> None:
-    """Append added (special) tokens to a model's tokenizer and their rows to its embeddings."""
-    if not tokens:
-        return
-    tj = json.loads((d / "tokenizer.json").read_text())
-    vocab = tj["model"]["vocab"]
-    for t in tokens:
-        vocab[t] = len(vocab)
-        tj["added_tokens"].append({"id": vocab[t], "content": t, "single_word": False, "lstrip": False,
-                                   "rstrip": False, "normalized": False, "special": True})
-    (d / "tokenizer.json").write_text(json.dumps(tj))
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["vocab_size"] = len(vocab)
-    (d / "config.json").write_text(json.dumps(cfg))
-    tensors = load_file(str(d / "model.safetensors"))
-    g = torch.Generator().manual_seed(seed)
-    for n in VOCAB_TENSORS:
-        tensors[n] = torch.cat([tensors[n], torch.randn(len(tokens), tensors[n].shape[1], generator=g)])
-    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+from vocab_helpers import TEMPLATE, VOCAB_TENSORS, added_tokens_family, same_vocabulary  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def fam(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vocab")
-    paths = make_family(root / "fam", experts=3, size="tiny", dtype="fp32", shard_bytes=1 << 30, seed=11)
-    base, experts = Path(paths["base"]), [Path(p) for p in paths["experts"]]
-    tc = json.loads((base / "tokenizer_config.json").read_text())
-    tc["chat_template"] = TEMPLATE
-    (base / "tokenizer_config.json").write_text(json.dumps(tc))
-    for i, e in enumerate(experts, start=1):
-        add_tokens(e, ADDED[i], 100 + i)
-    return base, experts
+    return added_tokens_family(tmp_path_factory.mktemp("vocab"))
 
 
 def config(fam, method: str, tokenizer: str, base_weight: float | None = None) -> str:
@@ -131,12 +98,7 @@ def test_parity_with_mergekit(fam, tmp_path, case):
     mp = load_file(str(out / "model.safetensors"))
     ours = transformers.AutoTokenizer.from_pretrained(str(out), local_files_only=True)
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "mk"), local_files_only=True)
-    a, b = ours.get_vocab(), theirs.get_vocab()
-    # the same tokens; the added ones may come in another order (mergekit iterates a set of the models)
-    added = {"<tool>", "<think>", "<im>", "<new>"}
-    assert set(a) == set(b) and {t: i for t, i in a.items() if t not in added} == {
-        t: i for t, i in b.items() if t not in added}
-    assert sorted(a[t] for t in added & set(a)) == sorted(b[t] for t in added & set(b))
+    a, b = same_vocabulary(ours, theirs)
     n = len(a)
     vocab = plan["tokenizer"]["vocab"]
     assert vocab["tokens_n"] == n and manifest.core["tokenizer"]["vocab"] == vocab
@@ -216,8 +178,8 @@ def test_budgeted_union_reads_its_plan_and_keeps_the_rows(fam, tmp_path):
 REFUSALS = [
     ("breadcrumbs", "tokenizer_source: union\nparameters: {{density: 0.5, gamma: 0.01}}\n",
      PlanError, ["tokenizer_source: breadcrumbs at density 0.5 on", "computes for ties only"]),
-    ("slerp", "tokenizer_source: union\nparameters: {{t: 0.5}}\n",
-     ConfigError, ["tokenizer_source: re-ordering embedding rows", "not slerp"]),
+    ("sce", "tokenizer_source: union\n",
+     ConfigError, ["tokenizer_source: re-ordering embedding rows", "not sce"]),
     ("task_arithmetic", "tokenizer:\n  source: union\n  tokens:\n    <x>: {{source: nowhere}}\n",
      ConfigError, ["tokenizer.tokens.<x>.source", "'nowhere' is neither"]),
     ("task_arithmetic", "tokenizer:\n  source: union\n  tokens:\n    <x>: {{force: true}}\n",
@@ -227,10 +189,7 @@ REFUSALS = [
 
 @pytest.mark.parametrize("method, tok, exc, words", REFUSALS)
 def test_refusals_name_the_key_and_leave_the_catalog_unchanged(fam, tmp_path, method, tok, exc, words):
-    base, experts = fam
     text = config(fam, method, tok)
-    if method == "slerp":
-        text = text.replace(f"  - model: {experts[2]}\n    parameters: {{weight: 0.35}}\n", "")
     cat = Catalog(tmp_path / "c.sqlite")
     with pytest.raises(exc) as err:
         plan_from_config(cat, parse_config(text, "v.yml"))
