@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -70,37 +71,56 @@ def bench(args) -> dict:
     results = {}
     for op in args.ops:
         for budget in args.budgets:
-            results[f"{op} {budget}"] = one_case(db, work, inputs, experts, new, op, budget)
+            results[f"{op} {budget}"] = one_case(db, work, inputs, experts, new, op, budget, args.repeats)
     return results
 
 
-def one_case(db: Path, work: Path, inputs: list, experts: list, new: str, op: str, budget: str) -> dict:
+KEYS = ("wall_s", "read_bytes", "model_files_read", "write_bytes", "peak_rss_bytes")
+
+
+def one_case(db: Path, work: Path, inputs: list, experts: list, new: str, op: str, budget: str,
+             repeats: int) -> dict:
+    """The parent merged once, then ``repeats`` rounds of extend and from-scratch merge, in alternating order
+    (the host's cache of recently written files favours whichever runs right after the parent is written);
+    medians, with every round kept."""
     tag = f"{op}-{budget.rstrip('%')}"
-    parent, ext, scratch = work / f"parent-{tag}", work / f"extend-{tag}", work / f"scratch-{tag}"
+    parent = work / f"parent-{tag}"
     t0 = time.perf_counter()
     run.measure(mp(db, "merge", "--base", "base", "--experts", *experts, "--op", op, "--budget", budget,
                    "--out", parent))
     print(f"[{op} {budget}] parent of {len(experts)} experts merged in {time.perf_counter() - t0:.1f} s", flush=True)
-    run.cold([*inputs, parent])
-    m_ext = run.measure(mp(db, "merge", "--extend", parent.name, "--add", new, "--out", ext))
-    # what came from the model files (all evicted before): the rest of the child's reads is the
-    # catalog (evicted by the merges' reads), Python's libraries and the like
-    m_ext["model_files_read"] = run.resident_bytes([*inputs, parent])
-    run.cold([*inputs, parent, ext])
-    m_scr = run.measure(mp(db, "merge", "--base", "base", "--experts", *experts, new, "--op", op,
-                           "--budget", budget, "--out", scratch))
-    m_scr["model_files_read"] = run.resident_bytes(inputs)
+    rounds = []
+    for rep in range(repeats):
+        ext, scratch = work / f"extend-{tag}-{rep}", work / f"scratch-{tag}-{rep}"
+        order = ("extend", "scratch") if rep % 2 == 0 else ("scratch", "extend")
+        got = {}
+        for who in order:
+            run.cold([*inputs, parent, *(work.glob("extend-*")), *(work.glob("scratch-*"))])
+            if who == "extend":
+                got[who] = run.measure(mp(db, "merge", "--extend", parent.name, "--add", new, "--out", ext))
+                # what came from the model files (all evicted before): the rest of the child's reads is the
+                # catalog (evicted by the merges' reads), Python's libraries and the like
+                got[who]["model_files_read"] = run.resident_bytes([*inputs, parent])
+                got[who]["loop_s"] = json.loads((ext / "mergepipe_manifest.json").read_text())["run"]["seconds"]
+            else:
+                got[who] = run.measure(mp(db, "merge", "--base", "base", "--experts", *experts, new, "--op", op,
+                                          "--budget", budget, "--out", scratch))
+                got[who]["model_files_read"] = run.resident_bytes(inputs)
+                got[who]["loop_s"] = json.loads((scratch / "mergepipe_manifest.json").read_text())["run"]["seconds"]
+        rounds.append({"order": list(order), **{w: {k: got[w][k] for k in (*KEYS, "loop_s")} for w in got}})
+        print(f"[{op} {budget}] round {rep + 1}/{repeats} ({' then '.join(order)}): extend "
+              f"{got['extend']['wall_s']:.1f} s, scratch {got['scratch']['wall_s']:.1f} s", flush=True)
+        if rep < repeats - 1:
+            shutil.rmtree(ext, ignore_errors=True)
+            shutil.rmtree(scratch, ignore_errors=True)
     core = manifest_core(ext)
     est = core["estimated"]
     planned = est["snapshot_read"] + est["base_read"] + est["expert_read"]
     result = {
-        "op": op, "budget": budget, "parent_experts": len(experts),
-        "extend": {k2: m_ext[k2] for k2 in ("wall_s", "read_bytes", "model_files_read", "write_bytes",
-                                             "peak_rss_bytes")},
-        "scratch": {k2: m_scr[k2] for k2 in ("wall_s", "read_bytes", "model_files_read", "write_bytes",
-                                              "peak_rss_bytes")},
-        "extend_loop_s": json.loads((ext / "mergepipe_manifest.json").read_text())["run"]["seconds"],
-        "scratch_loop_s": json.loads((scratch / "mergepipe_manifest.json").read_text())["run"]["seconds"],
+        "op": op, "budget": budget, "parent_experts": len(experts), "repeats": repeats, "rounds": rounds,
+        "extend": _median(rounds, "extend"), "scratch": _median(rounds, "scratch"),
+        "extend_loop_s": statistics.median(r["extend"]["loop_s"] for r in rounds),
+        "scratch_loop_s": statistics.median(r["scratch"]["loop_s"] for r in rounds),
         "planned": {"snapshot": est["snapshot_read"], "base": est["base_read"], "expert": est["expert_read"],
                     "total": planned},
         "scratch_planned": manifest_core(scratch)["estimated"],
@@ -111,6 +131,10 @@ def one_case(db: Path, work: Path, inputs: list, experts: list, new: str, op: st
     for d in (parent, ext, scratch):
         shutil.rmtree(d, ignore_errors=True)
     return result
+
+
+def _median(rounds: list[dict], who: str) -> dict:
+    return {k: statistics.median(r[who][k] for r in rounds) for k in KEYS}
 
 
 def report(results: dict, args) -> str:
@@ -124,7 +148,9 @@ def report(results: dict, args) -> str:
         "registered and analyzed, untimed). Each contender is one `mergepipe` process, every input file (base, "
         "all experts, the parent snapshot) evicted from the page cache before it; bytes are the child's disk "
         "reads (rusage), side by side in one run. `wall s` is the whole command (interpreter start, imports, "
-        "plan, merge, publish); `merge s` the engine's streaming loop as the manifest records it.",
+        "plan, merge, publish); `merge s` the engine's streaming loop as the manifest records it. Each case: "
+        f"the parent merged once, then {args.repeats} rounds of both contenders in alternating order; the "
+        "table gives medians, the ratios below list every round.",
         "",
         "| case | contender | wall s | merge s | read MB (process) | read MB (model files) | planned read MB | write MB | peak RSS MB |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -148,7 +174,10 @@ def report(results: dict, args) -> str:
         over = e["read_bytes"] / p["total"] - 1
         over_files = e["model_files_read"] / p["total"] - 1
         speed = (f"; speed target >= 5x: {'met' if ratio_t >= 5 else 'NOT met'}" if r["budget"] == "100%" else "")
+        per_round = ", ".join(f"{x['extend']['wall_s']:.1f} / {x['scratch']['wall_s']:.1f}"
+                              f"{' (scratch first)' if x['order'][0] == 'scratch' else ''}" for x in r["rounds"])
         verdicts.append(f"- {case}: extend {ratio_t:.1f}x faster end to end ({ratio_loop:.1f}x in the merge loop), "
+                        f"medians of {len(r['rounds'])} rounds (extend / scratch wall s: {per_round}); "
                         f"reads {ratio_b:.1f}x fewer bytes ({io_ratio:.1f}x fewer read + written); extend read "
                         f"{over * 100:+.2f} % vs its plan in all (catalog and libraries included), "
                         f"{over_files * 100:+.2f} % from the model files (target <= +1 %: "
@@ -184,6 +213,8 @@ def main(argv=None) -> int:
                     help="experts in the parent; expert_{k+1} is added (written beside the family if missing)")
     ap.add_argument("--ops", nargs="+", default=["task_arithmetic", "linear"])
     ap.add_argument("--budgets", nargs="+", default=["100%", "10%"])
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="rounds of extend and from-scratch merge per case, in alternating order (medians)")
     ap.add_argument("--scratch", default="/tmp/mergepipe-incremental")
     ap.add_argument("--out", default=str(ROOT / "docs/benchmarks"))
     args = ap.parse_args(argv)
