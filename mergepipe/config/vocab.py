@@ -18,7 +18,7 @@ from mergepipe.errors import MergePipeError
 from mergepipe.ops.core import get_op
 from mergepipe.planner.methods import VOCAB_METHODS
 from mergepipe.storage.registry import open_checkpoint
-from mergepipe.storage.vocab_union import (TokenSetting, build_vocabulary, config_vocab_size, encode_sources,
+from mergepipe.storage.vocab_union import (MEAN, TokenSetting, build_vocabulary, config_vocab_size, encode_sources,
                                            row_sources, vocab_sha)
 
 
@@ -83,7 +83,13 @@ def vocab_setting(cat, cfg, base_id: str, models: list[tuple[str, Path]], source
                                                "another from run to run); name the model (`tokenizer_source: "
                                                "<model>`) or use `union`")
     op = get_op(cfg.method)
-    if op.copies or (op.nonlinear and op.name not in VOCAB_METHODS):
+    if op.copies:
+        raise VocabRefusal("tokenizer_source", "passthrough over different vocabularies is not done by MergePipe: "
+                                               "mergekit re-orders the first slice's model's embed_tokens and the "
+                                               "last slice's lm_head each alone (zero rows for the tokens that "
+                                               "model lacks), rows per copied tensor the plan does not model; give "
+                                               "the models one vocabulary or merge with a merging method")
+    if (op.nonlinear and op.name not in VOCAB_METHODS):
         raise VocabRefusal("tokenizer_source", f"re-ordering embedding rows to another vocabulary is done for the "
                                                f"task-vector methods (linear, task_arithmetic, ties, dare, ...) and "
                                                f"{', '.join(VOCAB_METHODS)}, not {op.name}")
@@ -101,6 +107,7 @@ def vocab_setting(cat, cfg, base_id: str, models: list[tuple[str, Path]], source
     except MergePipeError as exc:
         where = "tokenizer.tokens" if str(exc).startswith("tokenizer.tokens") else "tokenizer_source"
         raise VocabRefusal(where, str(exc).removeprefix("tokenizer.tokens: ")) from None
+    _check_mean_order(cfg, row_order, sources, resolve_ref)
     base_t = vocab_tensors(cat, base_id, roots[base_id])
     if not base_t:
         raise VocabRefusal("tokenizer_source", f"{base_id} has no embedding tensor (embed_tokens, lm_head, ...) "
@@ -130,6 +137,22 @@ def vocab_setting(cat, cfg, base_id: str, models: list[tuple[str, Path]], source
         "tensors": {name: [vocab.rows, shape[1]] for name, shape in sorted((k, v[0]) for k, v in base_t.items())},
         "sources": {mid: encode_sources(sources[mid]) for mid in row_order},
     }
+
+
+def _check_mean_order(cfg, row_order: list[str], sources: dict, resolve_ref) -> None:
+    """mergekit sums a mean row in the order of the tensor's models: the first slice's sources for the
+    embeddings, the last slice's for lm_head. The plan holds one order (the first slice's), which gives the
+    same float32 sums unless a mean over three or more rows is summed in another order."""
+    if cfg.slices is None:
+        return
+    last = [resolve_ref(s.ref, f"{s.where}.model") for s in cfg.slices[-1].sources]
+    if [m for m in last if m in row_order] == [m for m in row_order if m in last]:
+        return
+    if any(src[0] == MEAN and len(src[1]) > 2 for rows in sources.values() for src in rows):
+        raise VocabRefusal("tokenizer_source", f"{cfg.slices[-1].where} lists the models in another order than "
+                                               f"{cfg.slices[0].where}, and a token's row is the mean of three or "
+                                               f"more models' rows, which mergekit sums in each slice's order: list "
+                                               f"the sources in one order")
 
 
 def needs_vocab(cat, models: list[tuple[str, Path]], want: dict, cfg, base_id: str, vocabulary) -> bool:

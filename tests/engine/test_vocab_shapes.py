@@ -189,3 +189,35 @@ def test_base_without_base_model_is_refused(fam, tmp_path, capsys):
     doc = yaml.safe_load(config_text(fam, "soup-linear-union"))
     doc["tokenizer_source"] = "base"
     _refuse(tmp_path, capsys, doc, ["tokenizer_source: `base` without a `base_model`", "name the model"])
+
+
+def test_passthrough_over_different_vocabularies_is_refused(fam, tmp_path, capsys):
+    """mergekit 0.1.5 runs it (each copied embedding tensor re-ordered alone: zero rows for the tokens its
+    model lacks); MergePipe does not yet: one error line naming the key, catalog unchanged."""
+    _, experts = fam
+    doc = {"merge_method": "passthrough", "dtype": "float32", "tokenizer_source": "union",
+           "slices": [{"sources": [{"model": str(experts[0]), "layer_range": [0, 1]}]},
+                      {"sources": [{"model": str(experts[1]), "layer_range": [1, 2]}]}]}
+    _refuse(tmp_path, capsys, doc, ["tokenizer_source: passthrough over different vocabularies is not done"])
+
+
+def test_mean_rows_in_another_slice_order_are_refused():
+    """A mean over three or more rows summed in the last slice's order (lm_head) differs from the first's in
+    float32: refused naming the key; two rows (a commutative sum) or one order are accepted."""
+    from types import SimpleNamespace
+
+    from mergepipe.config.vocab import VocabRefusal, _check_mean_order
+
+    def cfg(*orders):
+        return SimpleNamespace(slices=[SimpleNamespace(where=f"slices[{i}]", sources=[
+            SimpleNamespace(ref=m, where=f"slices[{i}].sources[{j}]") for j, m in enumerate(o)])
+            for i, o in enumerate(orders)])
+
+    three = {"a": [("mean", (("a", 3), ("b", 3), ("c", 3)))]}
+    two = {"a": [("mean", (("b", 3), ("c", 3)))]}
+    ref = lambda text, where: text  # noqa: E731
+    _check_mean_order(cfg("abc", "abc"), list("abc"), three, ref)
+    _check_mean_order(cfg("abc", "acb"), list("abc"), two, ref)
+    with pytest.raises(VocabRefusal) as err:
+        _check_mean_order(cfg("abc", "acb"), list("abc"), three, ref)
+    assert err.value.args[0] == "tokenizer_source" and "slices[1] lists the models in another order" in err.value.args[1]
