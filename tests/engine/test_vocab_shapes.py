@@ -221,3 +221,16 @@ def test_mean_rows_in_another_slice_order_are_refused():
     with pytest.raises(VocabRefusal) as err:
         _check_mean_order(cfg("abc", "acb"), list("abc"), three, ref)
     assert err.value.args[0] == "tokenizer_source" and "slices[1] lists the models in another order" in err.value.args[1]
+
+
+@pytest.mark.parametrize("case", ["soup-linear-model", "slices-task_arithmetic-reordered-union"])
+def test_exported_config_replans_to_the_same_digest(fam, tmp_path, case):
+    """A soup's named reference tokenizer is recorded by id, so the export names its path and plans back."""
+    from mergepipe.config.export import export_mergekit
+
+    cat = Catalog(tmp_path / "c.sqlite")
+    plan, _ = plan_from_config(cat, parse_config(config_text(fam, case), "shapes.yml"))
+    text = export_mergekit(cat, plan.id)
+    again, _ = plan_from_config(cat, parse_config(text, "exported.yml"), save=False)
+    assert again.digest == plan.digest and again["tokenizer"]["vocab"]["source"] == plan["tokenizer"]["vocab"]["source"]
+    cat.close()
