@@ -35,7 +35,8 @@ def add_tokens(d: Path, tokens: list[str], seed: int) -> None:
     tensors = load_file(str(d / "model.safetensors"))
     g = torch.Generator().manual_seed(seed)
     for n in VOCAB_TENSORS:
-        tensors[n] = torch.cat([tensors[n], torch.randn(len(tokens), tensors[n].shape[1], generator=g)])
+        rows = torch.randn(len(tokens), tensors[n].shape[1], generator=g).to(tensors[n].dtype)
+        tensors[n] = torch.cat([tensors[n], rows])
     save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -51,14 +52,14 @@ def spread_rows(d: Path, scale: float, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     for n in SPREAD_TENSORS:
         t = tensors[n]
-        tensors[n] = t + scale * float(t.std()) * torch.randn(t.shape, generator=g)
+        tensors[n] = (t + scale * float(t.float().std()) * torch.randn(t.shape, generator=g)).to(t.dtype)
     save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
 
 
-def added_tokens_family(root: Path, spread: float = 0.0) -> tuple[Path, list[Path]]:
+def added_tokens_family(root: Path, spread: float = 0.0, dtype: str = "fp32") -> tuple[Path, list[Path]]:
     """(base, experts) of the family, the base's tokenizer with a chat template (``spread``: the experts'
-    embedding rows moved by that much, spread_rows)."""
-    paths = make_family(root / "fam", experts=3, size="tiny", dtype="fp32", shard_bytes=1 << 30, seed=11)
+    embedding rows moved by that much, spread_rows; ``dtype``: fp32 or bf16)."""
+    paths = make_family(root / "fam", experts=3, size="tiny", dtype=dtype, shard_bytes=1 << 30, seed=11)
     base, experts = Path(paths["base"]), [Path(p) for p in paths["experts"]]
     tc = json.loads((base / "tokenizer_config.json").read_text())
     tc["chat_template"] = TEMPLATE

@@ -233,6 +233,7 @@ def prepare(cat: Catalog, cfg: MergekitConfig, register_paths: bool = True, chec
     models = cfg.models
     if cfg.base is None:  # a soup: the reference is the first model, averaged in with its own weight
         r.out.base_member = soup.member(models[0], 0, reference=True)
+        r.out.ids[models[0].ref] = base_id
         models = models[1:]
     else:
         r.out.ids[cfg.base] = base_id

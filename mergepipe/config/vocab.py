@@ -18,7 +18,7 @@ from mergepipe.errors import MergePipeError
 from mergepipe.ops.core import get_op
 from mergepipe.planner.methods import VOCAB_METHODS
 from mergepipe.storage.registry import open_checkpoint
-from mergepipe.storage.vocab_union import (TokenSetting, build_vocabulary, config_vocab_size, encode_sources,
+from mergepipe.storage.vocab_union import (MEAN, TokenSetting, build_vocabulary, config_vocab_size, encode_sources,
                                            row_sources, vocab_sha)
 
 
@@ -36,16 +36,24 @@ def vocab_tensors(cat, model_id: str, root: Path) -> dict[str, tuple[tuple, str]
 
 
 def row_model_order(cfg, ids: dict[str, str], base_id: str) -> list[str]:
-    """mergekit's order of the models whose tensors a merge stacks: the config's models in order, the
-    base appended when not listed (it fixes the order of the mean rows' sums)."""
+    """mergekit's order of the models whose tensors a merge stacks (it fixes the order of the mean rows'
+    sums): a `slices:` config's first slice's sources (the embeddings' models), else the config's models
+    in order; the base appended when not listed."""
+    refs = [s.ref for s in cfg.slices[0].sources] if cfg.slices is not None else [m.ref for m in cfg.models]
     order = []
-    for m in cfg.models:
-        mid = ids.get(m.ref)
+    for ref in refs:
+        mid = ids.get(ref)
         if mid is not None and mid not in order:
             order.append(mid)
     if base_id not in order:
         order.append(base_id)
     return order
+
+
+def rows_base(cfg, base_id: str) -> str | None:
+    """The model whose row mergekit gives a token several models hold but not all: the `base_model`'s
+    (PermutedVocabulary's base role); a soup or `slices:` config without one has none (a mean then)."""
+    return None if cfg.base is None or cfg.slices_reference else base_id
 
 
 def _token_settings(cfg, resolve_ref) -> dict[str, TokenSetting]:
@@ -68,14 +76,20 @@ def vocab_setting(cat, cfg, base_id: str, models: list[tuple[str, Path]], source
     """The ``vocab`` entry of a request's tokenizer (``models``: (id, folder) of the base and every
     expert, config order; ``source``: ``union``, ``base`` or a model id; ``resolve_ref``: a model
     reference as written -> its id). Raises VocabRefusal."""
-    if cfg.slices is not None:
-        raise VocabRefusal("tokenizer_source", "re-ordering embedding rows to another vocabulary is done for "
-                                               "`models:` configs, not `slices:`")
-    if cfg.base is None:
-        raise VocabRefusal("tokenizer_source", "re-ordering embedding rows to another vocabulary needs a "
-                                               "`base_model` (mergekit takes the base's rows for tokens it lacks)")
+    row_base = rows_base(cfg, base_id)
+    if row_base is None and cfg.tokenizer_source == "base":
+        raise VocabRefusal("tokenizer_source", "`base` without a `base_model`: mergekit then takes the tokenizer "
+                                               "of an arbitrary one of the models (the first of a Python set, "
+                                               "another from run to run); name the model (`tokenizer_source: "
+                                               "<model>`) or use `union`")
     op = get_op(cfg.method)
-    if op.copies or (op.nonlinear and op.name not in VOCAB_METHODS):
+    if op.copies:
+        raise VocabRefusal("tokenizer_source", "passthrough over different vocabularies is not done by MergePipe: "
+                                               "mergekit re-orders the first slice's model's embed_tokens and the "
+                                               "last slice's lm_head each alone (zero rows for the tokens that "
+                                               "model lacks), rows per copied tensor the plan does not model; give "
+                                               "the models one vocabulary or merge with a merging method")
+    if (op.nonlinear and op.name not in VOCAB_METHODS):
         raise VocabRefusal("tokenizer_source", f"re-ordering embedding rows to another vocabulary is done for the "
                                                f"task-vector methods (linear, task_arithmetic, ties, dare, ...) and "
                                                f"{', '.join(VOCAB_METHODS)}, not {op.name}")
@@ -85,13 +99,15 @@ def vocab_setting(cat, cfg, base_id: str, models: list[tuple[str, Path]], source
                                                    f"another vocabulary needs every model's own rows (full checkpoints)")
     roots = dict(models)
     tokens = _token_settings(cfg, resolve_ref)
+    # without a base_model the reference (config/soup.py) is named by its id: `base` would not plan back
+    label = "union" if source == "union" else ("base" if source == base_id and row_base is not None else source)
     try:
-        vocab = build_vocabulary(base_id, roots, "union" if source == "union" else (
-            "base" if source == base_id else source), tuple(tokens), cfg.pad_to_multiple_of)
-        sources = row_sources(vocab, row_order, base_id, tokens)
+        vocab = build_vocabulary(base_id, roots, label, tuple(tokens), cfg.pad_to_multiple_of)
+        sources = row_sources(vocab, row_order, row_base, tokens)
     except MergePipeError as exc:
         where = "tokenizer.tokens" if str(exc).startswith("tokenizer.tokens") else "tokenizer_source"
         raise VocabRefusal(where, str(exc).removeprefix("tokenizer.tokens: ")) from None
+    _check_mean_order(cfg, row_order, sources, resolve_ref)
     base_t = vocab_tensors(cat, base_id, roots[base_id])
     if not base_t:
         raise VocabRefusal("tokenizer_source", f"{base_id} has no embedding tensor (embed_tokens, lm_head, ...) "
@@ -111,7 +127,7 @@ def vocab_setting(cat, cfg, base_id: str, models: list[tuple[str, Path]], source
                                                        f"{need} tokens (config.json vocab_size {size})")
     n = len(vocab.vocab)
     return {
-        "source": "union" if source == "union" else ("base" if source == base_id else source),
+        "source": label,
         "sha256": vocab_sha(vocab.vocab), "tokens_n": n, "rows": vocab.rows,
         "pad_to_multiple_of": cfg.pad_to_multiple_of,
         "tokens": [[t, s.force, list(s.source) if isinstance(s.source, tuple) else s.source]
@@ -121,6 +137,22 @@ def vocab_setting(cat, cfg, base_id: str, models: list[tuple[str, Path]], source
         "tensors": {name: [vocab.rows, shape[1]] for name, shape in sorted((k, v[0]) for k, v in base_t.items())},
         "sources": {mid: encode_sources(sources[mid]) for mid in row_order},
     }
+
+
+def _check_mean_order(cfg, row_order: list[str], sources: dict, resolve_ref) -> None:
+    """mergekit sums a mean row in the order of the tensor's models: the first slice's sources for the
+    embeddings, the last slice's for lm_head. The plan holds one order (the first slice's), which gives the
+    same float32 sums unless a mean over three or more rows is summed in another order."""
+    if cfg.slices is None:
+        return
+    last = [resolve_ref(s.ref, f"{s.where}.model") for s in cfg.slices[-1].sources]
+    if [m for m in last if m in row_order] == [m for m in row_order if m in last]:
+        return
+    if any(src[0] == MEAN and len(src[1]) > 2 for rows in sources.values() for src in rows):
+        raise VocabRefusal("tokenizer_source", f"{cfg.slices[-1].where} lists the models in another order than "
+                                               f"{cfg.slices[0].where}, and a token's row is the mean of three or "
+                                               f"more models' rows, which mergekit sums in each slice's order: list "
+                                               f"the sources in one order")
 
 
 def needs_vocab(cat, models: list[tuple[str, Path]], want: dict, cfg, base_id: str, vocabulary) -> bool:

@@ -138,7 +138,8 @@ class MergePipeline:
             if model not in self.inputs:
                 raise ExecutionError(f"the layout copies {name} from {model}, which is not an input of plan "
                                      f"{self.plan.id}")
-            order.append(replace(self.inputs[model].tensors[name], name=out))
+            info = replace(self.inputs[model].tensors[name], name=out)
+            order.append(self.vocab_rows.output_info(info) if self.vocab_rows and self.vocab_rows.covers(out) else info)
             self.input_name[out], self.input_model[out], self.scale[out] = name, model, scale
         return order
     def select_work(self, work: list) -> list:
