@@ -25,7 +25,7 @@ STAGING_PREFIX = ".mergepipe-staging-"
 MANIFEST_NAME = "mergepipe_manifest.json"
 PART_BYTES = 8 << 20
 UPLOAD_WORKERS = 8  # objects uploaded (or copied) at once
-PUT_CHUNK_BYTES = 16 << 20  # part size of a multipart upload (files of twice that or more)
+PUT_CHUNK_BYTES = 32 << 20  # part size of a multipart upload (files of twice that or more)
 MAX_PARTS = 10_000  # S3's limit on the parts of one upload
 
 
@@ -101,7 +101,7 @@ class RemoteOutput:
     def _upload(self, local: Path, path: Path) -> Future:
         name = f"{self.staging}/{path.relative_to(local).as_posix()}"
         # one part at a time per file (the files are the parallelism): at most 2 * PUT_CHUNK_BYTES in
-        # memory per worker, where s3fs would read up to 10 parts of 50 MiB of each file at once
+        # memory per worker, 512 MiB for all; s3fs alone reads up to 10 parts of 50 MiB of one file at once
         part = max(PUT_CHUNK_BYTES, -(-path.stat().st_size // MAX_PARTS))
         return self._submit(name, self.t.fs.put_file, str(path), self.t.key(name), chunksize=part, max_concurrency=1)
 
