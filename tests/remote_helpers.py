@@ -248,6 +248,13 @@ def upload_tree(local: Path, bucket_prefix: str) -> None:
             fs.pipe_file(f"{bucket_prefix}/{f.relative_to(local)}", f.read_bytes())
 
 
+class _ProxyServer(ThreadingHTTPServer):
+    daemon_threads = True
+    # socketserver's default backlog of 5 drops the SYNs of a burst of parallel connections (each then
+    # waits 1 s for its retransmission); S3 accepts them
+    request_queue_size = 128
+
+
 class S3Proxy:
     """A loopback reverse proxy in front of an S3 server (moto) that logs every request (method, path,
     whether it is a server-side copy) in arrival order, can run a hook before a ranged GET, and answers ``fail_copies_after`` copy requests
@@ -345,8 +352,7 @@ class S3Proxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
+        self.server = _ProxyServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
