@@ -8,8 +8,9 @@ answers 500 to the copies to the final keys (after some succeeded) or a missing 
 ``error:`` line, no manifest object, no leftover objects and an unchanged catalog; http:// output is refused.
 Parallel publish (each PUT held 0.3 s by the proxy, a slow link): several staging uploads and several
 copies are in flight at once, the manifest PUT still arrives after every copy was answered and is the last
-write; a shard's upload starts while the merge still writes the last shard; a 500 on one of the parallel
-uploads removes the others' objects (after they finish) and leaves the prefix empty and the catalog unchanged.
+write; a shard's upload starts while the merge still writes the last shard, and a merge that fails then
+removes that object once its upload is done; a 500 on one of the parallel uploads removes the others'
+objects (after they finish) and leaves the prefix empty and the catalog unchanged.
 """
 
 from __future__ import annotations
@@ -266,6 +267,34 @@ def test_a_shard_upload_starts_while_the_merge_writes_the_last_shard(s3, tmp_pat
     order = [p.rsplit("/", 1)[1] for m, p, _ in proxy.log if m == "PUT" and STAGING in p]
     assert order.index(first) < order.index("model.safetensors.index.json")
     assert first in objects("out/early")
+
+
+def test_a_merge_failing_after_a_shard_was_uploaded_removes_it(s3, tmp_path):
+    cat = catalog(tmp_path / "c.sqlite", s3["fam"])
+    first = "model-00001-of-00005.safetensors"
+
+    def arrived() -> bool:
+        return any(m == "PUT" and STAGING in p and p.endswith(f"/{first}") for m, p, _ in proxy.log)
+
+    def progress(done, total, _):
+        if done == total:
+            deadline = time.monotonic() + 60
+            while not arrived() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            raise RuntimeError("the merge fails after its first shard's upload started")
+
+    with S3Proxy(s3["endpoint"]) as proxy:
+        proxy.put_delay = 0.5  # the upload is still in flight when the merge fails
+        with pytest.raises(RuntimeError, match="first shard's upload started"):
+            merge(cat, "base", ["e1", "e2"], "s3://out/fails", "linear", out_shard_bytes=SHARD_BYTES,
+                  progress=progress)
+    assert arrived()
+    uploaded = {p.split("?")[0] for m, p, _ in proxy.log if m == "PUT" and STAGING in p}
+    deleted = {p.split("?")[0] for m, p, _ in proxy.log if m == "DELETE"}
+    assert any(p.endswith(f"/{first}") for p in uploaded) and uploaded <= deleted
+    assert objects("out/fails") == {}
+    assert cat.conn.execute("SELECT count(*) FROM snapshots").fetchone()[0] == 0
+    assert [r[0] for r in cat.conn.execute("SELECT status FROM txns")] == ["aborted"]
 
 
 def test_500_on_one_parallel_upload_removes_every_object_and_keeps_the_catalog(s3, tmp_path):
