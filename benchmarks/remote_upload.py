@@ -21,6 +21,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -75,11 +76,11 @@ def start_servers(put_delay: float = 0.0) -> tuple[list[subprocess.Popen], str]:
     return [moto, proxy], proxy.stdout.readline().strip()
 
 
-def serial_module(ref: str):
+def serial_module(ref: str, work: Path):
     """publish.py as it was at ``ref`` (one upload, then one copy, at a time)."""
     source = subprocess.run(["git", "show", f"{ref}:mergepipe/storage/publish.py"], cwd=ROOT, check=True,
                             capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "publish_serial.py"
+    path = work / "publish_serial.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("publish_serial", path)
     module = importlib.util.module_from_spec(spec)
@@ -155,11 +156,14 @@ def main() -> None:
     args = ap.parse_args()
 
     from mergepipe.storage import publish as parallel
-    folder = merged_snapshot(Path(tempfile.mkdtemp(prefix="remote-upload-")), args.size, args.dtype,
-                             args.shard_mb << 20)
-    files = [p for p in folder.rglob("*") if p.is_file()]
-    contenders = {"serial": serial_module(args.serial_ref), "parallel": parallel}
-    results = {ms: measure(folder, contenders, args.rounds, ms / 1000) for ms in args.put_delay_ms}
+    work = Path(tempfile.mkdtemp(prefix="remote-upload-"))
+    try:
+        folder = merged_snapshot(work, args.size, args.dtype, args.shard_mb << 20)
+        files = [p for p in folder.rglob("*") if p.is_file()]
+        contenders = {"serial": serial_module(args.serial_ref, work), "parallel": parallel}
+        results = {ms: measure(folder, contenders, args.rounds, ms / 1000) for ms in args.put_delay_ms}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     report(args, results, sum(p.stat().st_size for p in files), len(files))
 
 
