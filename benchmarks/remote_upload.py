@@ -159,12 +159,12 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="remote-upload-"))
     try:
         folder = merged_snapshot(work, args.size, args.dtype, args.shard_mb << 20)
-        files = [p for p in folder.rglob("*") if p.is_file()]
+        sizes = [p.stat().st_size for p in folder.rglob("*") if p.is_file()]
         contenders = {"serial": serial_module(args.serial_ref, work), "parallel": parallel}
         results = {ms: measure(folder, contenders, args.rounds, ms / 1000) for ms in args.put_delay_ms}
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    report(args, results, sum(p.stat().st_size for p in files), len(files))
+    report(args, results, sum(sizes), len(sizes))
 
 
 def report(args, results: dict, total: int, n_files: int) -> None:
