@@ -248,10 +248,20 @@ def upload_tree(local: Path, bucket_prefix: str) -> None:
             fs.pipe_file(f"{bucket_prefix}/{f.relative_to(local)}", f.read_bytes())
 
 
+class _ProxyServer(ThreadingHTTPServer):
+    daemon_threads = True
+    # socketserver's default backlog of 5 drops the SYNs of a burst of parallel connections (each then
+    # waits 1 s for its retransmission); S3 accepts them
+    request_queue_size = 128
+
+
 class S3Proxy:
     """A loopback reverse proxy in front of an S3 server (moto) that logs every request (method, path,
     whether it is a server-side copy) in arrival order, can run a hook before a ranged GET, and answers ``fail_copies_after`` copy requests
-    later with a real HTTP 500 (the S3 server is not asked): a server failing mid-upload."""
+    later with a real HTTP 500 (the S3 server is not asked): a server failing mid-upload. ``spans`` holds
+    each request's (method, path, arrival, answer) times (time.monotonic); ``put_delay`` holds every plain
+    PUT that long before forwarding it (a slow link); every plain PUT whose path contains
+    ``fail_puts_matching`` is answered 500 (retries included)."""
 
     def __init__(self, upstream: str):
         import http.client
@@ -259,6 +269,10 @@ class S3Proxy:
 
         up = urlsplit(upstream)
         self.log: list[tuple[str, str, bool]] = []
+        self.spans: list[tuple[str, str, float, float]] = []
+        self.lock = threading.Lock()  # requests arrive on several threads at once
+        self.put_delay = 0.0
+        self.fail_puts_matching: str | None = None
         self.fail_copies_after: int | None = None
         # hold the copy request after that many until ``release`` is set (a process killed mid-upload)
         self.hold_copies_after: int | None = None
@@ -274,28 +288,50 @@ class S3Proxy:
                 pass
 
             def _forward(self):
+                start = time.monotonic()
+                try:
+                    self._answer()
+                finally:
+                    with proxy.lock:
+                        proxy.spans.append((self.command, self.path, start, time.monotonic()))
+
+            def _fail(self):
+                msg = b"<Error><Code>InternalError</Code><Message>injected</Message></Error>"
+                self.send_response(500)
+                self.send_header("Content-Length", str(len(msg)))
+                self.end_headers()
+                self.wfile.write(msg)
+
+            def _take(self, counter: str) -> str:
+                """'pass' while the counter is None or positive (counted down), else 'stop'."""
+                with proxy.lock:
+                    left = getattr(proxy, counter)
+                    if left is None:
+                        return "pass"
+                    if left == 0:
+                        return "stop"
+                    setattr(proxy, counter, left - 1)
+                    return "pass"
+
+            def _answer(self):
                 n = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(n) if n else None
                 copy = "x-amz-copy-source" in {k.lower() for k in self.headers}
-                proxy.log.append((self.command, self.path, copy))
+                with proxy.lock:
+                    proxy.log.append((self.command, self.path, copy))
                 if self.command == "GET" and self.headers.get("Range") and proxy.before_range_get:
                     proxy.before_range_get(self.path.split("?")[0], self.headers["Range"])
-                if copy and proxy.hold_copies_after is not None:
-                    if proxy.hold_copies_after == 0:
-                        proxy.held.set()
-                        proxy.release.wait(120)
-                        self.close_connection = True
-                        return
-                    proxy.hold_copies_after -= 1
-                if copy and proxy.fail_copies_after is not None:
-                    if proxy.fail_copies_after == 0:
-                        msg = b"<Error><Code>InternalError</Code><Message>injected</Message></Error>"
-                        self.send_response(500)
-                        self.send_header("Content-Length", str(len(msg)))
-                        self.end_headers()
-                        self.wfile.write(msg)
-                        return
-                    proxy.fail_copies_after -= 1
+                if copy and self._take("hold_copies_after") == "stop":
+                    proxy.held.set()
+                    proxy.release.wait(120)
+                    self.close_connection = True
+                    return
+                if copy and self._take("fail_copies_after") == "stop":
+                    return self._fail()
+                if self.command == "PUT" and not copy:
+                    time.sleep(proxy.put_delay)
+                    if proxy.fail_puts_matching and proxy.fail_puts_matching in self.path:
+                        return self._fail()
                 conn = http.client.HTTPConnection(up.hostname, up.port, timeout=30)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "expect")}
                 headers["Host"] = up.netloc
@@ -316,8 +352,7 @@ class S3Proxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
+        self.server = _ProxyServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 

@@ -142,7 +142,8 @@ class Engine:
         try:
             staging = txn.begin()
             t0 = time.perf_counter()
-            result = self._run(plan, staging, out_shard_bytes, progress)
+            on_shard_closed = txn.file_ready if remote else None  # uploads overlap the merge
+            result = self._run(plan, staging, out_shard_bytes, progress, on_shard_closed)
             self._check_inputs_after_reads(plan)
             result["content_hashed"] = hashed
             manifest = self._manifest(plan, result, model_id, out, time.perf_counter() - t0, staging)
@@ -159,13 +160,13 @@ class Engine:
         return manifest.snapshot_id, manifest
 
     # --- the streaming loop ------------------------------------------------------------------------
-    def _run(self, plan: Plan, staging: Path, out_shard_bytes: int, progress) -> dict:
+    def _run(self, plan: Plan, staging: Path, out_shard_bytes: int, progress, on_shard_closed) -> dict:
         if is_extend(plan.data):  # an incremental merge reads the parent snapshot (in this process)
-            return ExtendPipeline(self, plan, staging, out_shard_bytes, progress).run()
+            return ExtendPipeline(self, plan, staging, out_shard_bytes, progress, on_shard_closed).run()
         if isinstance(self.executor, RangeExecutor):  # range tasks where the data lives (e.g. on Ray)
-            from mergepipe.engine.ranges import RangeMerge
+            from mergepipe.engine.ranges import RangeMerge  # (its shards are complete only at the end)
             return RangeMerge(self, plan, staging, out_shard_bytes, progress).run(self.executor)
-        return MergePipeline(self, plan, staging, out_shard_bytes, progress).run()
+        return MergePipeline(self, plan, staging, out_shard_bytes, progress, on_shard_closed).run()
 
     # --- manifest and catalog ----------------------------------------------------------------------
     def _manifest(self, plan: Plan, result: dict, model_id: str, out: Path, seconds: float,

@@ -32,9 +32,10 @@ GROUP_BYTES = 16 << 20  # the snapshot is read in full, in order: larger groups,
 
 
 class ExtendPipeline:
-    """Runs an incremental plan into ``staging``; :meth:`run` returns what the manifest needs."""
+    """Runs an incremental plan into ``staging``; :meth:`run` returns what the manifest needs
+    (``on_shard_closed``: as for :class:`MergePipeline`)."""
 
-    def __init__(self, engine, plan: Plan, staging: Path, out_shard_bytes: int, progress):
+    def __init__(self, engine, plan: Plan, staging: Path, out_shard_bytes: int, progress, on_shard_closed=None):
         self.engine, self.plan, self.staging, self.progress = engine, plan, staging, progress
         self.coefs = plan["coefficients"]
         self.changed = plan["changed"]
@@ -53,7 +54,7 @@ class ExtendPipeline:
         self.base_reader = self.base_ck.reader()
         self.expert_reader = self.source.checkpoint.reader()
         self.fixed: tuple[str, list] | None = None
-        self.writers = {s.fname: ShardWriter(staging, s) for s in self.shards}
+        self.writers = {s.fname: ShardWriter(staging, s, on_shard_closed) for s in self.shards}
         self.timing = {"read_wait_s": 0.0, "compute_s": 0.0, "write_s": 0.0}
         self.by_tensor: dict[str, int] = {}
 

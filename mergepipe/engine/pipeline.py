@@ -60,10 +60,12 @@ def block_groups(tensors: list[TensorInfo], block_bytes: int, group_bytes: int, 
 
 class MergePipeline:
     """Executes ``plan`` for ``engine`` (its read-ahead, group and in-flight byte settings, its executor)
-    into ``staging``; :meth:`run` returns what the manifest needs."""
+    into ``staging``; :meth:`run` returns what the manifest needs. ``on_shard_closed(path)`` is called
+    as each output shard is complete (written, flushed and hashed)."""
 
-    def __init__(self, engine, plan: Plan, staging: Path, out_shard_bytes: int, progress):
+    def __init__(self, engine, plan: Plan, staging: Path, out_shard_bytes: int, progress, on_shard_closed=None):
         self.engine, self.plan, self.staging, self.progress = engine, plan, staging, progress
+        self.on_shard_closed = on_shard_closed
         self.op = op = get_op(plan["operator"])
         self.params = params = plan["params"]
         self.experts = experts = plan["experts"]
@@ -148,7 +150,7 @@ class MergePipeline:
 
     def open_writers(self) -> dict:
         """Shard file name -> writer of the blocks (pre-sized shards written in order and hashed)."""
-        return {s.fname: ShardWriter(self.staging, s) for s in self.shards}
+        return {s.fname: ShardWriter(self.staging, s, self.on_shard_closed) for s in self.shards}
 
     # --- what a block needs ----------------------------------------------------------------------------
     def takes_part(self, ei: int, name: str, block: int) -> bool:

@@ -210,8 +210,9 @@ def recovery_findings(catalog: Catalog) -> list[str]:
 
 class RemoteTransaction(Transaction):
     """A snapshot published to an ``s3://`` prefix (mergepipe.storage.publish): files are written to a
-    local temporary directory as for a local merge, uploaded under a staging prefix, copied to their
-    final keys, and the manifest object is written last; the catalog commit follows. An abort removes
+    local temporary directory as for a local merge, uploaded under a staging prefix (in parallel, each
+    shard as soon as it is complete), copied to their final keys (in parallel), and the manifest
+    object is written last; the catalog commit follows. An abort removes
     the local files and every object this publish created (the manifest first)."""
 
     def __init__(self, catalog: Catalog, out: str):
@@ -237,6 +238,10 @@ class RemoteTransaction(Transaction):
         self.staging.mkdir()
         self.state = "staging"
         return self.staging
+
+    def file_ready(self, path: Path) -> None:
+        """Start uploading a finished output shard while the merge writes the next ones."""
+        self.remote.upload_soon(self.staging, path)
 
     def publish(self) -> None:
         self.remote.stage(self.staging)

@@ -68,9 +68,11 @@ def plan_shards(tensors: list[TensorInfo], shard_bytes: int) -> list[OutShard]:
 
 
 class ShardWriter:
-    """Pre-sized output file written with positioned writes, hashed in write order."""
+    """Pre-sized output file written with positioned writes, hashed in write order. With ``on_closed``,
+    the file is closed as soon as its last byte is written, and ``on_closed(path)`` is called then (an
+    s3:// output starts its upload while the merge writes the next shards)."""
 
-    def __init__(self, directory: Path, shard: OutShard):
+    def __init__(self, directory: Path, shard: OutShard, on_closed=None):
         import hashlib
         self.shard = shard
         self.path = directory / shard.fname
@@ -85,7 +87,10 @@ class ShardWriter:
         self._closer = weakref.finalize(self, _close_fd, self.fd)
         self.hash = hashlib.sha256()
         self.pos = 0
+        self.on_closed = None
+        self.digest: dict | None = None
         self.write(0, shard.header)
+        self.on_closed = on_closed
 
     def write(self, offset: int, data) -> None:
         if offset != self.pos:
@@ -100,8 +105,13 @@ class ShardWriter:
             raise write_failure(exc, "writing", self.path) from exc
         self.hash.update(view)
         self.pos += len(view)
+        if self.on_closed is not None and self.pos == self.shard.size:
+            self.close()
+            self.on_closed(self.path)
 
     def close(self) -> dict:
+        if self.digest is not None:
+            return self.digest
         if self.pos != self.shard.size:
             raise ExecutionError(f"{self.path.name}: wrote {self.pos} of {self.shard.size} bytes")
         try:
@@ -110,7 +120,8 @@ class ShardWriter:
             self.discard()
             raise write_failure(exc, "flushing (fsync)", self.path) from exc
         self.discard()
-        return {"sha256": "sha256:" + self.hash.hexdigest(), "bytes": self.pos}
+        self.digest = {"sha256": "sha256:" + self.hash.hexdigest(), "bytes": self.pos}
+        return self.digest
 
     def discard(self) -> None:
         """Close the file (after a failure: the transaction removes the staging directory)."""

@@ -6,6 +6,11 @@ loopback proxy in front of moto), the catalog records the remote URI; ``verify``
 by range reads and fails after tampering; the remote snapshot is usable as a merge input; a server that
 answers 500 to the copies to the final keys (after some succeeded) or a missing bucket ends in one
 ``error:`` line, no manifest object, no leftover objects and an unchanged catalog; http:// output is refused.
+Parallel publish (each PUT held 0.3 s by the proxy, a slow link): several staging uploads and several
+copies are in flight at once, the manifest PUT still arrives after every copy was answered and is the last
+write; a shard's upload starts while the merge still writes the last shard, and a merge that fails then
+removes that object once its upload is done; a 500 on one of the parallel uploads removes the others'
+objects (after they finish) and leaves the prefix empty and the catalog unchanged.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +33,8 @@ from merge_helpers import cli_cmd, dir_hashes, dump_db, rows, run_cli_proc
 from remote_helpers import S3Proxy, moto_s3
 
 MANIFEST = "mergepipe_manifest.json"
+STAGING = ".mergepipe-staging-txn-"
+SHARD_BYTES = 48 << 10  # output shards of the tiny family: five of them
 
 
 @pytest.fixture(scope="module")
@@ -197,3 +205,121 @@ def test_cli_merge_to_s3_then_verify(s3, tmp_path):
     fs().pipe_file("out/snap6/config.json", b"{}")
     r = cli(db, "verify", "snap6", "--json")
     assert r.returncode == 1 and [p.split(":")[0] for p in json.loads(r.stdout)["problems"]] == ["config.json"]
+
+
+def max_in_flight(spans) -> int:
+    """The most requests of ``spans`` ((method, path, arrival, answer)) in flight at one instant."""
+    events = sorted([(start, 1) for _, _, start, _ in spans] + [(end, -1) for _, _, _, end in spans],
+                    key=lambda e: (e[0], e[1]))
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def staging_puts(proxy, prefix: str) -> list[tuple]:
+    return [s for s in proxy.spans if s[0] == "PUT" and s[1].startswith(f"/{prefix}/{STAGING}")]
+
+
+def test_parallel_uploads_and_copies_overlap_and_the_manifest_comes_after_every_copy(s3, tmp_path):
+    cat = catalog(tmp_path / "c.sqlite", s3["fam"])
+    merge(cat, "base", ["e1", "e2"], tmp_path / "local", "linear", model_id="local", out_shard_bytes=SHARD_BYTES)
+    with S3Proxy(s3["endpoint"]) as proxy:
+        proxy.put_delay = 0.3
+        merge(cat, "base", ["e1", "e2"], "s3://out/par1", "linear", out_shard_bytes=SHARD_BYTES)
+    local = dir_hashes(tmp_path / "local")
+    assert sum(n.endswith(".safetensors") for n in local) == 5
+    remote = objects("out/par1")
+    assert sorted(remote) == sorted([*local, MANIFEST])
+    same = {n for n in local if n != "README.md"}  # the card names the snapshot
+    assert {n: remote[n] for n in same} == {n: local[n] for n in same}
+    uploads = staging_puts(proxy, "out/par1")
+    copies = [s for s in proxy.spans if s[0] == "PUT" and s[1].split("?")[0] in
+              {f"/out/par1/{n}" for n in local}]
+    assert len(uploads) == len(local) and len(copies) == len(local)
+    assert max_in_flight(uploads) >= 2 and max_in_flight(copies) >= 2
+    manifest = [s for s in proxy.spans if s[1].split("?")[0] == f"/out/par1/{MANIFEST}"]
+    assert [m[0] for m in manifest] == ["PUT"]
+    assert manifest[0][2] > max(end for *_, end in copies)  # sent once every copy was answered
+    writes = [(m, p.split("?")[0]) for m, p, _ in proxy.log if m in ("PUT", "POST")]
+    assert writes[-1] == ("PUT", f"/out/par1/{MANIFEST}")
+
+
+def test_a_shard_upload_starts_while_the_merge_writes_the_last_shard(s3, tmp_path):
+    cat = catalog(tmp_path / "c.sqlite", s3["fam"])
+    first = "model-00001-of-00005.safetensors"
+    seen = []
+
+    def arrived() -> bool:  # the proxy logs a request as it arrives
+        return any(m == "PUT" and STAGING in p and p.endswith(f"/{first}") for m, p, _ in proxy.log)
+
+    def progress(done, total, _):
+        if done == total:  # the last block is written: wait (up to 60 s) for shard 1's upload to arrive
+            deadline = time.monotonic() + 60
+            while not arrived() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            seen.append(arrived())
+
+    with S3Proxy(s3["endpoint"]) as proxy:
+        merge(cat, "base", ["e1", "e2"], "s3://out/early", "linear", out_shard_bytes=SHARD_BYTES, progress=progress)
+    assert seen == [True]  # arrived while the merge was held before finishing its files
+    order = [p.rsplit("/", 1)[1] for m, p, _ in proxy.log if m == "PUT" and STAGING in p]
+    assert order.index(first) < order.index("model.safetensors.index.json")
+    assert first in objects("out/early")
+
+
+def test_a_merge_failing_after_a_shard_was_uploaded_removes_it(s3, tmp_path):
+    cat = catalog(tmp_path / "c.sqlite", s3["fam"])
+    first = "model-00001-of-00005.safetensors"
+
+    def arrived() -> bool:
+        return any(m == "PUT" and STAGING in p and p.endswith(f"/{first}") for m, p, _ in proxy.log)
+
+    def progress(done, total, _):
+        if done == total:
+            deadline = time.monotonic() + 60
+            while not arrived() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            raise RuntimeError("the merge fails after its first shard's upload started")
+
+    with S3Proxy(s3["endpoint"]) as proxy:
+        proxy.put_delay = 0.5  # the upload is still in flight when the merge fails
+        with pytest.raises(RuntimeError, match="first shard's upload started"):
+            merge(cat, "base", ["e1", "e2"], "s3://out/fails", "linear", out_shard_bytes=SHARD_BYTES,
+                  progress=progress)
+    assert arrived()
+    uploaded = {p.split("?")[0] for m, p, _ in proxy.log if m == "PUT" and STAGING in p}
+    deleted = {p.split("?")[0] for m, p, _ in proxy.log if m == "DELETE"}
+    assert any(p.endswith(f"/{first}") for p in uploaded) and uploaded <= deleted
+    assert objects("out/fails") == {}
+    assert cat.conn.execute("SELECT count(*) FROM snapshots").fetchone()[0] == 0
+    assert [r[0] for r in cat.conn.execute("SELECT status FROM txns")] == ["aborted"]
+
+
+def test_500_on_one_parallel_upload_removes_every_object_and_keeps_the_catalog(s3, tmp_path):
+    db = tmp_path / "c.sqlite"
+    catalog(db, s3["fam"]).close()
+    before = dump_db(db)
+    with S3Proxy(s3["endpoint"]) as proxy:
+        proxy.put_delay = 0.3
+        proxy.fail_puts_matching = "/model-00002-of-00005.safetensors"
+        r = cli(db, "merge", "--base", "base", "--experts", "e1", "e2", "--op", "linear", "--out", "s3://out/snap7",
+                "--out-shard-size", str(SHARD_BYTES))
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith(f"error: s3://out/snap7/{STAGING}") and "model-00002-of-00005" in lines[0], lines[0]
+    assert objects("out/snap7") == {}
+    uploads = staging_puts(proxy, "out/snap7")
+    assert max_in_flight(uploads) >= 2
+    sent = {p.split("?")[0] for _, p, _, _ in uploads if "model-00002-of" not in p}
+    assert sent  # other uploads were in flight or done; each of them was removed
+    deleted = {p.split("?")[0] for m, p, _ in proxy.log if m == "DELETE"}
+    assert sent <= deleted
+    assert not any(p.endswith(MANIFEST) for _, p, _, _ in proxy.spans)
+    assert not any(c for _, _, c in proxy.log)  # nothing reached a final key
+    after = dump_db(db)
+    kept = ("txns", "plans", "meta")
+    assert {k: v for k, v in after.items() if k not in kept} == {k: v for k, v in before.items() if k not in kept}
+    assert [t[3] for t in after["txns"]] == ["aborted"] and after["txns"][0][2] == "s3://out/snap7"
