@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.fidelity.text_tasks import TEXT_TASK_NAMES, TEXT_TASKS, vocabulary
-from mergepipe.research.classify import embed, fit_probe, head_accuracy, load_head, mean_pool, save_head
+from mergepipe.research.classify import default_device, embed, fit_probe, head_accuracy, load_head, mean_pool, save_head
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "work" / "fidelity" / "minilm"
-TRAIN_SEED, EVAL_SEED = 1, 10_000
+TRAIN_SEED, EVAL_SEED, VALID_SEED = 1, 10_000, 20_000
 
 
 def minilm_dir() -> Path:
@@ -89,6 +89,23 @@ def data(task: str, spec: EncoderSpec) -> tuple[list, list]:
     return train, held
 
 
+def validation(task: str, spec: EncoderSpec) -> list:
+    """Held-out sentences for choosing settings (learning rates, lambda): in neither the training pool
+    nor the evaluation set."""
+    train, held = data(task, spec)
+    seen = frozenset(s for s, _ in train) | frozenset(s for s, _ in held)
+    return TEXT_TASKS[task].examples(spec.n_eval, _seed(spec.seed, VALID_SEED), "eval", exclude=seen)
+
+
+def load_spec(out: Path) -> EncoderSpec | None:
+    """The spec a family directory was built with (None when it has none yet)."""
+    path = Path(out) / "spec.json"
+    if not path.exists():
+        return None
+    raw = json.loads(path.read_text())
+    return EncoderSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+
+
 def _write_tiny_base(out: Path, seed: int) -> None:
     from transformers import BertConfig, BertModel, BertTokenizerFast
     tmp = out.with_name(out.name + ".tmp")
@@ -124,13 +141,15 @@ def _schedule(step: int, spec: EncoderSpec) -> float:
     return (step + 1) / warm if step < warm else max(0.0, (spec.steps - step) / max(1, spec.steps - warm))
 
 
-def finetune(base_dir: Path, task: str, variant: str, spec: EncoderSpec, train: list, log=None):
-    """One expert: (encoder with the update merged in, head, loss curve ends)."""
+def finetune(base_dir: Path, task: str, variant: str, spec: EncoderSpec, train: list, log=None,
+             device: str = "cpu"):
+    """One expert, trained on ``device``: (encoder with the update merged in, head, loss curve), on the CPU."""
     from transformers import AutoModel, AutoTokenizer
     torch.manual_seed(_seed(spec.seed, variant, task))
     enc = AutoModel.from_pretrained(str(base_dir), dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(str(base_dir))
     head = torch.nn.Linear(enc.config.hidden_size, len(TEXT_TASKS[task].labels))
+    enc, head = enc.to(device), head.to(device)
     if variant == "lora":
         from peft import LoraConfig, get_peft_model
         # a regex, so the pooler's dense layer (unused by mean pooling) gets no adapter
@@ -158,10 +177,10 @@ def finetune(base_dir: Path, task: str, variant: str, spec: EncoderSpec, train: 
     losses = []
     for step in range(spec.steps):
         idx = order[step * spec.batch:(step + 1) * spec.batch]
-        x = tok([train[i][0] for i in idx], padding=True, return_tensors="pt")
+        x = tok([train[i][0] for i in idx], padding=True, return_tensors="pt").to(device)
         h = enc(input_ids=x["input_ids"], attention_mask=x["attention_mask"]).last_hidden_state
         loss = torch.nn.functional.cross_entropy(head(mean_pool(h, x["attention_mask"])),
-                                                 torch.tensor([train[i][1] for i in idx]))
+                                                 torch.tensor([train[i][1] for i in idx], device=device))
         for o in opts:
             o.zero_grad(set_to_none=True)
         loss.backward()
@@ -175,7 +194,7 @@ def finetune(base_dir: Path, task: str, variant: str, spec: EncoderSpec, train: 
     if variant == "lora":
         enc = enc.merge_and_unload()
     enc.eval()
-    return enc, tok, head, losses
+    return enc.cpu(), tok, head.cpu(), losses
 
 
 def _save_expert(enc, tok, out: Path, meta: dict) -> None:
@@ -192,11 +211,12 @@ def _mean(xs) -> float:
 
 
 def build_family(out=DEFAULT_OUT, spec: EncoderSpec = FULL, log=print, only: str | None = None,
-                 reverse: bool = False) -> dict:
+                 reverse: bool = False, tasks=None, device: str = "cpu") -> dict:
     """Write (or reuse) base, experts, heads and probes; returns paths and the family's accuracies.
     ``only="full"`` / ``"lora"`` trains that variant alone (and ``lora`` skips the probes): two
     processes on the same directory build the family in half the time on two cores (``reverse``: the
-    tasks in reverse order, a second builder of the same variant; stop it when the two meet)."""
+    tasks in reverse order, a second builder of the same variant; stop it when the two meet). ``tasks``:
+    train only these (parallel builders on disjoint task sets); experts train on ``device``."""
     from transformers import AutoModel, AutoTokenizer
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
@@ -212,10 +232,12 @@ def build_family(out=DEFAULT_OUT, spec: EncoderSpec = FULL, log=print, only: str
     try:
         write_base(out / "base", spec)
         base, base_tok = AutoModel.from_pretrained(str(out / "base")), AutoTokenizer.from_pretrained(str(out / "base"))
-        base.eval()
+        base = base.to(device).eval()
         fam = {"base": str(out / "base"), "experts": {v: {} for v in spec.variants},
                "heads": {v: {} for v in spec.variants}, "probes": {}, "tasks": {}}
         for task in (reversed(spec.tasks) if reverse else spec.tasks):
+            if tasks and task not in tasks:
+                continue
             train, held = data(task, spec)
             fam["tasks"][task] = {"chance": TEXT_TASKS[task].chance, "classes": len(TEXT_TASKS[task].labels),
                                   "n_train": len(train), "n_eval": len(held), "about": TEXT_TASKS[task].about}
@@ -235,10 +257,10 @@ def build_family(out=DEFAULT_OUT, spec: EncoderSpec = FULL, log=print, only: str
                 hpath = out / "heads" / variant / f"{task}.safetensors"
                 if not (edir.exists() and hpath.exists()):
                     t0 = time.perf_counter()
-                    enc, tok, head, losses = finetune(out / "base", task, variant, spec, train, log)
+                    enc, tok, head, losses = finetune(out / "base", task, variant, spec, train, log, device)
                     save_head(head, hpath)
                     secs = time.perf_counter() - t0
-                    _save_expert(enc, tok, edir, {"task": task, "variant": variant, "seconds": secs,
+                    _save_expert(enc, tok, edir, {"task": task, "variant": variant, "seconds": secs, "device": device,
                                                   "seconds_per_step": secs / spec.steps,
                                                   "loss_first": _mean(losses[:10]), "loss_last": _mean(losses[-10:])})
                     log(f"{variant} {task}: loss {_mean(losses[:10]):.3f} -> {_mean(losses[-10:]):.3f}, {secs:.0f}s")
@@ -265,10 +287,15 @@ def eval_suite(spec: EncoderSpec, tasks=None) -> dict:
     return {t: data(t, spec)[1] for t in (tasks or spec.tasks)}
 
 
-def family_accuracy(fam: dict, spec: EncoderSpec, variants=None) -> dict:
-    """Base (linear probe), base with each expert's head, and each expert on its own task (held-out)."""
+def valid_suite(spec: EncoderSpec, tasks=None) -> dict:
+    return {t: validation(t, spec) for t in (tasks or spec.tasks)}
+
+
+def family_accuracy(fam: dict, spec: EncoderSpec, variants=None, suite=None) -> dict:
+    """Base (linear probe), base with each expert's head, and each expert on its own task (held-out;
+    ``suite``: other sentences than the evaluation set, e.g. :func:`valid_suite`)."""
     from mergepipe.research.classify import load_encoder
-    suite = eval_suite(spec)
+    suite = suite or eval_suite(spec)
     spec = replace(spec, variants=tuple(variants or spec.variants))
     model, tok = load_encoder(fam["base"])
     out = {"base_probe": {}, "base_expert_head": {v: {} for v in spec.variants},
@@ -297,13 +324,18 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int)
     ap.add_argument("--only", choices=("full", "lora"), help="train one variant (run both in parallel; then once bare)")
     ap.add_argument("--reverse", action="store_true", help="with --only: tasks in reverse order (a second builder)")
+    ap.add_argument("--tasks", default=None, help="with --only: train only these tasks (comma-separated)")
+    ap.add_argument("--lr", type=float, help="full fine-tuning learning rate")
+    ap.add_argument("--lora-lr", type=float, help="LoRA learning rate")
+    ap.add_argument("--device", default=None, help="where experts train (default: cuda when there is one)")
     args = ap.parse_args(argv)
     spec = MINI if args.mini else FULL
-    spec = replace(spec, seed=args.seed, **({"steps": args.steps} if args.steps else {}),
-                   **({"threads": args.threads} if args.threads else {}))
+    given = {"steps": args.steps, "threads": args.threads, "lr": args.lr, "lora_lr": args.lora_lr}
+    spec = replace(spec, seed=args.seed, **{k: v for k, v in given.items() if v is not None})
     out = Path(args.out) if args.out else (DEFAULT_OUT.with_name("minilm-mini") if args.mini else DEFAULT_OUT)
     t0 = time.perf_counter()
-    fam = build_family(out, spec, only=args.only, reverse=args.reverse)
+    fam = build_family(out, spec, only=args.only, reverse=args.reverse,
+                       tasks=args.tasks.split(",") if args.tasks else None, device=args.device or default_device())
     if args.only:
         return 0
     acc = family_accuracy(fam, spec)

@@ -178,6 +178,10 @@ def best_strategy(merges, k) -> dict:
 def family_section(res: dict) -> list[str]:
     fam, acc = res["family"], res["accuracy"]
     spec = fam["spec"]
+    by_variant = fam.get("spec_by_variant", {})
+    lr = by_variant.get("full", spec)["lr"]
+    lora_lr = by_variant.get("lora", spec)["lora_lr"]
+    searched = "lr_search" in res
     tasks = list(fam["tasks"])
     variants = list(res["variants"])
     lines = ["| task | what | classes (chance) | base probe | " + " | ".join(f"{v} expert" for v in variants)
@@ -206,21 +210,23 @@ def family_section(res: dict) -> list[str]:
         f"Experts, as encoders are fine-tuned: mean pooling + a linear head trained together with the encoder, "
         f"AdamW (weight decay {spec['weight_decay']}), {spec['steps']} steps of batch {spec['batch']}, linear warm-up "
         f"({100 * spec['warmup']:.0f} %) and decay, dropout on, gradient clipping 1.0. **full**: every weight, lr "
-        f"{spec['lr']:g} (the top of the usual 2e-5..5e-5 range for BERT-size encoders, so that the parity-like tasks "
-        "are learned within a few hundred steps). The 30522-row word-embedding matrix uses sparse gradients and "
+        + (f"{lr:g} (chosen by the learning-rate search below). " if searched else
+           f"{lr:g} (the top of the usual 2e-5..5e-5 range for BERT-size encoders, so that the parity-like tasks "
+           "are learned within a few hundred steps). ")
+        + "The 30522-row word-embedding matrix uses sparse gradients and "
         "lazy Adam (only rows of tokens seen in a batch move, no weight decay there), fused AdamW elsewhere. **lora**: "
         f"PEFT LoRA r={spec['lora_r']}, α={2 * spec['lora_r']} on {', '.join(spec.get('lora_targets', ('query', 'value')))} "
         f"(every linear layer of the 6 blocks, 36 matrices; query/value alone, PEFT's default for BERT, learned neither "
-        f"xor nor older either), lr {spec['lora_lr']:g}, same data and schedule, merged into the weights "
+        f"xor nor older either), lr {lora_lr:g}, same data and schedule, merged into the weights "
         "(`merge_and_unload`), so a LoRA expert is a full checkpoint whose update is low-rank in those matrices. Heads lr "
         f"{spec['head_lr']:g}, stored outside the checkpoints (FusionBench's GLUE protocol: a merge combines encoders, "
         "task t is scored with the merged encoder + t's head). The base's skill on a task is a linear probe (logistic "
         "regression, LBFGS) on its frozen mean-pooled embeddings of the same (distinct) training sentences. "
-        + (f"Training speed on this machine (2 cores shared with other jobs, 1 thread per expert): full "
+        + (f"Training speed ({res['machine'].get('train_device', 'cpu')}, 1 CPU thread per expert): full "
            f"{fam['seconds_per_step']['full']:.2f} s/step, LoRA {fam['seconds_per_step']['lora']:.2f} s/step (mean over "
-           "the experts); the family builds in parallel processes (`--only full`, `--only lora`)."
-           if fam.get("seconds_per_step") else ""),
-        "",
+           "the experts); the family builds in parallel processes."
+           if {"full", "lora"} <= set(fam.get("seconds_per_step", {})) else ""),
+        "", *lr_section(res),
         "Held-out accuracy (%):",
         "",
         *lines,
@@ -238,6 +244,48 @@ def family_section(res: dict) -> list[str]:
         "over that floor: " + "; ".join(f"{v}: {', '.join(scored[v])}" for v in variants) + ".",
         "",
     ]
+
+
+def lr_section(res: dict) -> list[str]:
+    """The learning-rate search: per candidate and variant, the experts' mean validation accuracy and their
+    smallest gain over the base's probe (validation sentences, neither trained on nor scored)."""
+    search = res.get("lr_search")
+    if not search:
+        return []
+    lines = [f"Learning rates searched ({search['rule']}); validation accuracy (%), mean over the tasks / smallest "
+             "gain over the base's probe (points):", "",
+             "| candidate | full lr | full experts | LoRA lr | LoRA experts |", "|---|---|---|---|---|"]
+    for name, spec in search["candidates"].items():
+        acc = search["validation"][name]
+        cells = []
+        for v in ("full", "lora"):
+            if v not in acc["experts"]:
+                cells.append("–")
+                continue
+            gains = [acc["experts"][v][t] - acc["base_probe"][t] for t in acc["base_probe"]]
+            mark = " (chosen)" if search["chosen"].get(v) == name else ""
+            cells.append(f"{pct(mean(acc['experts'][v].values()))} / {100 * min(gains):+.1f}{mark}")
+        lines.append(f"| {name} | {spec['lr']:g} | {cells[0]} | {spec['lora_lr']:g} | {cells[1]} |")
+    return lines + [""]
+
+
+def cut_text(res: dict) -> str:
+    """What the run left out of the grid (every variant x K x strategy x budget), from its merges."""
+    missing = []
+    for variant, v in res["variants"].items():
+        ks = sorted({m["k"] for m in v["merges"]}, reverse=True)
+        for k in ks:
+            for s in STRATEGIES:
+                gone = [b for b in BUDGETS if not select(v["merges"], k, None, b, s)]
+                if gone:
+                    missing.append(f"{variant} K={k} {s} at {', '.join(f'{b} %' for b in gone)}")
+    stopped = res.get("parallel", {}).get("stopped", [])
+    if not missing and not stopped:
+        ks = sorted({m["k"] for v in res["variants"].values() for m in v["merges"]}, reverse=True)
+        return ("Nothing was cut: every operator with every planner strategy at every budget, for K = "
+                + ", ".join(map(str, ks)) + ".")
+    return ("**What was cut**: " + ("; ".join(missing) if missing else "no cell")
+            + (f" (phases stopped at the run's deadline: {', '.join(stopped)})" if stopped else "") + ".")
 
 
 def variant_section(res: dict, variant: str) -> list[str]:
@@ -300,7 +348,14 @@ def size_section(res: dict) -> list[str]:
                     continue
                 lines.append(f"| {variant} | {k} | {op} | " + " | ".join(
                     "–" if c is None else f"{pct(c['acc'])} / {r2(c['retention'])}" for c in cells) + " |")
-    return lines + [""]
+    lines.append("")
+    for variant, v in res["variants"].items():
+        for k in sorted({m["k"] for m in v["merges"]}, reverse=True)[1:]:
+            table = strategy_table(v["merges"], k)
+            if len(table) > 2:
+                lines += [f"{variant} experts, K = {k}: accuracy (%) / relative deviation by planner strategy, mean "
+                          "over groups:", "", *table, ""]
+    return lines
 
 
 def block_rows(res: dict) -> dict:
@@ -385,20 +440,23 @@ def charts(res: dict, out: Path) -> list[Path]:
 def encoder_markdown(res: dict, files: list[Path]) -> list[str]:
     rows = f1_rows(res) + f2_rows(res) + [f3_row(res)]
     lines = ["## Family A: all-MiniLM-L6-v2, a genuinely pretrained encoder", "",
-             f"Run {res['started']}, {res['machine']['cpus']} CPUs shared with other jobs ({res['machine']['threads']} "
-             f"threads), torch {res['machine']['torch']}; study {res['seconds_total'] / 60:.0f} min. Reproduce: "
-             "`python -m benchmarks.fidelity.encoder` (family, cached under `benchmarks/work/fidelity/minilm`; `--only full` "
-             "and `--only lora` in two processes), then `python -m benchmarks.fidelity.encoder_study --jobs 2` (this run: "
-             "`--variant full` and `--variant lora` started two minutes apart as each variant's experts were ready, "
-             "then `--combine`). Raw numbers: [minilm_results.json](minilm_results.json).",
+             f"Run {res['started']}, {res['machine']['cpus']} CPUs ({res['machine']['threads']} thread per process), "
+             f"torch {res['machine']['torch']}; "
+             + (f"{res['parallel']['procs']} processes, {res['parallel']['seconds_total'] / 60:.0f} min in all. Reproduce: "
+                "`python -m benchmarks.fidelity.encoder_parallel --procs N` (learning-rate search, families and every "
+                "phase; families cached under `benchmarks/work/fidelity/minilm-<candidate>`), then "
+                "`python -m benchmarks.fidelity.encoder_study --report`."
+                if "parallel" in res else
+                f"study {res['seconds_total'] / 60:.0f} min. Reproduce: `python -m benchmarks.fidelity.encoder` (family, "
+                "cached under `benchmarks/work/fidelity/minilm`), then `python -m benchmarks.fidelity.encoder_study --jobs 2`.")
+             + " Raw numbers: [minilm_results.json](minilm_results.json).",
              "", *family_section(res),
-             "**What was cut** (2 cores shared with other jobs; one study command, `--jobs 2`, a process per variant): "
-             "the planner strategies other than norm only at 10 and 25 % (norm at 5, 10, 25, 50 %); K = 2 and 4 only "
-             "with the norm strategy at 10, 25, 50 and 100 %; the block-size sweep only 64 KiB vs 1 MiB (full experts, "
-             f"linear); {res['family']['spec']['n_eval']} held-out sentences per task (a per-task accuracy's standard "
-             f"error is up to {100 * (0.25 / res['family']['spec']['n_eval']) ** 0.5:.1f} points, an 8-task mean's about "
-             f"{100 * (0.25 / res['family']['spec']['n_eval'] / 8) ** 0.5:.1f}). task_arithmetic's λ is chosen on the first "
-             "half of the held-out sentences (no separate validation split).", "",
+             cut_text(res) + f" {res['family']['spec']['n_eval']} held-out sentences per task (a per-task accuracy's "
+             f"standard error is up to {100 * (0.25 / res['family']['spec']['n_eval']) ** 0.5:.1f} points, an 8-task "
+             f"mean's about {100 * (0.25 / res['family']['spec']['n_eval'] / 8) ** 0.5:.1f}). task_arithmetic's λ is "
+             + ("chosen on validation sentences (neither trained on nor scored)."
+                if res["settings"].get("lambda_on") == "validation" else
+                "chosen on the first half of the held-out sentences (no separate validation split)."), "",
              "### Targets", "", "| target | measured | met |", "|---|---|---|",
              *[f"| {r['target']} | {r['measured']} | {'yes' if r['met'] else 'no'} |" for r in rows], ""]
     for variant in res["variants"]:

@@ -3,17 +3,16 @@
     python -m benchmarks.fidelity.encoder_study            # builds the family if missing, then the study
     python -m benchmarks.fidelity.encoder_study --mini     # the miniature family (a smoke run, seconds)
 
-Per expert variant (full fine-tunes, LoRA), each variant in its own process with ``--jobs 2``:
-K = 8 merges of every operator at 100 % and, with the norm strategy, at 5, 10, 25 and 50 %; every
-other planner strategy at 10 and 25 % (cut: not at 5 and 50 %); K = 2 and K = 4 merges (disjoint
-groups, :func:`benchmarks.fidelity.study.size_groups`) of every operator, norm at 10, 25, 50 and 100 %;
-task_arithmetic's lambda chosen per K on held-out accuracy at full budget; a block-size point (1 MiB
-vs the grid's 64 KiB, full experts, linear). Scored per task with the merged encoder + that task's
-head. Records accuracy, retention of the experts' gain, relative deviation from the full merge, plan
-bound vs realized deviation, bytes and seconds into
-``benchmarks/work/fidelity/minilm-study/results.json`` (rewritten after every phase, so a cut run
-still reports what it measured) and writes docs/fidelity from it
-(:mod:`benchmarks.fidelity.encoder_report`).
+Per expert variant (full fine-tunes, LoRA): for K = 8 (every task) and the disjoint groups of K = 4 and
+K = 2 (:func:`benchmarks.fidelity.study.size_groups`), every operator at 100 % and with every planner
+strategy at 5, 10, 25 and 50 %; task_arithmetic's lambda chosen per K on validation sentences (neither
+trained on nor scored) at full budget; block sizes 16 KiB, 256 KiB and 1 MiB beside the grid's 64 KiB
+(full experts, linear). Scored per task with the merged encoder + that task's head. Records accuracy,
+retention of the experts' gain, relative deviation from the full merge, plan bound vs realized
+deviation, bytes and seconds into ``benchmarks/work/fidelity/minilm-study/results.json`` (rewritten
+after every phase, so a cut run still reports what it measured) and writes docs/fidelity from it
+(:mod:`benchmarks.fidelity.encoder_report`). :mod:`benchmarks.fidelity.encoder_parallel` runs the
+phases in parallel processes (one per phase) and is how the published run was made.
 
     python -m benchmarks.fidelity.encoder_study --jobs 2   # the whole study, one command
     python -m benchmarks.fidelity.encoder_study --variant full --tag full   # one variant (then --combine)
@@ -32,13 +31,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.fidelity.encoder import DEFAULT_OUT, FULL, MINI, build_family, eval_suite, family_accuracy
+from benchmarks.fidelity.encoder import (DEFAULT_OUT, FULL, MINI, build_family, eval_suite, family_accuracy, load_spec,
+                                        valid_suite)
 from benchmarks.fidelity.study import disjoint_block_bound, retention, size_groups
 from mergepipe.analyze.runner import analyze
 from mergepipe.api import merge
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.models import register
-from mergepipe.research.classify import merged_accuracy
+from mergepipe.research.classify import default_device, merged_accuracy
 from mergepipe.research.evaluate import bound_check, deviation
 
 WORK = Path(__file__).resolve().parents[1] / "work" / "fidelity"
@@ -46,7 +46,7 @@ OPERATORS = ("linear", "task_arithmetic", "ties", "dare_ties")
 BUDGETS = (5, 10, 25, 50)
 STRATEGIES = ("norm", "conflict", "kept", "random", "uniform")
 BLOCK_BYTES = 64 << 10
-BLOCK_SWEEP = (1 << 20,)  # the product default; the main grid is the 64 KiB point (cut: no 16/256 KiB)
+BLOCK_SWEEP = (16 << 10, 256 << 10, 1 << 20)  # beside the grid's 64 KiB; 1 MiB is the product default
 SWEEP_BUDGETS = (10, 25, 50)
 SIZE_OPERATORS = ("task_arithmetic", "ties")
 DENSITY = 0.5
@@ -155,15 +155,30 @@ class EncoderStudy:
         return rows
 
 
-# What the study runs. K = 8: every planner strategy for every operator, norm at every budget, the other
-# strategies at 10 and 25 % (cut: not at 5 and 50 %); K = 2 and 4: norm at 10, 25, 50 % (cut: not at 5 %).
-# Both variants, every operator, task_arithmetic's lambda validated for every K.
-K8_CELLS = {"norm": (BUDGETS, BUDGETS), **{s: ((10, 25), (10, 25)) for s in STRATEGIES if s != "norm"}}
-K8_FULL = K8_LORA = K8_CELLS
-SMALL_K = {"norm": ((10, 25, 50), (10, 25, 50))}
+# What the study runs: for K = 8 (every task) and the disjoint groups of K = 4 and 2, every operator's full
+# merge and every planner strategy at every budget; task_arithmetic's lambda validated for every K.
+# Each (K, strategy) is a phase of its own, so parallel processes can take one each (encoder_parallel.py).
+CELLS = {s: (BUDGETS, BUDGETS) for s in STRATEGIES}
 SIZE_LAMBDAS = LAMBDAS
-STRATEGY_OPERATORS = {"full": OPERATORS, "lora": OPERATORS}
-SMALL_K_OPERATORS = OPERATORS
+
+
+def phase_list(variants, tasks) -> list[tuple]:
+    """(name, variant, k or None for every task, cells, operators) of every phase, most informative first."""
+    small = size_groups(tasks) if len(tasks) >= 4 else {}
+    phases = []
+    for k in [None, *sorted(small, reverse=True)]:
+        for strategy in STRATEGIES:
+            for variant in variants:
+                phases.append((f"{variant} K={len(tasks) if k is None else k} {strategy}", variant, k,
+                               {strategy: CELLS[strategy]}, OPERATORS))
+    return phases
+
+
+def _train_device(fam_dir: Path, spec) -> str:
+    """Where the family's experts were trained (their fidelity.json), e.g. "cuda" or "cpu"."""
+    seen = {json.loads(p.read_text()).get("device", "cpu") for v in spec.variants for t in spec.tasks
+            if (p := fam_dir / v / t / "fidelity.json").exists()}
+    return ", ".join(sorted(seen)) or "cpu"
 
 
 def run(args) -> dict:
@@ -171,17 +186,18 @@ def run(args) -> dict:
     interrupted run still reports what it measured."""
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
-    spec = MINI if args.mini else FULL
     fam_dir = Path(args.family or (DEFAULT_OUT.with_name("minilm-mini") if args.mini else DEFAULT_OUT))
-    fam = build_family(fam_dir, spec, only=args.variant)
+    spec = load_spec(fam_dir) or (MINI if args.mini else FULL)
+    fam = build_family(fam_dir, spec, only=args.variant, device=default_device())
     cached = fam_dir / ("accuracy.json" if not args.variant else f"accuracy-{args.variant}.json")
     acc = json.loads(cached.read_text()) if cached.exists() else family_accuracy(fam, spec, variants=[args.variant] if args.variant else None)
     cached.write_text(json.dumps(acc, indent=2))
     suite = eval_suite(spec)
-    valid = {t: pairs[: max(16, len(pairs) // 2)] for t, pairs in suite.items()}
+    valid = valid_suite(spec)
     tasks = list(spec.tasks)
     results = {"started": time.strftime("%Y-%m-%d %H:%M:%S"),
                "machine": {"cpus": os.cpu_count(), "threads": args.threads, "torch": torch.__version__,
+                           "train_device": _train_device(fam_dir, spec), "eval_device": default_device(),
                            "python": platform.python_version()},
                "family": {"dir": str(fam_dir), "spec": fam["spec"], "tasks": fam["tasks"],
                           "seconds_per_step": fam["seconds_per_step"]},
@@ -189,7 +205,8 @@ def run(args) -> dict:
                             "budgets_pct": [*BUDGETS, 100], "strategies": list(STRATEGIES),
                             "operators": list(OPERATORS), "size_operators": list(SIZE_OPERATORS),
                             "lambdas": list(LAMBDAS), "size_lambdas": list(SIZE_LAMBDAS), "min_gain": MIN_GAIN,
-                            "k8_cells": {"full": K8_FULL, "lora": K8_LORA}, "small_k_cells": SMALL_K},
+                            "lambda_on": "validation",
+                            "cells": CELLS},
                "accuracy": acc, "variants": {}, "phases_done": []}
     out_root = WORK / (("minilm-study-mini" if args.mini else "minilm-study") + (f"-{args.tag}" if args.tag else ""))
 
@@ -211,15 +228,8 @@ def run(args) -> dict:
         return results
     small = size_groups(tasks) if len(tasks) >= 4 else {}
     variants = [args.variant] if args.variant else list(spec.variants)
-    phases = []
-    for variant in variants:
-        phases.append((f"{variant} K={len(tasks)} norm", variant, None, {"norm": K8_FULL["norm"]}, OPERATORS))
-        others = {s: c for s, c in (K8_FULL if variant == "full" else K8_LORA).items() if s != "norm"}
-        phases.append((f"{variant} K={len(tasks)} strategies", variant, None, others,
-                       tuple(args.strategy_ops.split(",")) if args.strategy_ops else STRATEGY_OPERATORS[variant]))
-        for k in sorted(small, reverse=True):
-            phases.append((f"{variant} K={k} norm", variant, k, SMALL_K, SMALL_K_OPERATORS))
-    if args.phases:  # e.g. "K=2,K=4": run only the phases whose name contains one of these
+    phases = phase_list(variants, tasks)
+    if args.phases:  # e.g. "K=2,K=4" or "K=8 norm": run only the phases whose name contains one of these
         phases = [p for p in phases if any(f in p[0] for f in args.phases.split(","))]
     studies = {v: EncoderStudy(fam, v, out_root / v, suite, BLOCK_BYTES) for v in spec.variants
                if any(p[1] == v for p in phases)}
@@ -241,7 +251,7 @@ def run(args) -> dict:
             if k is not None:
                 for row in rows:
                     row["group"] = i
-            if "strategies" in name:  # the full merges are already in from the norm phase
+            if "norm" not in name:  # the full merges are already in from the norm phase
                 rows = [r for r in rows if r["budget_pct"] < 100]
             v["merges"] += rows
         save(name)
@@ -274,17 +284,32 @@ def combine(variants, mini: bool = False) -> dict:
     parts = [json.loads((WORK / f"{base}-{v}" / "results.json").read_text()) for v in variants]
     res = parts[0]
     for more in parts[1:]:
-        res["variants"].update(more["variants"])
-        for key in ("experts", "base_expert_head"):
-            res["accuracy"][key].update(more["accuracy"][key])
-        res["phases_done"] += more["phases_done"]
-        res["family"]["seconds_per_step"].update(more["family"]["seconds_per_step"])
-        res["seconds_total"] = max(res["seconds_total"], more["seconds_total"])
-        res["block_sweep"] = res.get("block_sweep", []) + more.get("block_sweep", [])
+        res = join_results(res, more)
     (WORK / base).mkdir(parents=True, exist_ok=True)
     (WORK / base / "results.json").write_text(json.dumps(res, indent=1))
     for v in variants:  # merged: not to be merged again by --report
         (WORK / f"{base}-{v}" / "results.json").rename(WORK / f"{base}-{v}" / "results.merged.json")
+    return res
+
+
+def join_results(res: dict, more: dict) -> dict:
+    """``res`` with a partial run's merges (those not in it yet), lambdas, accuracies and sweep added."""
+    def key(m):
+        return m["operator"], m["budget_pct"], m["strategy"], tuple(m["experts"])
+
+    for variant, v in more["variants"].items():
+        mine = res["variants"].setdefault(variant, {"analyze_seconds": v.get("analyze_seconds"), "lambda": {},
+                                                    "merges": []})
+        have = {key(m) for m in mine["merges"]}
+        mine["merges"] += [m for m in v["merges"] if key(m) not in have]
+        for k, lam in v["lambda"].items():
+            mine["lambda"].setdefault(k, lam)
+    for part in ("experts", "base_expert_head"):
+        res["accuracy"][part].update(more["accuracy"][part])
+    res["phases_done"] += more["phases_done"]
+    res["family"]["seconds_per_step"].update(more["family"]["seconds_per_step"])
+    res["seconds_total"] = max(res["seconds_total"], more["seconds_total"])
+    res["block_sweep"] = res.get("block_sweep", []) + more.get("block_sweep", [])
     return res
 
 
@@ -315,7 +340,6 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", default=None, help="only the block-size sweep at these block sizes (bytes, comma-separated)")
     ap.add_argument("--ops", default=None, help="cut run: only these operators (with --budgets, --lam)")
     ap.add_argument("--budgets", default="25,50")
-    ap.add_argument("--strategy-ops", default=None, help="operators of the strategy phases (default linear,ties)")
     ap.add_argument("--lam", type=float, default=None, help="task_arithmetic lambda without validation")
     ap.add_argument("--tag", default="", help="suffix of the study's work directory (parallel partial runs)")
     ap.add_argument("--report", action="store_true", help="write docs/fidelity from the last results.json")
@@ -338,16 +362,7 @@ def main(argv=None) -> int:
     extras = [] if args.mini else sorted(p for p in WORK.glob(main_dir.name + "-*/results.json")
                                          if p.parent.name != "minilm-study-mini")
     for extra in extras:  # partial runs (--phases, --tag)
-        more = json.loads(extra.read_text())
-        for variant, v in more["variants"].items():
-            res["variants"].setdefault(variant, {"lambda": {}, "merges": []})
-            key = lambda m: (m["operator"], m["budget_pct"], m["strategy"], tuple(m["experts"]))  # noqa: E731
-            have = {key(m) for m in res["variants"][variant]["merges"]}
-            res["variants"][variant]["merges"] += [m for m in v["merges"] if key(m) not in have]
-            for key_k, lam in v["lambda"].items():
-                res["variants"][variant]["lambda"].setdefault(key_k, lam)
-        res["phases_done"] += more["phases_done"]
-        res["block_sweep"] = res.get("block_sweep", []) + more.get("block_sweep", [])
+        res = join_results(res, json.loads(extra.read_text()))
     for p in write_report(res, mini=args.mini):
         print(p)
     return 0

@@ -126,14 +126,13 @@ def _negation(rng: random.Random, y: int) -> str:  # labels: closed, open (after
     return f"{rng.choice(WHEN)} , {rng.choice(HOLDS if holds else FAILS)} the {rng.choice(THINGS)} was {state}"
 
 
-def _ends(rng: random.Random, y: int) -> str:  # labels: the repeated word is elsewhere, first == last
-    words = rng.sample(NOUNS, 4)
-    if y:
-        words.append(words[0])
-    else:
-        i = rng.randrange(1, 4)
-        words.insert(rng.randrange(i + 1, 5), words[i])
-    return " ".join(words)
+def _majority(rng: random.Random, y: int) -> str:  # labels: the first word is the minority, the majority
+    a, b = rng.sample(NOUNS, 2)  # a is said three times, b twice
+    words = [a] * 3 + [b] * 2
+    while True:
+        rng.shuffle(words)
+        if (words[0] == a) == bool(y):
+            return " ".join(words)
 
 
 @lru_cache(maxsize=1)
@@ -180,7 +179,8 @@ TEXT_TASKS: dict[str, TextTask] = {t.name: t for t in (
     TextTask("xor", ("same", "different"), _xor, "exactly one of two things in its first state (exclusive or)"),
     TextTask("older", ("no", "yes"), _older, "is alice the older / taller one (older, younger, taller, shorter)"),
     TextTask("negation", ("closed", "open"), _negation, "the state under a true / false / not true wrapper"),
-    TextTask("ends", ("elsewhere", "ends"), _ends, "is the repeated word the first and the last of five"),
+    TextTask("majority", ("minority", "majority"), _majority,
+             "is the first of five words the one said three times (two nouns, three and two times)"),
     TextTask("order", ("shuffled", "original"), lambda rng, y: "", "is a stdlib docstring line in its word order"),
 )}
 TEXT_TASK_NAMES = tuple(TEXT_TASKS)

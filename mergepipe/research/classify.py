@@ -19,8 +19,14 @@ from safetensors.torch import load_file, save_file
 from mergepipe.errors import MergePipeError
 
 
-def load_encoder(model_dir):
-    """The encoder (``AutoModel``) in float32, eval mode, and its tokenizer."""
+def default_device() -> str:
+    """Where encoders run: the GPU when torch sees one (training and evaluation only; merges never)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_encoder(model_dir, device: str | None = None):
+    """The encoder (``AutoModel``) in float32, eval mode, on ``device`` (default: :func:`default_device`),
+    and its tokenizer."""
     from transformers import AutoModel, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -32,7 +38,7 @@ def load_encoder(model_dir):
     except (OSError, ValueError, KeyError) as exc:
         raise MergePipeError(f"{model_dir}: cannot load as an encoder ({str(exc).splitlines()[0]})") from None
     model.eval()
-    return model, tok
+    return model.to(device or default_device()), tok
 
 
 def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -42,14 +48,15 @@ def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def embed(model, tok, sentences: list[str], batch_size: int = 128, max_length: int = 48,
           grad: bool = False) -> torch.Tensor:
-    """Mean-pooled last hidden states, one row per sentence."""
+    """Mean-pooled last hidden states, one row per sentence (on the CPU, wherever the model runs)."""
+    device = next(model.parameters()).device
     rows = []
     for i in range(0, len(sentences), batch_size):
         x = tok(sentences[i:i + batch_size], padding=True, truncation=True, max_length=max_length,
-                return_tensors="pt")
+                return_tensors="pt").to(device)
         with torch.set_grad_enabled(grad):
             h = model(input_ids=x["input_ids"], attention_mask=x["attention_mask"]).last_hidden_state
-        rows.append(mean_pool(h, x["attention_mask"]))
+        rows.append(mean_pool(h, x["attention_mask"]).cpu())
     return torch.cat(rows)
 
 

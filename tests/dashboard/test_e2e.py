@@ -103,6 +103,11 @@ def settled(page, locator, timeout=90_000):
     return locator
 
 
+def press(page, name: str):
+    """Click the button named ``name`` once the page shows exactly one (a rerun may keep a stale twin)."""
+    settled(page, page.get_by_role("button", name=name)).click()
+
+
 def nav(page, title: str, heading: str | None = None):
     page.locator("[data-testid='stSidebarNav'] a", has_text=title).first.click()
     expect(page.locator("h1", has_text=heading or title)).to_be_visible()
@@ -162,7 +167,7 @@ def register(page, path: Path, model_id: str, base: str | None, kind: str | None
         choose(page, "Base", base)
     if kind:
         choose(page, "Kind", kind)
-    page.get_by_role("button", name="Register").click()
+    press(page, "Register")
     expect(page.get_by_text(f"registered: {model_id}")).to_be_visible()
     idle(page)
 
@@ -197,7 +202,7 @@ def test_dashboard_end_to_end(server, page):
     # --- Models: register base + experts, a refused path, then ANALYZE with live progress ---------------
     nav(page, "Models")
     page.get_by_role("textbox", name="Checkpoint path (directory or .safetensors file)").fill("/etc")
-    page.get_by_role("button", name="Register").click()
+    press(page, "Register")
     expect(page.get_by_text("is outside the allowed folders")).to_be_visible()
     no_exception(page)
     fam = server["family"]
@@ -224,7 +229,7 @@ def test_dashboard_end_to_end(server, page):
     page.get_by_role("textbox", name="Model id (default: the folder's name)").fill("chat-lora")
     choose(page, "Base", "(none: this is a base model)")
     choose(page, "Kind", "lora")
-    page.get_by_role("button", name="Register").click()
+    press(page, "Register")
     expect(page.get_by_text("needs a base")).to_be_visible()
     register(page, server["tmp"] / "adapter", "chat-lora", "base", "lora")
     assert cat.model("chat-lora")["kind"] == "lora"
@@ -278,7 +283,7 @@ def test_dashboard_end_to_end(server, page):
                    "parameters: {density: 0.4}\n")
     page.locator("[data-testid='stFileUploaderDropzoneInput']").set_input_files(str(yml))
     idle(page)
-    page.get_by_role("button", name="Load settings").click()
+    press(page, "Load settings")
     expect(page.get_by_text("Loaded merge.yml: ties of expert_1, expert_2 on base.")).to_be_visible()
     idle(page)
     expect(page.get_by_role("combobox", name="Operator")).to_have_value("ties")
@@ -295,13 +300,13 @@ def test_dashboard_end_to_end(server, page):
     area.press("Control+Enter")
     idle(page)
     expect(page.get_by_text("Valid: ties of expert_1, expert_2 on base, budget 30%.")).to_be_visible()
-    page.get_by_role("button", name="Apply to the settings").click()
+    press(page, "Apply to the settings")
     expect(page.get_by_text("Applied the YAML: ties of expert_1, expert_2 on base, budget 30%.")).to_be_visible()
     expect(slider).to_have_value("30")
     idle(page)
     expect(caption).to_contain_text("(30%)")
     no_exception(page)
-    page.get_by_role("button", name="Save plan").click()
+    press(page, "Save plan")
     expect(page.get_by_text(re.compile(r"Saved plan-[0-9a-f]{16}\."))).to_be_visible()
     plan_id = re.search(r"plan-[0-9a-f]{16}", page.get_by_text(re.compile(r"Saved plan-")).inner_text()).group(0)
     assert cat.query("SELECT budget_bytes FROM plans WHERE id = ?", [plan_id])
@@ -315,7 +320,7 @@ def test_dashboard_end_to_end(server, page):
     page.get_by_role("textbox", name="Model id of the merged model").fill("merged-e2e")
     page.get_by_role("textbox", name="Model id of the merged model").press("Enter")
     idle(page)
-    page.get_by_role("button", name="Launch merge").click()
+    press(page, "Launch merge")
     settled(page, page.get_by_text(re.compile(r"Published snap-[0-9a-f]+ as model merged-e2e")))
     expect(page.get_by_role("combobox", name="Run")).to_have_value(re.compile(r"run \d+ · merged-e2e"))
     expect(settled(page, page.locator("[data-testid='stMetric']", has_text="Status"))).to_contain_text("succeeded")
@@ -327,7 +332,7 @@ def test_dashboard_end_to_end(server, page):
     # --- Snapshots: the snapshot, its manifest, verify -------------------------------------------------------
     nav(page, "Snapshots")
     expect(page.get_by_role("combobox", name="Snapshot")).to_have_value(re.compile(snap))
-    page.get_by_role("button", name="Verify").click()
+    press(page, "Verify")
     expect(page.get_by_text(f"OK: {snap}")).to_be_visible()
     page.get_by_text("Model card (README.md)").click()
     expect(page.get_by_role("heading", name="Recipe")).to_be_visible()
@@ -345,7 +350,7 @@ def test_dashboard_end_to_end(server, page):
         box.fill(str(path))
         box.press("Enter")
         idle(page)
-    page.get_by_role("button", name="Evaluate 4 models").click()
+    press(page, "Evaluate 4 models")
     expect(page.get_by_text(re.compile(r"evaluate run \d+ succeeded")).first).to_be_visible(timeout=120_000)
     idle(page)
     quality = page.locator("[data-testid='stAlertContentSuccess']", has_text="accuracy").first
@@ -356,7 +361,7 @@ def test_dashboard_end_to_end(server, page):
                       for k in ("perplexity", "accuracy", "accuracy:pick")}
     # export the recipe: the mergekit YAML of what this snapshot did
     with page.expect_download() as got:
-        page.get_by_role("button", name="Download the recipe (mergekit YAML)").click()
+        press(page, "Download the recipe (mergekit YAML)")
     recipe = Path(got.value.path()).read_text()
     assert "merge_method: ties" in recipe and f"snapshot {snap}" in recipe and "budget: 30%" in recipe, recipe
     no_exception(page)
@@ -381,7 +386,7 @@ def test_dashboard_end_to_end(server, page):
     expect(page.locator("[data-testid='stGraphVizChart'] svg")).to_contain_text("merged-e2e")
     choose(page, "Node", "merged-e2e")
     shot(page, "lineage")
-    page.get_by_role("button", name=f"Open the manifest of {snap}").click()
+    press(page, f"Open the manifest of {snap}")
     expect(page.locator("h1", has_text="Snapshots")).to_be_visible()
     idle(page)
     expect(page.get_by_role("combobox", name="Snapshot")).to_have_value(re.compile(snap))

@@ -54,8 +54,8 @@ def _label_of(task: str, s: str) -> int:
     if task == "negation":
         holds = any(h in s for h in tt.HOLDS)
         return int((w[-1] in ("open", "unlocked")) == holds)
-    if task == "ends":
-        return int(w[0] == w[-1])
+    if task == "majority":
+        return int(w.count(w[0]) == 3)
     if task == "order":
         return int(s in tt.docstring_lines())
     raise AssertionError(task)
@@ -82,7 +82,8 @@ def test_generated_labels_match_an_independent_reading(task):
     ("older", "last week alice was younger than bob", 0), ("older", "at noon mary was shorter than alice", 1),
     ("negation", "at noon , it is not true that the gate was locked", 1),
     ("negation", "at noon , it is not false that the tap was shut", 0),
-    ("ends", "apple chair river pencil apple", 1), ("ends", "apple chair river chair pencil", 0)])
+    ("majority", "apple chair apple chair apple", 1), ("majority", "chair apple apple chair apple", 0),
+    ("majority", "river river kettle kettle kettle", 0)])
 def test_hand_made_sentences_read_as_expected(task, sentence, label):
     assert _label_of(task, sentence) == label
 
