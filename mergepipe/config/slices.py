@@ -352,12 +352,20 @@ def read_config(root: Path) -> dict:
 # --- export ---------------------------------------------------------------------------------------------
 def export_slices(layout: dict, base: dict, experts: list[dict], params: dict, copies: bool) -> tuple[list, dict]:
     """(``slices:``, merge-wide ``parameters`` changes) that plan back to ``layout`` and its per-tensor
-    settings: one slice per run of consecutive input layers of one model; per-tensor values as exact-name
-    conditions (per-input ones on the input names, per source; t on the output names)."""
+    settings: one slice per run of consecutive input layers of one model (and of each layer view's expert,
+    storage/views.py: an expert merged at other layers is written with its own layer_range); per-tensor values
+    as exact-name conditions (per-input ones on each input's own names, per source; t on the output names)."""
+    from mergepipe.storage.views import renumber, split_view
     uris = {base["id"]: base["uri"], **{e["id"]: e["uri"] for e in experts}}
+    views = {}  # expert id -> (its checkpoint's uri, base layer -> its layer)
+    for e in experts:
+        own, mapping = split_view(e["uri"])
+        if mapping is not None:
+            views[e["id"]] = (own, mapping)
     runs: list[list] = []  # [model, first input layer, last input layer, [layout entries]]
     for model, i in layout["layers"]:
-        if runs and runs[-1][0] == model and runs[-1][2] + 1 == i:
+        if runs and runs[-1][0] == model and runs[-1][2] + 1 == i and all(
+                m.get(i) is not None and m.get(i) == m.get(i - 1, -2) + 1 for _, m in views.values()):
             runs[-1][2] = i
         else:
             runs.append([model, i, i, []])
@@ -384,11 +392,18 @@ def export_slices(layout: dict, base: dict, experts: list[dict], params: dict, c
             continue
         sources = [{"model": base["uri"], "layer_range": rng}]
         for e in experts:
-            source = {"model": uris[e["id"]], "layer_range": rng}
+            if e["id"] in views:
+                own_uri, mapping = views[e["id"]]
+                source = {"model": own_uri, "layer_range": [mapping[lo], mapping[hi] + 1]}
+                name_of = lambda n, mapping=mapping: (renumber(n, mapping[int(LAYER.search(n).group(1))])
+                                                      if LAYER.search(n) else n)
+            else:
+                source = {"model": uris[e["id"]], "layer_range": rng}
+                name_of = lambda n: n
             own = {}
             for i, key in ((0, "weight"), (1, "density")):
-                per = {t[2]: (e["tensors"][t[2]][i] if e.get("tensors") and t[2] in e["tensors"] else e.get(key))
-                       for t in entries}
+                per = {name_of(t[2]): (e["tensors"][t[2]][i] if e.get("tensors") and t[2] in e["tensors"]
+                                       else e.get(key)) for t in entries}
                 value = _exact(per, 1.0)
                 if value is not None and not (key == "density" and value == 1.0):
                     own[key] = value

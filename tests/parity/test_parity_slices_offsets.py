@@ -163,3 +163,143 @@ def test_sources_at_other_layers_equal_mergekit(small, case):
     assert views and all(cat.is_analyzed(e["id"]) for e in views)
     assert manifest.core["realized"]["expert_read"] == plan["estimate"]["expert_read"]
     assert manifest.core["realized_by_expert"] == plan["expert_read_by_expert"]
+
+
+def test_budgeted_task_arithmetic_at_other_layers_reads_the_plan_and_equals_its_access_set(small):
+    """task_arithmetic with both experts at other layers than the base's, at 50 %: the bytes read are the
+    plan's (per expert, within the budget), the error bound holds against the full merge, and the output equals
+    an independent reference made from the plan's access set: base + sum of weight * (the expert's own input
+    rows - the base's) over the blocks read, read from the checkpoints' own layer tensors."""
+    fam, cat, work = small
+    from mergepipe.planner.plan import expand_ranges
+    from mergepipe.storage.grid import tensor_grid
+    from mergepipe.storage.registry import open_checkpoint
+    cfg = dict(CASES["task_arithmetic"](fam), dtype="float32")
+    half_cfg = dict(cfg, mergepipe={"budget": "50%"})
+    full, _, _ = api.merge_config(cat, parse_config(yaml.safe_dump(cfg)), work / "ta-full", model_id="ta-full")
+    half, _, m = api.merge_config(cat, parse_config(yaml.safe_dump(half_cfg)), work / "ta-half", model_id="ta-half")
+    core = m.core
+    assert 0 < half["estimate"]["expert_read"] <= half["budget"]["bytes"] < half["full_expert_bytes"]
+    assert core["realized"]["expert_read"] == half["estimate"]["expert_read"]
+    assert core["realized_by_expert"] == half["expert_read_by_expert"]
+    assert sorted(core["realized_by_expert"]) == sorted(e["id"] for e in half["experts"])
+    got, got_full = load_dir(work / "ta-half"), load_dir(work / "ta-full")
+    dist = sum(float((got[n].double() - got_full[n].double()).square().sum()) for n in got) ** 0.5
+    assert 0 < dist <= half["error_bound"]["absolute"] * (1 + 1e-6)
+    # the independent reference: the plan's access set applied to the input checkpoints' own tensors
+    infos = open_checkpoint(fam.base).tensors
+    layout = {out: name for out, _, name, _ in half["layout"]["tensors"]}
+    weight = {e["id"]: e for e in half["experts"]}
+    sources = {e["id"]: s for e, s in zip(half["experts"], cfg["slices"][0]["sources"][1:])}
+    base_t = load_dir(fam.base)
+    shifted = 0
+    for out, name in layout.items():
+        ref = base_t[name].clone()
+        for eid, tensors in half["access"].items():
+            if name not in tensors:
+                continue
+            src = sources[eid]
+            own = next(inp for model, inp, _ in _inputs(cfg, out) if model == src["model"])
+            shifted += own != name
+            x = load_dir(src["model"])[own]
+            e = weight[eid]
+            w = e["tensors"][name][0] if e.get("tensors") else e["weight"]
+            for span in tensor_grid(infos[name], half["grid"]["block_bytes"]):
+                if span.index in set(expand_ranges(tensors[name])):
+                    rows = slice(span.row_start, span.row_end)
+                    ref[rows] += w * (x[rows] - base_t[name][rows])
+        assert float((got[out] - ref).abs().max()) <= ULPS * EPS32 * float(ref.abs().max()), out
+    assert shifted > 0
+
+
+def test_offsets_plan_exports_as_slices_and_round_trips(small):
+    """``explain --as-mergekit`` writes each expert with its own layer_range (the layer view's expert) and
+    per-input conditions on its own tensor names: MergePipe plans it to the same digest, mergekit merges it
+    to the same result."""
+    fam, cat, work = small
+    from mergepipe.config.export import export_mergekit
+    from mergepipe.config.resolve import plan_from_config
+    for name in ("slerp-gradient", "task_arithmetic", "ties"):
+        plan_id = cat.conn.execute("SELECT plan_id FROM snapshots WHERE model_id = ?", (f"mp-{name}",)).fetchone()[0]
+        text = export_mergekit(cat, plan_id)
+        assert "::layers=" not in text and "slices:" in text, name
+        again, _ = plan_from_config(cat, parse_config(text), save=False)
+        assert again.id == plan_id, name
+        if name == "task_arithmetic":
+            cfg = yaml.safe_load(text)
+            cfg.pop("mergepipe")
+            ranges = [[s["layer_range"] for s in sl["sources"]] for sl in cfg["slices"]]
+            assert ranges == [[[1, 3], [2, 4], [0, 2]]]
+            ref = mergekit_merge(cfg, work / "mk-export-ta")
+            got = load_dir(work / "mp-task_arithmetic")
+            assert _ulps(got, ref)[0] <= ULPS
+
+
+def test_views_are_reused_and_analyzable_by_id(small):
+    """A second merge with the same pairing reuses the registered view (no new model, no new analysis); the
+    view is a catalog model that `mergepipe analyze` names like any expert."""
+    fam, cat, work = small
+    views = [r[0] for r in cat.conn.execute("SELECT id FROM models WHERE uri LIKE '%::layers=%'")]
+    assert "e1@0-1=2-3" in views
+    before = len(cat.conn.execute("SELECT id FROM models").fetchall())
+    cfg = dict(CASES["slerp"](fam), dtype="float32", parameters={"t": 0.25})
+    plan, _, _ = api.merge_config(cat, parse_config(yaml.safe_dump(cfg)), work / "again", model_id="again")
+    assert [e["id"] for e in plan["experts"]] == ["e1@0-1=2-3"]
+    assert len(cat.conn.execute("SELECT id FROM models").fetchall()) == before + 1  # the merged model only
+    r = run_cli(["--db", work / "cat.sqlite", "analyze", "e1@0-1=2-3"])
+    assert r.returncode == 0, r.stderr
+
+
+def _counts(db):
+    dump = dump_db(db)
+    return {t: len(dump[t]) for t in ("models", "plans", "snapshots", "analyses") if t in dump}
+
+
+REFUSALS = [
+    (lambda f, tmp: {"slices": [{"sources": [_src(f.base, 0, 2), _src(f.experts[0], 2, 4)]},
+                                {"sources": [_src(f.base, 1, 2), _src(f.experts[0], 0, 1)]}],
+                     "merge_method": "slerp", "base_model": str(f.base), "parameters": {"t": 0.5}},
+     "slices[1]: layer 1 of the base is merged again (also in slices[0]); MergePipe merges each base layer once "
+     "(repeat layers with `merge_method: passthrough`)"),
+    (lambda f, tmp: {"slices": [{"sources": [_src(f.base, 0, 2), _src(_short(f, tmp), 1, 3)]}],
+                     "merge_method": "task_arithmetic", "base_model": str(f.base)},
+     "slices[0].sources[1]: {short} has no tensor model.layers.1.mlp.down_proj.weight of the shape of the base's "
+     "model.layers.0.mlp.down_proj.weight ([{rows}, {cols}]), which it is merged with"),
+]
+
+
+def _short(fam, tmp):
+    """expert_1 with layer 1's down_proj cut to half its rows (a checkpoint MergePipe registers: every
+    tensor of the base's layer 0 is the base's shape)."""
+    from safetensors.torch import save_file
+    import shutil
+    out = tmp / "short"
+    if not out.exists():
+        shutil.copytree(fam.experts[0], out)
+        for f in out.glob("*.safetensors"):
+            f.unlink()
+        (out / "model.safetensors.index.json").unlink(missing_ok=True)
+        t = load_dir(fam.experts[0])
+        name = "model.layers.1.mlp.down_proj.weight"
+        t[name] = t[name][: t[name].shape[0] // 2].contiguous()
+        save_file(t, str(out / "model.safetensors"))
+    return out
+
+
+@pytest.mark.parametrize("case", range(len(REFUSALS)))
+def test_what_cannot_be_merged_at_other_layers_is_refused_and_changes_nothing(small, tmp_path, case):
+    fam, cat, work = small
+    make, message = REFUSALS[case]
+    cfg = make(fam, tmp_path)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    db = work / "cat.sqlite"
+    before = _counts(db)
+    shape = load_dir(fam.base)["model.layers.0.mlp.down_proj.weight"].shape
+    expected = f"bad.yaml: {message.format(short=tmp_path / 'short', rows=shape[0], cols=shape[1])}"
+    with pytest.raises(ConfigError) as exc:
+        api.merge_config(cat, path, tmp_path / "out", model_id="bad")
+    assert str(exc.value) == expected
+    r = run_cli(["--db", db, "merge", "--config", path, "--out", tmp_path / "cli-out", "--model-id", "bad-cli"])
+    assert r.returncode != 0 and r.stderr.strip() == f"error: {expected}", r.stderr
+    assert _counts(db) == before and not (tmp_path / "out").exists() and not (tmp_path / "cli-out").exists()
