@@ -278,7 +278,9 @@ def _expand_slices(r: _Resolver, base_id: str) -> None:
             shapes = {n: tuple(t.shape) for n, t in open_checkpoint(uris[mid]).tensors.items()}
             config = open_checkpoint(uris[mid]).config if scheme_of(uris[mid]) else read_config(Path(uris[mid]))
         tensors[mid], layers[mid] = shapes, model_layers(config, shapes)
-    ex = expand(r.cfg, r.out.ids, base_id, tensors, layers)
+    kinds = {kw["model_id"]: kw["kind"] for kw in r.out.to_register}
+    adapters = {mid for mid in tensors if (kinds.get(mid) or r.cat.model(mid)["kind"]) == "lora"}
+    ex = expand(r.cfg, r.out.ids, base_id, tensors, layers, adapters)
     r.out.layout, r.out.method_params = ex.layout, ex.method_params
     r.views = ex.views
     if get_op(r.cfg.method).whole_models:  # linear: the base is averaged in at its place among the sources
@@ -300,7 +302,6 @@ def _use_views(r: _Resolver, base_id: str) -> None:
     like any expert, so the plan's statistics, budget and bound are the view's, per base tensor."""
     from mergepipe.storage.registry import canonical_uri
     from mergepipe.storage.views import map_text, view_uri
-    cfg = r.cfg
     if (r.out.tokenizer or {}).get("vocab"):
         r.fail("tokenizer_source", "re-ordering the embedding rows to one vocabulary is not combined with slice "
                                    "sources at other layers than the base's: give every source the base's "
@@ -312,11 +313,7 @@ def _use_views(r: _Resolver, base_id: str) -> None:
         if mapping is None:
             continue
         row = pending.get(mid) or r.cat.model(mid)
-        kind, uri = row["kind"], row["uri"]
-        ref = next(ref for ref, i in r.out.ids.items() if i == mid)
-        if kind == "lora":
-            where = next(s.where for sl in cfg.slices for s in sl.sources if s.ref == ref)
-            r.fail(where, f"{ref} is a LoRA adapter, merged at its base's layers: give it the base's layer_range")
+        kind, uri = row["kind"], row["uri"]  # full or delta: expand refuses an adapter at other layers
         uri = canonical_uri(view_uri(uri, mapping))
         rows = [x for x in r._rows_at(uri) if x["base_id"] == base_id and x["kind"] == kind]
         if rows:

@@ -185,9 +185,9 @@ class Expansion:
 
 
 def expand(cfg, ids: dict[str, str], base_id: str, tensors: dict[str, dict[str, tuple]],
-           layers: dict[str, int]) -> Expansion:
+           layers: dict[str, int], adapters=frozenset()) -> Expansion:
     """``ids``: reference as written -> catalog id; ``tensors``: model id -> {name: shape};
-    ``layers``: model id -> its number of layers."""
+    ``layers``: model id -> its number of layers; ``adapters``: the ids of LoRA adapters (no layer view)."""
     slices, copies = cfg.slices, cfg.method == "passthrough"
     for sl in slices:
         for s in sl.sources:
@@ -259,7 +259,8 @@ def expand(cfg, ids: dict[str, str], base_id: str, tensors: dict[str, dict[str, 
                 per[name] = _resolve([src.params.get(p), sl.params.get(p), _global(cfg, ref, p)], own, t)
             settings[mid][p] = _exact(per, 1.0)
         if mid != base_id:
-            mapping = _layer_map(cfg, slices, ref, base_ref, tensors[mid], tensors[base_id], by_layer)
+            mapping = _layer_map(cfg, slices, ref, base_ref, tensors[mid], tensors[base_id], by_layer,
+                                 mid in adapters)
             if any(a != b for a, b in mapping.items()):
                 views[mid] = mapping
     method_params = dict(cfg.method_params)
@@ -274,7 +275,8 @@ def expand(cfg, ids: dict[str, str], base_id: str, tensors: dict[str, dict[str, 
     return Expansion(layout, settings, method_params, views)
 
 
-def _layer_map(cfg, slices, ref: str, base_ref: str, shapes: dict, base_shapes: dict, by_layer) -> dict[int, int]:
+def _layer_map(cfg, slices, ref: str, base_ref: str, shapes: dict, base_shapes: dict, by_layer,
+               adapter: bool) -> dict[int, int]:
     """Base layer -> the layer of ``ref`` merged with it (mergekit: layer start + i of every source of a slice),
     each of its tensors checked against the base's."""
     mapping = {}
@@ -286,6 +288,10 @@ def _layer_map(cfg, slices, ref: str, base_ref: str, shapes: dict, base_shapes: 
             mapping[b] = e
             if b == e:
                 continue
+            if adapter:
+                raise ConfigError(f"{cfg.source}: {src.where}: {ref} is a LoRA adapter, whose delta is trained on "
+                                  f"its base's own layers: give it the base's layer_range [{base_src.start}, "
+                                  f"{base_src.end}], or merge the adapter into a model first")
             for name in by_layer.get(b, ()):
                 own = _renumber(name, e)
                 if shapes.get(own) != base_shapes[name]:

@@ -265,7 +265,24 @@ REFUSALS = [
                      "merge_method": "task_arithmetic", "base_model": str(f.base)},
      "slices[0].sources[1]: {short} has no tensor model.layers.1.mlp.down_proj.weight of the shape of the base's "
      "model.layers.0.mlp.down_proj.weight ([{rows}, {cols}]), which it is merged with"),
+    (lambda f, tmp: {"slices": [{"sources": [_src(f.base, 0, 2), _src(_adapter(f, tmp), 2, 4, weight=0.5)]}],
+                     "merge_method": "task_arithmetic", "base_model": str(f.base)},
+     "slices[0].sources[1]: {lora} is a LoRA adapter, whose delta is trained on its base's own layers: give it "
+     "the base's layer_range [0, 2], or merge the adapter into a model first"),
 ]
+
+
+def _adapter(fam, tmp):
+    """``BASE+ADAPTER``: a PEFT LoRA adapter (q_proj, v_proj; r=4) on the base, saved by PEFT itself."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    out = tmp / "lora"
+    if not out.exists():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(str(fam.base), torch_dtype=torch.float32)
+        get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                         init_lora_weights=False)).save_pretrained(str(out))
+    return f"{fam.base}+{out}"
 
 
 def _short(fam, tmp):
@@ -296,7 +313,8 @@ def test_what_cannot_be_merged_at_other_layers_is_refused_and_changes_nothing(sm
     db = work / "cat.sqlite"
     before = _counts(db)
     shape = load_dir(fam.base)["model.layers.0.mlp.down_proj.weight"].shape
-    expected = f"bad.yaml: {message.format(short=tmp_path / 'short', rows=shape[0], cols=shape[1])}"
+    filled = message.format(short=tmp_path / "short", rows=shape[0], cols=shape[1], lora=f"{fam.base}+{tmp_path}/lora")
+    expected = f"bad.yaml: {filled}"
     with pytest.raises(ConfigError) as exc:
         api.merge_config(cat, path, tmp_path / "out", model_id="bad")
     assert str(exc.value) == expected
