@@ -22,11 +22,24 @@ tensors (:func:`expand`, at resolve time) into data the planner and engine alrea
 whose base member is the base (or, without ``base_model``, the first source of the first slice, the
 reference) at its place among the first slice's sources, with its weight resolved per tensor like any source's.
 
-What MergePipe cannot do exactly is refused: a merging method (not passthrough) merges a layer with the
-same layer of the other models (sources at different offsets, layer i of A with layer j of B, would need
-deltas between differently named tensors: ANALYZE's statistics, the plan's budget and bound are all per
-same-named base tensor), every slice lists the same models with the base among them, and each input layer is
-merged at most once (repeat layers with passthrough).
+Sources at different layers (layer i of the base with layer j of an expert; mergekit pairs layer
+``start + i`` of every source of a slice) are merged through **layer views** (storage/views.py). ANALYZE's
+statistics, the plan's candidates, budget and error bound are all per (expert, same-named base tensor), and
+the base's tensor of an output layer is the one at the base source's layer: so each expert merged at other
+layers than the base's is given a view, its tensor ``layers.{j}.X`` read under the base's name
+``layers.{i}.X`` (same files, same byte ranges), registered in the catalog against the base (id
+``EXPERT@I-J=K-L``, URI ``EXPERT_URI::layers=I-J:K-L``, reused while the expert's files are unchanged) and
+analyzed like any expert (a config merge does it on the way; `mergepipe analyze VIEW_ID` otherwise). The
+layout and the rest of the planner and engine are unchanged: budgets, the bound and byte-range reads are the
+view's. Per-input parameters (weight, density) match their filters on each input's own tensor name (the
+expert's layer j), as mergekit's do; t matches the output's. Export writes a view back as its expert with its
+own layer_range.
+
+What MergePipe cannot do exactly is refused: a LoRA adapter at other layers than the base's (its delta is
+trained on its base's own layers), an expert whose tensor at the paired layer has another shape than the base's,
+and re-ordered embedding rows (``tokenizer_source`` with different vocabularies) combined with views; every
+slice lists the same models with the base among them, and each base layer is merged at most once (repeat
+layers with passthrough): the plan merges each base tensor once.
 """
 
 from __future__ import annotations

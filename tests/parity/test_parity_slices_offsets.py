@@ -321,3 +321,29 @@ def test_what_cannot_be_merged_at_other_layers_is_refused_and_changes_nothing(sm
     r = run_cli(["--db", db, "merge", "--config", path, "--out", tmp_path / "cli-out", "--model-id", "bad-cli"])
     assert r.returncode != 0 and r.stderr.strip() == f"error: {expected}", r.stderr
     assert _counts(db) == before and not (tmp_path / "out").exists() and not (tmp_path / "cli-out").exists()
+
+
+def test_a_view_without_statistics_names_the_analyze_command(small, tmp_path):
+    """A layer view registered but not analyzed (`mergepipe register` takes its URI like any checkpoint's): a
+    plan that needs its statistics says which `mergepipe analyze` stores them; after it, the plan is made."""
+    fam, _, _ = small
+    from mergepipe.catalog.models import register
+    from mergepipe.planner.context import Planner
+    from mergepipe.planner.methods import NeedsAnalysis
+    from mergepipe.storage.views import view_uri
+    cat = open_copy(fam, tmp_path / "c.sqlite")
+    try:
+        r = run_cli(["--db", tmp_path / "c.sqlite", "register", "--model-id", "v", "--base", "base",
+                     "--uri", view_uri(str(fam.experts[0]), {0: 2, 1: 3})])
+        assert r.returncode == 0, r.stderr
+        names = [t["name"] for t in cat.tensors("base") if ".layers.0." in t["name"] or ".layers.1." in t["name"]]
+        layout = {"tensors": [[n, "base", n, None] for n in names], "layers": [["base", 0], ["base", 1]]}
+        with pytest.raises(NeedsAnalysis) as exc:
+            Planner(cat).plan("base", ["v"], "task_arithmetic", layout=layout, save=False)
+        assert "`mergepipe analyze v`" in str(exc.value)
+        r = run_cli(["--db", tmp_path / "c.sqlite", "analyze", "v"])
+        assert r.returncode == 0, r.stderr
+        plan = Planner(cat).plan("base", ["v"], "task_arithmetic", layout=layout, save=False)
+        assert plan["full_expert_bytes"] == sum(t["nbytes"] for t in cat.tensors("v") if t["name"] in names)
+    finally:
+        cat.close()
