@@ -97,7 +97,8 @@ def layer_view(ckpt, mapping: dict[int, int], uri: str = ""):
     for i in sorted(mapping):
         j = mapping[i]
         if j not in by_layer:
-            raise StorageError(f"{uri or ckpt.root}: the layer view reads layer {j}, which the checkpoint does not have")
+            raise StorageError(f"{uri or ckpt.root}: the layer view reads layer {j}, which the checkpoint does not "
+                               f"have")
         for info in by_layer[j]:
             name = renumber(info.name, i)
             tensors[name] = dataclasses.replace(info, name=name)

@@ -130,6 +130,11 @@ CASES = {
         "slices": [{"sources": [_src(f.base, 1, 3), _src(f.experts[0], 2, 4, weight=0.7),
                                 _src(f.experts[1], 0, 2, weight=[1.2, 0.4])]}],
         "merge_method": "task_arithmetic", "base_model": str(f.base)},
+    # the base's layers in place (no layout), the expert's swapped: a plain merge of the view, analyzed on the way
+    "task_arithmetic-swapped": lambda f: {
+        "slices": [{"sources": [_src(f.base, 0, 2), _src(f.experts[1], 2, 4, weight=0.6)]},
+                   {"sources": [_src(f.base, 2, 4), _src(f.experts[1], 0, 2, weight=0.9)]}],
+        "merge_method": "task_arithmetic", "base_model": str(f.base)},
     "ties": lambda f: {
         "slices": [{"sources": [_src(f.base, 0, 2), _src(f.experts[0], 2, 4, weight=0.8, density=0.5),
                                 _src(f.experts[1], 1, 3, weight=0.6, density=0.7)]},
