@@ -5,6 +5,7 @@ Nothing here imports torch: a registration costs the headers' bytes and a few mi
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -17,6 +18,7 @@ from mergepipe.errors import CatalogError, MergePipeError
 from mergepipe.storage.lora import base_mismatches
 from mergepipe.storage.registry import canonical_uri, open_adapter, open_checkpoint, scheme_of, storage_for
 from mergepipe.storage.uris import remote_model_name
+from mergepipe.storage.views import split_view
 from mergepipe.storage.dtypes import dtype_label
 from mergepipe.storage.safetensors import FLOAT_DTYPES, Checkpoint
 from mergepipe.storage.tokenizer_files import has_tokenizer
@@ -35,7 +37,9 @@ def current_fingerprint(row: dict) -> str:
 
 
 def file_stats(uri: str) -> str | None:
-    """The storage's cheap change stamp of a checkpoint's files (local: names, sizes, mtimes)."""
+    """The storage's cheap change stamp of a checkpoint's files (local: names, sizes, mtimes); a layer view's
+    are its checkpoint's (storage/views.py)."""
+    uri = split_view(uri)[0]
     return storage_for(uri).stamp(uri)
 
 
@@ -278,9 +282,13 @@ def _check_one(catalog: Catalog, model_id: str, uri: str, kind: str, base_id: st
     adapter = open_adapter(uri) if kind == "lora" else None
     ckpt = adapter.checkpoint if adapter else open_checkpoint(uri)
     if base_ckpt is not None:
+        own, view = split_view(uri)
+        if view is not None:  # a layer view holds some of the base's layers (storage/views.py)
+            base_ckpt = dataclasses.replace(base_ckpt, tensors={n: t for n, t in base_ckpt.tensors.items()
+                                                                if n in ckpt.tensors})
         problems = (base_mismatches(adapter, base_ckpt) if adapter
                     else layout_mismatches(base_ckpt, ckpt, any_float=kind == "delta",
-                                           vocab_rows=kind == "full" and has_tokenizer(Path(uri))))
+                                           vocab_rows=kind == "full" and has_tokenizer(Path(own))))
         if problems:
             raise CatalogError(f"{model_id} does not match base {base_id}: " + "; ".join(problems))
     checked = Checked(model_id, uri, kind, base_id, ckpt, ckpt.fingerprint(), existing=False)

@@ -12,6 +12,7 @@ from mergepipe.errors import MergePipeError
 from mergepipe.ops.core import get_op
 from mergepipe.storage.dtypes import float_dtype, label_float_dtype
 from mergepipe.planner.budget import human_bytes
+from mergepipe.storage.views import is_view
 from mergepipe.storage.registry import open_checkpoint
 
 
@@ -53,6 +54,22 @@ def _base_dtype(cat: Catalog | None, base: dict) -> str | None:
         return float_dtype(t.dtype for t in open_checkpoint(base["uri"]).tensors.values())
     except MergePipeError:
         return None
+
+
+def _in_place_layout(cat: Catalog | None, base: dict) -> dict:
+    """The layout of a merge that keeps the base's tensors in place (as config/slices.py expands it: the
+    tensors before the layers, the layers, the others), for writing its layer views as slices."""
+    from mergepipe.planner.settings import LAYER, PRE_LAYER_NAMES
+    if cat is not None and cat.has_model(base["id"]):
+        names = [t["name"] for t in cat.tensors(base["id"])]
+    else:
+        names = list(open_checkpoint(base["uri"]).tensors)
+    layer = {n: int(m.group(1)) for n in names if (m := LAYER.search(n))}
+    pre = [n for n in names if n not in layer and any(p in n for p in PRE_LAYER_NAMES)]
+    post = [n for n in names if n not in layer and n not in pre]
+    inside = sorted(layer, key=lambda n: (layer[n], names.index(n)))
+    return {"tensors": [[n, base["id"], n, None] for n in pre + inside + post],
+            "layers": [[base["id"], i] for i in sorted(set(layer.values()))]}
 
 
 def _expert_setting(e: dict, key: str):
@@ -133,9 +150,12 @@ def _to_yaml(cat: Catalog | None, r: dict) -> str:
                       else {"model": base["uri"]})
     doc: dict = {"merge_method": op.name, "base_model": base["uri"], "models": models, "parameters": params,
                  "dtype": "float32"}
-    if r.get("layout"):  # a `slices:` merge: its layers as slices (config/slices.py)
+    layout = r.get("layout")
+    if not layout and any(is_view(e["uri"]) for e in r["experts"]):  # experts merged at other layers
+        layout = _in_place_layout(cat, base)
+    if layout:  # a `slices:` merge: its layers as slices (config/slices.py)
         from mergepipe.config.slices import export_slices
-        slices, changes = export_slices(r["layout"], base, r["experts"], params, op.copies)
+        slices, changes = export_slices(layout, base, r["experts"], params, op.copies)
         params.update(changes)
         params = {k: v for k, v in params.items() if v is not None}
         doc = {"merge_method": op.name, "base_model": base["uri"], "slices": slices, "parameters": params,

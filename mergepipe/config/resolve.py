@@ -94,6 +94,7 @@ class _Resolver:
         self.check = check_path or _default_check
         self.taken = model_ids(cat) | set(reserved_ids or ())
         self.out = Resolved(cfg, "", [])
+        self.views: dict[str, dict[int, int]] = {}  # expert id -> its layer map (sources at other layers)
         self.base_path: Path | None = None
         # a model soup without base_model plans against a reference model (config/soup.py)
         self.base_text, self.base_where = (cfg.base, "base_model") if cfg.base is not None else \
@@ -259,6 +260,8 @@ def prepare(cat: Catalog, cfg: MergekitConfig, register_paths: bool = True, chec
         raise ConfigError(f"{cfg.source}: `models:` lists no model other than the base" if cfg.base is not None else
                           f"{cfg.source}: `models:` lists one model: a soup without base_model averages two or more")
     r.out.tokenizer = _tokenizer(r, base_id, base_path)
+    if r.views:
+        _use_views(r, base_id)
     return r.out
 
 
@@ -275,8 +278,11 @@ def _expand_slices(r: _Resolver, base_id: str) -> None:
             shapes = {n: tuple(t.shape) for n, t in open_checkpoint(uris[mid]).tensors.items()}
             config = open_checkpoint(uris[mid]).config if scheme_of(uris[mid]) else read_config(Path(uris[mid]))
         tensors[mid], layers[mid] = shapes, model_layers(config, shapes)
-    ex = expand(r.cfg, r.out.ids, base_id, tensors, layers)
+    kinds = {kw["model_id"]: kw["kind"] for kw in r.out.to_register}
+    adapters = {mid for mid in tensors if (kinds.get(mid) or r.cat.model(mid)["kind"]) == "lora"}
+    ex = expand(r.cfg, r.out.ids, base_id, tensors, layers, adapters)
     r.out.layout, r.out.method_params = ex.layout, ex.method_params
+    r.views = ex.views
     if get_op(r.cfg.method).whole_models:  # linear: the base is averaged in at its place among the sources
         first = [r.out.ids[s.ref] for s in r.cfg.slices[0].sources]
         weight = ex.settings.get(base_id, {}).get("weight")
@@ -288,6 +294,39 @@ def _expand_slices(r: _Resolver, base_id: str) -> None:
         spec.update({k: v for k, v in ex.settings.get(spec["model"], {}).items() if v is not None})
     if not r.out.experts and not get_op(r.cfg.method).copies:
         raise ConfigError(f"{r.cfg.source}: `slices:` name no model other than the base")
+
+
+def _use_views(r: _Resolver, base_id: str) -> None:
+    """Each expert a `slices:` config merges at other layers than the base's is merged through its layer view
+    (storage/views.py): registered against the base (once; reused while its files are unchanged) and analyzed
+    like any expert, so the plan's statistics, budget and bound are the view's, per base tensor."""
+    from mergepipe.storage.registry import canonical_uri
+    from mergepipe.storage.views import map_text, view_uri
+    if (r.out.tokenizer or {}).get("vocab"):
+        r.fail("tokenizer_source", "re-ordering the embedding rows to one vocabulary is not combined with slice "
+                                   "sources at other layers than the base's: give every source the base's "
+                                   "layer_range, or drop tokenizer_source")
+    pending = {kw["model_id"]: kw for kw in r.out.to_register}
+    for spec in r.out.experts:
+        mid = spec["model"]
+        mapping = r.views.get(mid)
+        if mapping is None:
+            continue
+        row = pending.get(mid) or r.cat.model(mid)
+        kind, uri = row["kind"], row["uri"]  # full or delta: expand refuses an adapter at other layers
+        uri = canonical_uri(view_uri(uri, mapping))
+        rows = [x for x in r._rows_at(uri) if x["base_id"] == base_id and x["kind"] == kind]
+        if rows:
+            check_unchanged(rows[0])
+            vid = rows[0]["id"]
+        else:
+            name = f"{mid}@" + "_".join(run.replace(":", "=") for run in map_text(mapping).split(","))
+            vid, n = name, 2
+            while vid in r.taken:
+                vid, n = f"{name}-{n}", n + 1
+            r.taken.add(vid)
+            r.out.to_register.append({"model_id": vid, "uri": uri, "base_id": base_id, "kind": kind})
+        spec["model"] = vid
 
 
 def _tokenizer(r: _Resolver, base_id: str, base_path: Path | None) -> dict | None:

@@ -22,11 +22,24 @@ tensors (:func:`expand`, at resolve time) into data the planner and engine alrea
 whose base member is the base (or, without ``base_model``, the first source of the first slice, the
 reference) at its place among the first slice's sources, with its weight resolved per tensor like any source's.
 
-What MergePipe cannot do exactly is refused: a merging method (not passthrough) merges a layer with the
-same layer of the other models (sources at different offsets, layer i of A with layer j of B, would need
-deltas between differently named tensors: ANALYZE's statistics, the plan's budget and bound are all per
-same-named base tensor), every slice lists the same models with the base among them, and each input layer is
-merged at most once (repeat layers with passthrough).
+Sources at different layers (layer i of the base with layer j of an expert; mergekit pairs layer
+``start + i`` of every source of a slice) are merged through **layer views** (storage/views.py). ANALYZE's
+statistics, the plan's candidates, budget and error bound are all per (expert, same-named base tensor), and
+the base's tensor of an output layer is the one at the base source's layer: so each expert merged at other
+layers than the base's is given a view, its tensor ``layers.{j}.X`` read under the base's name
+``layers.{i}.X`` (same files, same byte ranges), registered in the catalog against the base (id
+``EXPERT@I-J=K-L``, URI ``EXPERT_URI::layers=I-J:K-L``, reused while the expert's files are unchanged) and
+analyzed like any expert (a config merge does it on the way; `mergepipe analyze VIEW_ID` otherwise). The
+layout and the rest of the planner and engine are unchanged: budgets, the bound and byte-range reads are the
+view's. Per-input parameters (weight, density) match their filters on each input's own tensor name (the
+expert's layer j), as mergekit's do; t matches the output's. Export writes a view back as its expert with its
+own layer_range.
+
+What MergePipe cannot do exactly is refused: a LoRA adapter at other layers than the base's (its delta is
+trained on its base's own layers), an expert whose tensor at the paired layer has another shape than the base's,
+and re-ordered embedding rows (``tokenizer_source`` with different vocabularies) combined with views; every
+slice lists the same models with the base among them, and each base layer is merged at most once (repeat
+layers with passthrough): the plan merges each base tensor once.
 """
 
 from __future__ import annotations
@@ -35,7 +48,7 @@ import json
 import re
 
 from mergepipe.ops.core import get_op
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergepipe.config.model import ConfigError, ConfigModel, GRADIENT_PARAMS, PER_TENSOR
@@ -161,16 +174,12 @@ def _check_models(slices, method: str, base: str) -> None:
             raise ConfigError(f"{sl.where}: the sources are not the models of {slices[0].where} "
                               f"({', '.join(sorted(models))}); MergePipe merges the same models in every slice")
         models = set(refs)
-        starts = {s.start for s in sl.sources}
-        if len(starts) > 1:
-            starts_text = ", ".join(f"{s.ref} {s.start}" for s in sl.sources)
-            raise ConfigError(f"{sl.where}: the sources start at different layers ({starts_text}); "
-                              f"MergePipe merges a layer with the same layer of the other models: give every source "
-                              f"the same layer_range")
-        for layer in range(sl.sources[0].start, sl.sources[0].end):
+        base_src = next(s for s in sl.sources if s.ref == base)
+        for layer in range(base_src.start, base_src.end):
             if layer in merged:
-                raise ConfigError(f"{sl.where}: layer {layer} is merged again (also in {merged[layer]}); MergePipe "
-                                  f"merges each input layer once (repeat layers with `merge_method: passthrough`)")
+                raise ConfigError(f"{sl.where}: layer {layer} of the base is merged again (also in {merged[layer]}); "
+                                  f"MergePipe merges each base layer once (repeat layers with "
+                                  f"`merge_method: passthrough`)")
             merged[layer] = sl.where
 
 
@@ -183,12 +192,15 @@ class Expansion:
     layout: dict | None
     settings: dict  # expert id -> {"weight": setting, "density": setting}
     method_params: dict
+    # expert id -> {base layer: the expert's layer merged with it}, for the experts merged at other layers than
+    # the base's (merged through a layer view, storage/views.py)
+    views: dict = field(default_factory=dict)
 
 
 def expand(cfg, ids: dict[str, str], base_id: str, tensors: dict[str, dict[str, tuple]],
-           layers: dict[str, int]) -> Expansion:
+           layers: dict[str, int], adapters=frozenset()) -> Expansion:
     """``ids``: reference as written -> catalog id; ``tensors``: model id -> {name: shape};
-    ``layers``: model id -> its number of layers."""
+    ``layers``: model id -> its number of layers; ``adapters``: the ids of LoRA adapters (no layer view)."""
     slices, copies = cfg.slices, cfg.method == "passthrough"
     for sl in slices:
         for s in sl.sources:
@@ -211,24 +223,28 @@ def expand(cfg, ids: dict[str, str], base_id: str, tensors: dict[str, dict[str, 
                           f"Mistral, Qwen, Gemma, GPT-2, BERT, ...)")
     pre = [n for n in outside if any(p in n for p in PRE_LAYER_NAMES)]
     post = [n for n in outside if n not in pre]
-    entries = []  # (out name, slice, source or None: every source, input name, t)
+    entries = []  # (out name, slice, the base's input name, t, layer offset in the slice or None)
     for name in pre:
-        entries.append((name, slices[0], name, 0.0))
+        entries.append((name, slices[0], name, 0.0, None))
     out_layers = []
     j = 0
+    base_ref = None if copies else next(ref for ref, mid in ids.items() if mid == base_id
+                                        and any(s.ref == ref for s in slices[0].sources))
     for sl in slices:
+        # the base's layer is the base source's (mergekit pairs layer start + i of every source)
+        first = sl.sources[0] if copies else next(s for s in sl.sources if s.ref == base_ref)
         for i in range(sl.length):
             t = i / (sl.length - 1) if sl.length > 1 else 1.0
-            src_layer = sl.sources[0].start + i
+            src_layer = first.start + i
             for name in by_layer.get(src_layer, ()):
-                entries.append((_renumber(name, j), sl, name, t))
-            out_layers.append([ids[sl.sources[0].ref] if copies else base_id, src_layer])
+                entries.append((_renumber(name, j), sl, name, t, i))
+            out_layers.append([ids[first.ref] if copies else base_id, src_layer])
             j += 1
     for name in post:
-        entries.append((name, slices[-1], name, 0.0))
+        entries.append((name, slices[-1], name, 0.0, None))
     layout = {"tensors": [], "layers": out_layers}
     if copies:
-        for out, sl, name, t in entries:
+        for out, sl, name, t, _ in entries:
             src = sl.sources[0]
             mid = ids[src.ref]
             if name not in tensors[mid] or tensors[mid][name] != tensors[base_id][name]:
@@ -237,10 +253,11 @@ def expand(cfg, ids: dict[str, str], base_id: str, tensors: dict[str, dict[str, 
                              name, t)
             layout["tensors"].append([out, mid, name, None if scale == 1.0 else scale])  # x * 1.0 is x
         return Expansion(layout, {}, {})
-    layout["tensors"] = [[out, base_id, name, None] for out, _, name, _ in entries]
-    if all(out == name for out, _, name, _ in entries) and len(entries) == len(base_names):
+    layout["tensors"] = [[out, base_id, name, None] for out, _, name, _, _ in entries]
+    if all(out == name for out, _, name, _, _ in entries) and len(entries) == len(base_names):
         layout = None  # the base's own tensors, in place: a plain merge
     settings = {}
+    views = {}
     whole = get_op(cfg.method).whole_models
     for ref, mid in ids.items():
         if mid == base_id and not whole:  # linear: the base is averaged in, weighted like any source
@@ -248,20 +265,52 @@ def expand(cfg, ids: dict[str, str], base_id: str, tensors: dict[str, dict[str, 
         settings[mid] = {}
         for p in ("weight", "density"):
             per = {}
-            for out, sl, name, t in entries:
+            for out, sl, name, t, i in entries:
                 src = next(s for s in sl.sources if s.ref == ref)
-                per[name] = _resolve([src.params.get(p), sl.params.get(p), _global(cfg, ref, p)], name, t)
+                # mergekit matches a per-input parameter's filters on that input's own tensor name
+                own = name if i is None else _renumber(name, src.start + i)
+                per[name] = _resolve([src.params.get(p), sl.params.get(p), _global(cfg, ref, p)], own, t)
             settings[mid][p] = _exact(per, 1.0)
+        if mid != base_id:
+            mapping = _layer_map(cfg, slices, ref, base_ref, tensors[mid], tensors[base_id], by_layer,
+                                 mid in adapters)
+            if any(a != b for a, b in mapping.items()):
+                views[mid] = mapping
     method_params = dict(cfg.method_params)
     for p in GRADIENT_PARAMS:
         if p == "scale":
             method_params.pop(p, None)
             continue
-        per = {name: _resolve([sl.params.get(p), cfg.method_params.get(p)], out, t) for out, sl, name, t in entries}
+        per = {name: _resolve([sl.params.get(p), cfg.method_params.get(p)], out, t) for out, sl, name, t, _ in entries}
         value = _exact(per, None)
         if value is not None:
             method_params[p] = value
-    return Expansion(layout, settings, method_params)
+    return Expansion(layout, settings, method_params, views)
+
+
+def _layer_map(cfg, slices, ref: str, base_ref: str, shapes: dict, base_shapes: dict, by_layer,
+               adapter: bool) -> dict[int, int]:
+    """Base layer -> the layer of ``ref`` merged with it (mergekit: layer start + i of every source of a slice),
+    each of its tensors checked against the base's."""
+    mapping = {}
+    for sl in slices:
+        src = next(s for s in sl.sources if s.ref == ref)
+        base_src = next(s for s in sl.sources if s.ref == base_ref)
+        for i in range(sl.length):
+            b, e = base_src.start + i, src.start + i
+            mapping[b] = e
+            if b == e:
+                continue
+            if adapter:
+                raise ConfigError(f"{cfg.source}: {src.where}: {ref} is a LoRA adapter, whose delta is trained on "
+                                  f"its base's own layers: give it the base's layer_range [{base_src.start}, "
+                                  f"{base_src.end}], or merge the adapter into a model first")
+            for name in by_layer.get(b, ()):
+                own = _renumber(name, e)
+                if shapes.get(own) != base_shapes[name]:
+                    raise ConfigError(f"{cfg.source}: {src.where}: {ref} has no tensor {own} of the shape of the "
+                                      f"base's {name} ({list(base_shapes[name])}), which it is merged with")
+    return mapping
 
 
 def _global(cfg, ref: str, p: str):
@@ -322,12 +371,20 @@ def read_config(root: Path) -> dict:
 # --- export ---------------------------------------------------------------------------------------------
 def export_slices(layout: dict, base: dict, experts: list[dict], params: dict, copies: bool) -> tuple[list, dict]:
     """(``slices:``, merge-wide ``parameters`` changes) that plan back to ``layout`` and its per-tensor
-    settings: one slice per run of consecutive input layers of one model; per-tensor values as exact-name
-    conditions (per-input ones on the input names, per source; t on the output names)."""
+    settings: one slice per run of consecutive input layers of one model (and of each layer view's expert,
+    storage/views.py: an expert merged at other layers is written with its own layer_range); per-tensor values
+    as exact-name conditions (per-input ones on each input's own names, per source; t on the output names)."""
+    from mergepipe.storage.views import renumber, split_view
     uris = {base["id"]: base["uri"], **{e["id"]: e["uri"] for e in experts}}
+    views = {}  # expert id -> (its checkpoint's uri, base layer -> its layer)
+    for e in experts:
+        own, mapping = split_view(e["uri"])
+        if mapping is not None:
+            views[e["id"]] = (own, mapping)
     runs: list[list] = []  # [model, first input layer, last input layer, [layout entries]]
     for model, i in layout["layers"]:
-        if runs and runs[-1][0] == model and runs[-1][2] + 1 == i:
+        if runs and runs[-1][0] == model and runs[-1][2] + 1 == i and all(
+                m.get(i) is not None and m.get(i) == m.get(i - 1, -2) + 1 for _, m in views.values()):
             runs[-1][2] = i
         else:
             runs.append([model, i, i, []])
@@ -354,11 +411,18 @@ def export_slices(layout: dict, base: dict, experts: list[dict], params: dict, c
             continue
         sources = [{"model": base["uri"], "layer_range": rng}]
         for e in experts:
-            source = {"model": uris[e["id"]], "layer_range": rng}
+            if e["id"] in views:
+                own_uri, mapping = views[e["id"]]
+                source = {"model": own_uri, "layer_range": [mapping[lo], mapping[hi] + 1]}
+                name_of = lambda n, mapping=mapping: (renumber(n, mapping[int(LAYER.search(n).group(1))])
+                                                      if LAYER.search(n) else n)
+            else:
+                source = {"model": uris[e["id"]], "layer_range": rng}
+                name_of = lambda n: n
             own = {}
             for i, key in ((0, "weight"), (1, "density")):
-                per = {t[2]: (e["tensors"][t[2]][i] if e.get("tensors") and t[2] in e["tensors"] else e.get(key))
-                       for t in entries}
+                per = {name_of(t[2]): (e["tensors"][t[2]][i] if e.get("tensors") and t[2] in e["tensors"]
+                                       else e.get(key)) for t in entries}
                 value = _exact(per, 1.0)
                 if value is not None and not (key == "density" and value == 1.0):
                     own[key] = value

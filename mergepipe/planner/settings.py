@@ -13,13 +13,11 @@ the default (weight 1, density 1), following mergekit's precedence.
 from __future__ import annotations
 
 import math
-import re
 
 from mergepipe.errors import PlanError
+# a decoder/encoder layer's tensors (``layers.N.``, ``h.N.``, ``layer.N.``, ``blocks.N.``): storage/views.py
+from mergepipe.storage.views import LAYER  # noqa: F401 (re-exported)
 
-# a decoder/encoder layer's tensors: ``layers.N.`` (Llama, Mistral, Qwen, Gemma, GPT-NeoX, Phi), ``h.N.``
-# (GPT-2, Falcon, Bloom), ``layer.N.`` (BERT, RoBERTa: ``encoder.layer.N.``), ``blocks.N.`` (MPT)
-LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
 # tensors before the layers (mergekit's pre_weights: embeddings); the others outside the layers come after
 PRE_LAYER_NAMES = ("embed", "wte.", "wpe.")
 

@@ -24,6 +24,7 @@ from mergepipe.storage.local import LocalStorage
 from mergepipe.storage.paths import expand_path
 from mergepipe.storage.safetensors import Checkpoint
 from mergepipe.storage.uris import canonical_remote, redact
+from mergepipe.storage.views import layer_view, split_view, view_uri
 
 LOCAL = LocalStorage()
 _BACKENDS: dict[str, Storage] = {}
@@ -67,20 +68,31 @@ def local_path(uri: str | os.PathLike) -> str:
 
 def canonical_uri(uri: str | os.PathLike) -> str:
     """The form a catalog stores: an absolute, resolved path for local files; a remote URI checked to
-    carry no credentials or query string (refused otherwise), without a trailing slash."""
+    carry no credentials or query string (refused otherwise), without a trailing slash. A layer view's URI
+    (storage/views.py) is its checkpoint's canonical URI and its layer map."""
+    own, mapping = split_view(uri)
+    if mapping is not None:
+        return view_uri(canonical_uri(own), mapping)
     if scheme_of(uri) is not None:
         return canonical_remote(os.fspath(uri))
     return str(expand_path(local_path(uri)).resolve())
 
 
 def open_checkpoint(uri: str | os.PathLike) -> Checkpoint:
-    """Parse the checkpoint at ``uri`` through its storage; it then reads and fingerprints through it."""
+    """Parse the checkpoint at ``uri`` through its storage; it then reads and fingerprints through it. A layer
+    view's URI (storage/views.py) opens its checkpoint seen through the view."""
+    own, mapping = split_view(uri)
+    if mapping is not None:
+        return layer_view(open_checkpoint(own), mapping, os.fspath(uri))
     storage = storage_for(uri)
     return storage.open(local_path(uri) if storage is LOCAL else uri)
 
 
 def open_adapter(uri: str | os.PathLike) -> lora.LoraAdapter:
     """A PEFT LoRA adapter directory, local or remote (config by one small request, weights by ranges)."""
+    if split_view(uri)[1] is not None:
+        raise StorageError(f"{redact(os.fspath(uri))}: a LoRA adapter has no layer view (it is merged at its base's "
+                           f"layers)")
     storage = storage_for(uri)
     if storage is not LOCAL:
         if not hasattr(storage, "open_adapter"):

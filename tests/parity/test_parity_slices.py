@@ -188,14 +188,10 @@ REFUSALS = [
      "slice must cover the same number of layers"),
     (lambda f: {"slices": [{"sources": [_src(f.base, 1, 0)]}], "merge_method": "passthrough"},
      "slices[0].sources[0].layer_range must be [start, end] with 0 <= start < end (integers), not [1, 0]"),
-    (lambda f: {"slices": [{"sources": [_src(f.base, 0, 1), _src(f.experts[0], 1, 2)]}], "merge_method": "slerp",
-                "base_model": str(f.base), "parameters": {"t": 0.5}},
-     "slices[0]: the sources start at different layers ({base} 0, {e1} 1); MergePipe merges a layer with the "
-     "same layer of the other models: give every source the same layer_range"),
     (lambda f: {"slices": [_both(f, 0, 2), _both(f, 1, 2)], "merge_method": "slerp", "base_model": str(f.base),
                 "parameters": {"t": 0.5}},
-     "slices[1]: layer 1 is merged again (also in slices[0]); MergePipe merges each input layer once (repeat "
-     "layers with `merge_method: passthrough`)"),
+     "slices[1]: layer 1 of the base is merged again (also in slices[0]); MergePipe merges each base layer once "
+     "(repeat layers with `merge_method: passthrough`)"),
     (lambda f: {"slices": [_both(f, 0, 2)], "merge_method": "passthrough"},
      "slices[0]: passthrough copies one source per slice (2 given)"),
 ]
