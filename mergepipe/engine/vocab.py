@@ -8,7 +8,8 @@ through its own: the plan reserves exactly those bytes), composed with storage/v
 padding), and dropped when the next one starts. The merge then runs block by block on the composed
 rows like on any tensor; other tensors never come here. Statistics the plan cannot hold for composed rows
 are taken from them here, in memory: TIES's exact top k (``_thresholds``) and an interpolation method's
-Gram statistics and scalars (``_coefficients``).
+Gram statistics and scalars (``_coefficients``; also sce's top k of the variance across the experts,
+ramplus_tl's shared/unique counts and arcee_fusion's importance threshold, by ANALYZE's own code).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mergepipe.analyze.gram import composed_gram
+from mergepipe.analyze.gram import composed_arcee, composed_counts, composed_gram, composed_sce
 from mergepipe.errors import ExecutionError
 from mergepipe.ops.spec import Sparsify
 from mergepipe.ops.topk import NO_CUT
@@ -108,7 +109,17 @@ class VocabRows:
         blocks = [(s.rel_offset // itemsize, (s.rel_offset + s.nbytes) // itemsize)
                   for s in tensor_grid(info, p.plan["grid"]["block_bytes"])]
         flat = {m: _floats(data, info).numpy().reshape(-1) for m, data in composed.items()}
-        gram = composed_gram(flat[p.plan["base"]["id"]], [flat[e["id"]] for e in p.experts], blocks)
+        base, xs = flat[p.plan["base"]["id"]], [flat[e["id"]] for e in p.experts]
+        settings = dict(settings)
+        # the whole-tensor statistics ANALYZE stores for other tensors, taken from the composed rows
+        if p.op.name == "ramplus_tl":
+            settings["ram_counts"] = composed_counts(base, xs, blocks)
+        elif p.op.name == "arcee_fusion":
+            settings["arcee_threshold"] = composed_arcee(base, xs[0], tuple(info.shape), blocks)
+        elif p.op.name == "sce" and 0.0 < p.params.get("select_topk", 1.0) < 1.0:
+            settings["sce"] = composed_sce(base, xs, tensor_grid(info, p.plan["grid"]["block_bytes"]), itemsize,
+                                           p.params["select_topk"])
+        gram = composed_gram(base, xs, blocks) if p.op.gram else None
         p.coefficients[name] = method_scalars(p.op, gram, settings, p.params, len(info.shape))
 
     def _thresholds(self, name: str, composed: dict[str, bytes]) -> None:
