@@ -123,10 +123,10 @@ class VocabRows:
         p.coefficients[name] = method_scalars(p.op, gram, settings, p.params, len(info.shape))
 
     def _thresholds(self, name: str, composed: dict[str, bytes]) -> None:
-        """TIES below density 1: each expert's exact top-k statistics over its re-ordered delta (what
-        ANALYZE stores for other tensors; mergekit takes the top k of the same rows)."""
+        """TIES and breadcrumbs below density 1: each expert's exact top-k statistics over its re-ordered
+        delta (what ANALYZE stores for other tensors; mergekit takes the top k of the same rows)."""
         p = self.p
-        if p.op.sparsify != Sparsify.MAGNITUDE:
+        if p.op.sparsify not in (Sparsify.MAGNITUDE, Sparsify.OUTLIERS):
             return
         info = next(t for t in p.order if t.name == name)
         spans = tensor_grid(info, p.plan["grid"]["block_bytes"])
@@ -137,8 +137,11 @@ class VocabRows:
                 continue
             delta = _floats(composed[e["id"]], info) - base
             params = expert_params(p.params_for(name), e)
-            p.thresholds[e["id"]] = {**p.thresholds.get(e["id"], {}),
-                                     name: exact_topk(delta, density, params.get("rescale", False), spans, info)}
+            if p.op.sparsify == Sparsify.OUTLIERS:
+                stats = exact_outliers(delta, density, params["gamma"], spans, info)
+            else:
+                stats = exact_topk(delta, density, params.get("rescale", False), spans, info)
+            p.thresholds[e["id"]] = {**p.thresholds.get(e["id"], {}), name: stats}
 
     def _read_all(self, name: str) -> tuple[dict[str, np.ndarray], int]:
         """Every model's whole tensor (float32 for bf16/fp16: the mean rows are averaged in float32)."""
@@ -193,6 +196,43 @@ def exact_topk(delta, density: float, rescale: bool, spans, info: TensorInfo) ->
         total = float(a.double().sum())
         ratio = total / kept_l1 if total >= 1e-7 and kept_l1 >= 1e-7 else 1.0
     return [thr, ratio, *cut]
+
+
+def _top(a, k: int, spans, info: TensorInfo) -> list[float]:
+    """``[thr, cut_block, cut_rank]`` of the top ``k`` entries of flat magnitudes ``a`` (|delta| descending,
+    then flat index ascending; ops/topk.top_mask): k = 0 keeps nothing."""
+    import torch
+    n = a.numel()
+    if k <= 0:
+        return [float("inf"), *NO_CUT]
+    if k >= n:
+        return [0.0, *NO_CUT]
+    thr = float(torch.topk(a, k, sorted=True).values[-1])
+    if thr == 0.0:  # every non-zero entry (and zeros, which change nothing)
+        return [0.0, *NO_CUT]
+    above = int((a > thr).sum())
+    tied = torch.nonzero(a == thr).reshape(-1)
+    last = int(tied[k - above - 1])
+    row = last // info.shape[1]
+    span = next(s for s in spans if s.row_start <= row < s.row_end)
+    first = span.row_start * info.shape[1]
+    return [thr, span.index, int(((tied >= first) & (tied <= last)).sum())]
+
+
+def exact_outliers(delta, density: float, gamma: float, spans, info: TensorInfo) -> list[float]:
+    """breadcrumbs' ``[thr_hi, thr_lo, cut_block_hi, cut_rank_hi, cut_block_lo, cut_rank_lo]`` for a whole
+    float32 delta, as mergekit 0.1.5's magnitude_outliers: of the n entries sorted by |delta| ascending it
+    keeps positions [n_bot, n_bot + target) with target = int(density n), n_bot = max(0, n - target -
+    int(gamma n)): in descending order the entries ranked [n - n_bot - target, n - n_bot), the top k_lo
+    less the top k_hi (ties by flat index, the rule of ops/topk.py; torch.sort's order among ties is
+    unspecified)."""
+    a = delta.abs().reshape(-1).float()
+    n = a.numel()
+    target = int(density * n)
+    n_bot = max(0, n - target - int(gamma * n))
+    hi = _top(a, n - n_bot - target, spans, info)
+    lo = _top(a, n - n_bot, spans, info)
+    return [hi[0], lo[0], hi[1], hi[2], lo[1], lo[2]]
 
 
 def _decode(buf, info: TensorInfo) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""sce, ramplus_tl and arcee_fusion over different vocabularies (issue 15), end to end against mergekit 0.1.5.
+"""sce, ramplus_tl, arcee_fusion, breadcrumbs and della over different vocabularies (issue 15), end to end
+against mergekit 0.1.5.
 
 Their per-tensor statistics -- sce's weights (mean(v_i^2)) and, with ``select_topk`` < 1, the top k of the
 variance across the experts; ramplus_tl's counts of shared and unique changed entries; arcee_fusion's
@@ -9,7 +10,9 @@ with the experts' embedding rows moved far from the base's (``spread``; for ramp
 entries, so that the shared/unique counts set lambda rather than the alpha cap), merged from one mergekit YAML
 by MergePipe and by mergekit in-process at full budget: every embedding/lm_head row per token and every other
 tensor within the README's tolerance of the method (max |MergePipe - mergekit| in float32 ulps of the
-tensor's largest |value|), the same vocabulary, config.json vocab_size and tokenizer.
+tensor's largest |value|), the same vocabulary, config.json vocab_size and tokenizer. breadcrumbs below
+density 1: its two cut-offs from each expert's composed delta (bit-equal rows); della needs no whole-tensor
+statistic and is compared in distribution (its random stream is not torch's).
 """
 
 from __future__ import annotations
@@ -216,3 +219,114 @@ def test_budget_keeps_the_embedding_rows(fam, tmp_path):
     assert plan["omitted"] and not set(VOCAB_TENSORS) & set(plan["omitted"])
     assert any(not torch.equal(half[n], full[n]) for n in half if n not in VOCAB_TENSORS)
     cat.close()
+
+
+# --- breadcrumbs and della below density 1 on the re-ordered tensors ---------------------------------------
+# breadcrumbs' two cut-offs (drop the top int(gamma n), keep the next int(density n): mergekit's
+# magnitude_outliers) are exact top-k statistics of each expert's composed delta, taken at merge time as
+# ties' are (engine/vocab.exact_outliers). (method, per-model parameters; weights 0.6/1.3/0.35)
+SPARSE = {
+    "breadcrumbs": ("breadcrumbs", {"density": 0.5, "gamma": 0.1}),
+    "breadcrumbs_ties": ("breadcrumbs_ties", {"density": 0.3, "gamma": 0.05}),
+}
+WEIGHTS = (0.6, 1.3, 0.35)
+
+
+def sparse_text(family, method: str, params: dict, tokenizer: str, experts=(0, 1, 2), weights=WEIGHTS,
+                merge_params: dict | None = None, **extra) -> str:
+    base, paths = family
+    doc = {"merge_method": method, "base_model": str(base), "dtype": "float32", "tokenizer_source": tokenizer,
+           "models": [{"model": str(paths[i]), "parameters": {"weight": w, **params}} for i, w in zip(experts, weights)],
+           **({"parameters": merge_params} if merge_params else {}), **extra}
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+@pytest.mark.parametrize("case, tokenizer", [(c, t) for c in SPARSE for t in ("union", "base")])
+def test_breadcrumbs_parity_with_mergekit(fam, tmp_path, case, tokenizer):
+    """Every embedding/lm_head row per token bit-equal to mergekit's; the other tensors (thresholds from the
+    catalog, as before) bit-equal but for the entries tied at a cut-off (README: 2 in fp32)."""
+    method, params = SPARSE[case]
+    pairs, plan = compare(fam, tmp_path, sparse_text(fam, method, params, tokenizer))
+    pairs.pop("tokens")
+    assert not set(VOCAB_TENSORS) & set(plan["thresholds"]["expert_1"])  # taken from the composed rows
+    tied = 0
+    for name, (ours, theirs) in pairs.items():
+        if name in VOCAB_TENSORS:
+            assert torch.equal(ours, theirs), (case, tokenizer, name, measure(ours, theirs))
+        else:
+            tied += measure(ours, theirs)[1]
+    assert tied <= 4, (case, tokenizer, tied)
+    print(f"{case} {tokenizer}: embedding rows bit-equal; other tensors: {tied} entries differ (ties)")
+
+
+def test_breadcrumbs_bf16(fam_bf16, tmp_path):
+    """bf16 (`dtype: float32, out_dtype: bfloat16`): bf16 deltas tie often, and mergekit's torch.sort keeps an
+    arbitrary subset of the tied entries at a cut-off (MergePipe the first in flat order, README): the number
+    of entries kept is the same, which ones may differ; every other entry equal."""
+    pairs, _ = compare(fam_bf16, tmp_path, sparse_text(fam_bf16, "breadcrumbs", {"density": 0.5, "gamma": 0.1},
+                                                       "union", (0,), (1.0,), out_dtype="bfloat16"))
+    pairs.pop("tokens")
+    base = load_file(str(fam_bf16[0] / "model.safetensors"))
+    outs = [load_file(str(tmp_path / d / "model.safetensors")) for d in ("mp", "mk")]
+    for name in VOCAB_TENSORS:
+        ours, theirs = pairs[name]
+        ulps, differ = measure(ours, theirs, BF16)
+        kept = [int((o[name][:256] != base[name]).sum()) for o in outs]  # the base's tokens keep their ids
+        print(f"bf16 breadcrumbs union {name}: {ulps:.2f} bf16 ulp, {differ} of {theirs.numel()} entries differ; "
+              f"kept {kept[0]} / mergekit {kept[1]} of {base[name].numel()}")
+        assert differ <= 0.03 * theirs.numel(), (name, differ)
+        assert kept[0] == kept[1], (name, kept)
+
+
+def _rows(out: dict, name: str) -> torch.Tensor:
+    return out[name][:256].double()  # the base's 256 tokens keep their ids in both outputs
+
+
+def _della(family, tmp_path, tag: str, experts, weights, params: dict, merge_params: dict | None = None):
+    (tmp_path / tag).mkdir()
+    return compare(family, tmp_path / tag, sparse_text(family, "della", params, "union", experts, weights,
+                                                       merge_params, mergepipe={"seed": 7}))
+
+
+def test_della_statistically_equal_mergekit(fam, tmp_path):
+    """DELLA over re-ordered rows needs no whole-tensor statistic (its ranks are per row, rows whole in a block;
+    the L1 restoration per block): its random mask is MergePipe's counter stream, not torch's generator, so
+    equal in distribution (tests/parity/test_parity_existing.py's criteria) on the embedding rows: the keep
+    rate of one expert without rescale within 5 binomial standard deviations of mergekit's and of density; with
+    rescale the L1 of the output delta within 1e-4 relative of mergekit's and its mean within 5 % of the L1 / n
+    scale; three experts: L1 within 3 %. A token only the expert has keeps its row exactly on both sides."""
+    base = load_file(str(fam[0] / "model.safetensors"))
+    density = 0.5
+    pairs, plan = _della(fam, tmp_path, "rate", (0,), (1.0,), {"density": density, "epsilon": 0.1},
+                         {"rescale": False})
+    tokens = pairs.pop("tokens")
+    think = tokens.index("<think>")  # expert_1's alone: every model's row is expert_1's, delta 0
+    kept_o = kept_t = n = 0
+    for name in VOCAB_TENSORS:
+        ours, theirs = pairs[name]
+        assert torch.equal(ours[think], theirs[think])
+    mp_out = load_file(str(tmp_path / "rate" / "mp" / "model.safetensors"))
+    mk_out = load_file(str(tmp_path / "rate" / "mk" / "model.safetensors"))
+    expert = load_file(str(fam[1][0] / "model.safetensors"))
+    for name in VOCAB_TENSORS:
+        changed = (_rows(expert, name) != base[name].double())
+        n += int(changed.sum())
+        kept_o += int(((_rows(mp_out, name) != base[name].double()) & changed).sum())
+        kept_t += int(((_rows(mk_out, name) != base[name].double()) & changed).sum())
+    sd = (density * (1 - density) / n) ** 0.5
+    rate_o, rate_t = kept_o / n, kept_t / n
+    print(f"della union keep rate: MergePipe {rate_o:.4f}, mergekit {rate_t:.4f} (density {density}, sd {sd:.4f}, "
+          f"{n} changed entries)")
+    assert abs(rate_o - rate_t) <= 5 * sd * 2 ** 0.5 and abs(rate_o - density) <= 5 * sd, (rate_o, rate_t)
+    for tag, experts, weights, tol in (("l1", (0,), (1.0,), 1e-4), ("three", (0, 1, 2), WEIGHTS, 0.03)):
+        _della(fam, tmp_path, tag, experts, weights, {"density": density, "epsilon": 0.1})
+        mp_out = load_file(str(tmp_path / tag / "mp" / "model.safetensors"))
+        mk_out = load_file(str(tmp_path / tag / "mk" / "model.safetensors"))
+        for name in VOCAB_TENSORS:
+            d_o, d_t = _rows(mp_out, name) - base[name].double(), _rows(mk_out, name) - base[name].double()
+            l1_o, l1_t = float(d_o.abs().sum()), float(d_t.abs().sum())
+            rel = abs(l1_o - l1_t) / l1_t
+            print(f"della union {tag} {name}: L1 of the delta {rel:.2e} relative, mean gap "
+                  f"{abs(float(d_o.sum() - d_t.sum())) / l1_t:.2e} of L1")
+            assert rel <= tol, (tag, name, l1_o, l1_t)
+            assert abs(float(d_o.sum() - d_t.sum())) <= 0.05 * l1_t, (tag, name)
