@@ -96,9 +96,10 @@ def measure(a: torch.Tensor, b: torch.Tensor, eps: float = EPS32) -> tuple[float
     return ulps, int((a != b).sum())
 
 
-def compare(family, tmp_path, text: str):
-    """Both merges of ``text``: per tensor (MergePipe's, mergekit's), the embedding rows per token."""
-    mk = mergekit_merge(text, tmp_path / "mk", copy_tokenizer=True)
+def compare(family, tmp_path, text: str, seed: int | None = None):
+    """Both merges of ``text``: per tensor (MergePipe's, mergekit's), the embedding rows per token
+    (``seed``: mergekit's random seed)."""
+    mk = mergekit_merge(text, tmp_path / "mk", copy_tokenizer=True, seed=seed)
     cat, plan, manifest, mp = mergepipe_merge(tmp_path, text)
     ours = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "mp"), local_files_only=True)
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "mk"), local_files_only=True)
@@ -282,13 +283,15 @@ def _rows(out: dict, name: str) -> torch.Tensor:
     return out[name][:256].double()  # the base's 256 tokens keep their ids in both outputs
 
 
-def _della(family, tmp_path, tag: str, experts, weights, params: dict, merge_params: dict | None = None):
+def _della(family, tmp_path, tag: str, experts, weights, params: dict, merge_params: dict | None = None,
+           method: str = "della"):
     (tmp_path / tag).mkdir()
-    return compare(family, tmp_path / tag, sparse_text(family, "della", params, "union", experts, weights,
-                                                       merge_params, mergepipe={"seed": 7}))
+    return compare(family, tmp_path / tag, sparse_text(family, method, params, "union", experts, weights,
+                                                       merge_params, mergepipe={"seed": 7}), seed=7)
 
 
-def test_della_statistically_equal_mergekit(fam, tmp_path):
+@pytest.mark.parametrize("method", ["della", "della_linear"])
+def test_della_statistically_equal_mergekit(fam, tmp_path, method):
     """DELLA over re-ordered rows needs no whole-tensor statistic (its ranks are per row, rows whole in a block;
     the L1 restoration per block): its random mask is MergePipe's counter stream, not torch's generator, so
     equal in distribution (tests/parity/test_parity_existing.py's criteria) on the embedding rows: the keep
@@ -298,7 +301,7 @@ def test_della_statistically_equal_mergekit(fam, tmp_path):
     base = load_file(str(fam[0] / "model.safetensors"))
     density = 0.5
     pairs, plan = _della(fam, tmp_path, "rate", (0,), (1.0,), {"density": density, "epsilon": 0.1},
-                         {"rescale": False})
+                         {"rescale": False}, method)
     tokens = pairs.pop("tokens")
     think = tokens.index("<think>")  # expert_1's alone: every model's row is expert_1's, delta 0
     kept_o = kept_t = n = 0
@@ -315,18 +318,18 @@ def test_della_statistically_equal_mergekit(fam, tmp_path):
         kept_t += int(((_rows(mk_out, name) != base[name].double()) & changed).sum())
     sd = (density * (1 - density) / n) ** 0.5
     rate_o, rate_t = kept_o / n, kept_t / n
-    print(f"della union keep rate: MergePipe {rate_o:.4f}, mergekit {rate_t:.4f} (density {density}, sd {sd:.4f}, "
+    print(f"{method} union keep rate: MergePipe {rate_o:.4f}, mergekit {rate_t:.4f} (density {density}, sd {sd:.4f}, "
           f"{n} changed entries)")
     assert abs(rate_o - rate_t) <= 5 * sd * 2 ** 0.5 and abs(rate_o - density) <= 5 * sd, (rate_o, rate_t)
     for tag, experts, weights, tol in (("l1", (0,), (1.0,), 1e-4), ("three", (0, 1, 2), WEIGHTS, 0.03)):
-        _della(fam, tmp_path, tag, experts, weights, {"density": density, "epsilon": 0.1})
+        _della(fam, tmp_path, tag, experts, weights, {"density": density, "epsilon": 0.1}, None, method)
         mp_out = load_file(str(tmp_path / tag / "mp" / "model.safetensors"))
         mk_out = load_file(str(tmp_path / tag / "mk" / "model.safetensors"))
         for name in VOCAB_TENSORS:
             d_o, d_t = _rows(mp_out, name) - base[name].double(), _rows(mk_out, name) - base[name].double()
             l1_o, l1_t = float(d_o.abs().sum()), float(d_t.abs().sum())
             rel = abs(l1_o - l1_t) / l1_t
-            print(f"della union {tag} {name}: L1 of the delta {rel:.2e} relative, mean gap "
+            print(f"{method} union {tag} {name}: L1 of the delta {rel:.2e} relative, mean gap "
                   f"{abs(float(d_o.sum() - d_t.sum())) / l1_t:.2e} of L1")
             assert rel <= tol, (tag, name, l1_o, l1_t)
             assert abs(float(d_o.sum() - d_t.sum())) <= 0.05 * l1_t, (tag, name)
