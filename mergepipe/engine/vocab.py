@@ -50,6 +50,7 @@ class VocabRows:
         self.names = set(vocab["tensors"])
         n, rows = vocab["tokens_n"], vocab["rows"]
         self.sources = {m: decode_sources(es, n, rows) for m, es in vocab["sources"].items()}
+        self.copies = vocab.get("copies") or {}  # passthrough: each embedding tensor's copied model
         self.lock = threading.Lock()
         self.current: tuple[str, dict[str, bytes]] | None = None
         self.dtypes: dict[str, str] = {}
@@ -68,10 +69,13 @@ class VocabRows:
     def fetch(self, info: TensorInfo, group):
         """The base's composed bytes of a group and every expert's blocks (as a full checkpoint's)."""
         composed, nread = self._composed(info.name)
-        base_id = self.p.plan["base"]["id"]
+        # passthrough: the copied model's own tensor, re-ordered alone (``copies``); else the base's
+        base_id = self.copies.get(info.name, self.p.plan["base"]["id"])
         start, end = group[0], group[-1]
         g0 = start.rel_offset
         base_buf = memoryview(composed[base_id])[g0:end.rel_offset + end.nbytes]
+        if self.copies:
+            return base_buf, [{} for _ in self.p.experts], nread
         exp_bufs = []
         for e in self.p.experts:
             data = memoryview(composed[e["id"]])
@@ -86,7 +90,7 @@ class VocabRows:
             arrays, nread = self._read_all(name)
             rows_n = self.vocab["tokens_n"]
             out = {}
-            for m in self.sources:
+            for m in arrays:
                 width = arrays[m].shape[1]
                 body = compose_tensor(m, self.sources, lambda mm, r: arrays[mm][r], rows_n, (width,),
                                       arrays[m].dtype)
@@ -148,6 +152,12 @@ class VocabRows:
         p = self.p
         base_id = p.plan["base"]["id"]
         arrays, nread = {}, 0
+        if self.copies:  # passthrough: only the copied model's tensor, a read of an input it copies from
+            m = self.copies[name]
+            info = p.inputs[m].tensors[name]
+            self.dtypes[name] = info.dtype
+            reader = p.input_readers[m]
+            return {m: _decode(reader.read(info.file, info.offset, info.nbytes), info)}, 0
         for m in self.sources:
             if m == base_id:
                 ck, reader = p.base_ck, p.input_readers[base_id]

@@ -96,7 +96,13 @@ def explain_plan(p: dict) -> str:
                  f"the merge" if vocab else f"{tok.get('source', p['base']['id'])}'s files")
         lines.append(f"  tokenizer  {files}"
                      + (f", chat template {template[:40]!r}{'...' if len(template) > 40 else ''}" if template else ""))
-        if vocab:
+        if vocab and vocab.get("copies"):  # passthrough: each copied tensor re-ordered alone (config/vocab.py)
+            zero = {m: sum(1 for e in es if e[0] != "own") for m, es in vocab["sources"].items()}
+            lines.append(f"  vocab rows {', '.join(f'{n} {r} x {w}' for n, (r, w) in sorted(vocab['tensors'].items()))} "
+                         f"re-ordered to it, each alone from the model it copies ("
+                         f"{', '.join(f'{n} of {m}' for n, m in sorted(vocab['copies'].items()))}; rows of tokens it "
+                         f"lacks zero: {', '.join(f'{m} {n}' for m, n in zero.items())})")
+        elif vocab:
             moved = {m: sum(1 for e in es if e[0] != "own") for m, es in vocab["sources"].items()}
             lines.append(f"  vocab rows {', '.join(f'{n} {r} x {w}' for n, (r, w) in sorted(vocab['tensors'].items()))} "
                          f"re-ordered to it (rows not a model's own: "

@@ -104,7 +104,7 @@ def tensor_scalars(ctx) -> tuple[dict[str, list[float]], dict[str, dict]]:
         settings = {"weights": [tensor_weight(e, name) for e in ctx.experts]}
         if ctx.base_member is not None:  # no base_model: the reference (the "base") is one of the models
             settings["reference_weight"] = tensor_weight(ctx.base_member, name)
-        if name in composed and op.name not in VOCAB_METHODS:
+        if name in composed and op.name not in VOCAB_METHODS and not op.copies:
             raise PlanError(f"tokenizer_source: {op.name} over a re-ordered vocabulary is not supported "
                             f"(supported: {', '.join(VOCAB_METHODS)} and the task-vector methods)")
         if "t" in params:

@@ -38,6 +38,8 @@ def check_shapes(catalog, op, base: dict, experts: list[dict], vocab: dict | Non
                                     f"(another vocabulary): merge it from a config with `tokenizer_source` (union, "
                                     f"base or a model), which re-orders the embedding rows to one tokenizer")
         return
+    if vocab.get("copies"):  # passthrough: each embedding tensor copied from one model, re-ordered alone
+        return
     have = sorted(e["id"] for e in experts)
     want = sorted(m for m in vocab["row_models"] if m != base["id"])
     if have != want:
@@ -46,9 +48,12 @@ def check_shapes(catalog, op, base: dict, experts: list[dict], vocab: dict | Non
 
 
 def reserved(catalog, experts: list[dict], vocab: dict | None) -> dict[str, int]:
-    """Bytes each expert's embedding tensors cost (read in full)."""
+    """Bytes each expert's embedding tensors cost (read in full; passthrough: none, a copied tensor is a read
+    of the model it copies, as any copy)."""
     if vocab is None:
         return {}
+    if vocab.get("copies"):
+        return {e["id"]: 0 for e in experts}
     out = {}
     for e in experts:
         sizes = {t["name"]: t["nbytes"] for t in catalog.tensors(e["id"])}
