@@ -1,5 +1,6 @@
 """Tokenizer settings over different vocabularies in the config shapes beyond `models:` with a base (issue 15):
-model soups without `base_model` and `slices:` configs, end to end against mergekit 0.1.5 in-process.
+model soups without `base_model`, `slices:` configs and passthrough frankenmerges, end to end against mergekit
+0.1.5 in-process.
 
 The added-tokens family (tests/vocab_helpers.py) with the experts' embedding rows moved far from the base's
 (so that the interpolation methods' angles matter). Asserted per case: every embedding/lm_head row per token
