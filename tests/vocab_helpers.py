@@ -44,21 +44,28 @@ SPREAD_TENSORS = (*VOCAB_TENSORS, "model.layers.0.self_attn.q_proj.weight")  # o
 # the catalog's, to compare with the composed ones
 
 
-def spread_rows(d: Path, scale: float, seed: int) -> None:
+def spread_rows(d: Path, scale: float, seed: int, fraction: float = 1.0) -> None:
     """Move a model's embedding rows (and one attention matrix) away from the base's: noise of ``scale``
     times their std added to every entry, so that the whole-tensor angles the interpolation methods take
-    are far from 0 (the family's own deltas are tiny: slerp would take its linear branch)."""
+    are far from 0 (the family's own deltas are tiny: slerp would take its linear branch). ``fraction`` < 1:
+    to that fraction of the entries only, drawn at random (experts then share some changed entries and
+    not others: ramplus_tl's shared/unique counts matter)."""
     tensors = load_file(str(d / "model.safetensors"))
     g = torch.Generator().manual_seed(seed)
     for n in SPREAD_TENSORS:
         t = tensors[n]
-        tensors[n] = (t + scale * float(t.float().std()) * torch.randn(t.shape, generator=g)).to(t.dtype)
+        noise = scale * float(t.float().std()) * torch.randn(t.shape, generator=g)
+        if fraction < 1.0:
+            noise = noise * (torch.rand(t.shape, generator=g) < fraction)
+        tensors[n] = (t + noise).to(t.dtype)
     save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
 
 
-def added_tokens_family(root: Path, spread: float = 0.0, dtype: str = "fp32") -> tuple[Path, list[Path]]:
+def added_tokens_family(root: Path, spread: float = 0.0, dtype: str = "fp32",
+                        fraction: float = 1.0) -> tuple[Path, list[Path]]:
     """(base, experts) of the family, the base's tokenizer with a chat template (``spread``: the experts'
-    embedding rows moved by that much, spread_rows; ``dtype``: fp32 or bf16)."""
+    embedding rows moved by that much, on ``fraction`` of their entries, spread_rows; ``dtype``: fp32 or
+    bf16)."""
     paths = make_family(root / "fam", experts=3, size="tiny", dtype=dtype, shard_bytes=1 << 30, seed=11)
     base, experts = Path(paths["base"]), [Path(p) for p in paths["experts"]]
     tc = json.loads((base / "tokenizer_config.json").read_text())
@@ -66,7 +73,7 @@ def added_tokens_family(root: Path, spread: float = 0.0, dtype: str = "fp32") ->
     (base / "tokenizer_config.json").write_text(json.dumps(tc))
     for i, e in enumerate(experts, start=1):
         if spread:
-            spread_rows(e, spread, 200 + i)
+            spread_rows(e, spread, 200 + i, fraction)
         add_tokens(e, ADDED[i], 100 + i)
     return base, experts
 

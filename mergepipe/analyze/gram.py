@@ -215,3 +215,47 @@ def composed_gram(base: np.ndarray, xs: list[np.ndarray], blocks: list[tuple[int
         total += g
     dd = tuple(tuple(float(v) for v in row[1:]) for row in total[1:])
     return Gram(float(total[0, 0]), tuple(float(v) for v in total[0, 1:]), dd, int(base.size))
+
+
+def _deltas(base: np.ndarray, xs: list[np.ndarray], start: int, stop: int) -> np.ndarray:
+    """[K, n] float32 deltas x_i - base of one block (flat entries start:stop)."""
+    out = np.empty((len(xs), stop - start), dtype=np.float32)
+    for i, x in enumerate(xs):
+        np.subtract(x[start:stop], base[start:stop], out=out[i])  # float32, as mergekit's x - base
+    return out
+
+
+def composed_counts(base: np.ndarray, xs: list[np.ndarray], blocks: list[tuple[int, int]]):
+    """ramplus_tl's per-expert counts of entries with |delta| > 1e-5 shared with another expert / unique to it,
+    of whole float32 tensors held in memory (a re-ordered vocabulary's composed rows), by ANALYZE's kernel."""
+    from mergepipe.analyze import kernels
+    shared = np.zeros(len(xs), dtype=np.int64)
+    unique = np.zeros(len(xs), dtype=np.int64)
+    for start, stop in blocks:
+        kernels.shared_unique_counts(_deltas(base, xs, start, stop), np.float32(RAM_EPSILON), shared, unique)
+    return [int(v) for v in shared], [int(v) for v in unique]
+
+
+def composed_arcee(base: np.ndarray, x: np.ndarray, shape: tuple, blocks: list[tuple[int, int]]) -> float | None:
+    """arcee_fusion's importance threshold of a whole float32 tensor held in memory (composed rows), block by
+    block as ANALYZE takes it (:class:`ArceeImportance`: the same sample above 1,000,000 entries)."""
+    from types import SimpleNamespace
+    acc = ArceeImportance(SimpleNamespace(shape=tuple(shape), numel=int(base.size)))
+    for start, stop in blocks:
+        acc.add(x[start:stop], base[start:stop], stop - start, True)
+    return acc.threshold()
+
+
+def composed_sce(base: np.ndarray, xs: list[np.ndarray], spans, itemsize: int, topk: float):
+    """sce's selection for ``select_topk`` < 1 of whole float32 tensors held in memory (composed rows):
+    (each expert's sum of kept delta^2, threshold, cut block, cut rank), by ANALYZE's own radix select over
+    the output grid's blocks (``spans``), the blocks' deltas formed again from memory for its later passes."""
+    from types import SimpleNamespace
+    ranges = {s.index: (s.rel_offset // itemsize, (s.rel_offset + s.nbytes) // itemsize) for s in spans}
+    sel = SceSelection(SimpleNamespace(numel=int(base.size)), spans, len(xs), (topk,),
+                       lambda s: _deltas(base, xs, *ranges[s.index]))
+    sel.cache = None  # the deltas are formed again from the composed rows, not copied
+    for s in spans:
+        sel.add(_deltas(base, xs, *ranges[s.index]))
+    thr, cut, rank, sums = sel._select(topk)
+    return [float(v) for v in sums], float(thr), int(cut), int(rank)

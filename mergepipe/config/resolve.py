@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.models import check_unchanged, model_ids, models_at, register
+from mergepipe.catalog.models import check_unchanged, is_vocab_tensor, model_ids, models_at, register
 from mergepipe.config.model import ConfigError, ConfigModel, MERGEKIT_DTYPE, MergekitConfig
 from mergepipe.config import soup
 from mergepipe.config.parse import _exists
@@ -280,6 +280,15 @@ def _expand_slices(r: _Resolver, base_id: str) -> None:
         tensors[mid], layers[mid] = shapes, model_layers(config, shapes)
     kinds = {kw["model_id"]: kw["kind"] for kw in r.out.to_register}
     adapters = {mid for mid in tensors if (kinds.get(mid) or r.cat.model(mid)["kind"]) == "lora"}
+    if get_op(r.cfg.method).copies and tensors.get(base_id):
+        # passthrough over different vocabularies: a copied embedding tensor is re-ordered to the output
+        # vocabulary's rows (config/vocab.py), so its row count may be another than the base's
+        for shapes in tensors.values():
+            for name, shape in list(shapes.items()):
+                want = tensors[base_id].get(name)
+                if (is_vocab_tensor(name) and want is not None and len(shape) == 2 == len(want)
+                        and shape[1] == want[1] and shape[0] != want[0] and r.cfg.tokenizer_source is not None):
+                    shapes[name] = want
     ex = expand(r.cfg, r.out.ids, base_id, tensors, layers, adapters)
     r.out.layout, r.out.method_params = ex.layout, ex.method_params
     r.views = ex.views

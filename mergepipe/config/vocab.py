@@ -17,6 +17,7 @@ from mergepipe.catalog.models import is_vocab_tensor
 from mergepipe.errors import MergePipeError
 from mergepipe.ops.core import get_op
 from mergepipe.planner.methods import VOCAB_METHODS
+from mergepipe.planner.settings import PRE_LAYER_NAMES
 from mergepipe.storage.registry import open_checkpoint
 from mergepipe.storage.vocab_union import (MEAN, TokenSetting, build_vocabulary, config_vocab_size, encode_sources,
                                            row_sources, vocab_sha)
@@ -83,13 +84,11 @@ def vocab_setting(cat, cfg, base_id: str, models: list[tuple[str, Path]], source
                                                "another from run to run); name the model (`tokenizer_source: "
                                                "<model>`) or use `union`")
     op = get_op(cfg.method)
-    if op.copies:
-        raise VocabRefusal("tokenizer_source", "passthrough over different vocabularies is not done by MergePipe: "
-                                               "mergekit re-orders the first slice's model's embed_tokens and the "
-                                               "last slice's lm_head each alone (zero rows for the tokens that "
-                                               "model lacks), rows per copied tensor the plan does not model; give "
-                                               "the models one vocabulary or merge with a merging method")
-    if (op.nonlinear and op.name not in VOCAB_METHODS):
+    if op.copies and cfg.tokenizer_tokens:
+        raise VocabRefusal("tokenizer.tokens", "passthrough re-orders each copied embedding tensor alone (mergekit "
+                                               "0.1.5: its model's own rows, zero rows for the tokens it lacks); a "
+                                               "`tokens:` block with passthrough is not done by MergePipe")
+    if op.nonlinear and not op.copies and op.name not in VOCAB_METHODS:
         raise VocabRefusal("tokenizer_source", f"re-ordering embedding rows to another vocabulary is done for the "
                                                f"task-vector methods (linear, task_arithmetic, ties, dare, ...) and "
                                                f"{', '.join(VOCAB_METHODS)}, not {op.name}")
@@ -107,11 +106,19 @@ def vocab_setting(cat, cfg, base_id: str, models: list[tuple[str, Path]], source
     except MergePipeError as exc:
         where = "tokenizer.tokens" if str(exc).startswith("tokenizer.tokens") else "tokenizer_source"
         raise VocabRefusal(where, str(exc).removeprefix("tokenizer.tokens: ")) from None
-    _check_mean_order(cfg, row_order, sources, resolve_ref)
     base_t = vocab_tensors(cat, base_id, roots[base_id])
     if not base_t:
         raise VocabRefusal("tokenizer_source", f"{base_id} has no embedding tensor (embed_tokens, lm_head, ...) "
                                                f"to re-order")
+    copies = None
+    if op.copies:  # each copied embedding tensor re-ordered alone: the first slice's model's, the last slice's
+        first, last = (resolve_ref(sl.sources[0].ref, f"{sl.where}.sources[0].model")
+                       for sl in (cfg.slices[0], cfg.slices[-1]))
+        copies = {name: first if any(p in name for p in PRE_LAYER_NAMES) else last for name in base_t}
+        row_order = list(dict.fromkeys(copies.values()))
+        sources = {m: row_sources(vocab, [m], None, tokens)[m] for m in row_order}
+    else:
+        _check_mean_order(cfg, row_order, sources, resolve_ref)
     for mid in row_order:
         have = vocab_tensors(cat, mid, roots[mid])
         size = config_vocab_size(roots[mid])
@@ -136,6 +143,7 @@ def vocab_setting(cat, cfg, base_id: str, models: list[tuple[str, Path]], source
         "row_models": row_order,
         "tensors": {name: [vocab.rows, shape[1]] for name, shape in sorted((k, v[0]) for k, v in base_t.items())},
         "sources": {mid: encode_sources(sources[mid]) for mid in row_order},
+        **({"copies": copies} if copies else {}),
     }
 
 

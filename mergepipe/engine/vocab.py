@@ -8,7 +8,8 @@ through its own: the plan reserves exactly those bytes), composed with storage/v
 padding), and dropped when the next one starts. The merge then runs block by block on the composed
 rows like on any tensor; other tensors never come here. Statistics the plan cannot hold for composed rows
 are taken from them here, in memory: TIES's exact top k (``_thresholds``) and an interpolation method's
-Gram statistics and scalars (``_coefficients``).
+Gram statistics and scalars (``_coefficients``; also sce's top k of the variance across the experts,
+ramplus_tl's shared/unique counts and arcee_fusion's importance threshold, by ANALYZE's own code).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mergepipe.analyze.gram import composed_gram
+from mergepipe.analyze.gram import composed_arcee, composed_counts, composed_gram, composed_sce
 from mergepipe.errors import ExecutionError
 from mergepipe.ops.spec import Sparsify
 from mergepipe.ops.topk import NO_CUT
@@ -49,6 +50,7 @@ class VocabRows:
         self.names = set(vocab["tensors"])
         n, rows = vocab["tokens_n"], vocab["rows"]
         self.sources = {m: decode_sources(es, n, rows) for m, es in vocab["sources"].items()}
+        self.copies = vocab.get("copies") or {}  # passthrough: each embedding tensor's copied model
         self.lock = threading.Lock()
         self.current: tuple[str, dict[str, bytes]] | None = None
         self.dtypes: dict[str, str] = {}
@@ -67,10 +69,13 @@ class VocabRows:
     def fetch(self, info: TensorInfo, group):
         """The base's composed bytes of a group and every expert's blocks (as a full checkpoint's)."""
         composed, nread = self._composed(info.name)
-        base_id = self.p.plan["base"]["id"]
+        # passthrough: the copied model's own tensor, re-ordered alone (``copies``); else the base's
+        base_id = self.copies.get(info.name, self.p.plan["base"]["id"])
         start, end = group[0], group[-1]
         g0 = start.rel_offset
         base_buf = memoryview(composed[base_id])[g0:end.rel_offset + end.nbytes]
+        if self.copies:
+            return base_buf, [{} for _ in self.p.experts], nread
         exp_bufs = []
         for e in self.p.experts:
             data = memoryview(composed[e["id"]])
@@ -85,7 +90,7 @@ class VocabRows:
             arrays, nread = self._read_all(name)
             rows_n = self.vocab["tokens_n"]
             out = {}
-            for m in self.sources:
+            for m in arrays:
                 width = arrays[m].shape[1]
                 body = compose_tensor(m, self.sources, lambda mm, r: arrays[mm][r], rows_n, (width,),
                                       arrays[m].dtype)
@@ -108,14 +113,24 @@ class VocabRows:
         blocks = [(s.rel_offset // itemsize, (s.rel_offset + s.nbytes) // itemsize)
                   for s in tensor_grid(info, p.plan["grid"]["block_bytes"])]
         flat = {m: _floats(data, info).numpy().reshape(-1) for m, data in composed.items()}
-        gram = composed_gram(flat[p.plan["base"]["id"]], [flat[e["id"]] for e in p.experts], blocks)
+        base, xs = flat[p.plan["base"]["id"]], [flat[e["id"]] for e in p.experts]
+        settings = dict(settings)
+        # the whole-tensor statistics ANALYZE stores for other tensors, taken from the composed rows
+        if p.op.name == "ramplus_tl":
+            settings["ram_counts"] = composed_counts(base, xs, blocks)
+        elif p.op.name == "arcee_fusion":
+            settings["arcee_threshold"] = composed_arcee(base, xs[0], tuple(info.shape), blocks)
+        elif p.op.name == "sce" and 0.0 < p.params.get("select_topk", 1.0) < 1.0:
+            settings["sce"] = composed_sce(base, xs, tensor_grid(info, p.plan["grid"]["block_bytes"]), itemsize,
+                                           p.params["select_topk"])
+        gram = composed_gram(base, xs, blocks) if p.op.gram else None
         p.coefficients[name] = method_scalars(p.op, gram, settings, p.params, len(info.shape))
 
     def _thresholds(self, name: str, composed: dict[str, bytes]) -> None:
-        """TIES below density 1: each expert's exact top-k statistics over its re-ordered delta (what
-        ANALYZE stores for other tensors; mergekit takes the top k of the same rows)."""
+        """TIES and breadcrumbs below density 1: each expert's exact top-k statistics over its re-ordered
+        delta (what ANALYZE stores for other tensors; mergekit takes the top k of the same rows)."""
         p = self.p
-        if p.op.sparsify != Sparsify.MAGNITUDE:
+        if p.op.sparsify not in (Sparsify.MAGNITUDE, Sparsify.OUTLIERS):
             return
         info = next(t for t in p.order if t.name == name)
         spans = tensor_grid(info, p.plan["grid"]["block_bytes"])
@@ -126,14 +141,23 @@ class VocabRows:
                 continue
             delta = _floats(composed[e["id"]], info) - base
             params = expert_params(p.params_for(name), e)
-            p.thresholds[e["id"]] = {**p.thresholds.get(e["id"], {}),
-                                     name: exact_topk(delta, density, params.get("rescale", False), spans, info)}
+            if p.op.sparsify == Sparsify.OUTLIERS:
+                stats = exact_outliers(delta, density, params["gamma"], spans, info)
+            else:
+                stats = exact_topk(delta, density, params.get("rescale", False), spans, info)
+            p.thresholds[e["id"]] = {**p.thresholds.get(e["id"], {}), name: stats}
 
     def _read_all(self, name: str) -> tuple[dict[str, np.ndarray], int]:
         """Every model's whole tensor (float32 for bf16/fp16: the mean rows are averaged in float32)."""
         p = self.p
         base_id = p.plan["base"]["id"]
         arrays, nread = {}, 0
+        if self.copies:  # passthrough: only the copied model's tensor, a read of an input it copies from
+            m = self.copies[name]
+            info = p.inputs[m].tensors[name]
+            self.dtypes[name] = info.dtype
+            reader = p.input_readers[m]
+            return {m: _decode(reader.read(info.file, info.offset, info.nbytes), info)}, 0
         for m in self.sources:
             if m == base_id:
                 ck, reader = p.base_ck, p.input_readers[base_id]
@@ -182,6 +206,43 @@ def exact_topk(delta, density: float, rescale: bool, spans, info: TensorInfo) ->
         total = float(a.double().sum())
         ratio = total / kept_l1 if total >= 1e-7 and kept_l1 >= 1e-7 else 1.0
     return [thr, ratio, *cut]
+
+
+def _top(a, k: int, spans, info: TensorInfo) -> list[float]:
+    """``[thr, cut_block, cut_rank]`` of the top ``k`` entries of flat magnitudes ``a`` (|delta| descending,
+    then flat index ascending; ops/topk.top_mask): k = 0 keeps nothing."""
+    import torch
+    n = a.numel()
+    if k <= 0:
+        return [float("inf"), *NO_CUT]
+    if k >= n:
+        return [0.0, *NO_CUT]
+    thr = float(torch.topk(a, k, sorted=True).values[-1])
+    if thr == 0.0:  # every non-zero entry (and zeros, which change nothing)
+        return [0.0, *NO_CUT]
+    above = int((a > thr).sum())
+    tied = torch.nonzero(a == thr).reshape(-1)
+    last = int(tied[k - above - 1])
+    row = last // info.shape[1]
+    span = next(s for s in spans if s.row_start <= row < s.row_end)
+    first = span.row_start * info.shape[1]
+    return [thr, span.index, int(((tied >= first) & (tied <= last)).sum())]
+
+
+def exact_outliers(delta, density: float, gamma: float, spans, info: TensorInfo) -> list[float]:
+    """breadcrumbs' ``[thr_hi, thr_lo, cut_block_hi, cut_rank_hi, cut_block_lo, cut_rank_lo]`` for a whole
+    float32 delta, as mergekit 0.1.5's magnitude_outliers: of the n entries sorted by |delta| ascending it
+    keeps positions [n_bot, n_bot + target) with target = int(density n), n_bot = max(0, n - target -
+    int(gamma n)): in descending order the entries ranked [n - n_bot - target, n - n_bot), the top k_lo
+    less the top k_hi (ties by flat index, the rule of ops/topk.py; torch.sort's order among ties is
+    unspecified)."""
+    a = delta.abs().reshape(-1).float()
+    n = a.numel()
+    target = int(density * n)
+    n_bot = max(0, n - target - int(gamma * n))
+    hi = _top(a, n - n_bot - target, spans, info)
+    lo = _top(a, n - n_bot, spans, info)
+    return [hi[0], lo[0], hi[1], hi[2], lo[1], lo[2]]
 
 
 def _decode(buf, info: TensorInfo) -> np.ndarray:

@@ -379,7 +379,7 @@ class PlanContext(StrategyScores, Bounds):
         return _info(row) if self.vocab is None else vocab_rows.output_info(row, self.vocab)
 
     def _vocab_blocks(self) -> int:
-        if self.vocab is None:
+        if self.vocab is None or self.vocab.get("copies"):
             return 0
         return sum(b - a for rs in vocab_rows.access(self.tensors, self.vocab, self.block_bytes).values() for a, b in rs)
 
@@ -445,7 +445,7 @@ class PlanContext(StrategyScores, Bounds):
             per_expert_bytes[eid] += int(nbytes)
             per_tensor_bytes[tname] = per_tensor_bytes.get(tname, 0) + int(nbytes)
         access = {e: {t: compact_ranges(b) for t, b in sorted(ts.items())} for e, ts in access.items()}
-        if self.vocab is not None:  # every expert's embedding rows, in full (planner/vocab_rows.py)
+        if self.vocab is not None and not self.vocab.get("copies"):  # every expert's embedding rows, in full
             rows = vocab_rows.access(self.tensors, self.vocab, self.block_bytes)
             for e in self.experts:
                 access[e["id"]] = dict(sorted({**access[e["id"]], **rows}.items()))

@@ -28,6 +28,14 @@ def coalesce_line(c: dict) -> str:
             f"(within {c['tolerance']:.0%} of the cut-off score per byte)")
 
 
+# what a re-ordered vocabulary's embedding coefficients are computed from at merge time (engine/vocab.py)
+_COMPOSED_STATS = {
+    "sce": "their Gram statistics and, with select_topk < 1, the top k of the variance across the experts",
+    "ramplus_tl": "each expert's counts of shared and unique changed entries",
+    "arcee_fusion": "the importance threshold, median + 1.5 IQR",
+}
+
+
 def explain_plan(p: dict) -> str:
     """EXPLAIN-style text: inputs, budget, estimates, then selection per expert and per tensor."""
     from mergepipe.planner.budget import human_bytes  # formatting only
@@ -65,8 +73,9 @@ def explain_plan(p: dict) -> str:
         omitted = sum(b - a for rs in p.get("omitted", {}).values() for a, b in rs)
         lines.append(f"  omitted    {omitted} blocks not read; {op.budget_semantics}")
         if p.get("composed_coefficients"):  # a re-ordered vocabulary (planner/methods.py, engine/vocab.py)
+            what = _COMPOSED_STATS.get(p["operator"], "their Gram statistics")
             lines.append(f"  coefficients of {', '.join(sorted(p['composed_coefficients']))}: from the composed rows "
-                         f"at merge time (their Gram statistics, computed in memory from the rows read in full for "
+                         f"at merge time ({what}, computed in memory from the rows read in full for "
                          f"every model; no extra read)")
     if p.get("layout"):
         lines.append(layout_line(p))
@@ -87,7 +96,13 @@ def explain_plan(p: dict) -> str:
                  f"the merge" if vocab else f"{tok.get('source', p['base']['id'])}'s files")
         lines.append(f"  tokenizer  {files}"
                      + (f", chat template {template[:40]!r}{'...' if len(template) > 40 else ''}" if template else ""))
-        if vocab:
+        if vocab and vocab.get("copies"):  # passthrough: each copied tensor re-ordered alone (config/vocab.py)
+            zero = {m: sum(1 for e in es if e[0] != "own") for m, es in vocab["sources"].items()}
+            lines.append(f"  vocab rows {', '.join(f'{n} {r} x {w}' for n, (r, w) in sorted(vocab['tensors'].items()))} "
+                         f"re-ordered to it, each alone from the model it copies ("
+                         f"{', '.join(f'{n} of {m}' for n, m in sorted(vocab['copies'].items()))}; rows of tokens it "
+                         f"lacks zero: {', '.join(f'{m} {n}' for m, n in zero.items())})")
+        elif vocab:
             moved = {m: sum(1 for e in es if e[0] != "own") for m, es in vocab["sources"].items()}
             lines.append(f"  vocab rows {', '.join(f'{n} {r} x {w}' for n, (r, w) in sorted(vocab['tensors'].items()))} "
                          f"re-ordered to it (rows not a model's own: "

@@ -61,7 +61,17 @@ def check_experts(op, experts: list[dict], member: dict | None = None) -> None:
 
 # methods whose per-tensor scalars need the Gram statistics (or nothing) besides the tensor's settings: over a
 # re-ordered vocabulary (config/vocab.py) the engine computes those of embed_tokens/lm_head from the composed rows
-VOCAB_METHODS = ("slerp", "nuslerp", "model_stock", "multislerp", "karcher", "nearswap", "ram")
+VOCAB_METHODS = ("slerp", "nuslerp", "model_stock", "multislerp", "karcher", "nearswap", "ram", "sce", "ramplus_tl",
+                 "arcee_fusion")
+# methods whose scalars need other whole-tensor statistics (sce's top k of the variance across the experts,
+# ramplus_tl's shared/unique counts, arcee_fusion's importance threshold): over a re-ordered vocabulary the
+# engine takes those of embed_tokens/lm_head from the composed rows too (engine/vocab.py, analyze/gram.py)
+STAT_METHODS = ("sce", "ramplus_tl", "arcee_fusion")
+
+
+def composed_at_merge(op) -> bool:
+    """Whether a re-ordered tensor's scalars are computed at merge time (from its composed rows)."""
+    return bool(op.gram) or op.name in STAT_METHODS
 
 
 def method_scalars(op, gram: Gram | None, settings: dict, params: dict, ndim: int) -> list[float]:
@@ -94,9 +104,14 @@ def tensor_scalars(ctx) -> tuple[dict[str, list[float]], dict[str, dict]]:
         settings = {"weights": [tensor_weight(e, name) for e in ctx.experts]}
         if ctx.base_member is not None:  # no base_model: the reference (the "base") is one of the models
             settings["reference_weight"] = tensor_weight(ctx.base_member, name)
-        if name in composed and op.name not in VOCAB_METHODS:
+        if name in composed and op.name not in VOCAB_METHODS and not op.copies:
             raise PlanError(f"tokenizer_source: {op.name} over a re-ordered vocabulary is not supported "
                             f"(supported: {', '.join(VOCAB_METHODS)} and the task-vector methods)")
+        if "t" in params:
+            settings["t"] = resolve([params["t"]], name, layer_t(name, layers), 0.0)
+        if name in composed and composed_at_merge(op):  # statistics of its composed rows, at merge time
+            at_merge[name] = settings
+            continue
         if counts is not None:
             per = counts.get(name)
             if per is None or set(per) != set(ids):
@@ -108,11 +123,6 @@ def tensor_scalars(ctx) -> tuple[dict[str, list[float]], dict[str, dict]]:
             settings["arcee_threshold"] = _arcee_threshold(arcee, ids[0], t)
         if sce is not None:
             settings["sce"] = _sce_selection(sce, ids, t, topk)
-        if "t" in params:
-            settings["t"] = resolve([params["t"]], name, layer_t(name, layers), 0.0)
-        if name in composed and op.gram:
-            at_merge[name] = settings
-            continue
         zero = {e for e in ids if name not in changed[e]} if op.gram else set()
         g = _gram(op, gram.get(name, {}), ids, name, t, zero, ctx.base_member is not None) if op.gram else None
         out[name] = method_scalars(op, g, settings, params, len(t["shape"]))

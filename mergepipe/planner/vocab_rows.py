@@ -15,8 +15,6 @@ from __future__ import annotations
 import numpy as np
 
 from mergepipe.errors import PlanError
-from mergepipe.ops.spec import Sparsify
-from mergepipe.planner.settings import tensor_density
 from mergepipe.storage.grid import tensor_grid
 from mergepipe.storage.safetensors import TensorInfo
 
@@ -40,14 +38,8 @@ def check_shapes(catalog, op, base: dict, experts: list[dict], vocab: dict | Non
                                     f"(another vocabulary): merge it from a config with `tokenizer_source` (union, "
                                     f"base or a model), which re-orders the embedding rows to one tokenizer")
         return
-    for e in experts:
-        for name in vocab["tensors"]:
-            d = tensor_density(e, name)
-            if op.thresholded and op.sparsify != Sparsify.MAGNITUDE and d is not None and d < 1.0:
-                raise PlanError(f"tokenizer_source: {op.name} at density {d:g} on {name} of {e['id']} needs the "
-                                f"thresholds of its re-ordered rows, which MergePipe computes for ties only: give "
-                                f"the embedding tensors density 1 (a `filter:` on embed_tokens/lm_head) or use "
-                                f"linear, task_arithmetic, ties or dare")
+    if vocab.get("copies"):  # passthrough: each embedding tensor copied from one model, re-ordered alone
+        return
     have = sorted(e["id"] for e in experts)
     want = sorted(m for m in vocab["row_models"] if m != base["id"])
     if have != want:
@@ -56,9 +48,12 @@ def check_shapes(catalog, op, base: dict, experts: list[dict], vocab: dict | Non
 
 
 def reserved(catalog, experts: list[dict], vocab: dict | None) -> dict[str, int]:
-    """Bytes each expert's embedding tensors cost (read in full)."""
+    """Bytes each expert's embedding tensors cost (read in full; passthrough: none, a copied tensor is a read
+    of the model it copies, as any copy)."""
     if vocab is None:
         return {}
+    if vocab.get("copies"):
+        return {e["id"]: 0 for e in experts}
     out = {}
     for e in experts:
         sizes = {t["name"]: t["nbytes"] for t in catalog.tensors(e["id"])}

@@ -8,8 +8,7 @@ their composed rows at merge time, engine/vocab.py) and by mergekit in-process. 
 embedding/lm_head row per token and every other tensor within the README's Interpolation table
 tolerance (max |MergePipe - mergekit| in float32 ulps of the tensor's largest |value|), the same
 vocabulary, config.json vocab_size and tokenizer; the plan records where those coefficients come from
-and re-plans to the same digest; a budget keeps the documented semantics; methods still refused give one
-``error:`` line and leave the catalog unchanged.
+and re-plans to the same digest; a budget keeps the documented semantics.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import yaml
 from safetensors.torch import load_file
 
 from mergepipe.catalog.db import Catalog
-from mergepipe.cli.app import main
 from mergepipe.config.parse import parse_config
 from mergepipe.config.resolve import plan_from_config
 from mergepipe.engine.engine import Engine
@@ -175,22 +173,4 @@ def test_budget_keeps_the_embedding_rows_and_reads_its_plan(fam, tmp_path):
             rows = slice(spans[lo].row_start, spans[hi - 1].row_end)
             assert torch.equal(half[name][rows], base[name][rows]), name
     assert any(not torch.equal(half[n], full[n]) for n in half if n not in VOCAB_TENSORS)
-    cat.close()
-
-
-@pytest.mark.parametrize("method, models", [("sce", 3), ("ramplus_tl", 3), ("arcee_fusion", 1)])
-def test_still_refused_methods_give_one_error_line(fam, tmp_path, capsys, method, models):
-    base, experts = fam
-    doc = {"merge_method": method, "base_model": str(base), "dtype": "float32", "tokenizer_source": "union",
-           "models": [{"model": str(e)} for e in experts[:models]]}
-    path = tmp_path / "refused.yml"
-    path.write_text(yaml.safe_dump(doc))
-    db = tmp_path / "c.sqlite"
-    rc = main(["--db", str(db), "merge", "--config", str(path), "--out", str(tmp_path / "out")])
-    err = capsys.readouterr().err
-    assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, err
-    assert "tokenizer_source: re-ordering embedding rows" in err and f"not {method}" in err
-    assert not (tmp_path / "out").exists()
-    cat = Catalog(db)
-    assert cat.query("SELECT id FROM models") == [] and cat.query("SELECT id FROM plans") == []
     cat.close()

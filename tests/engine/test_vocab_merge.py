@@ -176,10 +176,6 @@ def test_budgeted_union_reads_its_plan_and_keeps_the_rows(fam, tmp_path):
 
 
 REFUSALS = [
-    ("breadcrumbs", "tokenizer_source: union\nparameters: {{density: 0.5, gamma: 0.01}}\n",
-     PlanError, ["tokenizer_source: breadcrumbs at density 0.5 on", "computes for ties only"]),
-    ("sce", "tokenizer_source: union\n",
-     ConfigError, ["tokenizer_source: re-ordering embedding rows", "not sce"]),
     ("task_arithmetic", "tokenizer:\n  source: union\n  tokens:\n    <x>: {{source: nowhere}}\n",
      ConfigError, ["tokenizer.tokens.<x>.source", "'nowhere' is neither"]),
     ("task_arithmetic", "tokenizer:\n  source: union\n  tokens:\n    <x>: {{force: true}}\n",

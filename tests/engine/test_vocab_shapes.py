@@ -1,5 +1,6 @@
 """Tokenizer settings over different vocabularies in the config shapes beyond `models:` with a base (issue 15):
-model soups without `base_model` and `slices:` configs, end to end against mergekit 0.1.5 in-process.
+model soups without `base_model`, `slices:` configs and passthrough frankenmerges, end to end against mergekit
+0.1.5 in-process.
 
 The added-tokens family (tests/vocab_helpers.py) with the experts' embedding rows moved far from the base's
 (so that the interpolation methods' angles matter). Asserted per case: every embedding/lm_head row per token
@@ -191,14 +192,80 @@ def test_base_without_base_model_is_refused(fam, tmp_path, capsys):
     _refuse(tmp_path, capsys, doc, ["tokenizer_source: `base` without a `base_model`", "name the model"])
 
 
-def test_passthrough_over_different_vocabularies_is_refused(fam, tmp_path, capsys):
-    """mergekit 0.1.5 runs it (each copied embedding tensor re-ordered alone: zero rows for the tokens its
-    model lacks); MergePipe does not yet: one error line naming the key, catalog unchanged."""
-    _, experts = fam
-    doc = {"merge_method": "passthrough", "dtype": "float32", "tokenizer_source": "union",
-           "slices": [{"sources": [{"model": str(experts[0]), "layer_range": [0, 1]}]},
-                      {"sources": [{"model": str(experts[1]), "layer_range": [1, 2]}]}]}
-    _refuse(tmp_path, capsys, doc, ["tokenizer_source: passthrough over different vocabularies is not done"])
+def _passthrough(f, slices, source="union", base=False, **extra) -> str:
+    """A passthrough frankenmerge of ``slices`` ((expert index or "base", layer_range) each)."""
+    b, experts = f
+    model = {"base": b, **dict(enumerate(experts))}
+    doc = {"merge_method": "passthrough", "dtype": "float32", **({"base_model": str(b)} if base else {}),
+           "slices": [{"sources": [{"model": str(model[m]), "layer_range": list(r)}]} for m, r in slices],
+           **({"tokenizer_source": source} if source else {}), **extra}
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+# slices, tokenizer_source, base_model named: mergekit re-orders the first slice's model's embed_tokens and the
+# last slice's lm_head each alone (its own rows, zero rows for the tokens that model lacks)
+PASSTHROUGH = {
+    "e1-e2-union": ([(0, (0, 1)), (1, (1, 2))], "union", False),
+    "e3-e1-e2-union": ([(2, (0, 2)), (0, (0, 1)), (1, (1, 2))], "union", False),  # the middle model no row source
+    "base-e1-union": ([("base", (0, 2)), (0, (1, 2))], "union", True),
+    "base-e1-base": ([("base", (0, 2)), (0, (1, 2))], "base", True),
+    "e1-e2-base-model": ([(0, (0, 1)), (1, (1, 2)), ("base", (1, 2))], "e2", True),  # expert_2's tokenizer
+}
+
+
+@pytest.mark.parametrize("case", list(PASSTHROUGH))
+def test_passthrough_over_different_vocabularies(fam, tmp_path, case):
+    """Every tensor bit-equal to mergekit 0.1.5's, the embedding rows per token: each copied embedding tensor
+    re-ordered alone from the model it copies (the plan's ``copies``), zero rows for the tokens that model
+    lacks; no expert byte is read (a copy is a read of its model, as any passthrough copy)."""
+    slices, tokenizer, base = PASSTHROUGH[case]
+    if tokenizer == "e2":
+        tokenizer = str(fam[1][1])
+    text = _passthrough(fam, slices, tokenizer, base)
+    pairs, plan = compare(fam, tmp_path, text)
+    vocab = plan["tokenizer"]["vocab"]
+    first, last = (plan["layout"]["tensors"][i][1] for i in (0, -1))
+    assert vocab["copies"] == {"model.embed_tokens.weight": first, "lm_head.weight": last}
+    assert plan["expert_read_by_expert"] == {e["id"]: 0 for e in plan["experts"]}
+    for name, (ours, theirs) in pairs.items():
+        assert torch.equal(ours, theirs), (case, name, measure(ours, theirs))
+    explain = plan.explain()
+    assert "re-ordered to it, each alone from the model it copies (lm_head.weight of " in explain, explain
+    print(f"passthrough {case}: every tensor bit-equal")
+
+
+def test_passthrough_padding_rows(fam, tmp_path):
+    """`pad_to_multiple_of`: the padding rows are the mean of the copied tensor's re-ordered rows (its zero rows
+    included), as mergekit's; within 1e-6 of mergekit's (a mean in another order)."""
+    text = _passthrough(fam, [(0, (0, 1)), (1, (1, 2))], None,
+                        tokenizer={"source": "union", "pad_to_multiple_of": 64})
+    pairs, plan = compare(fam, tmp_path, text)
+    vocab = plan["tokenizer"]["vocab"]
+    assert vocab["rows"] % 64 == 0 and vocab["rows"] > vocab["tokens_n"]
+    for name, (ours, theirs) in pairs.items():
+        assert torch.equal(ours, theirs), name
+    mp, mk = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("mp", "mk"))
+    for name in VOCAB_TENSORS:
+        pad = slice(vocab["tokens_n"], vocab["rows"])
+        assert float((mp[name][pad] - mk[name][pad]).abs().max()) <= 1e-6, name
+
+
+def test_passthrough_exported_config_replans_to_the_same_digest(fam, tmp_path):
+    from mergepipe.config.export import export_mergekit
+    cat, plan, _, _ = mergepipe_merge(tmp_path, _passthrough(fam, [(2, (0, 2)), (0, (0, 1)), (1, (1, 2))]))
+    again, _ = plan_from_config(cat, parse_config(export_mergekit(cat, plan.id), "exported.yml"), save=False)
+    assert again.digest == plan.digest
+    cat.close()
+
+
+def test_passthrough_with_a_tokens_block_is_refused(fam, tmp_path, capsys):
+    """A `tokens:` block would take rows from models the copied tensor does not come from: not done; one error
+    line naming the key, catalog unchanged."""
+    doc = yaml.safe_load(_passthrough(fam, [(0, (0, 1)), (1, (1, 2))], None,
+                                      tokenizer={"source": "union", "tokens": {"<new>": {"source": "zero"}}}))
+    doc["tokenizer"]["tokens"]["<new>"] = {"source": {"kind": "zero"}}
+    _refuse(tmp_path, capsys, doc, ["tokenizer.tokens: passthrough re-orders each copied embedding tensor alone",
+                                    "is not done by MergePipe"])
 
 
 def test_mean_rows_in_another_slice_order_are_refused():
@@ -234,3 +301,11 @@ def test_exported_config_replans_to_the_same_digest(fam, tmp_path, case):
     again, _ = plan_from_config(cat, parse_config(text, "exported.yml"), save=False)
     assert again.digest == plan.digest and again["tokenizer"]["vocab"]["source"] == plan["tokenizer"]["vocab"]["source"]
     cat.close()
+
+
+def test_passthrough_bf16(fam_bf16, tmp_path):
+    """A bf16 family (`out_dtype: bfloat16`): the copied rows and zero rows are exact, every tensor bit-equal."""
+    pairs, plan = compare(fam_bf16, tmp_path, _passthrough(fam_bf16, [(2, (0, 2)), (0, (0, 1)), (1, (1, 2))],
+                                                           out_dtype="bfloat16"))
+    for name, (ours, theirs) in pairs.items():
+        assert ours.dtype == torch.bfloat16 and torch.equal(ours, theirs), (name, measure(ours, theirs, BF16))
