@@ -42,7 +42,11 @@ class InflightAnalysis:
     def __init__(self, plan, base_ck: Checkpoint, order: list[TensorInfo], lookahead: int = LOOKAHEAD_BYTES):
         self.op = get_op(plan["operator"])
         self.params = plan["params"]
-        self.per_tensor = plan.data.get("tensor_params") if hasattr(plan, "data") else plan.get("tensor_params")
+        data = plan.data if hasattr(plan, "data") else plan
+        self.per_tensor = data.get("tensor_params")
+        # a re-ordered vocabulary's embedding tensors: analyzed (for the catalog) but their thresholds for the merge
+        # come from the composed rows (engine/vocab.py), not from the expert's own rows seen here
+        self.composed = set(((data.get("tokenizer") or {}).get("vocab") or {}).get("tensors") or ())
         self.base_id = plan["base"]["id"]
         self.experts = [e for e in plan["experts"] if e.get("analyze")]
         self.order = order
@@ -87,6 +91,8 @@ class InflightAnalysis:
         bad = [(name, r["block"], r["nonfinite"], r["base_nonfinite"]) for r in rows if r.get("nonfinite")]
         if bad:
             raise ExecutionError(nonfinite_message(eid, self.base_id, bad))
+        if name in self.composed:
+            return
         thr = None
         if stats["delta_nnz"] and self.op.thresholded:
             thr = tensor_statistics(self.op, tensor_density(expert, name) or 1.0,

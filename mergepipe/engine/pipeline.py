@@ -86,7 +86,10 @@ class MergePipeline:
                          for e in experts}
         self.inflight = inflight = (InflightAnalysis(plan, base_ck, order) if any(e.get("analyze") for e in experts)
                                     else None)
-        self.thresholds = {**plan["thresholds"], **(inflight.thresholds if inflight else {})}
+        # per expert, the plan's thresholds (copied: engine/vocab.py adds a re-ordered tensor's to them) and, for an
+        # expert analyzed on the way, the analysis' own dict, which it fills tensor by tensor (the same object)
+        self.thresholds = {eid: dict(per) for eid, per in plan["thresholds"].items()}
+        self.thresholds.update(inflight.thresholds if inflight else {})
         # a model soup (linear averaging the base in): every float block goes through mergekit's operation order
         self.base_member = member = plan.data.get("base_member") if op.whole_models else None  # (karcher: its own)
         self.weight_sums = {n: sum(tensor_weight(e, n) or 0.0 for e in experts)
@@ -153,9 +156,14 @@ class MergePipeline:
         return {s.fname: ShardWriter(self.staging, s, self.on_shard_closed) for s in self.shards}
 
     # --- what a block needs ----------------------------------------------------------------------------
-    def takes_part(self, ei: int, name: str, block: int) -> bool:
+    def takes_part(self, ei: int, name: str, block: int, composed: bool = False) -> bool:
+        """Whether an expert's block is merged: a block the plan read, less, for an expert analyzed on the way,
+        those its analysis finds useless; a re-ordered embedding tensor's blocks (``composed``) always (its composed rows are
+        not the ones the analysis saw: engine/vocab.py takes its statistics, as for an analyzed expert)."""
         eid = self.experts[ei]["id"]
-        return not (self.inflight and eid in self.inflight.jobs) or self.inflight.keeps(eid, name, block)
+        if composed or not (self.inflight and eid in self.inflight.jobs):
+            return True
+        return self.inflight.keeps(eid, name, block)
 
     def passthrough_ok(self, name: str) -> bool:
         scales_base = self.op.whole_models and not self.params_for(name)["normalize"]
@@ -253,10 +261,11 @@ class MergePipeline:
         name = self.input_name[info.name]
         scale = self.scale.get(info.name)
         in_info = replace(info, name=name)
+        composed = bool(self.vocab_rows and self.vocab_rows.covers(info.name))
         for k, span in enumerate(group):
             raw = memoryview(base_buf)[span.rel_offset - g0: span.rel_offset - g0 + span.nbytes]
             contributors = [(ei, bufs[span.index]) for ei, bufs in enumerate(exp_bufs)
-                            if span.index in bufs and self.takes_part(ei, name, span.index)]
+                            if span.index in bufs and self.takes_part(ei, name, span.index, composed)]
             if self.op.copies:  # passthrough: the input tensor as it is, or times its scale
                 data = raw if scale is None or info.dtype not in FLOAT_DTYPES else self.executor.submit(
                     self.scale_one, in_info, span, raw, scale)

@@ -145,7 +145,9 @@ class VocabRows:
                 stats = exact_outliers(delta, density, params["gamma"], spans, info)
             else:
                 stats = exact_topk(delta, density, params.get("rescale", False), spans, info)
-            p.thresholds[e["id"]] = {**p.thresholds.get(e["id"], {}), name: stats}
+            # in place: an expert analyzed on the way shares its dict with the analysis (engine/inflight.py),
+            # which adds the other tensors' thresholds to it as they come
+            p.thresholds.setdefault(e["id"], {})[name] = stats
 
     def _read_all(self, name: str) -> tuple[dict[str, np.ndarray], int]:
         """Every model's whole tensor (float32 for bf16/fp16: the mean rows are averaged in float32)."""

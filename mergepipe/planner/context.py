@@ -317,9 +317,11 @@ class PlanContext(StrategyScores, Bounds):
         """Every block of an expert analyzed on the way (it has no statistics to choose from): the
         columns of the candidate table, with no score."""
         source = open_source(expert["kind"], expert["uri"])
+        composed = (self.vocab or {}).get("tensors", {})  # re-ordered rows: read whole by the engine (engine/vocab.py)
         rows = []
         for ti, t in enumerate(self.tensors):
-            if t["dtype"] not in FLOAT_DTYPES or not source.has_delta(t["name"], t["shape"]):
+            if (t["dtype"] not in FLOAT_DTYPES or t["name"] in composed
+                    or not source.has_delta(t["name"], t["shape"])):
                 continue
             setup = fixed_bytes(source, t["name"])
             for span in tensor_grid(_info(t), self.block_bytes):
