@@ -47,8 +47,9 @@ from mergepipe.storage.safetensors import Checkpoint, FLOAT_DTYPES, TensorInfo
 from mergepipe.storage.sources import open_source
 
 
-# Top-k fractions with stored thresholds: every percent, plus two below 1 %.
-DEFAULT_DENSITIES = (0.001, 0.005) + tuple(round(i / 100, 2) for i in range(1, 100))
+# Top-k fractions with stored thresholds: every percent, plus two below 1 % and 1 (the top n and n - 1:
+# breadcrumbs where gamma + density = 1 keeps the top n - 1 when int(gamma n) + int(density n) = n - 1).
+DEFAULT_DENSITIES = (0.001, 0.005) + tuple(round(i / 100, 2) for i in range(1, 100)) + (1.0,)
 IN_MEMORY_TENSOR_BYTES = 64 << 20
 KEY_CAP = 4 << 20  # most |d| patterns kept per (expert, tensor) for the select (16 MiB)
 _NO_KEYS = np.empty(0, dtype=np.uint32)  # the first pass ran out of room: the select reads again

@@ -76,7 +76,8 @@ def kth_largest_thresholds(hist: np.ndarray, numel: int, nnz: int, densities, se
     ``sum(|d| > thr) + (k - above) * thr`` (what mergekit's top-k keeps, whichever tied entries it
     keeps), the exact-k cut (None here; :func:`tie_cut_queries` says which ANALYZE finds), and the
     threshold, above and equal counts and cut of k - 1 (thr1 = inf when k = 1), which breadcrumbs' k = int(gamma n) + int(density n)
-    needs where it is one less than int((gamma + density) n)."""
+    needs where it is one less than int((gamma + density) n) (d = 1: the top n - 1, where gamma + density = 1;
+    ops.core.kth_statistics)."""
     desc = np.cumsum(hist[::-1])  # desc[j] = entries in the top j+1 bins
     ks = {int(d * numel) for d in densities}
     if topk is not None:

@@ -100,6 +100,9 @@ class InflightAnalysis:
                                     stats["thresholds"],
                                     stats.get("topk"), stats["delta_l1"], stats["delta_max_abs"],
                                     stats["numel"])
+            if thr is None:  # the analysis stored every fraction the merge needs: not expected
+                raise ExecutionError(f"the analysis of {eid} on the way gives no exact top-k statistics for "
+                                     f"{name}; nothing was published")
             self.thresholds[eid][name] = thr
         nonzero = [r for r in rows if r["delta_nnz"] > 0]
         keep = useful_blocks(self.op, thr, np.array([r["delta_max_abs"] for r in nonzero], dtype=np.float64))

@@ -26,8 +26,7 @@ Deliberate differences from mergekit, all forced by streaming block by block or 
   * Magnitude ties at a cut-off: exactly k entries are kept (as torch's top-k), the tied ones chosen by
     a documented rule -- the first in flat C order over the tensor (:func:`tensor_statistics`) -- where
     torch's unstable sort picks arbitrarily: counts match mergekit, positions of tied entries may not.
-    Exceptions: TIES where int(density * n) = 0 (k = 1: every entry tied at the max is kept) and
-    breadcrumbs with gamma + density = 1 (everything below the top gamma is kept).
+    Exception: TIES where int(density * n) = 0 (k = 1: every entry tied at the max is kept).
   * Random masks come from a counter-based stream seeded by (seed, the expert block's content, tensor,
     block) (ops/streams.py), not torch's global generator: equal in distribution, not draw for draw;
     independent of traversal order, parallelism and the catalog (ids, fingerprints).
@@ -218,9 +217,11 @@ def tensor_statistics(spec: OpSpec, density: float, params: dict, thresholds_jso
       (1.0 without, or when either norm is below mergekit's 1e-7), ``||top-k||_1`` the L1 of exactly k
       top entries (ANALYZE).
     * breadcrumbs (outliers): ``[thr_hi, thr_lo, cut_block_hi, cut_rank_hi, cut_block_lo, cut_rank_lo]``:
-      drop the top k_hi = int(gamma * n), keep down to the top k_lo = int(gamma * n) + int(density * n),
-      as mergekit's magnitude_outliers (the stored grid holds k = int((gamma + density) * n) and k - 1;
-      when gamma + density rounds to 1, everything below the top gamma is kept).
+      mergekit's magnitude_outliers' counts: keep the top k_lo = n - n_bot less the top k_hi = k_lo - target,
+      target = int(density * n), n_bot = max(0, n - target - int(gamma * n)) (so k_hi = int(gamma * n) and
+      k_lo = int(gamma * n) + int(density * n), also below n where gamma + density = 1 but the two round
+      down: the smallest n_bot entries are dropped), each from a stored fraction f with int(f * n) = k or
+      k + 1 (:func:`kth_statistics`; f = 1 for k = n - 1).
     Density >= 1: ``[0.0]`` / ``[0.0, 0.0]`` (the delta is kept as it is)."""
     import json
     import math
@@ -256,26 +257,44 @@ def tensor_statistics(spec: OpSpec, density: float, params: dict, thresholds_jso
                 kept = float(_lookup(topk, fractions[0])[2])
             ratio = float(delta_l1) / kept if delta_l1 >= 1e-7 and kept >= 1e-7 else 1.0
         return [thr, ratio, *cut]
-    # breadcrumbs
-    gamma = params["gamma"]
-    hi, lo = vals
-    cut_hi = cut_of(fractions[0], hi)
-    k_lo = int(gamma * numel) + int(density * numel)
-    if fractions[1] >= 1.0:
-        lo, cut_lo = 0.0, list(NO_CUT)
-    elif int(fractions[1] * numel) == k_lo:
-        cut_lo = cut_of(fractions[1], lo)
-    elif lo == 0.0:  # k_lo >= nnz as well: every non-zero entry
-        cut_lo = list(NO_CUT)
-    else:  # int((gamma + density) n) = k_lo + 1: the stored k - 1
-        entry = _lookup(topk, fractions[1]) if topk is not None else None
-        if entry is None:
-            return None
-        lo = float(entry[5])
-        cut_lo = list(NO_CUT) if math.isinf(lo) else [entry[8], entry[9]]
-    if cut_hi is None or cut_lo is None:
+    # breadcrumbs: mergekit's magnitude_outliers sorts the n entries by |delta| ascending and keeps positions
+    # [n_bot, n_bot + target), target = int(density n), n_bot = max(0, n - target - int(gamma n)): in descending
+    # order the top k_lo = n - n_bot less the top k_hi = k_lo - target (k_hi = int(gamma n) unless that leaves
+    # fewer than target entries); k_lo < n where int(gamma n) + int(density n) < n, gamma + density = 1 too
+    n = int(numel)
+    target = int(density * n)
+    n_bot = max(0, n - target - int(params["gamma"] * n))
+    hi = kth_statistics(table, topk, n - n_bot - target, n)
+    lo = kth_statistics(table, topk, n - n_bot, n)
+    if hi is None or lo is None:
         return None
-    return [hi, lo, *cut_hi, *cut_lo]
+    return [hi[0], lo[0], hi[1], hi[2], lo[1], lo[2]]
+
+
+def kth_statistics(table: dict, topk: dict | None, k: int, n: int) -> list | None:
+    """``[thr, cut_block, cut_rank]`` of the top ``k`` of a tensor's ``n`` entries (|delta| descending, then flat
+    index ascending) from ANALYZE's stored grid: a fraction f stores the top int(f n) and the top int(f n) - 1
+    (``topk``: analyze/thresholds.kth_largest_thresholds), so any f of the grid with int(f n) = k or k + 1
+    answers (f = 1 for k = n - 1). k <= 0 keeps nothing (thr inf); k at least the non-zero entries keeps every
+    non-zero one (thr 0; a stored 0 at f says int(f n) exceeds them). None when the grid holds no such f."""
+    import math
+    if k <= 0:
+        return [float("inf"), *NO_CUT]
+    if k >= n:
+        return [0.0, *NO_CUT]
+    found = None
+    for key, value in table.items():
+        kf = int(float(key) * n)
+        if value == 0.0 and k >= kf - 1:  # int(f n) > nnz: k >= nnz
+            return [0.0, *NO_CUT]
+        entry = (topk or {}).get(key)
+        if entry is None or found is not None:
+            continue
+        if kf == k and not math.isinf(value):
+            found = [float(value), entry[3], entry[4]]
+        elif kf - 1 == k and not math.isinf(entry[5]):
+            found = [float(entry[5]), entry[8], entry[9]]
+    return found
 
 
 def lookup_thresholds(table: dict, fractions: list[float]) -> list[float] | None:

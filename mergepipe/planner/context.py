@@ -298,7 +298,9 @@ class PlanContext(StrategyScores, Bounds):
                 vals = tensor_statistics(self.op, tensor_density(e, name) or 1.0, params, text, topk, l1, max_abs,
                                          numel)
                 if vals is None:
-                    missing = ", ".join(f"{f:g}" for f in fracs if lookup_thresholds(json.loads(text or "{}"), [f]) is None)
+                    table = json.loads(text or "{}")  # fraction 1: the top n - 1 (breadcrumbs, ops.core)
+                    missing = ", ".join(f"{f:g}" for f in fracs if lookup_thresholds(table, [f]) is None
+                                        or (f >= 1.0 and "1.0" not in table))
                     e["analyze"] = (f"no magnitude threshold for top-{missing}" if missing else
                                     "no exact top-k statistics (analyzed before catalog v5)")
                     break

@@ -315,7 +315,7 @@ def test_thresholds_exact_whatever_share_of_deltas_has_low_bits(tmp_path, tiny_f
     analyze(cat, ["expert"], block_bytes=64 << 10)
     absd = np.abs(delta)
     thresholds = cat.tensor_stats("expert")["w"]["thresholds"]
-    assert len(thresholds) == 101
+    assert len(thresholds) == 102
     for d, t in thresholds.items():
         k = int(d * absd.size)
         assert t == (float("inf") if k == 0 else _kth_largest(absd, k)), d
