@@ -11,8 +11,9 @@ layers (the base appended when not listed); the tensors before the layers take t
 t = 0, the layers t = i / (n - 1) over their slice, the tensors after them the last slice's at t = 0; the
 layer numbering restarts in every module. Parameters resolve a model's own, then the slice's, then the
 module's, then the merge-wide ones. Only the modules the config lists are written, and only the tensors the
-definitions list (a tensor planned twice, as the projector's layers of Qwen2-VL, which do not depend on the
-layer index: the last planning is written).
+definitions list. A tensor planned twice (the projector's layers of Qwen2-VL, whose names do not depend on
+the layer index, at t = 0 and t = 1) is written twice under one name, and which one mergekit keeps depends
+on its task order: MergePipe requires the plannings to agree (a gradient there is refused).
 
 This module reads ``modules:`` (:func:`read_modules`, parse time) and expands it against the base's tensors
 and config.json (:func:`expand_modules`, resolve time) into what the planner already runs: one exact-name
@@ -234,7 +235,7 @@ def expand_modules(cfg, ids: dict[str, str], base_id: str, tensors: dict[str, di
         raise ConfigError(f"{cfg.source}: modules: {', '.join(missing)} of {arch} not listed: mergekit writes no "
                           f"tensor of a module the config omits; list every module ({', '.join(known)})")
     base_names = tensors[base_id]
-    entries: dict[str, tuple] = {}  # output name -> (module, slice, t): the last planning wins (mergekit's writer)
+    entries: dict[str, list] = {}  # output name -> [(module, slice, t), ...]: each time mergekit plans it
     for m in cfg.modules:
         spec = known[m.name]
         n = _layer_count(spec["layers"], config)
@@ -254,8 +255,7 @@ def expand_modules(cfg, ids: dict[str, str], base_id: str, tensors: dict[str, di
                     return
                 raise ConfigError(f"{cfg.source}: {m.where}: the base has no tensor {name}, which mergekit "
                                   f"{MERGEKIT_VERSION}'s {arch} lists in module {m.name}")
-            entries.pop(name, None)
-            entries[name] = (m, sl, t)
+            entries.setdefault(name, []).append((m, sl, t))
 
         for template in spec["pre"]:
             add(template, m.slices[0], 0.0)
@@ -280,19 +280,34 @@ def expand_modules(cfg, ids: dict[str, str], base_id: str, tensors: dict[str, di
             continue
         settings[mid] = {}
         for p in ("weight", "density"):
-            per = {}
-            for name, (m, sl, t) in entries.items():
-                src = next(s for s in sl.sources if s.ref == ref)
-                per[name] = _resolve([src.params.get(p), sl.params.get(p), m.params.get(p), globals_[p]], name, t)
+            per = {name: _once(cfg, name, p, ref, [
+                _resolve([next(s for s in sl.sources if s.ref == ref).params.get(p), sl.params.get(p),
+                          m.params.get(p), globals_[p]], name, t) for m, sl, t in plannings], plannings)
+                for name, plannings in entries.items()}
             settings[mid][p] = _exact(per, 1.0)
     method_params = dict(cfg.method_params)
     for p in GRADIENT_PARAMS:
         if p == "scale":
             method_params.pop(p, None)
             continue
-        per = {name: _resolve([sl.params.get(p), m.params.get(p), cfg.method_params.get(p)], name, t)
-               for name, (m, sl, t) in entries.items()}
+        per = {name: _once(cfg, name, p, None, [_resolve([sl.params.get(p), m.params.get(p),
+                                                          cfg.method_params.get(p)], name, t)
+                                                for m, sl, t in plannings], plannings)
+               for name, plannings in entries.items()}
         value = _exact(per, None)
         if value is not None:
             method_params[p] = value
     return Expansion(None, settings, method_params)
+
+
+def _once(cfg, name: str, p: str, ref: str | None, values: list, plannings: list):
+    """The one value of a parameter for a tensor mergekit plans more than once (a projector's layers whose
+    names do not depend on the layer index, a tensor two modules list): mergekit writes every planning under
+    the same name and which one it keeps depends on its task order, so they must agree."""
+    if len(set(values)) > 1:
+        where = ", ".join(f"{m.where} at t = {t:g}" for m, _, t in plannings)
+        whose = f"{ref}'s " if ref is not None else ""
+        raise ConfigError(f"{cfg.source}: mergekit plans {name} {len(plannings)} times ({where}) with different "
+                          f"values of {whose}{p} ({', '.join('none' if v is None else f'{v:g}' for v in values)}); which one it writes "
+                          f"depends on its task order: give a value that does not vary there")
+    return values[-1]
