@@ -261,6 +261,9 @@ def prepare(cat: Catalog, cfg: MergekitConfig, register_paths: bool = True, chec
         raise ConfigError(f"{cfg.source}: `models:` lists no model other than the base" if cfg.base is not None else
                           f"{cfg.source}: `models:` lists one model: a soup without base_model averages two or more")
     r.out.tokenizer = _tokenizer(r, base_id, base_path)
+    if cfg.modules is not None and (r.out.tokenizer or {}).get("vocab"):
+        r.fail("tokenizer_source", "re-ordering the embedding rows to one vocabulary is not combined with "
+                                   "`modules:` (the models have other vocabularies than the tokenizer source's)")
     if r.views:
         _use_views(r, base_id)
     return r.out
