@@ -94,7 +94,9 @@ class MergekitConfig:
     chat_template: str | None = None  # "auto", a template name or the template text
     method_params: dict = dataclasses.field(default_factory=dict)  # METHOD_PARAMS given (t, filter_wise, ...)
     slices: tuple | None = None  # `slices:` as config/slices.py reads it (OutputSlice, ...); None: `models:`
-    slices_reference: bool = False  # slices without base_model: the base is the first source (a reference)
+    # a multi-module architecture's `modules:` as config/modules.py reads them (Module, ...); None: not given
+    modules: tuple | None = None
+    slices_reference: bool = False  # slices (modules) without base_model: the base is the first source (a reference)
 
     def with_overrides(self, operator=None, budget=None, target_bound=None, strategy=None, seed=None,
                        **params) -> MergekitConfig:
@@ -111,6 +113,9 @@ class MergekitConfig:
         if unknown:
             raise ConfigError(f"unknown parameter {', '.join(unknown)}")
         models = list(self.models)
+        if self.modules is not None and (params.get("weights") is not None or params.get("density") is not None):
+            raise ConfigError(f"{self.source}: weights and densities are given per module: edit the config's "
+                              f"`modules:` rather than overriding them")
         method_params = dict(self.method_params)
         for p in PARAMS.values():
             value = params.get(p.key)

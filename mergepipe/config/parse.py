@@ -18,6 +18,7 @@ from mergepipe.config.model import (
     BASELESS_LATER, GRADIENT_PARAMS, MERGEKIT_ONLY_METHODS, METHOD_PARAMS, MODEL_PARAMS, MergekitConfig, PARAMS, PER_TENSOR,
     REFUSED_TOP_KEYS, SHARED_PARAMS, TOKENIZER_KEYS, TOP_KEYS,
 )
+from mergepipe.config.modules import read_modules
 from mergepipe.config.slices import lift_modules, read_slices
 from mergepipe.config.templates import CHAT_TEMPLATES
 from mergepipe.errors import PlanError, StorageError
@@ -95,9 +96,14 @@ def _parse(text, source: str) -> MergekitConfig:
     method = _method(doc)
     globals_ = _global_params(doc)
     lam_setting = globals_.pop("lambda") if isinstance(globals_.get("lambda"), list) else None
-    slices = None
+    slices = modules = None
+    reference = False
     if "slices" in doc:  # layer ranges (config/slices.py); the models are those the slices name
         base, models, slices = read_slices(doc, method, globals_, _ref)
+        values = {p: globals_.get(p) for p in SHARED_PARAMS}
+        reference = doc.get("base_model") is None
+    elif "modules" in doc:  # a multi-module architecture's modules (config/modules.py)
+        base, models, modules, reference = read_modules(doc, method, globals_, _ref)
         values = {p: globals_.get(p) for p in SHARED_PARAMS}
     else:
         base = _base(doc, method)
@@ -122,7 +128,7 @@ def _parse(text, source: str) -> MergekitConfig:
         dtype=dtype, out_dtype=out_dtype, budget=budget, target_bound=target, strategy=strategy, seed=seed,
         plan_id=plan_id, tokenizer_source=tokenizer_source, tokenizer_tokens=tokens,
         pad_to_multiple_of=pad, chat_template=chat_template, method_params=_method_params(globals_, values),
-        slices=slices, slices_reference=slices is not None and doc.get("base_model") is None)
+        slices=slices, modules=modules, slices_reference=reference)
 
 
 def _method_params(globals_: dict, values: dict) -> dict:

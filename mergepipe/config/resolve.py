@@ -218,8 +218,9 @@ def prepare(cat: Catalog, cfg: MergekitConfig, register_paths: bool = True, chec
     are ids a derived id must avoid (the merged model's)."""
     op = get_op(cfg.method)
     # a parameter every slice gives (t per slice, no merge-wide t) is checked when the slices expand
-    per_slice = {k: 0.0 for sl in cfg.slices or () for holder in (sl, *sl.sources) for k in holder.params
-                 if k not in cfg.method_params and k != "scale"}
+    holders = [h for sl in cfg.slices or () for h in (sl, *sl.sources)]
+    holders += [h for m in cfg.modules or () for h in (m, *(x for sl in m.slices for x in (sl, *sl.sources)))]
+    per_slice = {k: 0.0 for holder in holders for k in holder.params if k not in cfg.method_params and k != "scale"}
     resolve_params(op, normalize=cfg.normalize, rescale=cfg.rescale, lam=cfg.lam,
                             **{k: v for k, v in (("gamma", cfg.gamma), ("epsilon", cfg.epsilon)) if v is not None},
                             **{k: v for k, v in cfg.method_params.items() if not (cfg.slices and k == "scale")},
@@ -254,12 +255,15 @@ def prepare(cat: Catalog, cfg: MergekitConfig, register_paths: bool = True, chec
             spec["density"] = m.density
         spec.update(m.own)  # its own gamma/epsilon (they differ between models)
         r.out.experts.append(spec)
-    if cfg.slices is not None:
+    if cfg.slices is not None or cfg.modules is not None:
         _expand_slices(r, base_id)
     elif not r.out.experts:
         raise ConfigError(f"{cfg.source}: `models:` lists no model other than the base" if cfg.base is not None else
                           f"{cfg.source}: `models:` lists one model: a soup without base_model averages two or more")
     r.out.tokenizer = _tokenizer(r, base_id, base_path)
+    if cfg.modules is not None and (r.out.tokenizer or {}).get("vocab"):
+        r.fail("tokenizer_source", "re-ordering the embedding rows to one vocabulary is not combined with "
+                                   "`modules:` (the models have other vocabularies than the tokenizer source's)")
     if r.views:
         _use_views(r, base_id)
     return r.out
@@ -269,7 +273,7 @@ def _expand_slices(r: _Resolver, base_id: str) -> None:
     """A `slices:` config's layout and per-tensor settings (config/slices.py), from the models' tensors."""
     from mergepipe.config.slices import expand, model_layers, read_config
     uris = {kw["model_id"]: kw["uri"] for kw in r.out.to_register}
-    tensors, layers = {}, {}
+    tensors, layers, configs = {}, {}, {}
     for mid in set(r.out.ids.values()):
         if r.cat.has_model(mid):
             shapes = {t["name"]: tuple(t["shape"]) for t in r.cat.tensors(mid)}
@@ -277,7 +281,7 @@ def _expand_slices(r: _Resolver, base_id: str) -> None:
         else:
             shapes = {n: tuple(t.shape) for n, t in open_checkpoint(uris[mid]).tensors.items()}
             config = open_checkpoint(uris[mid]).config if scheme_of(uris[mid]) else read_config(Path(uris[mid]))
-        tensors[mid], layers[mid] = shapes, model_layers(config, shapes)
+        tensors[mid], layers[mid], configs[mid] = shapes, model_layers(config, shapes), config
     kinds = {kw["model_id"]: kw["kind"] for kw in r.out.to_register}
     adapters = {mid for mid in tensors if (kinds.get(mid) or r.cat.model(mid)["kind"]) == "lora"}
     if get_op(r.cfg.method).copies and tensors.get(base_id):
@@ -289,11 +293,17 @@ def _expand_slices(r: _Resolver, base_id: str) -> None:
                 if (is_vocab_tensor(name) and want is not None and len(shape) == 2 == len(want)
                         and shape[1] == want[1] and shape[0] != want[0] and r.cfg.tokenizer_source is not None):
                     shapes[name] = want
-    ex = expand(r.cfg, r.out.ids, base_id, tensors, layers, adapters)
+    if r.cfg.modules is not None:  # a multi-module architecture's modules (config/modules.py), in place
+        from mergepipe.config.modules import expand_modules
+        ex = expand_modules(r.cfg, r.out.ids, base_id, tensors, configs[base_id])
+        sources = r.cfg.modules[0].slices[0].sources
+    else:
+        ex = expand(r.cfg, r.out.ids, base_id, tensors, layers, adapters)
+        sources = r.cfg.slices[0].sources
     r.out.layout, r.out.method_params = ex.layout, ex.method_params
     r.views = ex.views
     if get_op(r.cfg.method).whole_models:  # linear: the base is averaged in at its place among the sources
-        first = [r.out.ids[s.ref] for s in r.cfg.slices[0].sources]
+        first = [r.out.ids[s.ref] for s in sources]
         weight = ex.settings.get(base_id, {}).get("weight")
         r.out.base_member = {"weight": 1.0 if weight is None else weight, "position": first.index(base_id),
                              "reference": r.cfg.slices_reference}
@@ -302,7 +312,8 @@ def _expand_slices(r: _Resolver, base_id: str) -> None:
         spec.pop("density", None)
         spec.update({k: v for k, v in ex.settings.get(spec["model"], {}).items() if v is not None})
     if not r.out.experts and not get_op(r.cfg.method).copies:
-        raise ConfigError(f"{r.cfg.source}: `slices:` name no model other than the base")
+        raise ConfigError(f"{r.cfg.source}: `{'modules' if r.cfg.modules is not None else 'slices'}:` name no model "
+                          f"other than the base")
 
 
 def _use_views(r: _Resolver, base_id: str) -> None:

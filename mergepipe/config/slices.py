@@ -444,7 +444,7 @@ MODULE_KEYS = ("slices", "models", "parameters")
 
 def lift_modules(doc: dict, fallback) -> dict:
     """mergekit's ``modules:`` for a single-module model (its module is named ``default``) as the
-    equivalent top-level config: the module's ``slices`` or ``models``, its ``parameters`` taking
+    equivalent top-level config (other module names are a multi-module architecture's: config/modules.py): the module's ``slices`` or ``models``, its ``parameters`` taking
     precedence over the merge-wide ones (a module condition list falls back to the merge-wide value, as
     mergekit resolves them: ``fallback(own, merge_wide)``)."""
     if "modules" not in doc:
@@ -456,8 +456,7 @@ def lift_modules(doc: dict, fallback) -> dict:
         raise ConfigError("`modules:` must map a module name to its `slices:` or `models:`")
     names = list(modules)
     if names != ["default"]:
-        raise ConfigError(f"modules: MergePipe merges single-module models, whose one module mergekit names "
-                          f"`default` (got {', '.join(map(str, names))})")
+        return doc  # a multi-module architecture's modules (config/modules.py)
     module = modules["default"]
     if not isinstance(module, dict):
         raise ConfigError("modules.default must be a mapping with `slices:` or `models:` and optional `parameters`")

@@ -331,8 +331,9 @@ def test_modules_default_equals_mergekit(small):
 
 
 @pytest.mark.parametrize("modules, message", [
-    ({"decoder": {"models": [{"model": "x"}]}}, "modules: MergePipe merges single-module models, whose one module "
-                                                "mergekit names `default` (got decoder)"),
+    ({"decoder": {"models": [{"model": "x"}], "parameters": {"lambda": 2}}},
+     "unsupported parameter `lambda` in modules.decoder.parameters (a slice or source may give weight, density, "
+     "t, scale; give the others once under the top-level `parameters:`)"),
     ({"default": {"models": [{"model": "x"}], "slices": []}}, "modules.default needs exactly one of `slices:` or "
                                                                "`models:`"),
 ])
@@ -407,18 +408,20 @@ def test_linear_over_slices_without_base_model_equals_mergekit(small):
 
 
 def test_multi_module_config_is_refused_by_the_cli_and_changes_nothing(small, tmp_path):
-    """mergekit's ``modules:`` with modules other than ``default`` (multi-module architectures): one ``error:``
-    line naming the key, no traceback, catalog unchanged."""
+    """mergekit's ``modules:`` with modules other than ``default`` over a single-module architecture (mergekit
+    has no such module): one ``error:`` line naming the key, no traceback, catalog unchanged (multi-module
+    architectures: test_parity_modules.py)."""
     fam, cat, work = small
     path = tmp_path / "mm.yaml"
     path.write_text(yaml.safe_dump({
         "modules": {"text_decoder": {"models": [{"model": str(fam.experts[0])}]},
-                    "vision_tower": {"models": [{"model": str(fam.experts[1])}]}},
+                    "vision_tower": {"models": [{"model": str(fam.experts[0])}]}},
         "merge_method": "task_arithmetic", "base_model": str(fam.base)}))
     db = work / "cat.sqlite"
     before = _counts(db)
     r = run_cli(["--db", db, "merge", "--config", path, "--out", tmp_path / "out", "--model-id", "mm"])
     assert r.returncode != 0
-    assert r.stderr.strip() == ("error: mm.yaml: modules: MergePipe merges single-module models, whose one module "
-                                "mergekit names `default` (got text_decoder, vision_tower)")
+    assert r.stderr.startswith("error: mm.yaml: modules: the base is a LlamaForCausalLM, which mergekit 0.1.5 has no "
+                               "multi-module definition of (modular architectures: Gemma3ForConditionalGeneration, ")
+    assert r.stderr.strip().endswith("a single-module model's one module is `default`") and r.stderr.count("\n") == 1
     assert _counts(db) == before and not (tmp_path / "out").exists()
