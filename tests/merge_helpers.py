@@ -274,3 +274,24 @@ def probe_cli(*args, cwd: Path, modules=HEAVY_MODULES) -> tuple[int, str, list[s
     assert last.startswith("HEAVY:"), p.stderr
     assert "Traceback" not in p.stderr, p.stderr
     return p.returncode, p.stdout, [m for m in last[len("HEAVY:"):].split(",") if m]
+
+
+def catalog_counts(db: Path) -> dict[str, int]:
+    """Rows per catalog table a refused merge must leave as they were."""
+    dump = dump_db(db)
+    return {t: len(dump[t]) for t in ("models", "plans", "snapshots", "analyses") if t in dump}
+
+
+def assert_config_refused(cat, db: Path, config: Path, tmp_path: Path, expected: str) -> None:
+    """``merge --config`` refuses ``config`` with ``expected``: through the API (ConfigError) and the CLI (one
+    ``error:`` line, non-zero exit), nothing written and the catalog's rows as they were."""
+    import pytest
+    from mergepipe import api
+    from mergepipe.config.model import ConfigError
+    before = catalog_counts(db)
+    with pytest.raises(ConfigError) as exc:
+        api.merge_config(cat, config, tmp_path / "out", model_id="bad")
+    assert str(exc.value) == expected
+    r = run_cli(["--db", db, "merge", "--config", config, "--out", tmp_path / "cli-out", "--model-id", "bad-cli"])
+    assert r.returncode != 0 and r.stderr.strip() == f"error: {expected}", r.stderr
+    assert catalog_counts(db) == before and not (tmp_path / "out").exists() and not (tmp_path / "cli-out").exists()

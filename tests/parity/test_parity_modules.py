@@ -23,7 +23,7 @@ from mergepipe.config.model import ConfigError
 from mergepipe.config.parse import parse_config
 from mergepipe.research.family import _write_tokenizer
 
-from merge_helpers import dump_db, load_dir, run_cli
+from merge_helpers import assert_config_refused, catalog_counts, load_dir
 from mergekit_runner import mergekit_merge
 
 ARCH = "Qwen2_5_VLForConditionalGeneration"
@@ -249,11 +249,6 @@ def test_module_plan_exports_as_mergekit_and_round_trips(vl):
     _equal(load_dir(root / "mp-export"), ref)
 
 
-def _counts(db):
-    dump = dump_db(db)
-    return {t: len(dump[t]) for t in ("models", "plans", "snapshots") if t in dump}
-
-
 def _three(root, *, text=("e1", "e2"), vision=("e1", "e2"), projector=("e1", "e2"), **more):
     mods = {"text_decoder": {"models": _models(root, *((n, None) for n in text))},
             "vision_tower": {"models": _models(root, *((n, None) for n in vision))},
@@ -303,14 +298,8 @@ def test_module_refusals_are_one_line_and_change_nothing(vl, tmp_path, case):
     path.write_text(yaml.safe_dump({"merge_method": "task_arithmetic", "base_model": _p(root, "base"),
                                     "modules": make(root)}))
     db = root / "cat.sqlite"
-    before = _counts(db)
     expected = f"bad.yaml: {message.format(e1=_p(root, 'e1'), e2=_p(root, 'e2'))}"
-    with pytest.raises(ConfigError) as exc:
-        api.merge_config(cat, path, tmp_path / "out", model_id="bad")
-    assert str(exc.value) == expected
-    r = run_cli(["--db", db, "merge", "--config", path, "--out", tmp_path / "cli-out", "--model-id", "bad-cli"])
-    assert r.returncode != 0 and r.stderr.strip() == f"error: {expected}", r.stderr
-    assert _counts(db) == before and not (tmp_path / "out").exists() and not (tmp_path / "cli-out").exists()
+    assert_config_refused(cat, db, path, tmp_path, expected)
 
 
 def test_a_base_tensor_in_no_module_is_refused(vl, tmp_path):
@@ -320,12 +309,12 @@ def test_a_base_tensor_in_no_module_is_refused(vl, tmp_path):
     cfg = {"merge_method": "task_arithmetic", "base_model": _p(root, "odd"),
            "modules": _three(root)}
     db = root / "cat.sqlite"
-    before = _counts(db)
+    before = catalog_counts(db)
     with pytest.raises(ConfigError) as exc:
         api.merge_config(cat, parse_config(yaml.safe_dump(cfg), "odd.yaml"), tmp_path / "out", model_id="odd-out")
     assert str(exc.value) == (f"odd.yaml: modules: 1 tensor(s) of the base are in no module of mergekit 0.1.5's "
                               f"{ARCH} (first: visual.extra.weight): mergekit would not write them")
-    assert _counts(db) == before
+    assert catalog_counts(db) == before
 
 
 def test_parse_time_module_refusals():

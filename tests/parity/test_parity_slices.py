@@ -21,7 +21,7 @@ from mergepipe import api
 from mergepipe.config.model import ConfigError
 from mergepipe.config.parse import parse_config
 
-from merge_helpers import dump_db, load_dir, open_copy, run_cli, shared_family
+from merge_helpers import assert_config_refused, catalog_counts, load_dir, open_copy, run_cli, shared_family
 from mergekit_runner import mergekit_merge
 
 EPS32 = 2.0 ** -23
@@ -174,11 +174,6 @@ def test_passthrough_scale_per_slice_equals_mergekit(tiny):
     assert not got["model.layers.2.self_attn.o_proj.weight"].any()
 
 
-def _counts(db):
-    dump = dump_db(db)
-    return {t: len(dump[t]) for t in ("models", "plans", "snapshots") if t in dump}
-
-
 REFUSALS = [
     (lambda f: {"slices": [{"sources": [_src(f.base, 0, 3)]}], "merge_method": "passthrough"},
      "slices[0].sources[0].layer_range [0, 3] is out of range: {base} has 2 layers (0-1)"),
@@ -205,14 +200,8 @@ def test_bad_slices_are_refused_and_change_nothing(tmp_path, tiny, case):
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(cfg))
     db = work / "cat.sqlite"
-    before = _counts(db)
     expected = f"bad.yaml: {message.format(base=fam.base, e1=fam.experts[0])}"
-    with pytest.raises(ConfigError) as exc:
-        api.merge_config(cat, path, tmp_path / "out", model_id="bad")
-    assert str(exc.value) == expected
-    r = run_cli(["--db", db, "merge", "--config", path, "--out", tmp_path / "cli-out", "--model-id", "bad-cli"])
-    assert r.returncode != 0 and r.stderr.strip() == f"error: {expected}", r.stderr
-    assert _counts(db) == before and not (tmp_path / "out").exists() and not (tmp_path / "cli-out").exists()
+    assert_config_refused(cat, db, path, tmp_path, expected)
 
 
 @pytest.mark.parametrize("name", ["franken", "scaled"])
@@ -418,10 +407,10 @@ def test_multi_module_config_is_refused_by_the_cli_and_changes_nothing(small, tm
                     "vision_tower": {"models": [{"model": str(fam.experts[0])}]}},
         "merge_method": "task_arithmetic", "base_model": str(fam.base)}))
     db = work / "cat.sqlite"
-    before = _counts(db)
+    before = catalog_counts(db)
     r = run_cli(["--db", db, "merge", "--config", path, "--out", tmp_path / "out", "--model-id", "mm"])
     assert r.returncode != 0
     assert r.stderr.startswith("error: mm.yaml: modules: the base is a LlamaForCausalLM, which mergekit 0.1.5 has no "
                                "multi-module definition of (modular architectures: Gemma3ForConditionalGeneration, ")
     assert r.stderr.strip().endswith("a single-module model's one module is `default`") and r.stderr.count("\n") == 1
-    assert _counts(db) == before and not (tmp_path / "out").exists()
+    assert catalog_counts(db) == before and not (tmp_path / "out").exists()

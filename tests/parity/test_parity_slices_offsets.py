@@ -19,11 +19,10 @@ import torch
 import yaml
 
 from mergepipe import api
-from mergepipe.config.model import ConfigError
 from mergepipe.config.parse import parse_config
 from mergepipe.storage.views import LAYER, renumber
 
-from merge_helpers import dump_db, load_dir, open_copy, run_cli, shared_family
+from merge_helpers import assert_config_refused, load_dir, open_copy, run_cli, shared_family
 from mergekit_runner import mergekit_merge
 
 EPS32 = 2.0 ** -23
@@ -255,11 +254,6 @@ def test_views_are_reused_and_analyzable_by_id(small):
     assert r.returncode == 0, r.stderr
 
 
-def _counts(db):
-    dump = dump_db(db)
-    return {t: len(dump[t]) for t in ("models", "plans", "snapshots", "analyses") if t in dump}
-
-
 REFUSALS = [
     (lambda f, tmp: {"slices": [{"sources": [_src(f.base, 0, 2), _src(f.experts[0], 2, 4)]},
                                 {"sources": [_src(f.base, 1, 2), _src(f.experts[0], 0, 1)]}],
@@ -316,16 +310,10 @@ def test_what_cannot_be_merged_at_other_layers_is_refused_and_changes_nothing(sm
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(cfg))
     db = work / "cat.sqlite"
-    before = _counts(db)
     shape = load_dir(fam.base)["model.layers.0.mlp.down_proj.weight"].shape
     filled = message.format(short=tmp_path / "short", rows=shape[0], cols=shape[1], lora=f"{fam.base}+{tmp_path}/lora")
     expected = f"bad.yaml: {filled}"
-    with pytest.raises(ConfigError) as exc:
-        api.merge_config(cat, path, tmp_path / "out", model_id="bad")
-    assert str(exc.value) == expected
-    r = run_cli(["--db", db, "merge", "--config", path, "--out", tmp_path / "cli-out", "--model-id", "bad-cli"])
-    assert r.returncode != 0 and r.stderr.strip() == f"error: {expected}", r.stderr
-    assert _counts(db) == before and not (tmp_path / "out").exists() and not (tmp_path / "cli-out").exists()
+    assert_config_refused(cat, db, path, tmp_path, expected)
 
 
 def test_a_view_without_statistics_names_the_analyze_command(small, tmp_path):
