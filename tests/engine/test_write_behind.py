@@ -61,13 +61,27 @@ def test_a_failed_merge_task_is_raised_and_nothing_after_it_is_written():
     assert rec.writes == [(0, b"ok")]
 
 
+class TakenFuture(Future):
+    """A future that says when the writer thread starts waiting for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.taken = threading.Event()
+
+    def result(self, timeout=None):
+        self.taken.set()
+        return super().result(timeout)
+
+
 def test_abort_drops_the_queue_and_returns():
     rec, wb, gate = Recorder(), WriteBehind(8), threading.Event()
-    slow: Future = Future()
+    slow = TakenFuture()
     wb.put(rec, 0, slow)
     for i in range(1, 5):
         wb.put(rec, 4 * i, memoryview(b"abcd"))
-    threading.Timer(0.05, lambda: (slow.set_result(memoryview(b"abcd")), gate.set())).start()
+    assert slow.taken.wait(10)  # block 0 is being written: abort must wait for it
+    # the gate opens before the block arrives: abort returning with it shut would not have waited
+    threading.Timer(0.05, lambda: (gate.set(), slow.set_result(memoryview(b"abcd")))).start()
     wb.abort()
     assert gate.is_set()
     assert len(rec.writes) <= 1
