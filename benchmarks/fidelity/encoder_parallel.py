@@ -178,7 +178,7 @@ def main(argv=None) -> int:
         (family_dir(name) / f"accuracy-{v}.json").write_text(json.dumps(evals[v], indent=2))
     jobs = study_jobs(chosen, list(spec0.tasks), args.mini)
     codes = run_pool(longest_first(jobs) if args.procs >= len(jobs) else jobs, args.procs, logs, deadline)
-    res = join_parts(codes, args.mini)
+    res = join_parts({name: codes[name] for name, _ in jobs}, args.mini)  # in phase order: full first
     res["lr_search"] = {"candidates": {n: asdict(s) for n, s in cands}, "validation": scores, "evaluation": evals,
                         "chosen": chosen, "rule": f"smallest lr with every expert >= {CLEAR_MARGIN:g} over the probe "
                                                   "on validation, else the best mean validation accuracy"}

@@ -449,6 +449,7 @@ def encoder_markdown(res: dict, files: list[Path]) -> list[str]:
                 if "parallel" in res else
                 f"study {res['seconds_total'] / 60:.0f} min. Reproduce: `python -m benchmarks.fidelity.encoder` (family, "
                 "cached under `benchmarks/work/fidelity/minilm`), then `python -m benchmarks.fidelity.encoder_study --jobs 2`.")
+             + (f" This run: {res['parallel']['extra_processes']}." if res.get("parallel", {}).get("extra_processes") else "")
              + " Raw numbers: [minilm_results.json](minilm_results.json).",
              "", *family_section(res),
              cut_text(res) + f" {res['family']['spec']['n_eval']} held-out sentences per task (a per-task accuracy's "
