@@ -295,3 +295,11 @@ def assert_config_refused(cat, db: Path, config: Path, tmp_path: Path, expected:
     r = run_cli(["--db", db, "merge", "--config", config, "--out", tmp_path / "cli-out", "--model-id", "bad-cli"])
     assert r.returncode != 0 and r.stderr.strip() == f"error: {expected}", r.stderr
     assert catalog_counts(db) == before and not (tmp_path / "out").exists() and not (tmp_path / "cli-out").exists()
+
+
+def slice_source(model, start, end, **params) -> dict:
+    """One ``slices:`` source: model, layer_range and (when given) its parameters."""
+    s = {"model": str(model), "layer_range": [start, end]}
+    if params:
+        s["parameters"] = params
+    return s

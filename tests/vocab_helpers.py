@@ -86,3 +86,15 @@ def same_vocabulary(ours, theirs) -> tuple[dict, dict]:
         t: i for t, i in b.items() if t not in ADDED_TOKENS}
     assert sorted(a[t] for t in ADDED_TOKENS & set(a)) == sorted(b[t] for t in ADDED_TOKENS & set(b))
     return a, b
+
+
+def mergepipe_merge(tmp: Path, text: str):
+    """Plan and run a YAML merge config in a fresh catalog under ``tmp``: (catalog, plan, manifest, tensors)."""
+    from mergepipe.catalog.db import Catalog
+    from mergepipe.config.parse import parse_config
+    from mergepipe.config.resolve import plan_from_config
+    from mergepipe.engine.engine import Engine
+    cat = Catalog(tmp / "c.sqlite")
+    plan, _ = plan_from_config(cat, parse_config(text, "merge.yml"))
+    _, manifest = Engine(cat).execute(plan, out=tmp / "mp")
+    return cat, plan, manifest, load_file(str(tmp / "mp" / "model.safetensors"))

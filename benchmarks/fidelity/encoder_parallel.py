@@ -30,7 +30,8 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from benchmarks.fidelity.encoder import FULL, MINI, family_accuracy, valid_suite, write_base
+from benchmarks.fidelity.encoder import (FULL, MINI, build_family, eval_suite, family_accuracy, valid_suite,
+                                        write_base)
 from benchmarks.fidelity.encoder_study import BLOCK_SWEEP, WORK, join_results, phase_list
 
 CANDIDATES = (("lr2e-5", 2e-5, 1e-3), ("lr3e-5", 3e-5, 2e-3), ("lr5e-5", 5e-5, 4e-3))
@@ -164,7 +165,6 @@ def main(argv=None) -> int:
     if any(c != 0 for c in codes.values()):
         raise SystemExit(f"error: training failed: {[n for n, c in codes.items() if c != 0]} (logs in {logs})")
     t_train = time.time() - t0
-    from benchmarks.fidelity.encoder import build_family, eval_suite
     fams = {name: build_family(family_dir(name), spec, log=lambda *_: None) for name, spec in cands}  # loads only
     specs = dict(cands)
     scores = {name: family_accuracy(fams[name], spec, suite=valid_suite(spec)) for name, spec in cands}

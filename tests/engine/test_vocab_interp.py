@@ -26,13 +26,12 @@ from safetensors.torch import load_file
 from mergepipe.catalog.db import Catalog
 from mergepipe.config.parse import parse_config
 from mergepipe.config.resolve import plan_from_config
-from mergepipe.engine.engine import Engine
 from mergepipe.storage.grid import tensor_grid
 from mergepipe.storage.safetensors import TensorInfo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parity"))
 from mergekit_runner import mergekit_merge  # noqa: E402
-from vocab_helpers import VOCAB_TENSORS, added_tokens_family, same_vocabulary  # noqa: E402
+from vocab_helpers import VOCAB_TENSORS, added_tokens_family, mergepipe_merge, same_vocabulary  # noqa: E402
 
 EPS32 = 2.0 ** -23
 
@@ -78,13 +77,6 @@ def config_text(fam, case: str, tokenizer: str, budget: str | None = None) -> st
     if budget:
         doc["mergepipe"] = {"budget": budget}
     return yaml.safe_dump(doc, sort_keys=False)
-
-
-def mergepipe_merge(tmp: Path, text: str):
-    cat = Catalog(tmp / "c.sqlite")
-    plan, _ = plan_from_config(cat, parse_config(text, "interp.yml"))
-    _, manifest = Engine(cat).execute(plan, out=tmp / "mp")
-    return cat, plan, manifest, load_file(str(tmp / "mp" / "model.safetensors"))
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -29,11 +29,10 @@ from mergepipe.catalog.db import Catalog
 from mergepipe.cli.app import main
 from mergepipe.config.parse import parse_config
 from mergepipe.config.resolve import plan_from_config
-from mergepipe.engine.engine import Engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parity"))
 from mergekit_runner import mergekit_merge  # noqa: E402
-from vocab_helpers import ADDED_TOKENS, VOCAB_TENSORS, added_tokens_family, same_vocabulary  # noqa: E402
+from vocab_helpers import ADDED_TOKENS, VOCAB_TENSORS, added_tokens_family, mergepipe_merge, same_vocabulary  # noqa: E402
 
 EPS32 = 2.0 ** -23
 BF16 = 2.0 ** -8
@@ -99,13 +98,6 @@ def config_text(fam, case: str, dtype: str = "float32", out_dtype: str | None = 
         doc["out_dtype"] = out_dtype
     doc["tokenizer_source"] = str(fam[1][1]) if tokenizer == "e2" else tokenizer
     return yaml.safe_dump(doc, sort_keys=False)
-
-
-def mergepipe_merge(tmp: Path, text: str):
-    cat = Catalog(tmp / "c.sqlite")
-    plan, _ = plan_from_config(cat, parse_config(text, "shapes.yml"))
-    _, manifest = Engine(cat).execute(plan, out=tmp / "mp")
-    return cat, plan, manifest, load_file(str(tmp / "mp" / "model.safetensors"))
 
 
 def measure(a: torch.Tensor, b: torch.Tensor, eps: float = EPS32) -> tuple[float, int]:

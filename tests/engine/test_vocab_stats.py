@@ -30,11 +30,10 @@ from safetensors.torch import load_file
 from mergepipe.catalog.db import Catalog
 from mergepipe.config.parse import parse_config
 from mergepipe.config.resolve import plan_from_config
-from mergepipe.engine.engine import Engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parity"))
 from mergekit_runner import mergekit_merge  # noqa: E402
-from vocab_helpers import VOCAB_TENSORS, added_tokens_family, same_vocabulary  # noqa: E402
+from vocab_helpers import VOCAB_TENSORS, added_tokens_family, mergepipe_merge, same_vocabulary  # noqa: E402
 
 EPS32 = 2.0 ** -23
 BF16 = 2.0 ** -7
@@ -80,13 +79,6 @@ def config_text(family, case: str, tokenizer: str, budget: str | None = None, **
     if budget:
         doc["mergepipe"] = {"budget": budget}
     return yaml.safe_dump(doc, sort_keys=False)
-
-
-def mergepipe_merge(tmp: Path, text: str):
-    cat = Catalog(tmp / "c.sqlite")
-    plan, _ = plan_from_config(cat, parse_config(text, "stats.yml"))
-    _, manifest = Engine(cat).execute(plan, out=tmp / "mp")
-    return cat, plan, manifest, load_file(str(tmp / "mp" / "model.safetensors"))
 
 
 def measure(a: torch.Tensor, b: torch.Tensor, eps: float = EPS32) -> tuple[float, int]:

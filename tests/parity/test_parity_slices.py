@@ -21,7 +21,7 @@ from mergepipe import api
 from mergepipe.config.model import ConfigError
 from mergepipe.config.parse import parse_config
 
-from merge_helpers import assert_config_refused, catalog_counts, load_dir, open_copy, run_cli, shared_family
+from merge_helpers import assert_config_refused, catalog_counts, load_dir, open_copy, run_cli, shared_family, slice_source as _src
 from mergekit_runner import mergekit_merge
 
 EPS32 = 2.0 ** -23
@@ -46,13 +46,6 @@ def tiny(request, tmp_path_factory):
     cat = open_copy(fam, work / "cat.sqlite")
     yield request.param, fam, cat, work
     cat.close()
-
-
-def _src(model, start, end, **params):
-    s = {"model": str(model), "layer_range": [start, end]}
-    if params:
-        s["parameters"] = params
-    return s
 
 
 def _both(fam, start, end, **slice_params):

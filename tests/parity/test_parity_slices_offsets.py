@@ -22,7 +22,7 @@ from mergepipe import api
 from mergepipe.config.parse import parse_config
 from mergepipe.storage.views import LAYER, renumber
 
-from merge_helpers import assert_config_refused, load_dir, open_copy, run_cli, shared_family
+from merge_helpers import assert_config_refused, load_dir, open_copy, run_cli, shared_family, slice_source as _src
 from mergekit_runner import mergekit_merge
 
 EPS32 = 2.0 ** -23
@@ -36,13 +36,6 @@ def small(tmp_path_factory):
     cat = open_copy(fam, work / "cat.sqlite")
     yield fam, cat, work
     cat.close()
-
-
-def _src(model, start, end, **params):
-    s = {"model": str(model), "layer_range": [start, end]}
-    if params:
-        s["parameters"] = params
-    return s
 
 
 def _merge_both(cat, work, cfg, name):
