@@ -13,7 +13,11 @@ re-saved with transformers so base and experts have the same tensor names. For e
   encoder: query, key, value and the three dense layers of each block; query/value alone, PEFT's
   default for BERT, did not learn the exclusive-or and role-binding tasks in 300 steps), merged into
   the weights (``merge_and_unload``) so the expert is a full checkpoint whose update is low-rank
-  in every one of those 36 matrices.
+  in every one of those 36 matrices. Its head starts as the base's linear probe and dropout is off
+  (LP-FT, Kumar et al. 2022): from a random head, LoRA collapsed to a constant prediction on xor,
+  older and majority at every learning rate tried (the probe reads those tasks from directions of
+  tiny variance that a head trained for 300 steps never reaches); from the probe with dropout on, the
+  probe's large weights turn dropout noise into losses of 4-8 and older collapsed the same way.
 
 Each expert's head is written to ``heads/<variant>/<task>.safetensors`` outside the checkpoint (the
 merge combines encoders only). The base's skill on a task is a linear probe trained on frozen base
@@ -60,6 +64,11 @@ class EncoderSpec:
     lora_lr: float = 1e-3
     head_lr: float = 1e-2
     lora_r: int = 8
+    lora_alpha: float | None = None  # None: 2 r (PEFT's scaling alpha / r = 2)
+    lora_dropout: float = 0.0
+    lora_rslora: bool = False  # rank-stabilised scaling alpha / sqrt(r)
+    lora_head_init: str = "probe"  # "probe": the head starts as the base's linear probe (LP-FT); "random"
+    lora_encoder_dropout: float | None = 0.0  # hidden and attention dropout (None: the config's, 0.1)
     lora_targets: tuple[str, ...] = ("query", "key", "value", "dense")  # every linear layer of the encoder
     weight_decay: float = 0.01
     warmup: float = 0.1
@@ -71,6 +80,11 @@ class EncoderSpec:
     def n_train(self) -> int:
         return self.steps * self.batch
 
+
+# The fields of one variant: changing them rebuilds that variant's experts only (prepare_family).
+VARIANT_FIELDS = {"full": ("lr",),
+                  "lora": ("lora_lr", "lora_r", "lora_alpha", "lora_dropout", "lora_rslora", "lora_targets",
+                           "lora_head_init", "lora_encoder_dropout")}
 
 FULL = EncoderSpec()
 MINI = EncoderSpec(base="tiny", tasks=("larger", "negation"), steps=40, batch=16, lr=2e-3, lora_lr=1e-2,
@@ -142,20 +156,25 @@ def _schedule(step: int, spec: EncoderSpec) -> float:
 
 
 def finetune(base_dir: Path, task: str, variant: str, spec: EncoderSpec, train: list, log=None,
-             device: str = "cpu"):
+             device: str = "cpu", head_init: torch.nn.Linear | None = None):
     """One expert, trained on ``device``: (encoder with the update merged in, head, loss curve), on the CPU."""
     from transformers import AutoModel, AutoTokenizer
     torch.manual_seed(_seed(spec.seed, variant, task))
-    enc = AutoModel.from_pretrained(str(base_dir), dtype=torch.float32)
+    p = spec.lora_encoder_dropout if variant == "lora" else None
+    drop = {} if p is None else {"hidden_dropout_prob": p, "attention_probs_dropout_prob": p}
+    enc = AutoModel.from_pretrained(str(base_dir), dtype=torch.float32, **drop)
     tok = AutoTokenizer.from_pretrained(str(base_dir))
     head = torch.nn.Linear(enc.config.hidden_size, len(TEXT_TASKS[task].labels))
+    if head_init is not None:
+        head.load_state_dict(head_init.state_dict())
     enc, head = enc.to(device), head.to(device)
     if variant == "lora":
         from peft import LoraConfig, get_peft_model
         # a regex, so the pooler's dense layer (unused by mean pooling) gets no adapter
         targets = r".*encoder\.layer\.\d+\..*\b(" + "|".join(spec.lora_targets) + r")$"
-        enc = get_peft_model(enc, LoraConfig(r=spec.lora_r, lora_alpha=2 * spec.lora_r, lora_dropout=0.1,
-                                             target_modules=targets))
+        alpha = spec.lora_alpha if spec.lora_alpha is not None else 2 * spec.lora_r
+        enc = get_peft_model(enc, LoraConfig(r=spec.lora_r, lora_alpha=alpha, lora_dropout=spec.lora_dropout,
+                                             use_rslora=spec.lora_rslora, target_modules=targets))
         groups = [{"params": [p for p in enc.parameters() if p.requires_grad], "lr": spec.lora_lr}]
         sparse = []
     else:
@@ -223,10 +242,7 @@ def build_family(out=DEFAULT_OUT, spec: EncoderSpec = FULL, log=print, only: str
     hf_logging.set_verbosity_error()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    spec_path = out / "spec.json"
-    if spec_path.exists() and json.loads(spec_path.read_text()) != json.loads(json.dumps(asdict(spec))):
-        raise SystemExit(f"{out} was built with a different spec; remove it to rebuild")
-    spec_path.write_text(json.dumps(asdict(spec), indent=2))
+    prepare_family(out, spec, log)
     saved = torch.get_num_threads()
     torch.set_num_threads(spec.threads)
     try:
@@ -242,7 +258,8 @@ def build_family(out=DEFAULT_OUT, spec: EncoderSpec = FULL, log=print, only: str
             fam["tasks"][task] = {"chance": TEXT_TASKS[task].chance, "classes": len(TEXT_TASKS[task].labels),
                                   "n_train": len(train), "n_eval": len(held), "about": TEXT_TASKS[task].about}
             probe_path = out / "probes" / f"{task}.safetensors"
-            if not probe_path.exists() and only != "lora":
+            needs_probe = only != "lora" or spec.lora_head_init == "probe"
+            if not probe_path.exists() and needs_probe:
                 t0 = time.perf_counter()
                 pool = list(dict.fromkeys(train))  # the distinct training sentences
                 with torch.no_grad():
@@ -257,7 +274,8 @@ def build_family(out=DEFAULT_OUT, spec: EncoderSpec = FULL, log=print, only: str
                 hpath = out / "heads" / variant / f"{task}.safetensors"
                 if not (edir.exists() and hpath.exists()):
                     t0 = time.perf_counter()
-                    enc, tok, head, losses = finetune(out / "base", task, variant, spec, train, log, device)
+                    init = load_head(probe_path) if variant == "lora" and spec.lora_head_init == "probe" else None
+                    enc, tok, head, losses = finetune(out / "base", task, variant, spec, train, log, device, init)
                     save_head(head, hpath)
                     secs = time.perf_counter() - t0
                     _save_expert(enc, tok, edir, {"task": task, "variant": variant, "seconds": secs, "device": device,
@@ -271,6 +289,41 @@ def build_family(out=DEFAULT_OUT, spec: EncoderSpec = FULL, log=print, only: str
     finally:
         torch.set_num_threads(saved)
     return fam
+
+
+def prepare_family(out: Path, spec: EncoderSpec, log=print) -> list[str]:
+    """Check ``out/spec.json`` against ``spec`` and write it: a variant whose own fields
+    (:data:`VARIANT_FIELDS`) changed has its experts and heads removed, to be rebuilt; any other
+    difference is an error. Returns the variants removed. (Call once before parallel builders start.)"""
+    path = out / "spec.json"
+    want = json.loads(json.dumps(asdict(spec)))
+    stale = []
+    if path.exists():
+        have = _stored_spec(path)
+        changed = {k for k in want if have.get(k) != want[k]}
+        own = {f for fields in VARIANT_FIELDS.values() for f in fields}
+        if changed - own:
+            raise SystemExit(f"{out} was built with a different spec ({', '.join(sorted(changed - own))}); "
+                             "remove it to rebuild")
+        stale = [v for v, fields in VARIANT_FIELDS.items() if changed & set(fields)]
+        for v in stale:
+            log(f"{out.name}: {v} settings changed ({', '.join(sorted(changed & set(VARIANT_FIELDS[v])))}): "
+                f"its experts are rebuilt")
+            shutil.rmtree(out / v, ignore_errors=True)
+            shutil.rmtree(out / "heads" / v, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(want, indent=2))
+    return stale
+
+
+# What a family written before these fields existed was built with.
+BEFORE_FIELDS = {"lora_alpha": None, "lora_dropout": 0.1, "lora_rslora": False, "lora_head_init": "random",
+                 "lora_encoder_dropout": None}
+
+
+def _stored_spec(path: Path) -> dict:
+    """A family's spec.json, fields added since it was written taking the values it was built with."""
+    return {**json.loads(json.dumps(asdict(EncoderSpec()))), **BEFORE_FIELDS, **json.loads(path.read_text())}
 
 
 def seconds_per_step(out: Path, spec: EncoderSpec) -> dict:

@@ -5,7 +5,7 @@
     python -m benchmarks.fidelity.encoder_study --report             # docs/fidelity from its results.json
 
 1. For every learning-rate candidate (:data:`CANDIDATES`: full fine-tuning at 2e-5, 3e-5 and 5e-5, the
-   usual range for BERT-size encoders, LoRA at 1e-3, 2e-3 and 4e-3) a family directory
+   usual range for BERT-size encoders, LoRA at 3e-4, 1e-3 and 2e-3) a family directory
    ``benchmarks/work/fidelity/minilm-<candidate>``; its experts train in parallel processes, two tasks
    each, on the GPU when there is one (merges and ANALYZE always run on the CPU).
 2. Every candidate's experts are scored on validation sentences (neither trained on nor in the
@@ -30,11 +30,11 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from benchmarks.fidelity.encoder import (FULL, MINI, build_family, eval_suite, family_accuracy, valid_suite,
-                                        write_base)
+from benchmarks.fidelity.encoder import (FULL, MINI, build_family, eval_suite, family_accuracy, prepare_family,
+                                        valid_suite, write_base)
 from benchmarks.fidelity.encoder_study import BLOCK_SWEEP, WORK, join_results, phase_list
 
-CANDIDATES = (("lr2e-5", 2e-5, 1e-3), ("lr3e-5", 3e-5, 2e-3), ("lr5e-5", 5e-5, 4e-3))
+CANDIDATES = (("lr2e-5", 2e-5, 3e-4), ("lr3e-5", 3e-5, 1e-3), ("lr5e-5", 5e-5, 2e-3))
 CLEAR_MARGIN = 0.10
 CHUNK = 2  # tasks per training process
 
@@ -91,10 +91,10 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-")
 
 
-def train_jobs(cands, mini: bool) -> list[tuple[str, list[str]]]:
+def train_jobs(cands, mini: bool, variants=None) -> list[tuple[str, list[str]]]:
     jobs = []
     for name, spec in cands:
-        for variant in spec.variants:
+        for variant in variants or spec.variants:
             for i in range(0, len(spec.tasks), CHUNK):
                 tasks = ",".join(spec.tasks[i:i + CHUNK])
                 jobs.append((f"train {name} {variant} {tasks}",
@@ -151,26 +151,33 @@ def main(argv=None) -> int:
     ap.add_argument("--procs", type=int, default=os.cpu_count())
     ap.add_argument("--deadline", type=float, default=None, help="seconds from the start: stop the study there")
     ap.add_argument("--candidates", default=None, help="only these learning-rate candidates (comma-separated names)")
+    ap.add_argument("--variants", default=None,
+                    help="only these variants (comma-separated: full, lora); the others' results are kept from "
+                         "the previous results.json")
     args = ap.parse_args(argv)
     t0 = time.time()
     deadline = t0 + args.deadline if args.deadline else None
     cands = candidates(args.mini, args.candidates.split(",") if args.candidates else None)
     if not cands:
         raise SystemExit(f"error: no candidate named {args.candidates} (there are {', '.join(c[0] for c in CANDIDATES)})")
+    variants = args.variants.split(",") if args.variants else list(cands[0][1].variants)
+    if set(variants) - set(cands[0][1].variants):
+        raise SystemExit(f"error: no variant named {args.variants} (there are full, lora)")
     logs = WORK / ("minilm-parallel-mini" if args.mini else "minilm-parallel")
     for name, spec in cands:
-        family_dir(name).mkdir(parents=True, exist_ok=True)
+        prepare_family(family_dir(name), spec)  # before the builders: a changed variant is rebuilt
         write_base(family_dir(name) / "base", spec)
-    codes = run_pool(train_jobs(cands, args.mini), args.procs, logs)
+    codes = run_pool(train_jobs(cands, args.mini, variants), args.procs, logs)
     if any(c != 0 for c in codes.values()):
         raise SystemExit(f"error: training failed: {[n for n, c in codes.items() if c != 0]} (logs in {logs})")
     t_train = time.time() - t0
     fams = {name: build_family(family_dir(name), spec, log=lambda *_: None) for name, spec in cands}  # loads only
     specs = dict(cands)
-    scores = {name: family_accuracy(fams[name], spec, suite=valid_suite(spec)) for name, spec in cands}
+    scores = {name: family_accuracy(fams[name], spec, variants=variants, suite=valid_suite(spec))
+              for name, spec in cands}
     order = [name for name, _ in cands]
     spec0 = cands[0][1]
-    chosen = {v: choose(scores, v, order) for v in spec0.variants}
+    chosen = {v: choose(scores, v, order) for v in variants}
     print(f"chosen: {chosen} after {time.time() - t0:.0f}s", flush=True)
     evals = {}
     for v, name in chosen.items():  # what each study process would otherwise compute again
@@ -184,14 +191,41 @@ def main(argv=None) -> int:
                                                   "on validation, else the best mean validation accuracy"}
     res["family"]["spec_by_variant"] = {v: asdict(specs[c]) for v, c in chosen.items()}
     res["parallel"] = {"procs": args.procs, "seconds_train": t_train, "seconds_total": time.time() - t0,
-                       "stopped": [n for n, c in codes.items() if c is None],
+                       "variants": variants, "stopped": [n for n, c in codes.items() if c is None],
                        "failed": [n for n, c in codes.items() if c not in (0, None)]}
     out = WORK / ("minilm-study-mini" if args.mini else "minilm-study")
     out.mkdir(parents=True, exist_ok=True)
+    if set(variants) != set(spec0.variants):
+        res = keep_other_variants(json.loads((out / "results.json").read_text()), res, variants)
     (out / "results.json").write_text(json.dumps(res, indent=1))
     print(f"{out / 'results.json'}: {sum(len(v['merges']) for v in res['variants'].values())} merges, "
           f"{time.time() - t0:.0f}s; stopped {res['parallel']['stopped']}, failed {res['parallel']['failed']}")
     return 0
+
+
+def keep_other_variants(prev: dict, new: dict, variants: list[str]) -> dict:
+    """``new`` (a run of ``variants`` only) joined with the previous run's results of the other variants:
+    its merges, accuracies, phases, block sweep and learning-rate search for them are kept."""
+    res = json.loads(json.dumps(prev))
+    for v in variants:
+        res["variants"].pop(v, None)
+        for part in ("experts", "base_expert_head"):
+            res["accuracy"][part].pop(v, None)
+    res["phases_done"] = [p for p in res["phases_done"] if p.split()[0] not in variants]
+    res = join_results(res, new)
+    search, more = res["lr_search"], new["lr_search"]
+    for c, spec in more["candidates"].items():
+        search["candidates"][c] = spec  # the other variants' fields are unchanged (prepare_family)
+    for c, acc in more["validation"].items():
+        mine = search["validation"].setdefault(c, {"base_probe": acc["base_probe"], "base_expert_head": {},
+                                                   "experts": {}})
+        for part in ("experts", "base_expert_head"):
+            mine[part].update(acc[part])
+    search["evaluation"].update(more["evaluation"])
+    search["chosen"].update(more["chosen"])
+    res["family"]["spec_by_variant"].update(new["family"]["spec_by_variant"])
+    res["parallel"] = {**new["parallel"], "previous": prev.get("parallel")}
+    return res
 
 
 def join_parts(codes: dict, mini: bool) -> dict:

@@ -215,10 +215,7 @@ def family_section(res: dict) -> list[str]:
            "are learned within a few hundred steps). ")
         + "The 30522-row word-embedding matrix uses sparse gradients and "
         "lazy Adam (only rows of tokens seen in a batch move, no weight decay there), fused AdamW elsewhere. **lora**: "
-        f"PEFT LoRA r={spec['lora_r']}, α={2 * spec['lora_r']} on {', '.join(spec.get('lora_targets', ('query', 'value')))} "
-        f"(every linear layer of the 6 blocks, 36 matrices; query/value alone, PEFT's default for BERT, learned neither "
-        f"xor nor older either), lr {lora_lr:g}, same data and schedule, merged into the weights "
-        "(`merge_and_unload`), so a LoRA expert is a full checkpoint whose update is low-rank in those matrices. Heads lr "
+        + lora_text(by_variant.get("lora", spec), lora_lr) + " Heads lr "
         f"{spec['head_lr']:g}, stored outside the checkpoints (FusionBench's GLUE protocol: a merge combines encoders, "
         "task t is scored with the merged encoder + t's head). The base's skill on a task is a linear probe (logistic "
         "regression, LBFGS) on its frozen mean-pooled embeddings of the same (distinct) training sentences. "
@@ -244,6 +241,27 @@ def family_section(res: dict) -> list[str]:
         "over that floor: " + "; ".join(f"{v}: {', '.join(scored[v])}" for v in variants) + ".",
         "",
     ]
+
+
+def lora_text(spec: dict, lora_lr: float) -> str:
+    r = spec["lora_r"]
+    alpha = spec.get("lora_alpha") or 2 * r
+    probe_init = spec.get("lora_head_init", "random") == "probe"
+    text = (f"PEFT LoRA r={r}, α={alpha:g}{' (rsLoRA)' if spec.get('lora_rslora') else ''} on "
+            f"{', '.join(spec.get('lora_targets', ('query', 'value')))} (every linear layer of the 6 blocks, 36 "
+            "matrices; query/value alone, PEFT's default for BERT, learned neither xor nor older either), "
+            f"LoRA dropout {spec.get('lora_dropout', 0.1):g}, lr {lora_lr:g}, same data and schedule, merged into the "
+            "weights (`merge_and_unload`), so a LoRA expert is a full checkpoint whose update is low-rank in those "
+            "matrices.")
+    if probe_init:
+        text += (" Its head starts as the base's linear probe and the encoder's dropout is off (LP-FT, Kumar et al. "
+                 "2022): from a random head, LoRA collapsed to a constant prediction (loss ln 2) on xor, older and "
+                 "majority at every rate tried (1e-3..4e-3, 300 or 900 steps, head lr 1e-2..1e-4) -- the probe reads "
+                 "those tasks from directions of tiny variance (weights of norm 3e3-3e4 on the raw embedding) that a "
+                 "head trained for 300 steps never reaches, and full fine-tuning escapes by moving the embedding "
+                 "itself; from the probe with dropout on, dropout noise times those weights gives losses of 4-8 and "
+                 "older collapsed the same way.")
+    return text
 
 
 def lr_section(res: dict) -> list[str]:

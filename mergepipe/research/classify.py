@@ -11,6 +11,7 @@ transformers is imported lazily (optional extra ``[eval]``).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -61,8 +62,11 @@ def embed(model, tok, sentences: list[str], batch_size: int = 128, max_length: i
 
 
 def save_head(head: torch.nn.Linear, path) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    save_file({"weight": head.weight.detach().contiguous(), "bias": head.bias.detach().contiguous()}, str(path))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # parallel builders may write the same probe
+    save_file({"weight": head.weight.detach().contiguous(), "bias": head.bias.detach().contiguous()}, str(tmp))
+    os.replace(tmp, path)
 
 
 def load_head(path) -> torch.nn.Linear:

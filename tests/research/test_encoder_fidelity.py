@@ -6,6 +6,7 @@ the report's arithmetic on hand-made results."""
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -15,7 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 from benchmarks.fidelity import text_tasks as tt
-from benchmarks.fidelity.encoder import MINI, build_family, data, eval_suite, family_accuracy
+from benchmarks.fidelity.encoder import (
+    BEFORE_FIELDS, MINI, build_family, data, eval_suite, family_accuracy, finetune, prepare_family,
+)
 from benchmarks.fidelity.encoder_findings import recommendation, rule_threshold, strategy_margins
 from benchmarks.fidelity.encoder_report import cell, f1_rows, f2_rows, smallest_budget
 from benchmarks.fidelity.encoder_study import EncoderStudy, op_params
@@ -166,6 +169,37 @@ def test_family_is_reproducible_and_reused(tmp_path, fam):
         build_family(tmp_path / "a", replace(spec, steps=4), log=log.append)
 
 
+def test_a_changed_lora_setting_rebuilds_the_lora_experts_only(tmp_path):
+    spec = replace(MINI, steps=3, tasks=("larger",))
+    a = build_family(tmp_path / "a", spec, log=lambda *_: None)
+    full, lora = _digest(a["experts"]["full"]["larger"]), _digest(a["experts"]["lora"]["larger"])
+    log = []
+    assert prepare_family(tmp_path / "a", replace(spec, lora_lr=spec.lora_lr / 2), log=log.append) == ["lora"]
+    assert log == ["a: lora settings changed (lora_lr): its experts are rebuilt"]
+    assert not (tmp_path / "a" / "lora").exists() and not (tmp_path / "a" / "heads" / "lora").exists()
+    again = build_family(tmp_path / "a", replace(spec, lora_lr=spec.lora_lr / 2), log=lambda *_: None)
+    assert _digest(again["experts"]["full"]["larger"]) == full  # kept, not retrained
+    assert _digest(again["experts"]["lora"]["larger"]) != lora
+    with pytest.raises(SystemExit, match=r"different spec \(batch\)"):
+        prepare_family(tmp_path / "a", replace(spec, batch=8, lora_lr=1.0))
+    assert (tmp_path / "a" / "lora").exists()  # refused before anything was removed
+
+
+def test_lora_head_starts_as_the_probe_and_trains_without_dropout(fam):
+    task = "larger"
+    train, _ = data(task, MINI)
+    probe = load_head(fam["probes"][task])
+    still = finetune(Path(fam["base"]), task, "lora", replace(MINI, steps=0), train, head_init=probe)[2]
+    assert torch.equal(still.weight, probe.weight) and torch.equal(still.bias, probe.bias)
+    random_head = finetune(Path(fam["base"]), task, "lora", replace(MINI, steps=0, lora_head_init="random"),
+                           train)[2]
+    assert not torch.equal(random_head.weight, probe.weight)
+    lora_cfg = (Path(fam["experts"]["lora"][task]) / "config.json").read_text()
+    full_cfg = (Path(fam["experts"]["full"][task]) / "config.json").read_text()
+    assert re.search(r'"hidden_dropout_prob": 0\.0\b', lora_cfg)
+    assert re.search(r'"hidden_dropout_prob": 0\.1\b', full_cfg)
+
+
 def test_merged_accuracy_matches_one_sentence_at_a_time(fam):
     """Batched, padded scoring vs an independent loop: each sentence alone, its own forward, mean, argmax."""
     task = "larger"
@@ -263,3 +297,15 @@ def test_strategy_margins_and_recommendation_keep_norm_within_the_standard_error
         if mm["strategy"] == "conflict":
             mm["accuracy"]["mean"] += 0.04
     assert recommendation(res, {}).startswith("default strategy `conflict`")
+
+
+def test_a_family_from_before_the_lora_settings_rebuilds_its_lora_experts(tmp_path):
+    spec = replace(MINI, steps=3, tasks=("larger",))
+    build_family(tmp_path / "a", spec, log=lambda *_: None)
+    stored = json.loads((tmp_path / "a" / "spec.json").read_text())
+    old = {k: v for k, v in stored.items() if k not in BEFORE_FIELDS}  # a spec.json of the earlier harness
+    (tmp_path / "a" / "spec.json").write_text(json.dumps(old))
+    log = []
+    assert prepare_family(tmp_path / "a", spec, log=log.append) == ["lora"]
+    assert "lora_encoder_dropout, lora_head_init" in log[0] and "lora_dropout" in log[0]
+    assert json.loads((tmp_path / "a" / "spec.json").read_text()) == stored

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from benchmarks.fidelity.encoder_parallel import choose, longest_first, run_pool, study_jobs
+from benchmarks.fidelity.encoder_parallel import choose, keep_other_variants, longest_first, run_pool, study_jobs
 from benchmarks.fidelity.encoder_study import BLOCK_SWEEP, STRATEGIES, join_results, phase_list
 
 
@@ -88,3 +88,39 @@ def test_join_results_adds_new_merges_once_and_keeps_every_variant():
     assert res["phases_done"] == ["full phase", "full phase", "lora phase"]
     assert res["seconds_total"] == 30.0 and res["block_sweep"] == [{"block_bytes": 16384}]
 
+
+
+def _run(parts, chosen, validation, parallel):
+    res = parts[0]
+    for p in parts[1:]:
+        res = join_results(res, p)
+    res["lr_search"] = {"candidates": {c: {"lora_lr": lr} for c, lr in validation.items()},
+                        "validation": {c: {"base_probe": {"a": 0.5}, "base_expert_head": {v: {"a": 0.5} for v in chosen},
+                                           "experts": {v: {"a": lr} for v in chosen}} for c, lr in validation.items()},
+                        "evaluation": {v: {"experts": {v: {"a": 0.9}}} for v in chosen}, "chosen": chosen}
+    res["family"]["spec_by_variant"] = {v: {"variant": v, "run": parallel} for v in chosen}
+    res["parallel"] = {"run": parallel}
+    return res
+
+
+def test_keep_other_variants_replaces_only_the_rerun_variant():
+    prev = _run([_part("full", [_merge("ties", 25, "norm")]), _part("lora", [_merge("ties", 25, "norm"),
+                                                                               _merge("ties", 50, "norm")])],
+                {"full": "lr2e-5", "lora": "lr5e-5"}, {"lr2e-5": 0.1, "lr5e-5": 0.2}, "old")
+    prev["block_sweep"] = [{"block_bytes": 16384}]
+    lora = _part("lora", [_merge("linear", 10, "kept")], {"2": {"chosen": 0.7}}, seconds=5.0)
+    lora["accuracy"]["experts"]["lora"] = {"a": 0.99}
+    new = _run([lora], {"lora": "lr2e-5"}, {"lr2e-5": 0.3, "lr5e-5": 0.4}, "new")
+    res = keep_other_variants(prev, new, ["lora"])
+    assert res["variants"]["full"] == prev["variants"]["full"]
+    assert res["variants"]["lora"]["merges"] == [_merge("linear", 10, "kept")]  # the old LoRA merges are gone
+    assert res["variants"]["lora"]["lambda"] == {"2": {"chosen": 0.7}}
+    assert res["accuracy"]["experts"] == {"full": {"a": 0.9}, "lora": {"a": 0.99}}
+    assert res["phases_done"] == ["full phase", "lora phase"] and res["block_sweep"] == [{"block_bytes": 16384}]
+    assert res["lr_search"]["chosen"] == {"full": "lr2e-5", "lora": "lr2e-5"}
+    val = res["lr_search"]["validation"]
+    assert val["lr5e-5"]["experts"] == {"full": {"a": 0.2}, "lora": {"a": 0.4}}
+    assert res["family"]["spec_by_variant"]["full"]["run"] == "old"
+    assert res["family"]["spec_by_variant"]["lora"]["run"] == "new"
+    assert res["parallel"] == {"run": "new", "previous": {"run": "old"}}
+    assert prev["variants"]["lora"]["merges"][0] == _merge("ties", 25, "norm")  # the input is not changed
