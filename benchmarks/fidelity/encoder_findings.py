@@ -9,6 +9,7 @@ from pathlib import Path
 from benchmarks.fidelity.encoder_report import (
     BUDGETS, OPERATORS, STRATEGIES, best_strategy, block_rows, cell, f1_rows, f2_rows, f3_row, pct, smallest_budget,
 )
+from mergepipe.planner.bounds import SUGGEST_BOUND_FRACTION
 
 
 def rule_threshold(res: dict) -> dict:
@@ -121,9 +122,10 @@ def summary(res: dict, docs: Path) -> list[str]:
     lo, hi = plan_bound_range(res)
     if rule["x"] is not None:
         lines.append(f"- **A budget rule the planner can suggest (additive operators):** the smallest budget whose "
-                     f"disjoint-block bound is ≤ {rule['x']:.2f} × ‖merged update‖ (the smallest such bound at which an "
-                     "additive configuration of family A was within 1 point of its full merge; the plan's additive bound "
-                     f"is {lo:.0f}-{hi:.0f}× the update here, useless as a threshold). On the measured configurations it "
+                     f"disjoint-block bound is ≤ {rule['x']:.3f} × ‖merged update‖ (the smallest such bound at which an "
+                     "additive configuration of family A was within 1 point of its full merge; the planner ships it "
+                     f"rounded down, {SUGGEST_BOUND_FRACTION:g} in planner/bounds.py; the plan's additive bound "
+                     f"is {lo:.0f}-{hi:.0f}× the update here, useless as a threshold). On the measured grid of budgets it "
                      "picks " + "; ".join(f"{p['variant']} K={p['k']} {p['op']} {p['pick']} % ({100 * p['diff']:+.1f} points)"
                                           for p in rule["picks"]) + ".")
     lines.append("- **Smallest budget within 1 point of the full merge (norm), per configuration:** " + "; ".join(

@@ -209,7 +209,7 @@ def family_section(res: dict) -> list[str]:
         "",
         f"Experts, as encoders are fine-tuned: mean pooling + a linear head trained together with the encoder, "
         f"AdamW (weight decay {spec['weight_decay']}), {spec['steps']} steps of batch {spec['batch']}, linear warm-up "
-        f"({100 * spec['warmup']:.0f} %) and decay, dropout on, gradient clipping 1.0. **full**: every weight, lr "
+        f"({100 * spec['warmup']:.0f} %) and decay, gradient clipping 1.0. **full**: every weight, dropout on, lr "
         + (f"{lr:g} (chosen by the learning-rate search below). " if searched else
            f"{lr:g} (the top of the usual 2e-5..5e-5 range for BERT-size encoders, so that the parity-like tasks "
            "are learned within a few hundred steps). ")
@@ -455,12 +455,22 @@ def charts(res: dict, out: Path) -> list[Path]:
     return paths
 
 
+def run_text(par: dict) -> str:
+    """How the run went: processes and minutes; a one-variant re-run (``--variants``) says what it kept."""
+    text = f"{par['procs']} processes, {par['seconds_total'] / 60:.0f} min in all"
+    prev = par.get("previous")
+    if prev:
+        text += (f" (this run: {', '.join(par['variants'])} only, the other results kept from a run of "
+                 f"{prev['procs']} processes, {prev['seconds_total'] / 60:.0f} min)")
+    return text + "."
+
+
 def encoder_markdown(res: dict, files: list[Path]) -> list[str]:
     rows = f1_rows(res) + f2_rows(res) + [f3_row(res)]
     lines = ["## Family A: all-MiniLM-L6-v2, a genuinely pretrained encoder", "",
              f"Run {res['started']}, {res['machine']['cpus']} CPUs ({res['machine']['threads']} thread per process), "
              f"torch {res['machine']['torch']}; "
-             + (f"{res['parallel']['procs']} processes, {res['parallel']['seconds_total'] / 60:.0f} min in all. Reproduce: "
+             + (run_text(res["parallel"]) + " Reproduce: "
                 "`python -m benchmarks.fidelity.encoder_parallel --procs N` (learning-rate search, families and every "
                 "phase; families cached under `benchmarks/work/fidelity/minilm-<candidate>`), then "
                 "`python -m benchmarks.fidelity.encoder_study --report`."

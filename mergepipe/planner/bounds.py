@@ -11,7 +11,7 @@ from mergepipe.catalog import analyses
 # The suggested budget's rule: the smallest greedy budget whose blockwise bound is at most this fraction of
 # the estimated ||M_full - base||. From the fidelity study on real fine-tunes (docs/fidelity/README.md: the
 # smallest blockwise bound at which an additive merge stayed within 1 point of its full merge).
-SUGGEST_BOUND_FRACTION = 0.66  # measured 0.666 (2026-12-04 run), rounded down: the suggestion errs towards more bytes
+SUGGEST_BOUND_FRACTION = 0.41  # measured 0.419 (2026-12-04 run, LoRA pairs), rounded down: errs towards more bytes
 
 
 class Bounds:

@@ -309,3 +309,11 @@ def test_a_family_from_before_the_lora_settings_rebuilds_its_lora_experts(tmp_pa
     assert prepare_family(tmp_path / "a", spec, log=log.append) == ["lora"]
     assert "lora_encoder_dropout, lora_head_init" in log[0] and "lora_dropout" in log[0]
     assert json.loads((tmp_path / "a" / "spec.json").read_text()) == stored
+
+
+def test_run_text_says_what_a_one_variant_rerun_kept():
+    from benchmarks.fidelity.encoder_report import run_text
+    assert run_text({"procs": 2, "seconds_total": 600.0}) == "2 processes, 10 min in all."
+    assert run_text({"procs": 2, "seconds_total": 1980.0, "variants": ["lora"],
+                     "previous": {"procs": 16, "seconds_total": 5010.0}}) == (
+        "2 processes, 33 min in all (this run: lora only, the other results kept from a run of 16 processes, 84 min).")
