@@ -103,9 +103,24 @@ def settled(page, locator, timeout=90_000):
     return locator
 
 
+def click_alone(page, locator, timeout=90_000):
+    """Click ``locator`` when it resolves to exactly one element. A rerun can render a stale twin again between
+    the count and the click; Playwright's strict mode then refuses the click (nothing is clicked), so try again."""
+    deadline = time.monotonic() + timeout / 1000
+    while True:
+        settled(page, locator)
+        try:
+            locator.click(timeout=10_000)
+            return
+        except playwright_sync.Error as e:
+            if "strict mode violation" not in str(e) or time.monotonic() > deadline:
+                raise
+        page.wait_for_timeout(250)
+
+
 def press(page, name: str):
     """Click the button named ``name`` once the page shows exactly one (a rerun may keep a stale twin)."""
-    settled(page, page.get_by_role("button", name=name)).click()
+    click_alone(page, page.get_by_role("button", name=name))
 
 
 def nav(page, title: str, heading: str | None = None):
@@ -214,9 +229,7 @@ def test_dashboard_end_to_end(server, page):
     kib.fill("4")
     kib.press("Enter")
     idle(page)
-    analyze = page.locator(".st-key-analyze_btn button")
-    expect(analyze).to_have_count(1, timeout=30_000)  # a rerun under load may briefly keep a stale twin
-    analyze.click()
+    click_alone(page, page.locator(".st-key-analyze_btn button"))
     settled(page, page.get_by_text(re.compile(r"run \d+ succeeded: analyze expert_1,expert_2,expert_3: 100%")))
     expect(page.get_by_text("Not analyzed yet")).to_have_count(0)
     cat = Catalog(server["db"])
