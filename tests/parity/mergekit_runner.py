@@ -33,6 +33,18 @@ def mergekit_merge(config: dict | str, out: Path, seed: int | None = None, copy_
     return load_dir(out)
 
 
+def config_merge_both(cat, work: Path, cfg: dict, name: str):
+    """``cfg`` merged by mergekit into ``work/mk-<name>`` (without MergePipe's own ``mergepipe:`` key) and by
+    ``api.merge_config`` into ``work/mp-<name>``: (plan, manifest, MergePipe's tensors, mergekit's tensors)."""
+    from mergepipe import api
+    from mergepipe.config.parse import parse_config
+
+    ref = mergekit_merge({k: v for k, v in cfg.items() if k != "mergepipe"}, work / f"mk-{name}")
+    plan, _, manifest = api.merge_config(cat, parse_config(yaml.safe_dump(cfg)), work / f"mp-{name}",
+                                         model_id=f"mp-{name}")
+    return plan, manifest, load_dir(work / f"mp-{name}"), ref
+
+
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
     """Per tensor max |a - b| (float64); the key sets must be equal."""
     assert set(a) == set(b), (sorted(set(a) ^ set(b)))[:10]

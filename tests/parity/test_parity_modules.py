@@ -24,7 +24,7 @@ from mergepipe.config.parse import parse_config
 from mergepipe.research.family import _write_tokenizer
 
 from merge_helpers import assert_config_refused, catalog_counts, load_dir
-from mergekit_runner import mergekit_merge
+from mergekit_runner import config_merge_both, mergekit_merge
 
 ARCH = "Qwen2_5_VLForConditionalGeneration"
 H, V, I, VH, VI = 32, 64, 48, 32, 48  # text hidden, vocab, text MLP; vision hidden, vision MLP
@@ -115,11 +115,7 @@ def _models(root, *entries):
 
 def _merge_both(vl, cfg, name):
     root, cat = vl
-    cfg = dict(cfg, dtype="float32")
-    ref = mergekit_merge({k: v for k, v in cfg.items() if k != "mergepipe"}, root / f"mk-{name}")
-    plan, _, manifest = api.merge_config(cat, parse_config(yaml.safe_dump(cfg)), root / f"mp-{name}",
-                                         model_id=f"mp-{name}")
-    return plan, manifest, load_dir(root / f"mp-{name}"), ref
+    return config_merge_both(cat, root, dict(cfg, dtype="float32"), name)
 
 
 def _equal(got, ref):

@@ -22,7 +22,7 @@ from mergepipe.config.model import ConfigError
 from mergepipe.config.parse import parse_config
 
 from merge_helpers import assert_config_refused, catalog_counts, load_dir, open_copy, run_cli, shared_family, slice_source as _src
-from mergekit_runner import mergekit_merge
+from mergekit_runner import config_merge_both, mergekit_merge
 
 EPS32 = 2.0 ** -23
 ULPS = 8  # the small family's larger tensors: float32 reductions in mergekit, float64 statistics here
@@ -57,10 +57,7 @@ def _both(fam, start, end, **slice_params):
 
 def _merge_both(cat, work, cfg, name, out_dtype=None):
     cfg = dict(cfg, dtype="float32", **({"out_dtype": out_dtype} if out_dtype else {}))
-    ref = mergekit_merge(cfg, work / f"mk-{name}")
-    plan, _, manifest = api.merge_config(cat, parse_config(yaml.safe_dump(cfg)), work / f"mp-{name}",
-                                         model_id=f"mp-{name}")
-    return plan, manifest, load_dir(work / f"mp-{name}"), ref
+    return config_merge_both(cat, work, cfg, name)
 
 
 def _close(got, ref):

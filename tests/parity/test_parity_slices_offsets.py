@@ -23,7 +23,7 @@ from mergepipe.config.parse import parse_config
 from mergepipe.storage.views import LAYER, renumber
 
 from merge_helpers import assert_config_refused, load_dir, open_copy, run_cli, shared_family, slice_source as _src
-from mergekit_runner import mergekit_merge
+from mergekit_runner import config_merge_both, mergekit_merge
 
 EPS32 = 2.0 ** -23
 ULPS = 8
@@ -39,11 +39,7 @@ def small(tmp_path_factory):
 
 
 def _merge_both(cat, work, cfg, name):
-    cfg = dict(cfg, dtype="float32")
-    ref = mergekit_merge(cfg, work / f"mk-{name}")
-    plan, _, manifest = api.merge_config(cat, parse_config(yaml.safe_dump(cfg)), work / f"mp-{name}",
-                                         model_id=f"mp-{name}")
-    return plan, manifest, load_dir(work / f"mp-{name}"), ref
+    return config_merge_both(cat, work, dict(cfg, dtype="float32"), name)
 
 
 def _ulps(got, ref, tied=None) -> tuple[float, int]:
