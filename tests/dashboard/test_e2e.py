@@ -143,12 +143,21 @@ def no_exception(page):
     assert page.locator("[data-testid='stException']").count() == 0
 
 
-def choose(page, label: str, option: str):
-    """Pick an option of a selectbox by typing it into its combobox and pressing Enter."""
+def choose(page, label: str, option: str, tries: int = 4):
+    """Pick an option of a selectbox by typing it into its combobox and clicking the option. An app rerun
+    (a background job's fragment finishing) can close the open list before the click: open it again."""
     box = page.get_by_role("combobox", name=label)
-    box.click()
-    box.fill(option)
-    page.get_by_role("option", name=option, exact=True).click()
+    for attempt in range(tries):
+        idle(page)
+        box.click()
+        box.fill(option)
+        try:
+            page.get_by_role("option", name=option, exact=True).click(timeout=10_000)
+            break
+        except playwright_sync.TimeoutError:
+            if attempt == tries - 1:
+                raise
+            page.keyboard.press("Escape")
     idle(page)
 
 
