@@ -107,6 +107,24 @@ def analyze(catalog: Catalog, model_ids=None, progress=None, **kw):
     return run_analyze(catalog, model_ids, progress=progress, **kw)
 
 
+def compact_codecs() -> list[tuple[str, str]]:
+    """(name, what it stores) of every compact codec ANALYZE can store (storage/compact.py)."""
+    from mergepipe.storage.codecs import Codec
+    return [(c.value, c.help) for c in Codec]
+
+
+def compact_modes() -> tuple[str, ...]:
+    """What a merge request's ``compact`` takes: auto, off or a codec name (planner/request.py)."""
+    from mergepipe.storage.codecs import COMPACT_MODES
+    return COMPACT_MODES
+
+
+def compact_growth_text(compact_bytes: int, expert_bytes: int) -> str:
+    """"+6.6 % of expert bytes": the catalog growth of compact deltas."""
+    from mergepipe.storage.codecs import growth_text
+    return growth_text(compact_bytes, expert_bytes)
+
+
 def operators() -> list:
     """The operators' declarations (OpSpec: name, aliases, reference, parameters), in listing order."""
     from mergepipe.ops.core import OPERATORS
@@ -370,6 +388,9 @@ def doctor(db_path) -> dict:
                 except (MergePipeError, OSError) as exc:
                     findings.append(f"model {row['id']}: {exc}")
                 checked["models"] += 1
+            from mergepipe.catalog.compacts import compact_findings
+            compact_notes, checked["compacts"] = compact_findings(catalog)
+            findings += compact_notes
         finally:
             catalog.close()
     return {"catalog": str(path), "findings": findings, "checked": checked, "healthy": not findings}

@@ -11,26 +11,38 @@ from typing import Callable
 from mergepipe.analyze.stats import (
     AnalyzeResult, DEFAULT_DENSITIES, ExpertAnalysis, analysis_workers, analyze_tensor,
 )
+from mergepipe.analyze.compact_store import CompactWriter
+from mergepipe.catalog import compacts
 from mergepipe.catalog.analyses import replace_analyses
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.gram import replace_gram
 from mergepipe.catalog.models import check_unchanged
 from mergepipe.catalog.sketch import DEFAULT_SKETCH_SIZE
 from mergepipe.errors import CatalogError
+from mergepipe.storage.compact import DEFAULT_GROUP, Codec, check_group, codec as codec_named
 from mergepipe.storage.grid import DEFAULT_BLOCK_BYTES
 from mergepipe.storage.registry import open_checkpoint
 
 
 Progress = Callable[[str, int, int], None]
 def store_analyses(catalog: Catalog, jobs: list[ExpertAnalysis], seconds: dict | None = None) -> None:
-    """Replace the statistics of these experts (and their base's grid) in one transaction."""
+    """Replace the statistics of these experts (and their base's grid), and their compact deltas, in one
+    transaction; then remove the compact files nothing references any more."""
     with catalog.transaction():
+        grids = {job.base["id"]: catalog.grid_block_bytes(job.base["id"]) for job in jobs}
         replace_analyses(catalog, jobs, seconds)
         replace_gram(catalog, jobs)
+        for job in jobs:
+            if job.compact is not None:
+                job.compact.commit(catalog, sum(r["nbytes"] for rows, _ in job.results.values() for r in rows))
+            elif grids[job.base["id"]] != job.block_bytes:  # a new grid: the old compact no longer fits
+                compacts.delete_rows(catalog, job.expert_id)
+    compacts.prune_files(catalog)
 
 
 def _prepare(catalog: Catalog, expert_id: str, block_bytes, sketch_size, densities, force,
-             gram: bool = False, arcee: bool = False, sce_topk=()) -> ExpertAnalysis | None:
+             gram: bool = False, arcee: bool = False, sce_topk=(), compact: Codec | None = None,
+             compact_group: int = DEFAULT_GROUP) -> ExpertAnalysis | None:
     """The analysis job for one expert, or None when its stored statistics are current."""
     expert = catalog.model(expert_id)
     if not expert["base_id"]:
@@ -47,11 +59,26 @@ def _prepare(catalog: Catalog, expert_id: str, block_bytes, sketch_size, densiti
     if (
         not force and prev and grid_bytes == block_bytes and catalog.is_analyzed(expert_id)
         and prev["sketch_size"] == sketch_size and set(json.loads(prev["densities"])) >= set(densities)
+        and _compact_current(catalog, expert, block_bytes, compact, compact_group)
     ):
         return None
+    writer = CompactWriter(catalog, expert, base["id"], block_bytes, compact, compact_group) if compact else None
     return ExpertAnalysis(expert, base, open_checkpoint(base["uri"]), block_bytes, sketch_size, densities,
                           grid_seen=grid_bytes, with_gram=gram, with_arcee=arcee,
-                          sce_topk=sce_topk)
+                          sce_topk=sce_topk, compact=writer)
+
+
+def _compact_current(catalog: Catalog, expert: dict, block_bytes: int, compact: Codec | None, group: int) -> bool:
+    """No compact asked for, or the stored one is this codec and group size, for this fingerprint and grid."""
+    if compact is None:
+        return True
+    row = compacts.current_compact(catalog, expert["id"], expert["fingerprint"], block_bytes)
+    return row is not None and row["codec"] == compact.value and row["group_size"] == group
+
+
+def check_compact(compact, group) -> tuple[Codec | None, int]:
+    """ANALYZE's compact settings, checked before anything is read (None or a codec name; the group size)."""
+    return (None if compact in (None, False, "", "none", "off") else codec_named(compact)), check_group(group)
 
 
 def check_settings(block_bytes, sketch_size, densities) -> tuple:
@@ -116,14 +143,17 @@ def _run_tasks(jobs: list[ExpertAnalysis], progress: Progress | None) -> None:
 
 def analyze(catalog: Catalog, model_ids=None, progress: Progress | None = None, block_bytes: int | None = None,
             sketch_size: int = DEFAULT_SKETCH_SIZE, densities=DEFAULT_DENSITIES,
-            force: bool = False, gram: bool = False, arcee: bool = False, sce_topk=()) -> list[AnalyzeResult]:
+            force: bool = False, gram: bool = False, arcee: bool = False, sce_topk=(), compact=None,
+            compact_group: int = DEFAULT_GROUP) -> list[AnalyzeResult]:
     """Analyze the given experts (default: every registered model that has a base) in one pass;
     experts whose statistics are current are skipped. All statistics are stored in one transaction.
     ``gram``: also the pairwise Gram statistics of these experts, analyzed together (the interpolation
     methods need them; implies ``force``, since the pairs depend on the set). ``arcee``: also arcee_fusion's
     per-tensor importance thresholds (implies ``gram``). ``sce_topk``: also sce's variance top-k for these
-    select_topk values < 1 (analyze/sce.py; implies ``gram``)."""
+    select_topk values < 1 (analyze/sce.py; implies ``gram``). ``compact``: a codec name (storage/compact.py)
+    to store each block's compact delta with, in groups of ``compact_group`` entries (the same read)."""
     sce_topk = check_sce_topk(sce_topk)
+    compact, compact_group = check_compact(compact, compact_group)
     gram = gram or arcee or bool(sce_topk)
     force = force or gram
     block_bytes, sketch_size, densities = check_settings(block_bytes, sketch_size, densities)
@@ -131,15 +161,23 @@ def analyze(catalog: Catalog, model_ids=None, progress: Progress | None = None, 
         model_ids = [m["id"] for m in catalog.models() if m["base_id"]]
     for mid in model_ids:
         catalog.model(mid)  # fail before any work on an unknown id
-    jobs = {mid: _prepare(catalog, mid, block_bytes, sketch_size, densities, force, gram, arcee,
-                                sce_topk) for mid in model_ids}
+    jobs = {}
+    try:
+        for mid in model_ids:
+            jobs[mid] = _prepare(catalog, mid, block_bytes, sketch_size, densities, force, gram, arcee, sce_topk,
+                                 compact, compact_group)
+    except BaseException:
+        for job in jobs.values():
+            if job is not None:
+                job.close()
+        raise
     todo = [j for j in jobs.values() if j is not None]
     grids = {}
-    for job in todo:  # one grid per base
-        if grids.setdefault(job.base["id"], job.block_bytes) != job.block_bytes:
-            raise CatalogError(f"experts of {job.base['id']} analyzed with different block sizes in one run")
     t0 = time.perf_counter()
     try:
+        for job in todo:  # one grid per base
+            if grids.setdefault(job.base["id"], job.block_bytes) != job.block_bytes:
+                raise CatalogError(f"experts of {job.base['id']} analyzed with different block sizes in one run")
         run_analyses(todo, progress)
         wall = time.perf_counter() - t0
         if todo:
@@ -148,8 +186,15 @@ def analyze(catalog: Catalog, model_ids=None, progress: Progress | None = None, 
         for job in todo:
             job.close()
     return [AnalyzeResult(mid, True) if job is None else
-            AnalyzeResult(mid, False, job.bytes_read, wall / max(1, len(todo)), job.n_blocks)
+            AnalyzeResult(mid, False, job.bytes_read, wall / max(1, len(todo)), job.n_blocks, _compact_result(job))
             for mid, job in jobs.items()]
+
+
+def _compact_result(job: ExpertAnalysis) -> dict | None:
+    w = job.compact
+    if w is None:
+        return None
+    return {"codec": w.codec.value, "group": w.group, "bytes": w.size, "expert_bytes": w.expert_bytes}
 
 
 def analyze_expert(catalog: Catalog, expert_id: str, block_bytes: int | None = None,

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mergepipe.analyze import kernels
+from mergepipe.analyze.compact_store import CompactWriter
 from mergepipe.analyze.gram import GramAccumulator
 from mergepipe.analyze.thresholds import (NO_CUT, DenseSelection, HIST_BINS, KeySelection, block_cut,
                                           kth_largest_thresholds, tie_cut_queries)
@@ -86,6 +87,8 @@ class AnalyzeResult:
     bytes_read: int = 0
     seconds: float = 0.0
     n_blocks: int = 0
+    # the compact deltas stored: {"codec", "group", "bytes", "expert_bytes"} (None: none written)
+    compact: dict | None = None
 
 
 def analysis_workers() -> int:
@@ -98,8 +101,9 @@ class ExpertAnalysis:
 
     def __init__(self, expert: dict, base: dict, base_ck: Checkpoint, block_bytes: int,
                  sketch_size: int = DEFAULT_SKETCH_SIZE, densities=DEFAULT_DENSITIES, grid_seen: int | None = None,
-                 with_gram: bool = False, with_arcee: bool = False, sce_topk=()):
+                 with_gram: bool = False, with_arcee: bool = False, sce_topk=(), compact: "CompactWriter | None" = None):
         self.expert, self.base = expert, base
+        self.compact = compact  # the compact deltas this analysis writes on the way (analyze/compact_store.py)
         # arcee_fusion's importance thresholds (analyze/gram.py): opt-in as well, measured 1.7x the time of
         # ANALYZE --gram on the small family (a softmax of every row of base and expert, a sort per tensor)
         self.with_arcee = with_arcee
@@ -163,6 +167,8 @@ class ExpertAnalysis:
     def close(self) -> None:
         self.rb.close()
         self.re.close()
+        if self.compact is not None:
+            self.compact.close()
 
 
 class _Arena:
@@ -245,6 +251,7 @@ class _TensorPass:
         self.block_bins: list[tuple] = []
         self._hist_before = None
         self.rows: list[dict] = []
+        self.compacts: list[tuple] = []  # (block, entries, record, error norms) when the job writes compacts
         self.cached: list[tuple] = []  # (expert, base) arrays of every block, when the tensor is kept
         self.l2sq = self.l1 = self.mx = 0.0
         self.nnz = self.nonzero_low = 0
@@ -316,6 +323,8 @@ class _TensorPass:
         self.rows.append(_row(self.job.expert_id, self.binfo.name, span, rng, delta_l2=math.sqrt(s2), delta_l1=s1,
                               delta_max_abs=m, delta_nnz=n, nonfinite=nonfinite, base_nonfinite=base_nonfinite,
                               sketch=sketch))
+        if self.job.compact is not None and n:
+            self.compacts.append((span.index, e.size, *self.job.compact.encode(e, b)))
         self.l2sq, self.l1, self.mx = self.l2sq + s2, self.l1 + s1, max(self.mx, m)
         self.nnz, self.nonzero_low = self.nnz + n, self.nonzero_low + low
         if keep:
@@ -341,6 +350,9 @@ class _TensorPass:
                  "fixed_bytes": self.fixed_bytes if self.nnz else 0,
                  "nonfinite": self.nonfinite, "base_nonfinite": self.base_nonfinite}
         self.cached, self.keys, self.block_bins, self._hist_before = [], _NO_KEYS, [], None
+        if job.compact is not None and self.compacts:
+            job.compact.append(binfo.name, self.compacts)
+            self.compacts = []
         return self.rows, stats
 
     def _tie_cuts(self, topk: dict, thresholds: dict) -> None:

@@ -218,6 +218,9 @@ def register_many(
             for c, row in rows:
                 _write(catalog, c, row)
             catalog.conn.executemany("UPDATE models SET content_hash = ? WHERE id = ?", hashes)
+        if any(c.existing for c in to_write):  # a re-registered expert's compact deltas no longer apply
+            from mergepipe.catalog.compacts import prune_files
+            prune_files(catalog)
     return [c.result() for c in checked]
 
 
@@ -356,7 +359,7 @@ def _tensor_rows(c: Checked) -> list[dict]:
 def _write(catalog: Catalog, c: Checked, row: dict) -> None:
     """Insert one model and its tensors (inside the caller's transaction), replacing its old rows."""
     if c.existing:
-        for table in ("tensors", "blocks", "tensor_stats", "analyses"):
+        for table in ("tensors", "blocks", "tensor_stats", "analyses", "compacts", "compact_blocks"):
             catalog.conn.execute(f"DELETE FROM {table} WHERE model_id = ?", [c.model_id])
         catalog.conn.execute("DELETE FROM models WHERE id = ?", [c.model_id])
     catalog.db["models"].insert(row)

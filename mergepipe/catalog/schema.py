@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 # ANALYZE's per-tensor Gram statistics (catalog/gram.py): a = b = '' is ||base||^2, a = '' <base, delta_b>,
 # else <delta_a, delta_b> (a <= b), for the experts analyzed together.
@@ -34,6 +34,18 @@ RECIPE_TABLES = [
     """CREATE TABLE IF NOT EXISTS watch_seen (
         path TEXT PRIMARY KEY, model_id TEXT NOT NULL, fingerprint TEXT NOT NULL, status TEXT NOT NULL,
         updated_at TEXT)""",
+]
+
+# compact deltas (v10, issue 27): one compact file per expert beside the catalog (storage/compact.py), keyed
+# by the expert's fingerprint and the grid, and per block its entries and the exact error norm of each level
+COMPACT_TABLES = [
+    """CREATE TABLE IF NOT EXISTS compacts (
+        model_id TEXT PRIMARY KEY, base_id TEXT NOT NULL, fingerprint TEXT NOT NULL, block_bytes INTEGER NOT NULL,
+        codec TEXT NOT NULL, group_size INTEGER NOT NULL, file TEXT NOT NULL, nbytes INTEGER NOT NULL,
+        sha256 TEXT NOT NULL, expert_bytes INTEGER NOT NULL, n_blocks INTEGER NOT NULL, created_at TEXT)""",
+    """CREATE TABLE IF NOT EXISTS compact_blocks (
+        model_id TEXT NOT NULL, tensor TEXT NOT NULL, block INTEGER NOT NULL, offset INTEGER NOT NULL,
+        n INTEGER NOT NULL, err1 REAL, err2 REAL, err4 REAL, PRIMARY KEY (model_id, tensor, block))""",
 ]
 
 SCHEMA = [
@@ -98,6 +110,7 @@ SCHEMA = [
     """CREATE INDEX IF NOT EXISTS blocks_model ON blocks (model_id)""",
     """CREATE INDEX IF NOT EXISTS models_base ON models (base_id)""",
     *SWEEP_TABLES,
+    *COMPACT_TABLES,
 ]
 
 # Ordered migrations: version -> statements taking the schema from version-1 to version.
@@ -127,4 +140,5 @@ MIGRATIONS: dict[int, list[str]] = {
         PRIMARY KEY (model_id, fingerprint, dataset, metric))"""],
     8: list(RECIPE_TABLES),  # recipes and the watcher (issue 17)
     9: SWEEP_TABLES,  # merge sweeps and their points (issue 20)
+    10: COMPACT_TABLES,  # compact deltas (issue 27)
 }

@@ -109,6 +109,8 @@ def delete_snapshot_rows(catalog: Catalog, snapshot_id: str, model_id: str) -> N
                      ("DELETE FROM blocks WHERE model_id = ?", model_id),
                      ("DELETE FROM tensor_stats WHERE model_id = ?", model_id),
                      ("DELETE FROM analyses WHERE model_id = ?", model_id),
+                     ("DELETE FROM compacts WHERE model_id = ?", model_id),
+                     ("DELETE FROM compact_blocks WHERE model_id = ?", model_id),
                      ("DELETE FROM evaluations WHERE model_id = ?", model_id),
                      ("DELETE FROM models WHERE id = ?", model_id)):
         ex(sql, [arg])

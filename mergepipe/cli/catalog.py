@@ -75,7 +75,17 @@ def _add_analyze(p):
     p.add_argument("--sce-topk", type=float, action="append", metavar="X",
                    help="also the per-tensor top-k of the variance across these experts that sce needs for "
                         "select_topk X < 1 (repeatable; implies --gram)")
+    p.add_argument("--compact", nargs="?", const="progressive", default=None, metavar="CODEC",
+                   help="also store each block's compact delta, in the same read, for three-way plans: "
+                        + "; ".join(f"{c}: {h}" for c, h in compact_codecs()) + " (default with the flag: progressive)")
+    p.add_argument("--compact-group", type=int, default=None, metavar="N",
+                   help="entries per scale of the compact deltas (a multiple of 8 in [16, 4096]; default 128)")
     p.add_argument("--run-id", type=int, help=argparse.SUPPRESS)
+
+
+def compact_codecs() -> list[tuple[str, str]]:
+    from mergepipe.api import compact_codecs as codecs
+    return codecs()
 
 
 @command("analyze", "compute per-block delta statistics of experts against their base")
@@ -89,6 +99,10 @@ def cmd_analyze(args):
           "densities": tuple(DEFAULT_DENSITIES) + tuple(args.densities or ())}
     if args.block_bytes is not None:
         kw["block_bytes"] = args.block_bytes
+    if args.compact is not None:
+        kw["compact"] = args.compact
+    if args.compact_group is not None:
+        kw["compact_group"] = args.compact_group
     prog, cb = progress_bar("analyze")
     run = None
     if args.run_id is not None:
@@ -121,7 +135,13 @@ def cmd_analyze(args):
             else:
                 rate = r["bytes_read"] / r["seconds"] if r["seconds"] else 0
                 print(f"{r['model_id']}: {r['n_blocks']} blocks, read {human_bytes(r['bytes_read'])} "
-                      f"in {r['seconds']:.2f} s ({human_bytes(rate)}/s)")
+                      f"in {r['seconds']:.2f} s ({human_bytes(rate)}/s)"
+                      + (f"; compact {human_bytes(r['compact']['bytes'])}" if r.get("compact") else ""))
+        stored = [r["compact"] for r in rows if r.get("compact")]
+        if stored:
+            from mergepipe.api import compact_growth_text
+            print(f"compact deltas ({stored[0]['codec']}, groups of {stored[0]['group']}): "
+                  f"{compact_growth_text(sum(c['bytes'] for c in stored), sum(c['expert_bytes'] for c in stored))}")
     emit(args, out, render)
     from mergepipe.api import outlier_warnings
     done = {r["model_id"] for r in out}

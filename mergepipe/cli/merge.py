@@ -64,6 +64,13 @@ def _add_plan_args(p, with_out: bool):
     p.add_argument("--strategy", default=None,
                    help="how blocks are ranked: norm (default), conflict, kept, random, uniform")
     p.add_argument("--seed", type=int, default=None, help="seed of the random operators and strategy (default 0)")
+    tier = p.add_mutually_exclusive_group()
+    tier.add_argument("--compact", default=None, metavar="CODEC", choices=[m for m in api.compact_modes() if m != "off"],
+                      help="read blocks the budget cannot read exactly from the catalog's compact deltas (analyze "
+                           "--compact): auto (default: the levels stored), or sign1, q2, q4, progressive to restrict "
+                           "the bits per entry read")
+    tier.add_argument("--no-compact", dest="compact", action="store_const", const="off",
+                      help="exact or omitted blocks only (plans as without compacts)")
     p.add_argument("--coalesce", choices=("auto", "on", "off"), default=None,
                    help="prefer fewer, larger ranges at (nearly) equal bytes: auto (default: when an expert is "
                         "remote), on, off")
@@ -165,7 +172,7 @@ def _request(args):
     if not args.base or not args.experts:
         raise MergePipeError("--base and --experts are required (or give a mergekit YAML with --config)")
     return api.merge_request(args.base, args.experts, args.op or "linear", budget=budget, seed=args.seed,
-                             strategy=args.strategy, coalesce=args.coalesce,
+                             strategy=args.strategy, coalesce=args.coalesce, compact=args.compact,
                              coalesce_tolerance=args.coalesce_tolerance, out=getattr(args, "out", None),
                              model_id=getattr(args, "model_id", None), **_settings(args))
 
@@ -188,7 +195,8 @@ def _load_config(args):
                              "when an expert is remote")
     return api.load_config(args.config).with_overrides(
         operator=args.op, budget=None if budget is None or budget.is_target else budget,
-        target_bound=args.target_bound, strategy=args.strategy, seed=args.seed, **_settings(args))
+        target_bound=args.target_bound, strategy=args.strategy, seed=args.seed, compact=args.compact,
+        **_settings(args))
 
 
 def _config_plan(args, cat, save, reserved_ids):

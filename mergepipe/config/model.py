@@ -38,7 +38,7 @@ SHARED_PARAMS = tuple(n for n, p in PARAMS.items() if not p.per_tensor and p.kin
 GRADIENT_PARAMS = tuple(n for n, p in PARAMS.items() if p.gradient)
 GLOBAL_PARAMS = tuple(PARAMS) + ("int8_mask",)
 MODEL_PARAMS = PER_TENSOR + SHARED_PARAMS
-EXTENSION_KEYS = ("budget", "target_bound", "strategy", "seed", "plan")
+EXTENSION_KEYS = ("budget", "target_bound", "strategy", "seed", "plan", "compact")
 # mergekit methods MergePipe does not implement (named so that the refusal says so).
 MERGEKIT_ONLY_METHODS = ("slerp", "nuslerp", "multislerp", "model_stock", "passthrough", "karcher", "sce",
                          "arcee_fusion", "nearswap", "ram", "core_space", "task_adapter", "cabs", "lrp", "pcb",
@@ -87,6 +87,7 @@ class MergekitConfig:
     target_bound: float | None = None
     strategy: str | None = None
     seed: int | None = None
+    compact: str | None = None  # the compact tier (planner/request.py COMPACT_MODES); None: auto
     plan_id: str | None = None  # informational (written by export)
     tokenizer_source: str | None = None  # "union", "base", a model reference as written; None: not given
     tokenizer_tokens: tuple = ()  # mergekit's tokenizer.tokens as ((token, force, source as written), ...)
@@ -99,7 +100,7 @@ class MergekitConfig:
     slices_reference: bool = False  # slices (modules) without base_model: the base is the first source (a reference)
 
     def with_overrides(self, operator=None, budget=None, target_bound=None, strategy=None, seed=None,
-                       **params) -> MergekitConfig:
+                       compact=None, **params) -> MergekitConfig:
         """The config with command-line settings replacing its own (None: keep the config's value).
 
         ``params`` are operator parameters by their request keyword (ops/spec.py declarations:
@@ -135,7 +136,7 @@ class MergekitConfig:
                           for m in models]  # one value for every model now
         changes["models"] = tuple(models)
         changes["method_params"] = method_params
-        for name, value in (("strategy", strategy), ("seed", seed)):
+        for name, value in (("strategy", strategy), ("seed", seed), ("compact", compact)):
             if value is not None:
                 changes[name] = value
         if budget is not None or target_bound is not None:

@@ -25,6 +25,7 @@ from mergepipe.errors import PlanError, StorageError
 from mergepipe.ops.core import OPERATORS
 from mergepipe.planner.budget import Budget
 from mergepipe.planner.settings import PER_MODEL_PARAMS, check_setting
+from mergepipe.storage.codecs import COMPACT_MODES
 from mergepipe.planner.strategies import STRATEGIES
 from mergepipe.storage.paths import read_regular
 
@@ -118,7 +119,7 @@ def _parse(text, source: str) -> MergekitConfig:
     dtype = _dtype(doc.get("dtype"), "dtype")
     out_dtype = _dtype(doc.get("out_dtype"), "out_dtype")
     tokenizer_source, tokens, pad, chat_template = _tokenizer(doc)
-    budget, target, strategy, seed, plan_id = _extension(doc)
+    budget, target, strategy, seed, plan_id, compact = _extension(doc)
 
     return MergekitConfig(
         source=source, method=method, base=base, models=tuple(models),
@@ -126,6 +127,7 @@ def _parse(text, source: str) -> MergekitConfig:
         rescale=_flag_setting(globals_.get("rescale"), "parameters.rescale"),
         lam=values["lambda"], gamma=values["gamma"], epsilon=values["epsilon"],
         dtype=dtype, out_dtype=out_dtype, budget=budget, target_bound=target, strategy=strategy, seed=seed,
+        compact=compact,
         plan_id=plan_id, tokenizer_source=tokenizer_source, tokenizer_tokens=tokens,
         pad_to_multiple_of=pad, chat_template=chat_template, method_params=_method_params(globals_, values),
         slices=slices, modules=modules, slices_reference=reference)
@@ -371,7 +373,7 @@ def _tokenizer(doc: dict) -> tuple:
 
 
 def _extension(doc: dict):
-    """The ``mergepipe:`` extension key: (budget, target_bound, strategy, seed, plan id)."""
+    """The ``mergepipe:`` extension key: (budget, target_bound, strategy, seed, plan id, compact)."""
     ext = doc.get("mergepipe") or {}
     if not isinstance(ext, dict):
         raise ConfigError("`mergepipe` must be a mapping (budget, target_bound, strategy, seed)")
@@ -400,7 +402,12 @@ def _extension(doc: dict):
     plan_id = ext.get("plan")
     if plan_id is not None and not isinstance(plan_id, str):
         raise ConfigError("mergepipe.plan must be a plan id")
-    return budget, target, strategy, seed, plan_id
+    compact = ext.get("compact")
+    if isinstance(compact, bool):
+        compact = "auto" if compact else "off"
+    if compact is not None and compact not in COMPACT_MODES:
+        raise ConfigError(f"mergepipe.compact {str(compact)[:40]!r} is unknown (choose from {', '.join(COMPACT_MODES)})")
+    return budget, target, strategy, seed, plan_id, compact
 
 
 def _known(key, allowed, where: str) -> bool:

@@ -60,7 +60,8 @@ class Resolved:
         method_params = c.method_params if self.method_params is None else self.method_params
         return MergeRequest.build(self.base, self.experts, c.method, budget=c.budget, target_bound=c.target_bound,
                                   lam=c.lam, normalize=c.normalize, rescale=c.rescale, gamma=c.gamma,
-                                  epsilon=c.epsilon, seed=c.seed, strategy=c.strategy, tokenizer=self.tokenizer,
+                                  epsilon=c.epsilon, seed=c.seed, strategy=c.strategy, compact=c.compact,
+                                  tokenizer=self.tokenizer,
                                   layout=self.layout, base_member=self.base_member, **method_params)
 
 

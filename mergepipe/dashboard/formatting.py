@@ -44,3 +44,29 @@ def short_fp(fp: str | None) -> str:
     if not fp:
         return "-"
     return fp.split(":", 1)[-1][:12]
+
+
+# The error-bound keys a plan may carry (planner/context.py, planner/bounds.py), each with how the page names it.
+# Values are read by key (a plan may lack some: older plans, operators without a bound); keys not listed here
+# are not shown.
+BOUND_KEYS = (("absolute", "absolute"), ("additive", "additive"), ("blockwise", "blockwise (disjoint blocks)"))
+RELATIVE_KEYS = {"absolute": "relative", "additive": "additive_relative", "blockwise": "blockwise_relative"}
+
+
+def bound_parts(bound: dict | None) -> list[str]:
+    """The bounds a plan states, one labelled text per key present: 'absolute 0.0184 (relative 0.0834)',
+    'additive 0.143 (relative 0.648)'. A blockwise value equal to the absolute one is named on the absolute
+    entry instead of repeated. Empty without a bound."""
+    if not bound:
+        return []
+    out = []
+    same = bound.get("blockwise") is not None and bound.get("blockwise") == bound.get("absolute")
+    for key, label in BOUND_KEYS:
+        value = bound.get(key)
+        if value is None or (same and key == "blockwise"):
+            continue
+        if same and key == "absolute":
+            label = "absolute (the blockwise bound)"
+        rel = bound.get(RELATIVE_KEYS[key])
+        out.append(f"{label} {value:.4g}" + ("" if rel is None else f" (relative {rel:.3g})"))
+    return out

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +15,7 @@ import plotly.graph_objects as go
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.plans import plan_rows
 from mergepipe.dashboard.figures import MAX_CELLS, aggregate, layout_of, state_figure
-from mergepipe.dashboard.formatting import fmt_bound, fmt_bytes, fmt_pct, no_bound_reason
+from mergepipe.dashboard.formatting import bound_parts, fmt_bound, fmt_bytes, fmt_pct, no_bound_reason
 from mergepipe.dashboard.paths import check_path
 from mergepipe.errors import MergePipeError, PlanError
 from mergepipe.ops.core import get_op, OPERATORS
@@ -21,6 +23,7 @@ from mergepipe.planner.budget import Budget
 from mergepipe.planner.context import PlanContext
 from mergepipe.planner.plan import Plan
 from mergepipe.planner.request import MergeRequest
+from mergepipe.storage.codecs import CODECS, codec
 from mergepipe.storage.paths import read_regular
 
 
@@ -93,14 +96,139 @@ class PlanView:
     mask: go.Figure
     frontier: go.Figure
     explain: str
+    tiers: pd.DataFrame | None = None  # blocks and bytes per tier (tiers_df)
+    suggestion: dict | None = None  # the suggested budget (budget_suggestion)
 
 
 def plan_view(ctx: PlanContext, budget_pct: float | None = None, target_rel: float | None = None) -> PlanView:
     plan = make_plan(ctx, budget_pct=budget_pct, target_rel=target_rel)
     relative = ctx.op.additive
     x, y = current_point(ctx, plan, relative)
-    return PlanView(plan=plan, mask=mask_heatmap(mask_matrix(ctx, plan)),
-                    frontier=frontier_figure(frontier_df(ctx), x, y, relative, ctx.op.name), explain=plan.explain())
+    bound = plan.data.get("error_bound") or {}
+    additive = bound.get("additive") is not None and bound.get("additive") != bound.get("absolute")
+    return PlanView(plan=plan, mask=mask_heatmap(mask_matrix(ctx, plan), mask_levels(ctx, plan)),
+                    frontier=frontier_figure(frontier_df(ctx), x, y, relative, ctx.op.name, additive_label=additive),
+                    explain=plan.explain(),
+                    tiers=tiers_table(plan, ctx), suggestion=budget_suggestion(plan))
+
+
+# --- the compact tier (issue 27: planner/tiers.py) -------------------------------------------------------
+COMPACT_MODE_HELP = {"auto": "the levels the experts' stored compacts hold (the planner chooses per block)",
+                     "off": "no compact tier: every block is read exactly or omitted (the plans of a catalog "
+                            "without compacts)"}
+
+
+def compact_options(cat: Catalog, experts) -> list[str]:
+    """The Plan page's choices for the request's ``compact`` setting: [] when none of ``experts`` has compact
+    deltas in the catalog (no control: the request keeps ``auto``, which then plans exact/omit), else
+    ``auto``, ``off`` and each codec whose levels every such expert's stored compact can serve."""
+    from mergepipe.catalog import compacts
+    wanted = set(experts or ())
+    stored = [codec(r["codec"]).stored_level for r in compacts.compact_rows(cat) if r["model_id"] in wanted]
+    if not stored:
+        return []
+    top = min(stored)
+    return ["auto", "off", *(c for c in CODECS if all(lv <= top for lv in codec(c).levels))]
+
+
+def compact_mode_help(mode: str) -> str:
+    return COMPACT_MODE_HELP.get(mode) or f"read only this codec's levels: {codec(mode).help}"
+
+
+def compacts_version(cat: Catalog) -> str:
+    """Changes when an expert's compact deltas are stored, replaced or removed (a cache key beside
+    stats_version, which an ``analyze --compact`` of analyzed experts may leave as it was)."""
+    from mergepipe.catalog import compacts
+    rows = [(r["model_id"], r["fingerprint"], r["block_bytes"], r["codec"], r["group_size"], r["sha256"],
+             r.get("created_at")) for r in compacts.compact_rows(cat)]
+    return hashlib.sha256(repr(rows).encode()).hexdigest()[:16] if rows else ""
+
+
+TIER_ORDER = ("exact", "compact", "omitted")
+
+
+def tiers_df(plan: Plan | dict, ctx: PlanContext | None = None) -> pd.DataFrame | None:
+    """Blocks and estimated bytes per tier of a plan (plan["tiers"]): exact, the compact tier by bits per entry
+    (one row per level in its ``by_bits``; their bytes need the plan's context, else "-") and in total, omitted.
+    Exact and compact bytes are what the budget counts; omitted bytes are the exact bytes left unread. None for
+    a plan without tiers (plans saved before issue 27)."""
+    p = plan.data if isinstance(plan, Plan) else plan
+    t = p.get("tiers")
+    if not t:
+        return None
+    full = p.get("full_expert_bytes") or 0
+    ex, co, om = (t.get(k) or {} for k in TIER_ORDER)
+    by_bits = {int(b): int(n) for b, n in (co.get("by_bits") or {}).items()}
+    level_bytes = {}
+    if by_bits and ctx is not None and getattr(ctx, "tiers", None) is not None:
+        tier = candidate_tiers(ctx, p)
+        read = ctx.tiers.compact_read(tier)
+        level_bytes = {b: int(read[tier == b].sum()) for b in by_bits}
+    rows = []
+
+    def row(name, blocks, nbytes):
+        rows.append({"tier": name, "blocks": int(blocks), "bytes": nbytes,
+                     "estimated": "-" if nbytes is None else fmt_bytes(nbytes),
+                     "of full": fmt_pct(nbytes / full) if full and nbytes is not None else "-"})
+
+    row("exact", ex.get("blocks", 0), int(ex.get("bytes", 0)))
+    for bits in sorted(by_bits):
+        row(f"compact, {bits} bit{'s' if bits != 1 else ''} per entry", by_bits[bits], level_bytes.get(bits))
+    row("compact tier (total)", co.get("blocks", 0), int(co.get("bytes", 0)))
+    row("omitted (not read)", om.get("blocks", 0), int(om.get("bytes", 0)))
+    return pd.DataFrame(rows, columns=["tier", "blocks", "bytes", "estimated", "of full"])
+
+
+def tiers_table(plan: Plan | dict, ctx: PlanContext | None = None) -> pd.DataFrame | None:
+    """The tier summary for display (no raw byte column)."""
+    df = tiers_df(plan, ctx)
+    if df is None:
+        return None
+    return df.drop(columns=["bytes"]).rename(columns={"estimated": "bytes (estimated)",
+                                                      "of full": "of the changed expert bytes"})
+
+
+def tiers_text(plan: Plan | dict) -> str | None:
+    """One line: 'exact 39 blocks (152 KiB) · compact 189 blocks (97.9 KiB: 4 at 1 bit, 185 at 4 bits) ·
+    omitted 25 blocks (100 KiB)'."""
+    p = plan.data if isinstance(plan, Plan) else plan
+    t = p.get("tiers")
+    if not t:
+        return None
+    ex, co, om = (t.get(k) or {} for k in TIER_ORDER)
+    bits = ", ".join(f"{n} at {b} bit{'s' if int(b) != 1 else ''}" for b, n in sorted((co.get("by_bits") or {}).items(),
+                                                                                    key=lambda kv: int(kv[0])) if n)
+    return (f"exact {ex.get('blocks', 0)} blocks ({fmt_bytes(ex.get('bytes', 0))}) · compact {co.get('blocks', 0)} "
+            f"blocks ({fmt_bytes(co.get('bytes', 0))}{': ' + bits if bits else ''}) · omitted {om.get('blocks', 0)} "
+            f"blocks ({fmt_bytes(om.get('bytes', 0))} not read)")
+
+
+def budget_suggestion(plan: Plan | dict) -> dict | None:
+    """The planner's suggested budget (plan["suggested_budget"], additive operators) as the Plan page shows it
+    beside the slider: ``pct`` (the whole percentage the slider takes: rounded up, so its bound stays within the
+    rule), ``text`` (one line) and ``help`` (what the rule is and where it was measured). None without one."""
+    p = plan.data if isinstance(plan, Plan) else plan
+    s = p.get("suggested_budget")
+    if not s or s.get("fraction_of_full") is None:
+        return None
+    frac = float(s["fraction_of_full"])
+    pct = min(100, max(1, math.ceil(100 * frac - 1e-9)))
+    rule = s.get("bound_fraction")
+    nbytes = s.get("bytes")
+    rule_text = (f"the smallest budget whose blockwise bound is <= {rule:g} x the update's norm "
+                 f"(||M_full - base||)" if rule is not None else "the planner's rule")
+    text = (f"Suggested: {pct} %" + (f" ({fmt_bytes(nbytes)})" if nbytes is not None else "")
+            + f": {rule_text}; a rule measured in the fidelity study (docs/fidelity), not a guarantee for this merge.")
+    parts = []
+    if s.get("blockwise") is not None:
+        parts.append(f"blockwise bound there {s['blockwise']:.4g}")
+    if s.get("full_delta_norm") is not None:
+        parts.append(f"estimated update norm {s['full_delta_norm']:.4g}")
+    help_text = ("The planner walks its greedy order and stops at the first budget whose bound falls to the rule's "
+                 "fraction of the update. In the fidelity study on real fine-tunes, merges at that bound stayed "
+                 "within 1 point of their full merge; other models and tasks may differ"
+                 + (f" ({'; '.join(parts)})" if parts else "") + ".")
+    return {"pct": pct, "fraction": frac, "bytes": nbytes, "bound_fraction": rule, "text": text, "help": help_text}
 
 
 PLAN_PAGE_TRI = {None: "default", True: "on", False: "off"}
@@ -141,6 +269,8 @@ def mergekit_plan_settings(cat: Catalog, text: str | bytes, source: str, roots: 
     settings: dict = {"base": r.base, "experts": experts, "op": spec.name, "lam": 1.0 if cfg.lam is None else cfg.lam,
                       "normalize": PLAN_PAGE_TRI[cfg.normalize], "rescale": PLAN_PAGE_TRI[cfg.rescale],
                       "seed": 0 if cfg.seed is None else cfg.seed, "strategy": cfg.strategy or "norm"}
+    if getattr(cfg, "compact", None) is not None:  # the `mergepipe: compact:` key (issue 27)
+        settings["compact"] = cfg.compact
     for e in r.experts:
         for key in ("weight", "density"):
             if isinstance(e.get(key), list):
@@ -202,7 +332,10 @@ def plan_summary(plan: Plan | dict, experts_bytes: int | None = None) -> dict:
         "full_text": f"{fmt_bytes(full)} changed (delta != 0) expert bytes"
         + (f" of {fmt_bytes(experts_bytes)} expert size" if experts_bytes else ""),
         "experts_size": fmt_bytes(experts_bytes) if experts_bytes else None,
+        "compact_read": fmt_bytes(est.get("compact_read") or 0), "compact_read_bytes": est.get("compact_read") or 0,
+        "budget_read_pct": fmt_pct((est["expert_read"] + (est.get("compact_read") or 0)) / full) if full else "-",
         "bound": fmt_bound(p["error_bound"]),
+        "bounds": bound_parts(p["error_bound"]),
         "bound_why": None if p["error_bound"] else no_bound_reason(p["operator"]),
         "bound_abs": p["error_bound"]["absolute"] if p["error_bound"] else None,
         "bound_rel": p["error_bound"]["relative"] if p["error_bound"] else None,
@@ -240,17 +373,31 @@ def plan_experts_table(plan: Plan | dict) -> pd.DataFrame:
     return df.rename(columns={"blocks": "blocks read", "candidates": "changed blocks"})
 
 
-def _mask_array(layout: pd.DataFrame, experts: list[str], access: dict) -> np.ndarray:
+def _mask_array(layout: pd.DataFrame, experts: list[str], access: dict, value: float = 1.0,
+                out: np.ndarray | None = None) -> np.ndarray:
     first = dict(zip(layout["tensor"], layout["first"]))
     total = int(layout["blocks"].sum()) if len(layout) else 0
-    m = np.zeros((len(experts), total), dtype=np.float64)
+    m = np.zeros((len(experts), total), dtype=np.float64) if out is None else out
     for ei, e in enumerate(experts):
         for t, ranges in (access.get(e) or {}).items():
             f = first.get(t)
             if f is None:
                 continue
             for a, b in ranges:
-                m[ei, f + a:f + b] = 1.0
+                m[ei, f + a:f + b] = value
+    return m
+
+
+def _state_array(layout: pd.DataFrame, experts: list[str], p: dict) -> np.ndarray:
+    """Experts x blocks: 1 = read exactly, COMPACT_VALUE[bits] = read from the compact tier, 0 = neither."""
+    m = _mask_array(layout, experts, p["access"])
+    for e, entry in ((p.get("compact") or {}).get("experts") or {}).items():
+        if e not in experts:
+            continue
+        for bits, ranges in (entry.get("bits") or {}).items():
+            value = COMPACT_VALUE.get(int(bits))
+            if value is not None:
+                _mask_array(layout, experts, {e: ranges}, value=value, out=m)
     return m
 
 
@@ -259,12 +406,13 @@ def block_labels(layout: pd.DataFrame) -> list[str]:
 
 
 def mask_matrix(ctx: PlanContext, plan: Plan | dict, max_cells: int = MAX_CELLS) -> pd.DataFrame:
-    """Experts x blocks (all tensors, display order): 1 = selected, 0.5 = candidate left out, 0 = no delta
-    (or not useful to the operator). Aggregated to the mean over column bins above ``max_cells``."""
+    """Experts x blocks (all tensors, display order): 1 = read exactly, 0.6 / 0.7 / 0.8 = read from the compact
+    tier at 1 / 2 / 4 bits per entry, 0.5 = candidate left out (omitted), 0 = no delta (or not useful to the
+    operator). Aggregated to the mean over column bins above ``max_cells``."""
     p = plan.data if isinstance(plan, Plan) else plan
     layout = ctx.layout
     experts = [e["id"] for e in ctx.experts]
-    sel = _mask_array(layout, experts, p["access"])
+    sel = _state_array(layout, experts, p)
     first = np.zeros(len(ctx.tensors), dtype=np.int64)
     pos = dict(zip(layout["tensor"], layout["first"]))
     for i, t in enumerate(ctx.tensors):
@@ -280,10 +428,50 @@ def mask_matrix(ctx: PlanContext, plan: Plan | dict, max_cells: int = MAX_CELLS)
 
 MASK_STATES = [(0.0, "no delta (nothing to read)", "#f0f0f0"), (0.5, "changed, left out by the budget", "#9ecae1"),
                (1.0, "read", "#08519c")]
+# the compact tier's states (bits per entry -> value, legend label, colour): between "left out" and "read exactly",
+# rising with the precision read; oranges, apart from the blues of the exact-or-omitted states
+COMPACT_STATES = {1: (0.6, "compact tier, 1 bit per entry", "#fdd49e"),
+                  2: (0.7, "compact tier, 2 bits per entry", "#fc8d59"),
+                  4: (0.8, "compact tier, 4 bits per entry", "#d7301f")}
+COMPACT_VALUE = {bits: v for bits, (v, _, _) in COMPACT_STATES.items()}
+TIERED_MASK_STATES = [(0.0, "no delta (nothing to read)", "#f0f0f0"),
+                      (0.5, "omitted (changed, left out by the budget)", "#9ecae1"),
+                      (1.0, "read exactly", "#08519c")]
 
 
-def mask_heatmap(mask: pd.DataFrame) -> go.Figure:
-    return state_figure(mask, "access mask: which blocks each expert reads", MASK_STATES)
+def mask_states(levels=()) -> list[tuple[float, str, str]]:
+    """The mask's states: MASK_STATES (exact or omitted) without compact levels; with them, the exact, compact
+    (one state per level in ``levels``: 1, 2, 4 bits) and omitted states."""
+    levels = sorted({int(lv) for lv in levels if int(lv) in COMPACT_STATES})
+    if not levels:
+        return list(MASK_STATES)
+    return sorted(TIERED_MASK_STATES + [COMPACT_STATES[lv] for lv in levels])
+
+
+def mask_levels(ctx: PlanContext, plan: Plan | dict | None = None) -> tuple[int, ...]:
+    """The compact levels the mask's legend names: those the context's compact tier can read, and any the plan
+    reads (empty for an exact-or-omitted context)."""
+    levels = set(getattr(ctx.tiers, "levels", ()) or ()) if getattr(ctx, "tiers", None) is not None else set()
+    if plan is not None:
+        p = plan.data if isinstance(plan, Plan) else plan
+        for entry in ((p.get("compact") or {}).get("experts") or {}).values():
+            levels |= {int(b) for b in entry.get("bits") or {}}
+    return tuple(sorted(levels))
+
+
+def mask_heatmap(mask: pd.DataFrame, levels=()) -> go.Figure:
+    """The access mask with a legend naming its states (with ``levels``: the compact tier's too)."""
+    title = ("access mask: which blocks each expert reads exactly, from the compact tier, or omits" if
+             mask_states(levels) != MASK_STATES else "access mask: which blocks each expert reads")
+    return state_figure(mask, title, mask_states(levels))
+
+
+def mask_state_counts(mask: pd.DataFrame) -> dict[str, int]:
+    """Cells of an (unaggregated) mask in each state: exact, compact by bits ('1', '2', '4'), omitted, no delta."""
+    v = mask.to_numpy()
+    out = {"exact": int((v == 1.0).sum()), "omitted": int((v == 0.5).sum()), "no delta": int((v == 0.0).sum())}
+    out["compact"] = {str(bits): int((v == value).sum()) for bits, value in COMPACT_VALUE.items()}
+    return out
 
 
 def omitted_term(ctx: PlanContext, plan: Plan | dict) -> float:
@@ -301,22 +489,30 @@ def omitted_term(ctx: PlanContext, plan: Plan | dict) -> float:
 
 
 def frontier_df(ctx: PlanContext, points: int = 101) -> pd.DataFrame:
-    """The budget-bound curve of the greedy order: budget (bytes, %) vs omitted bound (absolute, relative)."""
+    """The budget-bound curve of the greedy order: budget (bytes, %) vs omitted bound (absolute, relative).
+    With a compact tier (ctx.tiers), the three-way greedy's curve: budget = exact + compact bytes, bound = the
+    additive bound with the compact blocks' stored error terms."""
     full = ctx.candidates.full_bytes
     norm = ctx.full_norm_estimate() if ctx.op.additive else None
     rows = []
-    for b, bound in ctx.candidates.frontier(points):
+    tiers = getattr(ctx, "tiers", None)
+    for b, bound in (tiers.frontier(points) if tiers is not None else ctx.candidates.frontier(points)):
         rows.append({"budget_bytes": b, "budget_pct": 100.0 * b / full if full else 0.0, "bound_abs": bound,
                      "bound_rel": bound / norm if norm else None})
     return pd.DataFrame(rows, columns=["budget_bytes", "budget_pct", "bound_abs", "bound_rel"])
 
 
 def frontier_figure(frontier: pd.DataFrame, current_pct: float, current_bound: float, relative: bool,
-                    operator: str) -> go.Figure:
+                    operator: str, additive_label: bool = False) -> go.Figure:
+    """The budget-bound curve with this plan's point. ``additive_label``: name the curve's bound the additive
+    one (when the plan's headline bound is a tighter one, so that the two are not confused)."""
     y = "bound_rel" if relative and frontier["bound_rel"].notna().all() else "bound_abs"
     yt = ("relative error bound" if y == "bound_rel" else
           ("error bound ||M_full - M_A||" if op_info(operator)["additive"] else
            f"omitted |c|*||delta|| (not a bound for {operator})"))
+    if additive_label and op_info(operator)["additive"]:
+        yt = ("relative additive bound" if y == "bound_rel" else "additive bound ||M_full - M_A||") + \
+            " (sum of the left-out terms)"
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=frontier["budget_pct"], y=frontier[y], mode="lines", name="frontier",
                              hovertemplate="budget %{x:.1f}%<br>%{y:.4g}<extra></extra>"))
@@ -330,12 +526,38 @@ def frontier_figure(frontier: pd.DataFrame, current_pct: float, current_bound: f
     return fig
 
 
+def candidate_tiers(ctx: PlanContext, plan: Plan | dict) -> np.ndarray:
+    """The tier code of each candidate in a plan (planner/tiers.py: 0 omitted, 1/2/4 compact bits, 8 exact)."""
+    from mergepipe.planner.tiers import EXACT
+    p = plan.data if isinstance(plan, Plan) else plan
+    experts = [e["id"] for e in ctx.experts]
+    states = _state_array(ctx.layout, experts, p)
+    pos = dict(zip(ctx.layout["tensor"], ctx.layout["first"]))
+    first = np.array([pos[t["name"]] for t in ctx.tensors], dtype=np.int64)
+    c = ctx.candidates
+    v = states[c.expert, first[c.tensor] + c.block] if len(c.expert) else np.zeros(0)
+    tier = np.zeros(len(v), dtype=np.int64)
+    tier[v == 1.0] = EXACT
+    for bits, value in COMPACT_VALUE.items():
+        tier[v == value] = bits
+    return tier
+
+
+def plan_residual(ctx: PlanContext, plan: Plan | dict) -> float:
+    """The additive bound's sum of a plan: each candidate's |c_i| * ||delta|| omitted, |c_i| times its compact's
+    stored error norm when read from the compact tier, 0 read exactly (omitted_term without a compact tier)."""
+    if getattr(ctx, "tiers", None) is None:
+        return omitted_term(ctx, plan)
+    return float(ctx.tiers.residual(candidate_tiers(ctx, plan)).sum())
+
+
 def current_point(ctx: PlanContext, plan: Plan | dict, relative: bool) -> tuple[float, float]:
-    """(expert read in % of full, bound) of a plan, for the frontier chart."""
+    """(expert-derived bytes read, exact + compact, in % of full; bound) of a plan, for the frontier chart."""
     p = plan.data if isinstance(plan, Plan) else plan
     full = ctx.candidates.full_bytes
-    x = 100.0 * p["estimate"]["expert_read"] / full if full else 0.0
-    omitted = omitted_term(ctx, p)
+    read = p["estimate"]["expert_read"] + (p["estimate"].get("compact_read") or 0)
+    x = 100.0 * read / full if full else 0.0
+    omitted = plan_residual(ctx, p)
     if relative and ctx.op.additive:
         norm = ctx.full_norm_estimate()
         return x, (omitted / norm if norm else 0.0)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pandas as pd  # noqa: F401  (pages annotate with views.pd.DataFrame)
 
 from mergepipe.dashboard.formatting import (  # noqa: F401
-    fmt_bound, fmt_bytes, fmt_pct, fmt_seconds, no_bound_reason, short_fp,
+    bound_parts, fmt_bound, fmt_bytes, fmt_pct, fmt_seconds, no_bound_reason, short_fp,
 )
 from mergepipe.dashboard.paths import (  # noqa: F401
     allowed_roots, check_out_path, check_path, db_path, default_out, log_dir,
@@ -42,6 +42,8 @@ from mergepipe.dashboard.plan import (  # noqa: F401
     plan_experts_table, plan_view, PlanView,
     check_plan_yaml, PLAN_PAGE_TRI, plan_request, plan_summary, plan_yaml, plans_df, read_config_source, request_key,
     request_key_digest, url_replacements,
+    budget_suggestion, candidate_tiers, COMPACT_STATES, compact_mode_help, compact_options, compacts_version,
+    mask_levels, mask_state_counts, mask_states, plan_residual, tiers_df, tiers_table, tiers_text,
 )
 from mergepipe.dashboard.snapshots import (  # noqa: F401
     bytes_bars, bytes_by_expert_df, bytes_by_tensor_df, bytes_figure, bytes_table, load_manifest, manifest_plan,

@@ -17,6 +17,7 @@ from mergepipe.errors import ExecutionError
 from mergepipe.ops.core import combine, sparsify
 from mergepipe.ops.streams import block_seed, content_id
 from mergepipe.planner.settings import expert_params, tensor_density, tensor_weight
+from mergepipe.storage.compact import CompactBlock
 from mergepipe.storage.safetensors import DTYPES, bytes_to_tensor, rows_shape
 
 
@@ -65,10 +66,13 @@ def _merged_bytes(fused, op, params, seed, experts, sources, weight_sum, info, s
     deltas = []
     for ei, (bufs, fixed) in contributors:
         e = experts[ei]
-        delta = sources[ei].delta(info.name, span, bufs, fixed, base).reshape(shape)
+        if isinstance(bufs, CompactBlock):  # the compact tier: the record's decoded delta stands for the block's
+            delta = torch.from_numpy(bufs.decode()).reshape(shape)
+        else:
+            delta = sources[ei].delta(info.name, span, bufs, fixed, base).reshape(shape)
         thr = thresholds.get(e["id"], {}).get(info.name, [])
         density = tensor_density(e, info.name) or 1.0
-        bseed = block_seed(seed, content_id(bufs), info.name, span.index) if op.random and density < 1.0 else 0
+        bseed = block_seed(seed, block_content(bufs), info.name, span.index) if op.random and density < 1.0 else 0
         d = sparsify(op, delta, density, expert_params(params, e, info.name), thr, bseed, span.index)
         deltas.append((tensor_weight(e, info.name), d))
     merged = combine(op, base, deltas, weight_sum, params)
@@ -118,17 +122,24 @@ def fused_block(op, params, seed, experts, sources, weight_sum, info, span, shap
     contributions = []
     for ei, (bufs, _fixed) in contributors:
         src = sources[ei]
-        if getattr(src, "kind", None) not in ("full", "delta") or len(bufs) != 1:
+        compact = isinstance(bufs, CompactBlock)
+        if not compact and (getattr(src, "kind", None) not in ("full", "delta") or len(bufs) != 1):
             return None
         e = experts[ei]
         density = tensor_density(e, info.name) or 1.0
-        bseed = block_seed(seed, content_id(bufs), info.name, span.index) if op.random and density < 1.0 else 0
-        contributions.append((bufs[0], src.checkpoint.tensors[info.name].dtype, src.kind == "delta",
-                              tensor_weight(e, info.name), density, thresholds.get(e["id"], {}).get(info.name, []),
-                              bseed))
+        bseed = block_seed(seed, block_content(bufs), info.name, span.index) if op.random and density < 1.0 else 0
+        data, dtype, is_delta = ((memoryview(bufs.decode()).cast("B"), "F32", True) if compact else
+                                 (bufs[0], src.checkpoint.tensors[info.name].dtype, src.kind == "delta"))
+        contributions.append((data, dtype, is_delta, tensor_weight(e, info.name), density,
+                              thresholds.get(e["id"], {}).get(info.name, []), bseed))
     out = kernels.fused_merge(op, params, raw, info.dtype, math.prod(shape), contributions, weight_sum,
                               span.index)
     return None if out is None else memoryview(out)
+
+
+def block_content(bufs) -> str:
+    """The content id of an expert block's input (ops/streams.py): its raw buffers, or its compact record."""
+    return content_id([bufs.record]) if isinstance(bufs, CompactBlock) else content_id(bufs)
 
 
 def warm_kernels() -> None:

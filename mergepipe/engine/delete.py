@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from mergepipe.catalog.db import Catalog
+from mergepipe.catalog.compacts import prune_files
 from mergepipe.catalog.snapshots import delete_snapshot_rows, snapshot_dependents, snapshot_row
 from mergepipe.errors import CatalogError
 from mergepipe.manifest.build import MANIFEST_NAME
@@ -51,5 +52,6 @@ def delete_snapshot(catalog: Catalog, ref: str, force: bool = False) -> dict:
         raise
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
+    prune_files(catalog)  # the compact file of the deleted model, if it was analyzed as an expert
     return {"snapshot_id": sid, "model_id": model_id, "out": str(out), "removed_files": aside is not None,
             "dependents": needed}

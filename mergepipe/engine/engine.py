@@ -23,6 +23,7 @@ import torch
 
 from mergepipe.catalog.db import Catalog, now
 from mergepipe.catalog.models import check_content_hash, check_unchanged, input_change, register
+from mergepipe.catalog.compacts import check_compact_inputs
 from mergepipe.catalog.plans import has_plan
 from mergepipe.catalog.runs import mark_run_published
 from mergepipe.catalog.snapshots import record_snapshot
@@ -102,6 +103,7 @@ class Engine:
                 hashed[inp["id"]] = check_content_hash(row)
         if (self.catalog.grid_block_bytes(plan["base"]["id"]) or DEFAULT_BLOCK_BYTES) != plan["grid"]["block_bytes"]:
             raise ExecutionError(f"the block grid of {plan['base']['id']} changed since plan {plan.id}; plan again")
+        check_compact_inputs(self.catalog, plan)
         return hashed
 
     @staticmethod
@@ -182,6 +184,7 @@ class Engine:
             "estimated": plan["estimate"],
             "estimated_by_expert": plan["expert_read_by_expert"],
             "realized": {"base_read": result["base_read"], "expert_read": sum(result["realized_by_expert"].values()),
+                         "compact_read": sum((result.get("compact_read_by_expert") or {}).values()),
                          "output_write": result["output_write"]},
             "realized_by_expert": result["realized_by_expert"],
             "realized_by_tensor": dict(sorted(result["realized_by_tensor"].items())),
@@ -192,6 +195,10 @@ class Engine:
             "parents": [_base_parent(plan)]
             + [{"id": e["id"], "role": "expert", "weight": e["weight"]} for e in plan["experts"]],
         }
+        if plan.data.get("compact"):  # blocks read from the compact tier: which, at which level, and the bytes
+            core["compact"] = plan["compact"]
+            core["tiers"] = plan["tiers"]
+            core["realized_compact_by_expert"] = dict(sorted(result["compact_read_by_expert"].items()))
         if plan.data.get("base_member"):  # a model soup: the base (reference) is averaged in
             core["inputs"]["base_member"] = plan["base_member"]
         if plan.data.get("tokenizer"):

@@ -12,6 +12,7 @@ merged and written), so it does not grow with K.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,7 @@ from mergepipe.planner.settings import params_on, tensor_weight
 from mergepipe.storage.grid import BlockSpan, tensor_grid
 from mergepipe.storage.registry import open_checkpoint
 from mergepipe.storage.safetensors import FLOAT_DTYPES, TensorInfo
+from mergepipe.storage.compact import CompactBlock, CompactReader, level_bytes
 from mergepipe.storage.sources import open_source
 from mergepipe.storage.writers import ShardWriter, finish_files, plan_shards, write_layout_config
 
@@ -101,6 +103,7 @@ class MergePipeline:
         self.omitted = {t: set(expand_ranges(rs)) for t, rs in (plan.data.get("omitted") or {}).items()}
         # linear without normalize scales the base by sum(w): then no block is a plain copy
         self.tensor_params = plan.data.get("tensor_params") or {}  # lambda/normalize/rescale per tensor
+        self.compact = CompactInputs(plan)  # blocks the plan reads from the compact tier (storage/compact.py)
         self.work = self.select_work(block_groups(order, plan["grid"]["block_bytes"], engine.group_bytes,
                                                   self.span_cost, engine.group_read_bytes))
         self.total_blocks = sum(len(g) for _, g in self.work)
@@ -195,6 +198,8 @@ class MergePipeline:
         for ei, e in enumerate(self.experts):
             if span.index in self.selected[e["id"]].get(name, ()):
                 cost += sum(n for _, _, n in self.sources[ei].block_ranges(name, span))
+            else:
+                cost += self.compact.nbytes(e["id"], name, span.index)
         return cost
 
     # --- reads ----------------------------------------------------------------------------------------
@@ -213,7 +218,8 @@ class MergePipeline:
             sel = self.selected[e["id"]].get(name, ())
             spans = [s for s in group if s.index in sel]
             if not spans:
-                exp_bufs.append({})
+                exp_bufs.append({s.index: (block, None) for s in group
+                                 if (block := self.compact.read(e["id"], name, s.index)) is not None})
                 continue
             src = sources[ei]
             if fixed_cache[ei] is None or fixed_cache[ei][0] != name:
@@ -228,6 +234,9 @@ class MergePipeline:
             for s, rs in zip(spans, per_span):
                 out[s.index] = (views[pos:pos + len(rs)], fixed)
                 pos += len(rs)
+            for s in group:
+                if s.index not in out and (block := self.compact.read(e["id"], name, s.index)) is not None:
+                    out[s.index] = (block, None)
             exp_bufs.append(out)
         return base_buf, exp_bufs, nread
 
@@ -342,6 +351,7 @@ class MergePipeline:
                 r.close()
             for r in self.input_readers.values():
                 r.close()
+            self.compact.close()
             if self.inflight:
                 self.inflight.close()
         return self.finish()
@@ -354,7 +364,8 @@ class MergePipeline:
         return finish_snapshot(self.plan, self.base_ck, self.staging, self.shards, outputs, realized_by_expert, {
             "realized_by_tensor": self.by_tensor, "touched": self.touched, "base_read": self.input_bytes_read(),
             "timing": self.timing, "inflight": inflight,
-            "analysis_read": inflight.bytes_read() if inflight else {}})
+            "analysis_read": inflight.bytes_read() if inflight else {},
+            "compact_read_by_expert": self.compact.bytes_read()})
 
     def input_bytes_read(self) -> int:
         """Bytes read from the base (and, for a `slices:` layout, the other models it copies from)."""
@@ -375,19 +386,73 @@ def finish_snapshot(plan: Plan, base_ck, staging: Path, shards, outputs: dict, r
         name = extra.relative_to(staging).as_posix()
         if name not in outputs:
             outputs[name] = {"sha256": file_sha256(extra), "bytes": extra.stat().st_size}
-    check_realized(plan, realized_by_expert)
+    check_realized(plan, realized_by_expert, counters.get("compact_read_by_expert"))
     touched = counters["touched"]
     return {**counters, "outputs": outputs, "realized_by_expert": realized_by_expert,
             "touched": {e: {t: compact_ranges(b) for t, b in sorted(ts.items())} for e, ts in touched.items()},
             "output_write": sum(o["bytes"] for o in outputs.values())}
 
 
-def check_realized(plan: Plan, realized_by_expert: dict) -> None:
-    """Refuse to publish when the bytes read from an expert differ from the plan, or exceed the budget."""
+def check_realized(plan: Plan, realized_by_expert: dict, compact_by_expert: dict | None = None) -> None:
+    """Refuse to publish when the bytes read from an expert (exactly, or from the compact tier) differ from the
+    plan, or exceed the budget."""
+    compact_by_expert = compact_by_expert or {}
+    planned_compact = plan.data.get("compact_read_by_expert") or {}
     for e in plan["experts"]:
         planned = plan["expert_read_by_expert"][e["id"]]
         if realized_by_expert[e["id"]] != planned:
             raise ExecutionError(f"realized expert read of {e['id']} ({realized_by_expert[e['id']]} B) "
                                  f"differs from the plan ({planned} B); nothing was published")
-    if sum(realized_by_expert.values()) > plan["budget"]["bytes"] and plan["full_expert_bytes"]:
+        got, want = compact_by_expert.get(e["id"], 0), planned_compact.get(e["id"], 0)
+        if got != want:
+            raise ExecutionError(f"realized compact read of {e['id']} ({got} B) differs from the plan ({want} B); "
+                                 f"nothing was published")
+    total = sum(realized_by_expert.values()) + sum(compact_by_expert.values())
+    if total > plan["budget"]["bytes"] and plan["full_expert_bytes"]:
         raise ExecutionError("realized expert read exceeds the budget; nothing was published")
+
+
+class CompactInputs:
+    """The compact records a plan reads: per expert its file (opened at the first read), and per (tensor, block)
+    the record's offset, entries and the level read."""
+
+    def __init__(self, plan: Plan):
+        core = plan.data.get("compact") or {}
+        files = plan.data.get("compact_files") or {}
+        self.blocks: dict[str, dict] = {}
+        self.files = files
+        self.readers: dict[str, CompactReader] = {}
+        self._lock = threading.Lock()
+        for eid, entry in (core.get("experts") or {}).items():
+            if eid not in files:
+                raise ExecutionError(f"plan {plan.id} reads compact deltas of {eid} but names no compact file; "
+                                     f"plan again")
+            where = {(t, b): (off, n) for t, bs in files[eid]["blocks"].items() for b, off, n in bs}
+            per = self.blocks.setdefault(eid, {})
+            for level, tensors in entry["bits"].items():
+                for tensor, ranges in tensors.items():
+                    for b in expand_ranges(ranges):
+                        off, n = where[(tensor, b)]
+                        per[(tensor, b)] = (off, n, entry["group"], int(level))
+
+    def nbytes(self, eid: str, tensor: str, block: int) -> int:
+        got = self.blocks.get(eid, {}).get((tensor, block))
+        return 0 if got is None else level_bytes(got[1], got[2], got[3])
+
+    def read(self, eid: str, tensor: str, block: int) -> CompactBlock | None:
+        got = self.blocks.get(eid, {}).get((tensor, block))
+        if got is None:
+            return None
+        off, n, group, level = got
+        with self._lock:
+            reader = self.readers.get(eid)
+            if reader is None:
+                reader = self.readers[eid] = CompactReader(self.files[eid]["path"], self.files[eid]["nbytes"])
+        return CompactBlock(reader.read(off, level_bytes(n, group, level)), n, group, level)
+
+    def bytes_read(self) -> dict[str, int]:
+        return {eid: r.bytes_read for eid, r in self.readers.items()}
+
+    def close(self) -> None:
+        for r in self.readers.values():
+            r.close()

@@ -12,6 +12,8 @@ from mergepipe.catalog import analyses
 # the estimated ||M_full - base||. From the fidelity study on real fine-tunes (docs/fidelity/README.md: the
 # smallest blockwise bound at which an additive merge stayed within 1 point of its full merge).
 SUGGEST_BOUND_FRACTION = 0.41  # measured 0.419 (2026-12-04 run, LoRA pairs), rounded down: errs towards more bytes
+# what the rule did on configurations it was not fitted on (the fidelity study; EXPLAIN states it as measured)
+SUGGEST_VALIDATION = {"within": 0, "of": 0, "where": "docs/fidelity, not yet validated"}
 
 
 class Bounds:
@@ -43,16 +45,61 @@ class Bounds:
     # --- estimates -------------------------------------------------------------------------------
 
     def _blockwise_bound(self, omitted: np.ndarray) -> float:
+        """The blockwise bound of an exact-or-omitted selection (``omitted``: a mask of the candidates)."""
+        return self._blockwise(np.where(omitted, self.candidates.bound_term, 0.0))
+
+    def _blockwise(self, residual: np.ndarray) -> float:
         """A tighter bound: blocks at different (tensor, block) positions are disjoint coordinates, so
-        ||sum of omitted updates||^2 = sum over positions of ||sum_i c_i delta_i||^2, and each position's
-        norm is at most the sum of its omitted |c_i| * ||delta_i||. Never above the additive bound."""
+        ||sum of left-out updates||^2 = sum over positions of ||sum_i c_i r_i||^2, and each position's norm is
+        at most the sum of its candidates' residual terms (|c_i| ||delta_i|| omitted, |c_i| times the compact's
+        stored error norm, 0 read exactly). Never above the additive bound."""
         cands = self.candidates
-        if not omitted.any():
+        left = residual > 0
+        if not left.any():
             return 0.0
-        pos = cands.tensor[omitted] * (int(cands.block.max()) + 1) + cands.block[omitted]
+        pos = cands.tensor[left] * (int(cands.block.max()) + 1) + cands.block[left]
         _, group = np.unique(pos, return_inverse=True)
-        per_position = np.bincount(group, weights=cands.bound_term[omitted])
+        per_position = np.bincount(group, weights=residual[left])
         return float(np.sqrt(np.square(per_position).sum()))
+
+    def _bound(self, residual: np.ndarray) -> dict:
+        """A plan's error bound from its candidates' residual terms: ``absolute`` is the tightest sound bound
+        it can state (the blockwise one); ``additive`` the plain sum over blocks, never tighter."""
+        additive = float(residual.sum())
+        blockwise = self._blockwise(residual)
+        norm = self.full_norm_estimate()
+        rel = (lambda x: x / norm if norm > 0 else 0.0)  # noqa: E731
+        return {"absolute": blockwise, "relative": rel(blockwise), "kind": "blockwise", "full_delta_norm": norm,
+                "blockwise": blockwise, "blockwise_relative": rel(blockwise),
+                "additive": additive, "additive_relative": rel(additive)}
+
+    def _prefix_residual(self, k: int) -> np.ndarray:
+        """Residual terms after the first ``k`` steps of the greedy order (blocks, or the tiers' upgrades)."""
+        tiers = getattr(self, "tiers", None)
+        if tiers is not None:
+            return tiers.prefix_residual(k)
+        out = self.candidates.bound_term.astype(np.float64).copy()
+        out[self.candidates.order[:k]] = 0.0
+        return out
+
+    def _greedy_steps(self) -> tuple[int, np.ndarray]:
+        """(steps of the greedy order, bytes after each)."""
+        tiers = getattr(self, "tiers", None)
+        if tiers is not None:
+            return len(tiers.order), tiers.cum_cost
+        return len(self.candidates.order), self.candidates.cum_bytes
+
+    def smallest_budget_for(self, target_abs: float) -> int:
+        """The smallest greedy budget whose (blockwise) bound is at most ``target_abs`` (--target-bound)."""
+        n, cum = self._greedy_steps()
+        lo, hi = 0, n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._blockwise(self._prefix_residual(mid)) <= target_abs:
+                hi = mid
+            else:
+                lo = mid + 1
+        return int(cum[lo - 1]) if lo else 0
 
     def suggested_budget(self, fraction: float = SUGGEST_BOUND_FRACTION) -> dict | None:
         """The smallest budget, in the plan's greedy order, whose blockwise bound is at most ``fraction`` x
@@ -65,10 +112,10 @@ class Bounds:
             return None
         target = fraction * norm
 
+        n, cum = self._greedy_steps()
+
         def bound_of(k: int) -> float:
-            omitted = np.ones(len(cands.nbytes), dtype=bool)
-            omitted[cands.order[:k]] = False
-            return self._blockwise_bound(omitted)
+            return self._blockwise(self._prefix_residual(k))
         lo, hi = 0, n  # bound_of(n) == 0 <= target
         while lo < hi:
             mid = (lo + hi) // 2
@@ -76,6 +123,6 @@ class Bounds:
                 hi = mid
             else:
                 lo = mid + 1
-        nbytes = int(cands.cum_bytes[lo - 1]) if lo else 0
+        nbytes = int(cum[lo - 1]) if lo else 0
         return {"bytes": nbytes, "fraction_of_full": nbytes / cands.full_bytes if cands.full_bytes else 0.0,
                 "bound_fraction": fraction, "blockwise": bound_of(lo), "full_delta_norm": norm}

@@ -41,6 +41,7 @@ from mergepipe.planner.settings import (
 from mergepipe.ops.core import TENSOR_PARAMS
 from mergepipe.planner.coalesce import coalesce
 from mergepipe.planner.strategies import StrategyScores, _uniform_priority
+from mergepipe.planner.tiers import EXACT, Tiers, tier_plan_inputs, tier_summary
 from mergepipe.storage.grid import DEFAULT_BLOCK_BYTES, tensor_grid
 from mergepipe.storage.safetensors import FLOAT_DTYPES, TensorInfo
 from mergepipe.storage.sources import fixed_bytes, open_source
@@ -100,6 +101,8 @@ class PlanContext(StrategyScores, Bounds):
                                         f"{', '.join(e['id'] for e in self.to_analyze)}): `mergepipe analyze "
                                         f"{' '.join(e['id'] for e in self.to_analyze)}`")
         self.candidates = self._candidates()
+        # the compact tier (planner/tiers.py): None when the request or the catalog has none
+        self.tiers, self.compact_note, self.compact_rows = tier_plan_inputs(self)
         # interpolation methods: per-tensor scalars; a re-ordered vocabulary's embedding tensors get theirs at
         # merge time, from their composed rows (planner/methods.py)
         self.method_scalars, self.composed_settings = (methods.tensor_scalars(self) if self.op.nonlinear
@@ -405,9 +408,11 @@ class PlanContext(StrategyScores, Bounds):
             raise PlanError(f"--target-bound needs an additive operator (linear, task_arithmetic), not {self.op.name}")
         if self.to_analyze:  # a first merge: the budget applies from the next merge on
             return self._build(cands.order, budget.spec, full, target_bound, first_merge=True)
+        if self.tiers is not None:
+            return self._plan_tiered(budget, full, target_bound)
         if budget.is_target:
             norm = self.full_norm_estimate()
-            budget_bytes = (cands.smallest_budget_for(target_bound * norm) + reserved) if full else 0
+            budget_bytes = (self.smallest_budget_for(target_bound * norm) + reserved) if full else 0
         else:
             budget_bytes = budget.bytes_of(full) if full else 0
         rest = vocab_rows.budget_rest(budget_bytes, reserved, budget.spec) if reserved else budget_bytes
@@ -418,6 +423,24 @@ class PlanContext(StrategyScores, Bounds):
         if full and self._coalesces(budget):
             greedy, chosen = chosen, coalesce(cands, chosen, rest, self.request.coalesce_tolerance)
         return self._build(chosen, budget.spec, budget_bytes, target_bound, greedy=greedy)
+
+    def _plan_tiered(self, budget: Budget, full: int, target_bound) -> Plan:
+        """A three-way plan: exact, compact or omitted per candidate (planner/tiers.py)."""
+        tiers = self.tiers
+        if budget.is_target:
+            budget_bytes = self.smallest_budget_for(target_bound * self.full_norm_estimate()) if full else 0
+        else:
+            budget_bytes = budget.bytes_of(full) if full else 0
+        tier = tiers.select(budget_bytes)
+        chosen = np.nonzero(tier == EXACT)[0]
+        return self._build(chosen, budget.spec, budget_bytes, target_bound, tier=tier)
+
+    def _exact_tiers(self, selected: np.ndarray) -> dict:
+        """Blocks and bytes per tier of an exact-or-omitted plan."""
+        cands = self.candidates
+        return {"exact": {"blocks": int(selected.sum()), "bytes": int(cands.bytes_of(np.nonzero(selected)[0]).sum())},
+                "compact": {"blocks": 0, "bytes": 0, "by_bits": {}},
+                "omitted": {"blocks": int((~selected).sum()), "bytes": int(cands.nbytes[~selected].sum())}}
 
     def _coalesces(self, budget: Budget) -> bool:
         """Whether this plan re-chooses its marginal blocks for fewer ranges (planner/coalesce.py)."""
@@ -471,23 +494,19 @@ class PlanContext(StrategyScores, Bounds):
                 "blocks_swapped": int(len(np.setdiff1d(chosen, greedy)))}
 
     def _build(self, chosen: np.ndarray, budget_spec: str, budget_bytes: int, target_bound,
-               first_merge: bool = False, greedy: np.ndarray | None = None) -> Plan:
+               first_merge: bool = False, greedy: np.ndarray | None = None, tier: np.ndarray | None = None) -> Plan:
         cands = self.candidates
         access, per_expert_bytes, per_tensor_bytes = self._access(chosen)
         expert_read = sum(per_expert_bytes.values())
         selected_mask = np.zeros(len(cands.nbytes), dtype=bool)
         selected_mask[chosen] = True
+        residual = self.tiers.residual(tier) if tier is not None else np.where(selected_mask, 0.0, cands.bound_term)
         bound = None
         if self.op.additive and self.to_analyze:  # every block is read: nothing omitted
             bound = {"absolute": 0.0, "full_delta_norm": None, "relative": 0.0, "blockwise": 0.0,
-                     "blockwise_relative": 0.0}
+                     "blockwise_relative": 0.0, "additive": 0.0, "additive_relative": 0.0, "kind": "blockwise"}
         elif self.op.additive:
-            omitted = float(cands.bound_term[~selected_mask].sum())
-            blockwise = self._blockwise_bound(~selected_mask)
-            norm = self.full_norm_estimate()
-            bound = {"absolute": omitted, "full_delta_norm": norm,
-                     "relative": omitted / norm if norm > 0 else 0.0,
-                     "blockwise": blockwise, "blockwise_relative": blockwise / norm if norm > 0 else 0.0}
+            bound = self._bound(residual)
         base_bytes = self.base_bytes()
         core = {
             "format": PLAN_FORMAT,
@@ -510,6 +529,9 @@ class PlanContext(StrategyScores, Bounds):
             core["tensor_params"] = self.tensor_params
         if self.base_member:  # a soup: the base is averaged in (only then: other plans keep their digests)
             core["base_member"] = self.base_member
+        compact = tier_summary(self, tier) if tier is not None else None
+        if compact and compact["core"]:  # only when a block is read from the compact tier: other plans keep digests
+            core["compact"] = compact["core"]
         if self.op.nonlinear:  # the interpolation methods' per-tensor scalars and budget-omitted blocks
             core["coefficients"] = self.method_scalars
             core["omitted"] = methods.omitted_blocks(self, chosen)
@@ -521,7 +543,8 @@ class PlanContext(StrategyScores, Bounds):
             "id": "plan-" + digest[:16],
             "digest": "sha256:" + digest,
             "full_expert_bytes": cands.full_bytes + sum(self.vocab_bytes.values()),
-            "estimate": {"base_read": base_bytes, "expert_read": expert_read, "output_write": self.output_bytes()},
+            "estimate": {"base_read": base_bytes, "expert_read": expert_read,
+                         "compact_read": compact["bytes"] if compact else 0, "output_write": self.output_bytes()},
             "expert_read_by_expert": per_expert_bytes,
             "expert_read_by_tensor": dict(sorted(per_tensor_bytes.items())),
             "blocks_selected": {e: sum(r[1] - r[0] for rs in ts.values() for r in rs) for e, ts in access.items()},
@@ -532,6 +555,12 @@ class PlanContext(StrategyScores, Bounds):
             "target_bound": target_bound,
             "software": {"mergepipe": __version__},
         })
+        data["tiers"] = compact["tiers"] if compact else self._exact_tiers(selected_mask)
+        if compact and compact["core"]:
+            data["compact_read_by_expert"] = compact["by_expert"]
+            data["compact_files"] = compact["files"]
+        if self.compact_note:  # outside the digest: why the catalog's compacts are not used
+            data["compact_note"] = self.compact_note
         data["transfer"] = self._transfer(access, per_expert_bytes, base_bytes)
         if self.op.additive and not self.to_analyze and not any(self.vocab_bytes.values()):  # outside the digest
             data["suggested_budget"] = self.suggested_budget()

@@ -46,12 +46,15 @@ def explain_plan(p: dict) -> str:
              f"strategy {p['strategy']}",
              f"  base       {p['base']['id']}  {p['base']['fingerprint'][:19]}",
              f"  grid       {human_bytes(p['grid']['block_bytes'])} blocks, {p['blocks_total']} per model",
-             f"  budget     {p['budget']['spec']} = {human_bytes(p['budget']['bytes'])} of "
-             f"{human_bytes(p['full_expert_bytes'])} full expert read"
-             + ("  (first merge: every expert is read in full; the budget applies from the next merge)"
-                if p["budget"].get("first_merge") else ""),
+             budget_line(p),
              f"  estimate   base read {human_bytes(p['estimate']['base_read'])}, expert read "
-             f"{human_bytes(p['estimate']['expert_read'])}, write {human_bytes(p['estimate']['output_write'])}"]
+             f"{human_bytes(p['estimate']['expert_read'])}"
+             + (f", compact read {human_bytes(p['estimate']['compact_read'])}" if p['estimate'].get('compact_read')
+                else "") + f", write {human_bytes(p['estimate']['output_write'])}"]
+    if p.get("tiers") and (p.get("compact") or p["tiers"]["compact"]["by_bits"]):
+        lines.append(tiers_line(p["tiers"]))
+    if p.get("compact_note"):
+        lines.append(f"  compact    {p['compact_note']}")
     if p.get("transfer"):  # plans saved before the tier cost model lack it
         lines.append("  transfer   " + transfer_line(p["transfer"]))
     if p.get("coalesce"):
@@ -59,9 +62,12 @@ def explain_plan(p: dict) -> str:
     if p["error_bound"]:
         b = p["error_bound"]
         norm = "n/a" if b["full_delta_norm"] is None else f"{b['full_delta_norm']:.6g}"
-        lines.append(f"  bound      ||M_full - M_A|| <= {b['absolute']:.6g}  (relative {b['relative']:.3e} "
-                     f"of ||M_full - base|| ~ {norm})")
-        if "blockwise" in b:  # plans stored before the blockwise bound existed lack it
+        if b.get("kind") == "blockwise":
+            lines += bound_lines(b, norm, bool(p.get("compact")))
+        else:  # plans stored before the blockwise headline
+            lines.append(f"  bound      ||M_full - M_A|| <= {b['absolute']:.6g}  (relative {b['relative']:.3e} "
+                         f"of ||M_full - base|| ~ {norm})")
+        if "blockwise" in b and b.get("kind") != "blockwise":  # plans stored before the blockwise bound lack it
             lines.append(f"  tighter    ||M_full - M_A|| <= {b['blockwise']:.6g}  (relative "
                          f"{b['blockwise_relative']:.3e}; blocks at different positions are disjoint)")
         if p.get("suggested_budget"):
@@ -152,9 +158,44 @@ def layout_line(p: dict) -> str:
             f" ({copies} renumbered or taken from another model)")
 
 
-def suggestion_line(s: dict) -> str:
-    """The budget the planner suggests (planner/bounds.py: suggested_budget)."""
+def budget_line(p: dict) -> str:
+    """The budget asked for and, for a first merge, the one it actually uses (everything)."""
     from mergepipe.planner.budget import human_bytes
+    b = p["budget"]
+    if b.get("first_merge"):
+        return (f"  budget     100% = {human_bytes(b['bytes'])} of {human_bytes(p['full_expert_bytes'])} full expert "
+                f"read (first merge: every expert is read in full and analyzed on the way; the {b['spec']} asked "
+                f"for applies from the next merge)")
+    return (f"  budget     {b['spec']} = {human_bytes(b['bytes'])} of {human_bytes(p['full_expert_bytes'])} full "
+            f"expert read" + (" (exact + compact bytes)" if p.get("compact") else ""))
+
+
+def tiers_line(t: dict) -> str:
+    """``tiers      exact 12 blocks (3.0 MiB), compact 40 (1.2 MiB: 1 bit 4, 4 bits 36), omitted 8``."""
+    from mergepipe.planner.budget import human_bytes
+    bits = ", ".join(f"{lv} bit{'s' if lv != '1' else ''} {n}" for lv, n in sorted(t["compact"]["by_bits"].items())
+                     if n)
+    return (f"  tiers      exact {t['exact']['blocks']} blocks ({human_bytes(t['exact']['bytes'])}), compact "
+            f"{t['compact']['blocks']} ({human_bytes(t['compact']['bytes'])}{': ' + bits if bits else ''}), "
+            f"omitted {t['omitted']['blocks']}")
+
+
+def bound_lines(b: dict, norm: str, compact: bool) -> list[str]:
+    """The headline bound (the tightest the plan can state) and the looser additive one, labelled."""
+    terms = ("|c_i| ||delta|| per omitted block, |c_i| x the stored error norm per compact block"
+             if compact else "|c_i| ||delta|| per omitted block")
+    return [f"  bound      ||M_full - M_A|| <= {b['absolute']:.6g}  (relative {b['relative']:.3e} of "
+            f"||M_full - base|| ~ {norm}; per position, {terms}; positions are disjoint)",
+            f"  additive   <= {b['additive']:.6g}  (relative {b['additive_relative']:.3e}: the sum of the same terms "
+            f"over all blocks, looser)"]
+
+
+# How the suggested budget's rule did where it was validated (planner/bounds.py, docs/fidelity)
+def suggestion_line(s: dict) -> str:
+    """The budget the planner suggests (planner/bounds.py: suggested_budget), with what the rule did in the study."""
+    from mergepipe.planner.budget import human_bytes
+    from mergepipe.planner.bounds import SUGGEST_VALIDATION
+    v = SUGGEST_VALIDATION
     return (f"  suggest    budget {100 * s['fraction_of_full']:.0f}% ({human_bytes(s['bytes'])}): the smallest whose "
-            f"tighter bound <= {s['bound_fraction']:g} x ||M_full - base|| (on real fine-tunes that kept accuracy "
-            f"within 1 point of the full merge: docs/fidelity)")
+            f"bound <= {s['bound_fraction']:g} x ||M_full - base||; in the study ({v['where']}), {v['within']} of "
+            f"{v['of']} held-out configurations at this rule were within 1 point of their full merge")

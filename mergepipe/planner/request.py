@@ -28,6 +28,7 @@ from mergepipe.planner.budget import Budget
 from mergepipe.planner.coalesce import MODES
 from mergepipe.planner.settings import check_setting, expert_params, is_scalar
 from mergepipe.planner.strategies import STRATEGIES
+from mergepipe.storage.codecs import COMPACT_MODES
 
 # The operator parameters a request carries (None: the operator's default).
 PARAM_KEYS = ("lam", "normalize", "rescale", "gamma", "epsilon")
@@ -71,6 +72,9 @@ class MergeRequest:
     # on, off; it decides the access set, which the plan's digest covers
     coalesce: str = "auto"
     coalesce_tolerance: float = 0.10  # the band around the cut-off score per byte it re-chooses within
+    # the compact tier (planner/tiers.py): auto (the levels the catalog's compacts hold), off (exact or omitted
+    # only: today's plans), or a codec name restricting the levels read (storage/compact.py)
+    compact: str = "auto"
 
     @classmethod
     def build(cls, base: str, experts, operator: str = "linear", *, weights=None, weight=None, density=None,
@@ -78,7 +82,7 @@ class MergeRequest:
               target_bound=None, strategy: str | None = None, seed: int | None = None, out=None,
               model_id: str | None = None, tokenizer: dict | None = None, layout: dict | None = None,
               base_member: dict | None = None, coalesce: str | None = None,
-              coalesce_tolerance: float | None = None,
+              coalesce_tolerance: float | None = None, compact=None,
               **unknown) -> MergeRequest:
         """Shape keyword arguments (the API's, the CLI's flags, a page's widgets) into a validated request.
         ``weights`` lists one weight per expert, in order; ``budget`` is any spelling :class:`Budget` takes."""
@@ -97,7 +101,8 @@ class MergeRequest:
                       out=None if out is None else str(out), model_id=model_id,
                       tokenizer=_tokenizer_setting(tokenizer), layout=_layout_setting(layout), base_member=base_member,
                       coalesce="auto" if coalesce is None else coalesce,
-                      coalesce_tolerance=0.10 if coalesce_tolerance is None else coalesce_tolerance)
+                      coalesce_tolerance=0.10 if coalesce_tolerance is None else coalesce_tolerance,
+                      compact=compact_setting(compact))
         return request.validated()
 
     def validated(self) -> MergeRequest:
@@ -116,6 +121,8 @@ class MergeRequest:
         tol = self.coalesce_tolerance
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not (0 <= tol < 1):
             raise PlanError(f"the coalesce tolerance must be a number in [0, 1), not {tol!r}")
+        if self.compact not in COMPACT_MODES:
+            raise PlanError(f"unknown compact setting {self.compact!r} (choose from {', '.join(COMPACT_MODES)})")
         seed = check_seed(self.seed)
         if seed is not self.seed:
             return replace(self, operator=op.name, seed=seed)
@@ -245,6 +252,15 @@ def check_weight_sum(op: OpSpec, params: dict, weights, where: str = "") -> None
         raise PlanError(f"the weights sum to {total:g}{where}; normalize divides by their sum, which must be "
                         f"non-zero (|sum| > {WEIGHT_SUM_EPS:g} x the sum of |weight|): change the weights or "
                         f"turn normalize off (--no-normalize)")
+
+
+def compact_setting(value) -> str:
+    """The request's compact mode from a keyword: None/True -> auto, False -> off, else the name given."""
+    if value is None or value is True:
+        return "auto"
+    if value is False:
+        return "off"
+    return str(value).lower() if isinstance(value, str) else value
 
 
 def check_seed(seed) -> int:

@@ -38,6 +38,14 @@ stored bytes of the block's rows (LoRA: the rows of B); k1 = (s mod 2³²) | 1, 
 h = mix32((i mod 2³²)·k1 + k2 + (i >> 32)·0x9E3779B9 mod 2³²), u = (h >> 8) / 2²⁴, with mix32 the
 "lowbias32" hash x ^= x>>16; x *= 0x21F0AAAD; x ^= x>>15; x *= 0x735A2D97; x ^= x>>15 (mod 2³²).
 
+Compact blocks (the plan's ``compact`` key; the record's file, offset and entries in ``compact_files``): the
+block's delta is the record decoded at the level the plan reads, by storage/compact.py's written definition
+(groups of G entries; m_g and a_g bfloat16 bits; sign plane; magnitude planes q>>2, (q>>1)&1, q&1; level 1:
+±m_g, level 2: ±0.75·a_g where q >= 4 else 0, level 4: ±(q + 0.5)·a_g/8), decoded here from the bytes alone.
+It is sparsified like a read block, except that the magnitude cuts are the catalog's per-tensor thresholds
+as the plan records them (magnitude: keep |d| > thr, or |d| == thr by the exact-k cut's block rule;
+outliers: the band between the two cuts), and its random stream's content id is blake2b of the record.
+
 Combination (w_i the expert's weight, W = Σ_i w_i over all experts, omitted ones included, λ = lambda):
   * additive (linear, task_arithmetic, dare_linear, breadcrumbs, della_linear):
     m = Σ_i w_i δ_i'; with ``normalize`` m /= W (W → 1 when |W| < 1e-8); out = base + λ·m, except
@@ -223,6 +231,87 @@ def expand(ranges) -> list[int]:
     return [i for a, b in ranges for i in range(a, b)]
 
 
+# --- compact records ----------------------------------------------------------------------------------------
+def _bits(buf: bytes, n: int) -> np.ndarray:
+    return np.unpackbits(np.frombuffer(buf, dtype=np.uint8), count=n, bitorder="little").astype(np.int64)
+
+
+def _bf16(buf: bytes) -> np.ndarray:
+    return (np.frombuffer(buf, dtype="<u2").astype(np.uint32) << 16).view("<f4").astype(np.float64)
+
+
+def decode_compact(record: bytes, n: int, group: int, level: int) -> np.ndarray:
+    """A compact record decoded at ``level`` bits per entry (float64; the values are exact in float32)."""
+    ng, p = -(-n // group), -(-n // 8)
+    sign = 1.0 - 2.0 * _bits(record[2 * ng:2 * ng + p], n)
+    if level == 1:
+        return sign * np.repeat(_bf16(record[:2 * ng]), group)[:n]
+    at = 2 * ng + p
+    a = np.repeat(_bf16(record[at:at + 2 * ng]), group)[:n]
+    hi = _bits(record[at + 2 * ng:at + 2 * ng + p], n)
+    if level == 2:
+        return sign * np.where(hi == 1, 0.75 * a, 0.0)
+    at += 2 * ng + p
+    q = 4 * hi + 2 * _bits(record[at:at + p], n) + _bits(record[at + p:at + 2 * p], n)
+    return sign * (q + 0.5) * a / 8
+
+
+def compact_level_bytes(n: int, group: int, level: int) -> int:
+    ng, p = -(-n // group), -(-n // 8)
+    return {1: 2 * ng + p, 2: 4 * ng + 2 * p, 4: 4 * ng + 4 * p}[level]
+
+
+def compact_blocks(plan: dict, eid: str, name: str) -> dict[int, tuple[bytes, int]]:
+    """block -> (record read, level) of one expert's tensor, from the plan's compact files."""
+    entry = (plan.get("compact") or {}).get("experts", {}).get(eid)
+    if not entry:
+        return {}
+    where = {b: (off, n) for b, off, n in plan["compact_files"][eid]["blocks"].get(name, [])}
+    out = {}
+    with open(plan["compact_files"][eid]["path"], "rb") as fh:
+        for level, tensors in entry["bits"].items():
+            for b in expand(tensors.get(name, [])):
+                off, n = where[b]
+                fh.seek(off)
+                rec = fh.read(compact_level_bytes(n, entry["group"], int(level)))
+                out[b] = (decode_compact(rec, n, entry["group"], int(level)),
+                          hashlib.blake2b(rec, digest_size=16).hexdigest())
+    return out
+
+
+def top_mask(a: np.ndarray, thr: float, cut_block: int, cut_rank: int, block: int) -> np.ndarray:
+    """|d| > thr, or |d| == thr and within the exact-k cut (by block, then by the first tied in C order)."""
+    if block < cut_block:
+        return a >= thr
+    if block > cut_block:
+        return a > thr
+    tied = (a == thr).ravel()
+    first = tied & (np.cumsum(tied) <= cut_rank)
+    return (a > thr) | first.reshape(a.shape)
+
+
+NO_CUT_BLOCK = 2 ** 62
+
+
+def compact_sparsify(kind, d: np.ndarray, dens: float, params: dict, thr: list, block: int, seed: int,
+                     rescale: bool) -> np.ndarray:
+    """A compact block's decoded delta sparsified with the plan's per-tensor thresholds."""
+    a = f32_abs(d)
+    if kind is None or dens >= 1:
+        return d
+    if kind == "magnitude":
+        cut = (int(thr[2]), int(thr[3])) if len(thr) > 3 else (NO_CUT_BLOCK, 0)
+        ratio = thr[1] if len(thr) > 1 else 1.0
+        return np.where(top_mask(a, thr[0], *cut, block), d * ratio, 0.0)
+    if kind == "outliers":
+        cuts = [int(x) for x in thr[2:6]] if len(thr) > 5 else [NO_CUT_BLOCK, 0, NO_CUT_BLOCK, 0]
+        keep = top_mask(a, thr[1], cuts[2], cuts[3], block) & ~top_mask(a, thr[0], cuts[0], cuts[1], block)
+        return outliers(d, keep, rescale)
+    if kind == "random":
+        return random_drop(d, dens, rescale, seed)
+    return della(d, dens, float(params["epsilon"]), rescale, seed)
+
+
 # --- the random stream ------------------------------------------------------------------------------------
 M32 = np.uint64(0xFFFFFFFF)
 
@@ -406,6 +495,11 @@ def merge(plan: dict, base_dir: Path) -> Result:
                 ratio = topk_l1_ratio(full, dens) if rescale else 1.0
             elif kind == "outliers" and dens < 1:
                 keep = exact_mask(full, *outlier_ranks(full.size, dens, float(params["gamma"])))
+            for bi, (dc, content) in compact_blocks(plan, pe["id"], name).items():
+                r0, r1 = spans[bi]
+                dc = dc.reshape(full[r0:r1].shape)
+                out[r0:r1] = compact_sparsify(kind, dc, dens, params, plan["thresholds"].get(pe["id"], {}).get(name, []),
+                                              bi, block_seed(seed, content, name, bi), rescale)
             for bi in expand(plan["access"][pe["id"]].get(name, [])):
                 r0, r1 = spans[bi]
                 d = full[r0:r1]
