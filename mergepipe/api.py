@@ -351,6 +351,11 @@ def merge_summary(plan: Plan, manifest) -> dict:
         "budget_bytes": plan["budget"]["bytes"], "full_expert_bytes": plan["full_expert_bytes"],
         "estimated": core["estimated"], "realized": core["realized"], "error_bound": plan["error_bound"],
         "seconds": manifest.run["seconds"], "timing": manifest.run["timing"],
+        "budget": plan["budget"]["spec"], "first_merge": bool(plan["budget"].get("first_merge")),
+        # what the merge actually read, in % of the full expert read (a first merge: everything, whatever was asked)
+        "budget_used_pct": round(100.0 * (core["realized"]["expert_read"] + core["realized"].get("compact_read", 0))
+                                 / plan["full_expert_bytes"], 2) if plan["full_expert_bytes"] else 100.0,
+        "tiers": plan.data.get("tiers"),
     }
 
 

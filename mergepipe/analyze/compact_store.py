@@ -50,9 +50,14 @@ class CompactWriter:
 
     def commit(self, catalog: Catalog, expert_bytes: int) -> None:
         """Inside the caller's transaction: make the file durable, rename it into place, store the rows."""
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
+        if not self.file.closed:
+            self.file.flush()
+            self.file.close()
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         name = compacts.final_name(self.expert["id"])
         compacts.replace_compact(catalog, {
             "model_id": self.expert["id"], "base_id": self.base_id, "fingerprint": self.expert["fingerprint"],
@@ -70,8 +75,12 @@ class CompactWriter:
         self.committed = True
 
     def close(self) -> None:
-        """Close the file; an uncommitted temporary file is removed."""
+        """Close the file (it stays until committed or discarded: a first merge stores after its reads)."""
         if not self.file.closed:
             self.file.close()
+
+    def discard(self) -> None:
+        """Remove the temporary file unless it was committed."""
+        self.close()
         if not getattr(self, "committed", False):
             self.path.unlink(missing_ok=True)

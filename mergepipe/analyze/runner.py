@@ -35,6 +35,7 @@ def store_analyses(catalog: Catalog, jobs: list[ExpertAnalysis], seconds: dict |
         for job in jobs:
             if job.compact is not None:
                 job.compact.commit(catalog, sum(r["nbytes"] for rows, _ in job.results.values() for r in rows))
+                compacts.set_default_codec(catalog, job.compact.codec.value, job.compact.group)
             elif grids[job.base["id"]] != job.block_bytes:  # a new grid: the old compact no longer fits
                 compacts.delete_rows(catalog, job.expert_id)
     compacts.prune_files(catalog)
@@ -185,6 +186,8 @@ def analyze(catalog: Catalog, model_ids=None, progress: Progress | None = None, 
     finally:
         for job in todo:
             job.close()
+            if job.compact is not None:
+                job.compact.discard()
     return [AnalyzeResult(mid, True) if job is None else
             AnalyzeResult(mid, False, job.bytes_read, wall / max(1, len(todo)), job.n_blocks, _compact_result(job))
             for mid, job in jobs.items()]

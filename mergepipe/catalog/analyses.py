@@ -81,6 +81,12 @@ def changed_block_l2(catalog: Catalog, model_id: str):
         "SELECT tensor, block, delta_l2 FROM blocks WHERE model_id = ? AND delta_nnz > 0", [model_id])
 
 
+def changed_block_l1(catalog: Catalog, model_id: str):
+    """(tensor, block, delta_l1) of the blocks an expert changed."""
+    return catalog.conn.execute(
+        "SELECT tensor, block, delta_l1 FROM blocks WHERE model_id = ? AND delta_nnz > 0", [model_id])
+
+
 def nonfinite_blocks(catalog: Catalog, model_id: str) -> list[tuple]:
     """(tensor, block, nonfinite, base_nonfinite) of the blocks whose delta holds NaN/Inf, in order."""
     return catalog.conn.execute(

@@ -49,6 +49,21 @@ def delete_rows(catalog: Catalog, model_id: str) -> None:
         catalog.conn.execute(f"DELETE FROM {table} WHERE model_id = ?", [model_id])
 
 
+def default_codec(catalog: Catalog) -> tuple[str, int] | None:
+    """(codec, group size) the last `analyze --compact` used: what a first merge's analysis stores too."""
+    rows = dict(catalog.conn.execute(
+        "SELECT key, value FROM meta WHERE key IN ('compact_codec', 'compact_group')").fetchall())
+    if "compact_codec" not in rows:
+        return None
+    return rows["compact_codec"], int(rows["compact_group"])
+
+
+def set_default_codec(catalog: Catalog, codec: str, group: int) -> None:
+    """Inside the caller's transaction."""
+    catalog.conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                             [("compact_codec", codec), ("compact_group", str(group))])
+
+
 def compact_row(catalog: Catalog, model_id: str) -> dict | None:
     rows = catalog.query("SELECT * FROM compacts WHERE model_id = ?", [model_id])
     return rows[0] if rows else None

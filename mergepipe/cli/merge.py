@@ -212,6 +212,7 @@ def _plan_summary(plan) -> dict:
             "budget_bytes": plan["budget"]["bytes"], "full_expert_bytes": plan["full_expert_bytes"],
             "estimated": plan["estimate"], "blocks_selected": plan["blocks_selected"],
             "expert_read_by_expert": plan["expert_read_by_expert"], "error_bound": plan["error_bound"],
+            "tiers": plan["tiers"], **({"compact_note": plan["compact_note"]} if plan.data.get("compact_note") else {}),
             **({"warnings": plan.data["warnings"]} if plan.data.get("warnings") else {})}
 
 
@@ -262,8 +263,12 @@ def _execute(args, cat, plan):
     emit(args, summary, lambda s: print(
         f"published {s['snapshot_id']} as model {s['model_id']} at {s['out']}\n"
         f"  manifest {s['manifest_hash']}\n"
-        f"  expert read {api.human_bytes(s['realized']['expert_read'])} of {api.human_bytes(s['full_expert_bytes'])} "
-        f"(budget {api.human_bytes(s['budget_bytes'])}), base read {api.human_bytes(s['realized']['base_read'])}, "
+        f"  expert read {api.human_bytes(s['realized']['expert_read'])}"
+        + (f" + compact {api.human_bytes(s['realized']['compact_read'])}" if s["realized"].get("compact_read") else "")
+        + f" of {api.human_bytes(s['full_expert_bytes'])} "
+        + (f"(first merge: read in full, {s['budget_used_pct']:g} %; the {s['budget']} asked for applies from the next "
+           f"merge)" if s["first_merge"] else f"(budget {s['budget']} = {api.human_bytes(s['budget_bytes'])}, used "
+           f"{s['budget_used_pct']:g} %)") + f", base read {api.human_bytes(s['realized']['base_read'])}, "
         f"wrote {api.human_bytes(s['realized']['output_write'])} in {s['seconds']:.2f} s"
         + (f"\n  error bound {s['error_bound']['absolute']:.4g} (relative {s['error_bound']['relative']:.3e})"
            if s["error_bound"] else "")))

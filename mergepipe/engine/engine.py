@@ -141,6 +141,7 @@ class Engine:
             signal.signal(signal.SIGTERM, _raise_interrupt)
         saved_threads = torch.get_num_threads()
         torch.set_num_threads(self.threads)
+        result = None
         try:
             staging = txn.begin()
             t0 = time.perf_counter()
@@ -154,6 +155,8 @@ class Engine:
             txn.commit(lambda: self._register(plan, manifest, model_id, out, run_id, result["inflight"]))
         except BaseException:
             txn.abort()
+            if result is not None and result.get("inflight"):  # compacts analyzed on the way, never stored
+                result["inflight"].discard()
             raise
         finally:
             torch.set_num_threads(saved_threads)
@@ -199,6 +202,8 @@ class Engine:
             core["compact"] = plan["compact"]
             core["tiers"] = plan["tiers"]
             core["realized_compact_by_expert"] = dict(sorted(result["compact_read_by_expert"].items()))
+            core["compact_inputs"] = {e: {"sha256": f["sha256"], "nbytes": f["nbytes"]}
+                                      for e, f in sorted(plan["compact_files"].items())}
         if plan.data.get("base_member"):  # a model soup: the base (reference) is averaged in
             core["inputs"]["base_member"] = plan["base_member"]
         if plan.data.get("tokenizer"):

@@ -23,7 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from mergepipe.analyze.compact_store import CompactWriter
 from mergepipe.analyze.runner import store_analyses
+from mergepipe.storage.codecs import codec
 from mergepipe.analyze.stats import DEFAULT_DENSITIES, ExpertAnalysis, analysis_workers, analyze_tensor
 from mergepipe.catalog.analyses import nonfinite_message
 from mergepipe.catalog.db import Catalog
@@ -39,7 +41,8 @@ class InflightAnalysis:
     """ANALYZE of a plan's marked experts, tensor by tensor (one task for all of them, so each base
     block is read once), just ahead of the merge."""
 
-    def __init__(self, plan, base_ck: Checkpoint, order: list[TensorInfo], lookahead: int = LOOKAHEAD_BYTES):
+    def __init__(self, plan, base_ck: Checkpoint, order: list[TensorInfo], lookahead: int = LOOKAHEAD_BYTES,
+                 catalog: Catalog | None = None):
         self.op = get_op(plan["operator"])
         self.params = plan["params"]
         data = plan.data if hasattr(plan, "data") else plan
@@ -54,8 +57,12 @@ class InflightAnalysis:
         self.starts = np.cumsum([0] + [t.nbytes for t in order])  # where each tensor starts in the pass
         self.lookahead = lookahead
         block_bytes = plan["grid"]["block_bytes"]
-        self.jobs = {e["id"]: ExpertAnalysis(e, plan["base"], base_ck, block_bytes,
-                                             densities=self._densities(e)) for e in self.experts}
+        store = data.get("compact_store")  # the compacts a first merge's analysis writes too (planner/tiers.py)
+        self.jobs = {e["id"]: ExpertAnalysis(e, plan["base"], base_ck, block_bytes, densities=self._densities(e),
+                                             compact=(CompactWriter(catalog, e, plan["base"]["id"], block_bytes,
+                                                                    codec(store["codec"]), store["group"])
+                                                      if store and catalog is not None else None))
+                     for e in self.experts}
         self.pool = ThreadPoolExecutor(max_workers=analysis_workers(), thread_name_prefix="mergepipe-inflight")
         self.futures: dict[str, list] = {}
         self.submitted = 0
@@ -123,3 +130,9 @@ class InflightAnalysis:
         self.pool.shutdown(wait=True, cancel_futures=True)
         for job in self.jobs.values():
             job.close()
+
+    def discard(self) -> None:
+        """Remove the compact files of an analysis that was not stored (a failed or cancelled merge)."""
+        for job in self.jobs.values():
+            if job.compact is not None:
+                job.compact.discard()

@@ -86,7 +86,8 @@ class MergePipeline:
         self.shard_of = {n: s for s in self.shards for n in s.offsets}
         self.selected = {e["id"]: {t: set(expand_ranges(rs)) for t, rs in plan["access"][e["id"]].items()}
                          for e in experts}
-        self.inflight = inflight = (InflightAnalysis(plan, base_ck, order) if any(e.get("analyze") for e in experts)
+        self.inflight = inflight = (InflightAnalysis(plan, base_ck, order, catalog=engine.catalog)
+                                    if any(e.get("analyze") for e in experts)
                                     else None)
         # per expert, the plan's thresholds (copied: engine/vocab.py adds a re-ordered tensor's to them) and, for an
         # expert analyzed on the way, the analysis' own dict, which it fills tensor by tensor (the same object)
@@ -344,6 +345,10 @@ class MergePipeline:
             while self.reads:
                 self.step(*self.reads.popleft())
             self.write_in_order(0)
+        except BaseException:
+            if self.inflight:
+                self.inflight.discard()
+            raise
         finally:
             self.read_pool.shutdown(wait=True, cancel_futures=True)
             self.executor.shutdown()

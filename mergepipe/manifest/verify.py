@@ -173,10 +173,27 @@ def verify(catalog: Catalog | None, ref: str, check_inputs: bool = True) -> dict
     changed = [] if not check_inputs else \
         [why for why in map(input_change, [inputs["base"], *inputs["experts"]]) if why]
     problems += [f"input {why} since the merge (the snapshot cannot be reproduced from it)" for why in changed]
+    if check_inputs and catalog is not None:
+        problems += _compact_changes(catalog, manifest.core.get("compact_inputs") or {})
     result = {"snapshot_id": manifest.snapshot_id, "out": str(out), "manifest_hash": manifest.manifest_hash,
               "files_checked": checked, "inputs_checked": len(inputs["experts"]) + 1 if check_inputs else 0,
               "ok": not problems, "problems": problems}
     return result
+
+
+def _compact_changes(catalog: Catalog, used: dict) -> list[str]:
+    """The compact deltas a tiered merge read that the catalog no longer holds as they were."""
+    from mergepipe.catalog.compacts import compact_dir, compact_row
+    out = []
+    for eid, was in sorted(used.items()):
+        row = compact_row(catalog, eid)
+        if row is None or row["sha256"] != was["sha256"]:
+            out.append(f"input compact deltas of {eid} were re-made or removed since the merge (the snapshot cannot "
+                       f"be reproduced from the catalog's compacts)")
+        elif not (compact_dir(catalog) / row["file"]).is_file() or \
+                (compact_dir(catalog) / row["file"]).stat().st_size != row["nbytes"]:
+            out.append(f"input compact file of {eid} ({compact_dir(catalog) / row['file']}) is missing or changed size")
+    return out
 
 
 def _remote_files(manifest: Manifest) -> tuple[list[str], int]:

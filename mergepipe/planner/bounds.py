@@ -16,6 +16,10 @@ SUGGEST_BOUND_FRACTION = 0.41  # measured 0.419 (2026-12-04 run, LoRA pairs), ro
 SUGGEST_VALIDATION = {"within": 0, "of": 0, "where": "docs/fidelity, not yet validated"}
 
 
+def _zero_bound() -> dict:
+    return {"absolute": 0.0, "relative": 0.0, "kind": "sparsified", "full_delta_norm": None, "update_bound": 0.0}
+
+
 class Bounds:
     """Error bounds of a plan: the full-merge norm estimated from sketches and the blockwise bound of the
     omitted blocks (a mixin of PlanContext: uses its candidates and sketch matrix)."""
@@ -72,6 +76,79 @@ class Bounds:
         return {"absolute": blockwise, "relative": rel(blockwise), "kind": "blockwise", "full_delta_norm": norm,
                 "blockwise": blockwise, "blockwise_relative": rel(blockwise),
                 "additive": additive, "additive_relative": rel(additive)}
+
+    def _sparsified_bound(self, exact: np.ndarray, tier: np.ndarray | None) -> dict | None:
+        """A sound bound for the operators that sparsify each delta (TIES, DARE, breadcrumbs, DELLA; with or
+        without sign consensus), from the catalog alone. Per position where some expert's block is not read
+        exactly, ||M_full - M_A|| is at most the norm of both merges' updates there (sign consensus: each entry of
+        a normalized merge with positive weights is a weighted mean of the agreeing experts' values, so its update
+        is at most sqrt(sum_i ||tau_i||^2); otherwise the weighted sum), with ||tau_i|| bounded by the block's
+        ||delta||_2 (times TIES' L1 ratio), or by its ||delta||_1 where an L1-preserving rescale may amplify it
+        (DARE, DELLA, breadcrumbs with rescale). Loose, but sound; None where no bound holds (sign consensus
+        under normalize with a weight <= 0: its divisor can vanish)."""
+        from mergepipe.catalog import analyses
+        from mergepipe.ops.spec import Sparsify
+        cands = self.candidates
+        if not len(cands.nbytes):
+            return _zero_bound()
+        names = [t["name"] for t in self.tensors]
+        ratio = np.ones(len(cands.nbytes))
+        l1_scaled = np.zeros(len(cands.nbytes), dtype=bool)
+        lam = np.zeros(len(cands.nbytes))
+        normalize = np.zeros(len(cands.nbytes), dtype=bool)
+        for ti, name in enumerate(names):
+            at = cands.tensor == ti
+            if not at.any():
+                continue
+            params = self.params_for(name)
+            lam[at], normalize[at] = abs(float(params["lambda"])), bool(params["normalize"])
+            if self.op.sparsify is Sparsify.MAGNITUDE and params.get("rescale"):
+                for ei, e in enumerate(self.experts):
+                    thr = self.thresholds.get(e["id"], {}).get(name) or []
+                    ratio[at & (cands.expert == ei)] = thr[1] if len(thr) > 1 else 1.0
+            elif self.op.sparsify is not Sparsify.MAGNITUDE and params.get("rescale"):
+                l1_scaled[at] = True
+        if self.op.consensus and (normalize & (self.weight_matrix[cands.expert, cands.tensor] <= 0)).any():
+            return None
+        l2 = cands.l2
+        l1 = np.zeros(len(l2))
+        if l1_scaled.any():
+            stored = {}
+            for ei, e in enumerate(self.experts):
+                for t, b, v in analyses.changed_block_l1(self.catalog, e["id"]):
+                    stored[(ei, t, b)] = v
+            l1 = np.array([stored.get((int(e), names[t], int(b)), 0.0)
+                           for e, t, b in zip(cands.expert, cands.tensor, cands.block)])
+        full = np.where(l1_scaled, l1, ratio * l2)
+        plan = np.where(exact, full, 0.0)
+        if tier is not None:
+            for lv in self.tiers.levels:
+                at = tier == lv
+                err = self.tiers.errors[lv][at]
+                entries = self.tiers.entries[at]
+                plan[at] = np.where(l1_scaled[at], l1[at] + np.sqrt(entries) * err, ratio[at] * (l2[at] + err))
+        pos = cands.tensor * (int(cands.block.max()) + 1) + cands.block
+        _, group = np.unique(pos, return_inverse=True)
+        inexact = np.bincount(group, weights=(~exact).astype(np.float64)) > 0
+        w = np.abs(self.weight_matrix[cands.expert, cands.tensor])
+        if self.op.consensus:
+            mean = normalize  # a weighted mean of the agreeing values, per entry
+            a = np.where(mean, full ** 2, 0.0)
+            b = np.where(mean, plan ** 2, 0.0)
+            per_full = np.sqrt(np.bincount(group, weights=a)) + np.bincount(group, weights=np.where(mean, 0.0, w * full))
+            per_plan = np.sqrt(np.bincount(group, weights=b)) + np.bincount(group, weights=np.where(mean, 0.0, w * plan))
+            lam_pos = np.bincount(group, weights=lam) / np.maximum(np.bincount(group), 1)
+            per = lam_pos * (per_full + per_plan)
+            update = lam_pos * per_full
+        else:  # additive after sparsifying: the same coefficients as linear / task arithmetic
+            c = np.abs(self.coef_matrix[cands.expert, cands.tensor])
+            term = np.where(exact, 0.0, c * (full + np.where(plan > 0, plan, 0.0)))
+            per = np.bincount(group, weights=term)
+            update = np.bincount(group, weights=c * full)
+        total = float(np.sqrt(np.square(np.where(inexact, per, 0.0)).sum()))
+        scale = float(np.sqrt(np.square(update).sum()))
+        return {"absolute": total, "relative": total / scale if scale > 0 else 0.0, "kind": "sparsified",
+                "full_delta_norm": None, "update_bound": scale}
 
     def _prefix_residual(self, k: int) -> np.ndarray:
         """Residual terms after the first ``k`` steps of the greedy order (blocks, or the tiers' upgrades)."""

@@ -41,7 +41,7 @@ from mergepipe.planner.settings import (
 from mergepipe.ops.core import TENSOR_PARAMS
 from mergepipe.planner.coalesce import coalesce
 from mergepipe.planner.strategies import StrategyScores, _uniform_priority
-from mergepipe.planner.tiers import EXACT, Tiers, tier_plan_inputs, tier_summary
+from mergepipe.planner.tiers import EXACT, Tiers, compact_store, tier_plan_inputs, tier_summary
 from mergepipe.storage.grid import DEFAULT_BLOCK_BYTES, tensor_grid
 from mergepipe.storage.safetensors import FLOAT_DTYPES, TensorInfo
 from mergepipe.storage.sources import fixed_bytes, open_source
@@ -370,8 +370,10 @@ class PlanContext(StrategyScores, Bounds):
             priority = np.random.default_rng(self.seed).random(len(score))
         elif self.strategy == "uniform":
             priority = _uniform_priority(arr["expert"], arr["tensor"], arr["block"])
-        return Candidates(arr["expert"], arr["tensor"], arr["block"], arr["nbytes"], score, bound_term, priority,
-                          arr["setup"])
+        cands = Candidates(arr["expert"], arr["tensor"], arr["block"], arr["nbytes"], score, bound_term, priority,
+                           arr["setup"])
+        cands.l2 = arr["l2"]  # ||delta|| of each block (the sparsified operators' bound, planner/bounds.py)
+        return cands
 
     # --- estimates -------------------------------------------------------------------------------
     def base_bytes(self) -> int:
@@ -507,6 +509,8 @@ class PlanContext(StrategyScores, Bounds):
                      "blockwise_relative": 0.0, "additive": 0.0, "additive_relative": 0.0, "kind": "blockwise"}
         elif self.op.additive:
             bound = self._bound(residual)
+        elif not (self.op.nonlinear or self.op.copies or self.to_analyze):
+            bound = self._sparsified_bound(selected_mask, tier)
         base_bytes = self.base_bytes()
         core = {
             "format": PLAN_FORMAT,
@@ -566,6 +570,8 @@ class PlanContext(StrategyScores, Bounds):
             data["suggested_budget"] = self.suggested_budget()
         if greedy is not None:  # outside the digest: the access set already says what is read
             data["coalesce"] = self._coalesce_note(greedy, chosen, data["transfer"])
+        if first_merge and (store := compact_store(self)):  # outside the digest: the analysis on the way's compacts
+            data["compact_store"] = store
         if self.warnings:  # outside the digest: they follow from the catalog, like the estimates
             data["warnings"] = list(self.warnings)
         return Plan(data)

@@ -62,7 +62,12 @@ def explain_plan(p: dict) -> str:
     if p["error_bound"]:
         b = p["error_bound"]
         norm = "n/a" if b["full_delta_norm"] is None else f"{b['full_delta_norm']:.6g}"
-        if b.get("kind") == "blockwise":
+        if b.get("kind") == "sparsified":
+            lines.append(f"  bound      ||M_full - M_A|| <= {b['absolute']:.6g}  (relative {b['relative']:.3e} of the bound "
+                         f"{b['update_bound']:.6g} on ||M_full - base||; sound for {p['operator']}'s sparsification"
+                         f"{' and sign election' if p['operator'] in CONSENSUS_OPS else ''}, but loose: at each position "
+                         f"not read exactly, the norms of both merges' updates there)")
+        elif b.get("kind") == "blockwise":
             lines += bound_lines(b, norm, bool(p.get("compact")))
         else:  # plans stored before the blockwise headline
             lines.append(f"  bound      ||M_full - M_A|| <= {b['absolute']:.6g}  (relative {b['relative']:.3e} "
@@ -120,22 +125,35 @@ def explain_plan(p: dict) -> str:
         eid = e["id"]
         extra = f" density {e['density']:g}" if e.get("density") is not None else ""
         weight = "per tensor" if e.get("weight") is None else f"{e['weight']:g}"
+        compact = ((p.get("compact") or {}).get("experts") or {}).get(eid)
         lines.append(f"    {eid:<20} weight {weight}{extra}  blocks {p['blocks_selected'][eid]}/"
-                     f"{p['blocks_candidate'][eid]}  read {human_bytes(p['expert_read_by_expert'][eid])}")
+                     f"{p['blocks_candidate'][eid]}  read {human_bytes(p['expert_read_by_expert'][eid])}"
+                     + (f"  compact {sum(b - a for ts in compact['bits'].values() for rs in ts.values() for a, b in rs)}"
+                        f" blocks {human_bytes(p['compact_read_by_expert'][eid])} ({compact['codec']}, groups of "
+                        f"{compact['group']})" if compact else ""))
         if e.get("analyze"):
             lines.append(f"    {'':<20} {e['analyze']}: read in full and analyzed on the way")
     for w in p.get("warnings", ()):  # e.g. an expert identical to its base (planner/context.py)
         lines.append(f"  warning    {w}")
-    lines.append("  tensors (blocks read per expert)")
-    tensors = sorted({t for ts in p["access"].values() for t in ts})
+    lines.append("  tensors (blocks read per expert" + ("; ~N: from the compact tier at N bits)" if p.get("compact") else ")"))
+    compact = (p.get("compact") or {}).get("experts") or {}
+    tensors = sorted({t for ts in p["access"].values() for t in ts}
+                     | {t for c in compact.values() for ts in c["bits"].values() for t in ts})
     for t in tensors:
         parts = []
         for e in p["experts"]:
             rs = p["access"][e["id"]].get(t, [])
             if rs:
-                parts.append(f"{e['id']}:" + ",".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in rs))
+                parts.append(f"{e['id']}:" + _ranges(rs))
+            for level, ts in sorted((compact.get(e["id"]) or {}).get("bits", {}).items()):
+                if ts.get(t):
+                    parts.append(f"{e['id']}~{level}:" + _ranges(ts[t]))
         lines.append(f"    {t:<48} {human_bytes(p['expert_read_by_tensor'].get(t, 0)):>12}  {' '.join(parts)}")
     return "\n".join(lines)
+
+
+def _ranges(rs) -> str:
+    return ",".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in rs)
 
 
 def _short(params: dict) -> dict:
@@ -156,6 +174,9 @@ def layout_line(p: dict) -> str:
     copies = sum(1 for t in p["layout"]["tensors"] if t[0] != t[2] or t[1] != p["base"]["id"])
     return (f"  layout     {len(p['layout']['tensors'])} output tensors, {len(p['layout']['layers'])} layers: {text}"
             f" ({copies} renumbered or taken from another model)")
+
+
+CONSENSUS_OPS = ("ties", "dare_ties", "breadcrumbs_ties", "della")
 
 
 def budget_line(p: dict) -> str:

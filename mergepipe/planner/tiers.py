@@ -188,7 +188,7 @@ def tier_plan_inputs(ctx) -> tuple["Tiers | None", str | None, dict]:
         if row is not None:
             files[e["id"]] = row
     if not files:
-        if mode != "auto":
+        if mode != "auto" and not ctx.to_analyze:  # a first merge stores them on the way (compact_store)
             raise PlanError(f"--compact {mode}: none of the experts has compact deltas for this grid "
                             f"(run `mergepipe analyze --compact {mode}` first)")
         return None, None, {}
@@ -205,6 +205,19 @@ def tier_plan_inputs(ctx) -> tuple["Tiers | None", str | None, dict]:
                             f"({stored.value}); run `mergepipe analyze --compact {mode} --force {eid}`")
         levels[eid] = readable
     return _build_tiers(ctx, files, levels), None, files
+
+
+def compact_store(ctx) -> dict | None:
+    """The compacts a first merge's analysis on the way stores: the codec the request names, or with auto the
+    one the catalog's last `analyze --compact` used; None with off or when the catalog never stored any."""
+    from mergepipe.storage.codecs import CODECS, DEFAULT_GROUP
+    mode = ctx.request.compact
+    if mode == "off":
+        return None
+    default = compacts.default_codec(ctx.catalog)
+    if mode in CODECS:
+        return {"codec": mode, "group": default[1] if default else DEFAULT_GROUP}
+    return {"codec": default[0], "group": default[1]} if default else None
 
 
 def _not_applicable(ctx) -> str | None:

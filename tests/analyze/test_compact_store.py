@@ -246,3 +246,16 @@ def test_cli_analyze_compact_reports_growth(tmp_path, fam):
     assert res.returncode != 0 and res.stderr.strip().splitlines() == [
         "error: unknown compact codec 'q5' (choose from sign1, q2, q4, progressive)"]
     assert json.dumps(compacts.compact_rows(cat)) == json.dumps(compacts.compact_rows(cat))
+
+
+def test_a_v9_catalog_gets_the_compact_tables(tmp_path, fam):
+    cat = fresh(tmp_path, fam, compact=None)
+    for table in ("compacts", "compact_blocks"):
+        cat.conn.execute(f"DROP TABLE {table}")
+    cat.conn.execute("UPDATE meta SET value = '9' WHERE key = 'schema_version'")
+    cat.close()
+    cat = Catalog(tmp_path / "c.sqlite")
+    assert cat.query("SELECT value FROM meta WHERE key='schema_version'")[0]["value"] == "10"
+    assert cat.is_analyzed("e1")  # statistics kept
+    analyze(cat, compact="sign1")
+    assert {r["codec"] for r in compacts.compact_rows(cat)} == {"sign1"}

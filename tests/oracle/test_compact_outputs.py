@@ -131,3 +131,24 @@ def test_tiered_bound_is_sound(tiered, tmp_path):
             assert b["kind"] == "blockwise" and b["absolute"] == b["blockwise"] <= b["additive"] * (1 + 1e-12)
             # the outputs are float32: allow their rounding on top of the bound
             assert dist <= b["absolute"] * (1 + 1e-6) + 1e-6, (op, budget, dist, b)
+            assert dist > 0
+
+
+@pytest.mark.parametrize("op", ["ties", "dare_ties", "dare_linear", "breadcrumbs_ties", "della"])
+def test_sparsified_bound_is_sound(tiered, tmp_path, op):
+    """TIES and the DARE family get a bound too (loose but sound): it holds against the realized distance to
+    the full merge at every budget, tiered and exact-only, with positive weights."""
+    from mergepipe.api import merge
+    fam, cat = tiered["fp32"]
+    kw = dict(operator=op, weights=[0.75, 0.375, 1.125, 0.5], density=DENSITY, lam=LAM, seed=SEED)
+    merge(cat, "base", list(EXPERTS), tmp_path / "full", model_id=f"full-{op}", budget="100%", **kw)
+    full = ref.read_dir(tmp_path / "full")
+    for compact in ("progressive", "off"):
+        for budget in ("10%", "25%", "50%"):
+            out = tmp_path / f"{op}-{compact}-{budget[:-1]}"
+            plan, _, _ = merge(cat, "base", list(EXPERTS), out, model_id=out.name, budget=budget, compact=compact, **kw)
+            got = ref.read_dir(out)
+            dist = float(np.sqrt(sum(float(np.sum((got[n].values() - full[n].values()) ** 2)) for n in full)))
+            b = plan["error_bound"]
+            assert b["kind"] == "sparsified" and 0 < dist <= b["absolute"] * (1 + 1e-6) + 1e-6, (budget, dist, b)
+            print(op, compact, budget, f"realized/bound {dist / b['absolute']:.3f}")
