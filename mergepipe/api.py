@@ -418,7 +418,9 @@ def explain(catalog: Catalog, ref: str) -> str:
     return (f"SNAPSHOT {manifest.snapshot_id}  model {manifest.run['model_id']}  at {manifest.run['out']}\n"
             f"  manifest   {manifest.manifest_hash}\n"
             f"  realized   base read {r['base_read']} B (est. {e['base_read']}), expert read {r['expert_read']} B "
-            f"(est. {e['expert_read']}), write {r['output_write']} B (est. {e['output_write']})\n" + text)
+            f"(est. {e['expert_read']})"
+            + (f", compact read {r['compact_read']} B (est. {e.get('compact_read', 0)})" if r.get("compact_read") else "")
+            + f", write {r['output_write']} B (est. {e['output_write']})\n" + text)
 
 
 def load_sweep(path):

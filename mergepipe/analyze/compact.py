@@ -24,37 +24,13 @@ def _bf16(x):
     return bits, np.uint32(np.uint32(bits) << np.uint32(16)).view(np.float32)
 
 
-@njit(nogil=True, cache=True, fastmath=True)
-def _group_sums(buf, k):
-    """(sum |d|, max |d|) of a group's first ``k`` deltas."""
-    total = 0.0
-    mx = np.float32(0)
-    for i in range(k):
-        ad = abs(buf[i])
-        total += ad
-        mx = max(mx, ad)
-    return total, mx
+PACK = np.uint64(0x0102040810204080)  # (8 bytes of 0/1, as a little-endian uint64 * PACK) >> 56: their bits
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _errors(buf, q, k, m, a):
-    """The squared error of each level over one group (codes ``q`` already computed)."""
-    v2 = np.float64(a * np.float32(0.75))
-    step = a * np.float32(0.125)
-    e1 = e2 = e4 = 0.0
-    for i in range(k):
-        x = np.float64(abs(buf[i]))
-        r1 = x - np.float64(m)
-        r2 = x - v2 if q[i] >= 4 else x
-        r4 = x - np.float64((np.float32(q[i]) + np.float32(0.5)) * step)
-        e1 += r1 * r1
-        e2 += r2 * r2
-        e4 += r4 * r4
-    return e1, e2, e4
-
-
-@njit(**_C)
 def _encode(e, b, n, group, out, errs):
+    """fastmath: the sums may be reassociated (their float64 rounding, far below the bf16 of the mean and the
+    float32 of the errors' use); every value that is stored is computed exactly as storage/compact.py defines."""
     ng = (n + group - 1) // group
     p = (n + 7) // 8
     sign_at = 2 * ng
@@ -63,42 +39,54 @@ def _encode(e, b, n, group, out, errs):
     mid_at = hi_at + p
     lo_at = mid_at + p
     buf = np.empty(group, np.float32)
-    q = np.zeros(group, np.uint8)
+    planes = np.zeros((4, group), np.uint8)
+    words = planes.view(np.uint64)  # 8 entries per word
     e1 = e2 = e4 = 0.0
     for g in range(ng):
         start = g * group
         k = min(n, start + group) - start
+        total = 0.0
+        mx = np.float32(0)
         for i in range(k):
-            buf[i] = _delta(e, b, start + i)
-        total, mx = _group_sums(buf, k)
+            d = _delta(e, b, start + i)
+            buf[i] = d
+            ad = abs(d)
+            total += ad
+            mx = max(mx, ad)
         m_bits, m = _bf16(np.float32(total / k))
         a_bits, a = _bf16(mx)
         out[2 * g] = m_bits & 0xFF
         out[2 * g + 1] = m_bits >> 8
         out[a_at + 2 * g] = a_bits & 0xFF
         out[a_at + 2 * g + 1] = a_bits >> 8
-        if a > 0:
-            for i in range(k):
-                q[i] = min(7, int(np.float32(np.float32(8) * abs(buf[i])) / a))
-        else:
-            q[:k] = 0
-        r1, r2, r4 = _errors(buf, q, k, m, a)
-        e1 += r1
-        e2 += r2
-        e4 += r4
-        for j in range(0, k, 8):  # groups are multiples of 8 entries: whole bytes of every plane
-            sb = hb = mb = lb = 0
-            for t in range(min(8, k - j)):
-                c = q[j + t]
-                sb |= (buf[j + t] < 0) << t
-                hb |= (c >> 2) << t
-                mb |= ((c >> 1) & 1) << t
-                lb |= (c & 1) << t
-            byte = (start + j) >> 3
-            out[sign_at + byte] = sb
-            out[hi_at + byte] = hb
-            out[mid_at + byte] = mb
-            out[lo_at + byte] = lb
+        inv = np.float32(8) / a if a > 0 else np.float32(0)
+        v2 = np.float64(a * np.float32(0.75))
+        step = a * np.float32(0.125)
+        m64 = np.float64(m)
+        for i in range(k):
+            d = buf[i]
+            ad = abs(d)
+            q = min(7, int(ad * inv))
+            planes[0, i] = d < 0
+            planes[1, i] = q >> 2
+            planes[2, i] = (q >> 1) & 1
+            planes[3, i] = q & 1
+            x = np.float64(ad)
+            r1 = x - m64
+            r2 = x - v2 if q >= 4 else x
+            r4 = x - np.float64((np.float32(q) + np.float32(0.5)) * step)
+            e1 += r1 * r1
+            e2 += r2 * r2
+            e4 += r4 * r4
+        nb = (k + 7) // 8
+        for i in range(k, nb * 8):
+            planes[0, i] = planes[1, i] = planes[2, i] = planes[3, i] = 0
+        byte = start >> 3
+        for j in range(nb):
+            out[sign_at + byte + j] = (words[0, j] * PACK) >> np.uint64(56)
+            out[hi_at + byte + j] = (words[1, j] * PACK) >> np.uint64(56)
+            out[mid_at + byte + j] = (words[2, j] * PACK) >> np.uint64(56)
+            out[lo_at + byte + j] = (words[3, j] * PACK) >> np.uint64(56)
     errs[0] = math.sqrt(e1)
     errs[1] = math.sqrt(e2)
     errs[2] = math.sqrt(e4)

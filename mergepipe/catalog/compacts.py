@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from mergepipe.catalog.db import Catalog, now
+from mergepipe.storage.procs import pid_alive
 
 TMP_PREFIX = ".tmp-"
 
@@ -109,19 +110,12 @@ def prune_files(catalog: Catalog) -> list[str]:
 
 
 def _pid_alive(text: str) -> bool:
+    """Whether the process named in a temporary file's name is alive (ours included)."""
     try:
         pid = int(text)
     except ValueError:
         return False
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid == os.getpid() or pid_alive(pid)
 
 
 def growth(catalog: Catalog, model_ids=None) -> tuple[int, int]:

@@ -17,7 +17,8 @@ def fmt_bound(bound: dict | None, operator: str | None = None) -> str:
     """The planner's error bound as one line (or why there is none)."""
     if not bound:
         return "n/a (not an additive operator)" if operator is None else f"n/a: {no_bound_reason(operator)}"
-    return f"{bound['absolute']:.4g} (relative {bound['relative']:.3g})"
+    rel = bound.get("relative")
+    return f"{bound['absolute']:.4g}" + ("" if rel is None else f" (relative {rel:.3g})")
 
 
 def no_bound_reason(operator: str) -> str:
@@ -54,19 +55,22 @@ RELATIVE_KEYS = {"absolute": "relative", "additive": "additive_relative", "block
 
 
 def bound_parts(bound: dict | None) -> list[str]:
-    """The bounds a plan states, one labelled text per key present: 'absolute 0.0184 (relative 0.0834)',
-    'additive 0.143 (relative 0.648)'. A blockwise value equal to the absolute one is named on the absolute
-    entry instead of repeated. Empty without a bound."""
+    """The bounds a plan states, one labelled text per key present: 'absolute (blockwise) 0.0184 (relative
+    0.0834)', 'additive 0.143 (relative 0.648)'. The headline (``absolute``) names the bound it is (its ``kind``,
+    or the key whose value it equals), which is then not repeated. Empty without a bound."""
     if not bound:
         return []
+    kind = bound.get("kind")
+    if kind is None:
+        kind = next((k for k, _ in BOUND_KEYS[1:] if bound.get(k) is not None and bound.get(k) == bound.get("absolute")),
+                    None)
     out = []
-    same = bound.get("blockwise") is not None and bound.get("blockwise") == bound.get("absolute")
     for key, label in BOUND_KEYS:
         value = bound.get(key)
-        if value is None or (same and key == "blockwise"):
+        if value is None or (key == kind and key != "absolute" and value == bound.get("absolute")):
             continue
-        if same and key == "absolute":
-            label = "absolute (the blockwise bound)"
+        if key == "absolute" and kind not in (None, "absolute"):
+            label = f"absolute ({kind})"
         rel = bound.get(RELATIVE_KEYS[key])
         out.append(f"{label} {value:.4g}" + ("" if rel is None else f" (relative {rel:.3g})"))
     return out

@@ -184,8 +184,7 @@ def tiers_table(plan: Plan | dict, ctx: PlanContext | None = None) -> pd.DataFra
     df = tiers_df(plan, ctx)
     if df is None:
         return None
-    return df.drop(columns=["bytes"]).rename(columns={"estimated": "bytes (estimated)",
-                                                      "of full": "of the changed expert bytes"})
+    return df.drop(columns=["bytes"]).rename(columns={"estimated": "est. bytes", "of full": "% of changed"})
 
 
 def tiers_text(plan: Plan | dict) -> str | None:
@@ -337,8 +336,8 @@ def plan_summary(plan: Plan | dict, experts_bytes: int | None = None) -> dict:
         "bound": fmt_bound(p["error_bound"]),
         "bounds": bound_parts(p["error_bound"]),
         "bound_why": None if p["error_bound"] else no_bound_reason(p["operator"]),
-        "bound_abs": p["error_bound"]["absolute"] if p["error_bound"] else None,
-        "bound_rel": p["error_bound"]["relative"] if p["error_bound"] else None,
+        "bound_abs": p["error_bound"].get("absolute") if p["error_bound"] else None,
+        "bound_rel": p["error_bound"].get("relative") if p["error_bound"] else None,
         "blocks": f"{selected} of {candidates} candidate blocks ({p['blocks_total']} per model)",
         "blocks_selected": selected, "blocks_candidate": candidates, "blocks_total": p["blocks_total"],
         "first_merge": first_merge_note(p),
@@ -430,9 +429,9 @@ MASK_STATES = [(0.0, "no delta (nothing to read)", "#f0f0f0"), (0.5, "changed, l
                (1.0, "read", "#08519c")]
 # the compact tier's states (bits per entry -> value, legend label, colour): between "left out" and "read exactly",
 # rising with the precision read; oranges, apart from the blues of the exact-or-omitted states
-COMPACT_STATES = {1: (0.6, "compact tier, 1 bit per entry", "#fdd49e"),
-                  2: (0.7, "compact tier, 2 bits per entry", "#fc8d59"),
-                  4: (0.8, "compact tier, 4 bits per entry", "#d7301f")}
+COMPACT_STATES = {1: (0.6, "compact tier, 1 bit per entry", "#fee391"),
+                  2: (0.7, "compact tier, 2 bits per entry", "#fec44f"),
+                  4: (0.8, "compact tier, 4 bits per entry", "#ec7014")}
 COMPACT_VALUE = {bits: v for bits, (v, _, _) in COMPACT_STATES.items()}
 TIERED_MASK_STATES = [(0.0, "no delta (nothing to read)", "#f0f0f0"),
                       (0.5, "omitted (changed, left out by the budget)", "#9ecae1"),
@@ -460,10 +459,17 @@ def mask_levels(ctx: PlanContext, plan: Plan | dict | None = None) -> tuple[int,
 
 
 def mask_heatmap(mask: pd.DataFrame, levels=()) -> go.Figure:
-    """The access mask with a legend naming its states (with ``levels``: the compact tier's too)."""
-    title = ("access mask: which blocks each expert reads exactly, from the compact tier, or omits" if
-             mask_states(levels) != MASK_STATES else "access mask: which blocks each expert reads")
-    return state_figure(mask, title, mask_states(levels))
+    """The access mask with a legend naming its states (with ``levels``: the compact tier's too, in a legend
+    below the plot: six entries do not fit above it)."""
+    states = mask_states(levels)
+    if states == MASK_STATES:
+        return state_figure(mask, "access mask: which blocks each expert reads", states)
+    fig = state_figure(mask, "access mask: read exactly, from the compact tier, or omitted", states)
+    base = fig.layout.height or 240
+    fig.update_layout(height=base + 150, margin={"l": 10, "r": 10, "t": 40, "b": 130},
+                      legend={"orientation": "h", "yref": "container", "y": 0.0, "yanchor": "bottom",
+                              "xanchor": "left", "x": 0.0, "font": {"size": 11}})
+    return fig
 
 
 def mask_state_counts(mask: pd.DataFrame) -> dict[str, int]:

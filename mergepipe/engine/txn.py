@@ -23,6 +23,7 @@ from mergepipe.errors import ExecutionError, StorageError
 from mergepipe.storage.publish import RemoteOutput, is_remote
 from mergepipe.storage.publish import leftovers as remote_leftovers
 from mergepipe.storage.writers import write_failure
+from mergepipe.storage.procs import pid_alive  # noqa: F401  (re-exported: recovery and the dashboard use it here)
 
 STAGING_MARK = ".mergepipe-staging-"
 ACTIVE: set[str] = set()  # ids of this process's transactions still in flight
@@ -49,22 +50,6 @@ def fsync_or_fail(fn, path: Path) -> None:
         fn(path)
     except OSError as exc:
         raise write_failure(exc, "flushing (fsync)", exc.filename or path) from exc
-
-
-def pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is not alive
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def check_output_path(out: Path) -> None:

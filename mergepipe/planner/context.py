@@ -453,11 +453,13 @@ class PlanContext(StrategyScores, Bounds):
             return False
         return mode == "on" or any(tier_name(e["uri"]) != "local" for e in self.experts)
 
-    def _transfer(self, access: dict, per_expert_bytes: dict, base_bytes: int) -> dict:
+    def _transfer(self, access: dict, per_expert_bytes: dict, base_bytes: int, compact_reads=()) -> dict:
         """Estimated transfer per storage tier (storage/tiers.py): the base read in full, one request per
-        tensor, and each expert's planned blocks, one request per contiguous run."""
+        tensor, and each expert's planned blocks, one request per contiguous run; compact records are read
+        from the catalog's folder (local, whatever the expert's storage), one request each."""
         reads = [(self.base["uri"], base_bytes, len(self.tensors))]
         reads += [(e["uri"], per_expert_bytes[e["id"]], _runs(access[e["id"]])) for e in self.experts]
+        reads += list(compact_reads)
         return transfer_estimate(reads)
 
     def _access(self, chosen: np.ndarray) -> tuple[dict, dict, dict]:
@@ -565,7 +567,8 @@ class PlanContext(StrategyScores, Bounds):
             data["compact_files"] = compact["files"]
         if self.compact_note:  # outside the digest: why the catalog's compacts are not used
             data["compact_note"] = self.compact_note
-        data["transfer"] = self._transfer(access, per_expert_bytes, base_bytes)
+        data["transfer"] = self._transfer(access, per_expert_bytes, base_bytes,
+                                          compact["reads"] if compact and compact["core"] else ())
         if self.op.additive and not self.to_analyze and not any(self.vocab_bytes.values()):  # outside the digest
             data["suggested_budget"] = self.suggested_budget()
         if greedy is not None:  # outside the digest: the access set already says what is read

@@ -6,8 +6,8 @@ checkpoint's values, a LoRA block's scale * B @ A) is cut into groups of G conse
 may be shorter). Per group g, with bf16(x) the round-to-nearest-even bfloat16 of a float32:
 
 * ``m_g = bf16(mean |d|)`` over the group, ``a_g = bf16(max |d|)``;
-* per entry: sign bit ``s_i = 1`` where ``d_i < 0``; magnitude code ``q_i = min(7, floor(8 |d_i| / a_g))``
-  (0 where ``a_g = 0``), computed in float32.
+* per entry: sign bit ``s_i = 1`` where ``d_i < 0``; magnitude code ``q_i = min(7, floor(|d_i| * r_g))`` with
+  ``r_g = 8 / a_g`` rounded to float32 (0 where ``a_g = 0``), the product in float32.
 
 A block's record is three segments, each a prefix of the next precision:
 
@@ -89,7 +89,8 @@ def encode(delta: np.ndarray, group: int, level: int = 4) -> tuple[bytes, list[f
     a_bits = f32_to_bf16_bits(grouped.max(axis=1))
     a = np.repeat(bf16_bits_to_f32(a_bits), group)[:n]
     with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(a > 0, np.minimum(np.floor(np.float32(8) * np.abs(d) / a), 7), 0).astype(np.uint8)
+        inv = np.where(a > 0, np.float32(8) / a, np.float32(0)).astype(np.float32)
+        q = np.minimum(np.floor(np.abs(d) * inv), 7).astype(np.uint8)
     pack = lambda bits: np.packbits(bits.astype(np.uint8), bitorder="little").tobytes()  # noqa: E731
     parts = [m_bits.astype("<u2").tobytes(), pack(d < 0), a_bits.astype("<u2").tobytes(), pack(q >> 2),
              pack((q >> 1) & 1), pack(q & 1)]

@@ -250,6 +250,7 @@ def test_cli_analyze_compact_reports_growth(tmp_path, fam):
 
 def test_a_v9_catalog_gets_the_compact_tables(tmp_path, fam):
     cat = fresh(tmp_path, fam, compact=None)
+    analyze(cat, block_bytes=BLOCK)
     for table in ("compacts", "compact_blocks"):
         cat.conn.execute(f"DROP TABLE {table}")
     cat.conn.execute("UPDATE meta SET value = '9' WHERE key = 'schema_version'")
