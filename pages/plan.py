@@ -1,6 +1,8 @@
 """Plan: base, experts (with weights), operator and parameters; a budget slider that re-plans at once
-(access mask, estimated I/O, error bound, frontier) or a target bound that finds the smallest budget.
-Every setting is bound to the URL, so a plan view can be shared as a link."""
+(access mask, estimated I/O, error bound, frontier) or a target bound that finds the smallest budget; the
+suggested budget beside the slider; with compact deltas in the catalog, the compact tier's setting, a
+three-state access mask and the blocks and bytes per tier. Every setting is bound to the URL, so a plan view
+can be shared as a link."""
 
 import streamlit as st
 
@@ -39,6 +41,12 @@ def load_mergekit():
                             f"on {settings['base']}.")
 
 
+def use_suggested(pct: int):
+    """Move the budget slider to the suggested budget (the widgets follow on the next run)."""
+    st.session_state["mode"] = "budget"
+    st.session_state["budget"] = int(pct)
+
+
 def apply_yaml(key: str):
     """Apply the edited YAML to the settings (the widgets follow on the next run)."""
     s = st.session_state
@@ -61,7 +69,8 @@ if not st.session_state.get("_plan_url_seen"):
     st.session_state["_plan_url_given"] = st.query_params.to_dict()
     st.session_state["_plan_url_seen"] = True
 with ui.user_errors(), ui.catalog() as cat:
-    version = views.stats_version(cat)
+    # compacts stored for analyzed experts change what a plan reads without changing their statistics
+    version = views.stats_version(cat) + views.compacts_version(cat)
     bases = [b for b in views.bases(cat) if views.experts_of(cat, b)]
     if not bases:
         st.info("Nothing to plan yet: register a base and its experts on the **Models** page and analyze them.")
@@ -114,6 +123,18 @@ with ui.user_errors(), ui.catalog() as cat:
             strategy = st.selectbox("strategy", list(STRATEGIES), key="strategy", bind="query-params",
                                     help="norm: greedy by |c|*||delta|| per byte; conflict: also down-weights "
                                          "blocks whose signs conflict with the other experts")
+        # the compact tier (issue 27): shown only when some chosen expert has compact deltas in the catalog
+        compact_modes = views.compact_options(cat, experts)
+        compact = None
+        if compact_modes:
+            if st.session_state.get("compact") not in (None, *compact_modes):
+                st.session_state["compact"] = "auto"  # e.g. a YAML's codec these compacts cannot serve
+            compact = st.selectbox(
+                "Compact tier", compact_modes, key="compact", bind="query-params",
+                format_func=lambda m: {"auto": "auto (as stored)", "off": "off (exact or omitted)"}.get(m, m),
+                help="Blocks the budget does not read exactly can be taken from the experts' compact deltas "
+                     "(stored by `mergepipe analyze --compact`) instead of being left out; their bytes count "
+                     "against the budget. " + " ".join(f"{m}: {views.compact_mode_help(m)}." for m in compact_modes))
         modes = ["budget", "target bound"] if info["additive"] else ["budget"]
         mode = st.radio("Choose by", modes, key="mode", horizontal=True, bind="query-params")
         if mode == "budget":
@@ -124,6 +145,7 @@ with ui.user_errors(), ui.catalog() as cat:
             target = st.number_input("Target relative error bound", min_value=0.0, value=1.0, step=0.05,
                                      format="%.3f", key="target", bind="query-params")
             budget = None
+        suggestion_slot = st.empty()  # the suggested budget, filled once the plan is made (beside the slider)
         ranges = {"budget": (0, 100), **{p["key"]: (p["min"], p["max"]) for p in info["params"]
                                           if p["kind"] == "float" and p["place"] != "weights"}}
         used = {k: st.session_state.get(k) for k in st.session_state.get("_plan_url_given", {})}
@@ -132,13 +154,21 @@ with ui.user_errors(), ui.catalog() as cat:
 
     with result, ui.user_errors():
         request = views.plan_request(base, experts, op, weights=list(weights) or None, seed=seed, strategy=strategy,
-                                     **values)
+                                     compact=compact, **values)
         key = views.request_key(request)
         ctx = ui.plan_context(ui.db(), version, key, request)
         view = ui.plan_view(ui.db(), version, key, budget, target, ctx)
         plan = view.plan
         size = sum(models[e]["bytes"] or 0 for e in experts if e in models)
         s = views.plan_summary(plan, size)
+        sug = view.suggestion
+        if sug:
+            with suggestion_slot.container():
+                st.caption(sug["text"], help=sug["help"])
+                at_it = budget is not None and int(budget) == sug["pct"]
+                st.button(f"Use {sug['pct']} %", key="use_suggested", on_click=use_suggested, args=(sug["pct"],),
+                          disabled=at_it, help="Set the budget slider to the suggested budget"
+                          + (" (it is there)" if at_it else ""))
         if s["first_merge"]:
             st.info(s["first_merge"])
         for w in plan.data.get("warnings", ()):
@@ -146,16 +176,34 @@ with ui.user_errors(), ui.catalog() as cat:
         c = st.columns(2)
         c[0].metric("Estimated expert read", s["expert_read"], help=f"{s['expert_read_pct']} of {s['full_text']}")
         c[1].metric("Error bound", "n/a" if s["bound_abs"] is None else f"{s['bound_abs']:.4g}",
-                    help=s["bound_why"] or s["bound"])
+                    help=s["bound_why"] or "; ".join(s["bounds"]) or s["bound"])
         c = st.columns(2)
         c[0].metric("Base read", s["base_read"])
         c[1].metric("Write", s["write"])
-        st.caption(f"Budget {s['budget']} · read {s['expert_read']} = {s['expert_read_pct']} of {s['full_text']} · "
-                   f"mask: {s['blocks']} · bound {'n/a' if s['bound_why'] else s['bound']}")
+        if compact_modes:
+            c = st.columns(2)
+            c[0].metric("Compact-tier read", s["compact_read"],
+                        help="Bytes of the experts' compact deltas this plan reads (counted in the budget)")
+            c[1].metric("Budget used (exact + compact)", s["budget_read_pct"], help=f"of {s['full_text']}")
+            st.caption(f"Budget {s['budget']} · read {s['expert_read']} exactly + {s['compact_read']} compact = "
+                       f"{s['budget_read_pct']} of {s['full_text']} · bounds: "
+                       + ("n/a" if s["bound_why"] else "; ".join(s["bounds"]) or s["bound"]))
+        else:
+            st.caption(f"Budget {s['budget']} · read {s['expert_read']} = {s['expert_read_pct']} of {s['full_text']} "
+                       f"· mask: {s['blocks']} · bound {'n/a' if s['bound_why'] else s['bound']}")
         if s["bound_why"]:
             st.caption(f"Error bound n/a: {s['bound_why']}.")
         if target is not None:
             st.success(f"Smallest budget for a relative bound <= {target:g}: {s['budget']}")
+        if plan.data.get("compact_note"):
+            st.info(plan.data["compact_note"], icon=":material/info:")
+        if compact_modes and view.tiers is not None:
+            st.caption("Per tier: blocks and estimated bytes (exact and compact bytes count against the budget; "
+                       "omitted bytes are the exact bytes left unread)")
+            st.dataframe(view.tiers, hide_index=True, key="plan_tiers", column_config={
+                "est. bytes": st.column_config.TextColumn(help="bytes estimated by the plan"),
+                "% of changed": st.column_config.TextColumn(help="share of the changed (delta != 0) expert bytes, "
+                                                                 "what the budget percentage is a share of")})
         st.plotly_chart(view.mask, key="mask_chart")
         st.plotly_chart(view.frontier, key="frontier_chart")
         st.dataframe(views.plan_experts_table(plan), hide_index=True, key="plan_experts",

@@ -62,8 +62,8 @@ def bound_parts(bound: dict | None) -> list[str]:
         return []
     kind = bound.get("kind")
     if kind is None:
-        kind = next((k for k, _ in BOUND_KEYS[1:] if bound.get(k) is not None and bound.get(k) == bound.get("absolute")),
-                    None)
+        same = [k for k, _ in BOUND_KEYS[1:] if bound.get(k) is not None and bound.get(k) == bound.get("absolute")]
+        kind = same[0] if same else None
     out = []
     for key, label in BOUND_KEYS:
         value = bound.get(key)
