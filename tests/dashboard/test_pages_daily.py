@@ -83,8 +83,9 @@ def test_plan_wording_bound_reason_and_expert_names(env):
     table = [d.value for d in at.dataframe if "changed blocks" in d.value.columns][0]
     assert "read_text" not in table.columns and table["read"].str.endswith("B").all()
     at.selectbox(key="op").select("ties").run()
-    assert {m.label: m.value for m in at.metric}["Error bound"] == "n/a"
-    assert any(c.startswith("Error bound n/a: ties is not additive") for c in texts(at.caption))
+    bound = {m.label: m.value for m in at.metric}["Error bound"]
+    assert bound != "n/a" and float(bound) > 0  # TIES' sound, loose bound (kind sparsified)
+    assert not any(c.startswith("Error bound n/a") for c in texts(at.caption))
     mask = spec(at, "mask_chart")
     assert mask["data"][0]["showscale"] is False and len(mask["data"]) == 4  # heatmap + 3 legend entries
     assert mask["layout"]["xaxis"]["ticktext"][0] == "embed"

@@ -130,7 +130,8 @@ def test_compare_two_plans_and_scores(cat, built):
     d = views.settings_diff(a, b, only_different=True).set_index("field")
     assert d.at["operator", "A"] == "linear" and d.at["operator", "B"] == "ties" and "base" not in d.index
     n = views.numbers_df(a, b).set_index("quantity")
-    assert n.at["error bound", "B"] == "n/a (ties is not additive)"
+    assert n.at["error bound", "B"] == views.fmt_bound(ties["error_bound"], "ties")
+    assert n.at["error bound", "B"].startswith(f"{ties['error_bound']['absolute']:.4g} (relative ")
     assert n.at["expert read (estimated)", "B"] == views.fmt_bytes(ties["estimate"]["expert_read"])
     acc = views.access_diff(a, b)
     assert acc["A"].sum() == _ranges_total(load_plan(cat, built.plan_id)["access"])
