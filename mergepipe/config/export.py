@@ -35,7 +35,8 @@ def _record(cat: Catalog | None, ref: str) -> dict:
             "experts": c["inputs"]["experts"], "operator": c["operator"], "params": c["params"], "seed": c["seed"],
             "strategy": c["strategy"], "budget": c["budget"], "target_bound": target,
             "snapshot_id": m.snapshot_id, "full_expert_bytes": c["full_expert_bytes"], "tokenizer": c.get("tokenizer"),
-            "layout": c.get("layout"), "base_member": c["inputs"].get("base_member")}
+            "layout": c.get("layout"), "base_member": c["inputs"].get("base_member"),
+            "compact": (c.get("compact") or {}).get("mode")}
 
 
 def _plan_record(p: dict) -> dict:
@@ -43,7 +44,8 @@ def _plan_record(p: dict) -> dict:
             "operator": p["operator"], "params": p["params"], "seed": p["seed"], "strategy": p["strategy"],
             "budget": p["budget"], "target_bound": p.get("target_bound"), "snapshot_id": None,
             "full_expert_bytes": p["full_expert_bytes"], "tokenizer": p.get("tokenizer"), "layout": p.get("layout"),
-            "base_member": p.get("base_member")}
+            "base_member": p.get("base_member"),
+            "compact": p.get("compact_mode") or (p.get("compact") or {}).get("mode")}
 
 
 def _base_dtype(cat: Catalog | None, base: dict) -> str | None:
@@ -179,6 +181,8 @@ def _to_yaml(cat: Catalog | None, r: dict) -> str:
     else:
         ext["budget"] = r["budget"]["spec"]
     ext.update({"strategy": r["strategy"], "seed": r["seed"], "plan": r["plan_id"]})
+    if r.get("compact") not in (None, "auto"):  # the compact tier as the request set it (planner/tiers.py)
+        ext["compact"] = r["compact"]
     doc["mergepipe"] = ext
     source = f"snapshot {r['snapshot_id']} " if r["snapshot_id"] else ""
     header = [f"# mergekit config exported by MergePipe from {source}plan {r['plan_id']} ({r['digest']})",

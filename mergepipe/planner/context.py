@@ -565,6 +565,8 @@ class PlanContext(StrategyScores, Bounds):
         if compact and compact["core"]:
             data["compact_read_by_expert"] = compact["by_expert"]
             data["compact_files"] = compact["files"]
+        if self.request.compact != "auto":  # outside the digest: the request's setting (an exported config keeps it)
+            data["compact_mode"] = self.request.compact
         if self.compact_note:  # outside the digest: why the catalog's compacts are not used
             data["compact_note"] = self.compact_note
         data["transfer"] = self._transfer(access, per_expert_bytes, base_bytes,

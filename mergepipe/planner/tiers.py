@@ -305,5 +305,6 @@ def tier_summary(ctx, tier: np.ndarray) -> dict:
         "omitted": {"blocks": int((tier == OMIT).sum()), "bytes": int(cands.nbytes[tier == OMIT].sum())},
     }
     reads = [(f["path"], by_expert[eid], sum(len(bs) for bs in f["blocks"].values())) for eid, f in files.items()]
-    return {"core": {"experts": dict(sorted(core.items()))} if core else None, "bytes": int(read.sum()),
+    return {"core": {"experts": dict(sorted(core.items())), "mode": ctx.request.compact} if core else None,
+            "bytes": int(read.sum()),
             "by_expert": by_expert, "files": dict(sorted(files.items())), "tiers": summary, "reads": reads}
