@@ -126,3 +126,32 @@ def test_remote_coalesce_small_run(tmp_path):
     same, compared = res["checks"].values()
     assert same is True and compared["same_names"] and compared["differing"] == 0
     assert (out / "remote-coalesce.md").read_text().startswith("# Coalescing-aware plans")
+
+
+def test_compact_smoke(tmp_path):
+    """benchmarks/compact.py --smoke: ANALYZE with and without compacts ran cold in their own processes, the
+    compact catalog grew by a fraction of the expert bytes, a tiered 10 % merge read compact blocks within its
+    budget, and at 100 % tiered and exact-only outputs are byte-identical."""
+    out = tmp_path / "report"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.compact", "--smoke", "--work", str(tmp_path / "work"), "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "compact-smoke.json").read_text())
+    assert (out / "compact-smoke.md").read_text().startswith("# Compact delta tier")
+    assert {r["config"] for r in res["analyze_runs"]} >= {"none", "progressive", "cold-read"}
+    assert all(r["wall_s"] > 0 for r in res["analyze_runs"])
+    cat = res["catalogs"]["progressive"]
+    assert 0 < cat["compact_bytes"] < 0.5 * cat["expert_bytes"]
+    assert 0 <= cat["rel_error"]["4"] <= cat["rel_error"]["1"]
+    runs = {(r["budget"], r["mode"]): r for r in res["merge_runs"]}
+    tiered = runs[("10%", "progressive")]
+    real = tiered["realized"]
+    assert real["compact_read"] > 0
+    assert real["expert_read"] + real["compact_read"] <= 0.10 * tiered["full_expert_bytes"]
+    assert runs[("10%", "off")]["realized"]["compact_read"] == 0
+    assert res["checks"]["linear 100%: progressive vs off"]["byte_identical"]
+    assert runs[("100%", "progressive")]["plan_id"] == runs[("100%", "off")]["plan_id"]
+    dev = res["deviations"]["linear|10%|progressive"]
+    assert dev["same_names"] and dev["deviation"] >= 0
+    assert not (tmp_path / "work" / "compact-smoke").exists()  # the run cleans up after itself

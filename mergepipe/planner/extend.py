@@ -193,8 +193,10 @@ class _ExtendContext:
                             f"first; an incremental merge plans from its statistics")
         from mergepipe.planner.context import PlanContext
         # one expert, coefficient 1: the greedy order is its blocks by l2 per byte, the bound its omitted l2
+        # exact or omitted blocks only: an incremental merge reads the changed expert's blocks themselves
         ctx = PlanContext(self.catalog, MergeRequest.build(self.base["id"], [{"model": eid, "weight": 1.0}],
-                                                           "task_arithmetic", lam=1.0, normalize=False))
+                                                           "task_arithmetic", lam=1.0, normalize=False,
+                                                           compact="off"))
         budget = self.request.budget or self._parent_budget()
         single = ctx.plan(budget)
         weight = 1.0 if self.request.weight is None else self.request.weight
@@ -202,7 +204,7 @@ class _ExtendContext:
                  "weight": weight, "density": None}
         access = single["access"][eid]
         return (entry, access, single["expert_read_by_expert"][eid], single["full_expert_bytes"],
-                single["error_bound"]["absolute"], self._delta_norm(eid))
+                single["error_bound"].get("additive", single["error_bound"]["absolute"]), self._delta_norm(eid))
 
     def _parent_budget(self) -> Budget:
         spec = self.core["budget"]["spec"]
@@ -301,7 +303,9 @@ class _ExtendContext:
     def _bound(self, entry, omitted, norm, w_old, w_new, coefs) -> dict:
         old = self.core.get("error_bound") or {}
         a = abs(coefs["a"])
-        absolute = a * ((old.get("absolute") or 0.0) - abs(coefs["k_old"] * w_old) * omitted) \
+        # the additive bound composes along a chain (the blockwise one needs every expert's blocks per position)
+        old_additive = old.get("additive", old.get("absolute")) or 0.0
+        absolute = a * (old_additive - abs(coefs["k_old"] * w_old) * omitted) \
             + abs(coefs["k_new"] * w_new) * omitted
         parent_norm = old.get("full_delta_norm")
         full_norm = None
@@ -310,7 +314,8 @@ class _ExtendContext:
             full_norm = math.sqrt(max(sq, 0.0))
         absolute = max(absolute, 0.0)
         rel = absolute / full_norm if full_norm else None
-        return {"absolute": absolute, "full_delta_norm": full_norm, "relative": rel, "incremental": True}
+        return {"absolute": absolute, "full_delta_norm": full_norm, "relative": rel, "incremental": True,
+                "kind": "additive", "additive": absolute, "additive_relative": rel}
 
     def _build(self, entry, access, nbytes, full, omitted, norm, w_old, w_new, experts, eff_access, coefs) -> Plan:
         req, core = self.request, self.core

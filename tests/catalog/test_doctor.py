@@ -29,7 +29,7 @@ def test_healthy_catalog(family, tmp_path):
     before = dump_db(db)
     report = api.doctor(db)
     assert report == {"catalog": str(db), "findings": [], "healthy": True,
-                      "checked": {"file": True, "transactions": True, "models": 3}}
+                      "checked": {"file": True, "transactions": True, "models": 3, "compacts": 0}}
     assert dump_db(db) == before
 
 

@@ -132,7 +132,8 @@ def test_plan_json_fields(db):
                       "blocks_selected", "expert_read_by_expert", "error_bound"}
     assert d["operator"] == "task_arithmetic" and d["plan_id"].startswith("plan-")
     assert d["budget_bytes"] == int(0.3 * d["full_expert_bytes"])
-    assert set(d["estimated"]) == {"base_read", "expert_read", "output_write"}
+    assert set(d["estimated"]) == {"base_read", "expert_read", "compact_read", "output_write"}
+    assert d["estimated"]["compact_read"] == 0 and d["tiers"]["compact"]["blocks"] == 0  # no compacts stored
     assert d["estimated"]["expert_read"] == sum(d["expert_read_by_expert"].values()) <= d["budget_bytes"]
     assert set(d["blocks_selected"]) == {"e1", "e2", "e3"} and all(v > 0 for v in d["blocks_selected"].values())
     b = d["error_bound"]
@@ -181,11 +182,11 @@ def test_merge_json_fields_and_execute(fam, db, tmp_path):
     assert s["out"] == str(tmp_path / "m") and s["model_id"] == "m-1"
     assert s["snapshot_id"].startswith("snap-") and s["manifest_hash"].startswith("sha256:")
     for part in ("estimated", "realized"):
-        assert set(s[part]) == {"base_read", "expert_read", "output_write"}
+        assert set(s[part]) == {"base_read", "expert_read", "compact_read", "output_write"}
     assert s["realized"]["expert_read"] == s["estimated"]["expert_read"] <= s["budget_bytes"]
     assert s["budget_bytes"] == int(0.4 * s["full_expert_bytes"])
     assert s["realized"]["base_read"] == s["estimated"]["base_read"] > 0
-    assert s["error_bound"] is None  # dare_ties is not additive
+    assert s["error_bound"]["kind"] == "sparsified"  # dare_ties: not additive, a sound but loose bound
     on_disk = json.loads((tmp_path / "m" / "mergepipe_manifest.json").read_text())
     assert on_disk["manifest_hash"] == s["manifest_hash"]
     # execute PLAN_ID reproduces it byte for byte.

@@ -104,8 +104,8 @@ def test_budget_sound_and_error_bound_property(fam, cat, workdir, op, budget, we
         bound = plan["error_bound"]["absolute"]
         slack = 1e-5 * bound + 2.0 ** -22 * l2_norm(full_t)
         assert realized <= bound + slack, (realized, bound)
-        tight = plan["error_bound"]["blockwise"]
-        assert realized <= tight + slack and tight <= bound * (1 + 1e-12), (realized, tight, bound)
+        tight, additive = plan["error_bound"]["blockwise"], plan["error_bound"]["additive"]
+        assert tight == bound and realized <= additive + slack and tight <= additive * (1 + 1e-12), (realized, tight)
         if plan["estimate"]["expert_read"] == FULL_TINY:
             assert bound == 0.0 and realized == 0.0
         else:

@@ -98,7 +98,8 @@ def test_full_budget_ties_skips_blocks_below_the_topk_threshold(cat, fam):
     sparse = Planner(cat).plan("base", ids, "ties", weights=WEIGHTS, density=0.01, save=False)
     assert triples(sparse) == set(candidates(cat, ids, WEIGHTS, "ties", density=0.01))
     assert sparse["full_expert_bytes"] < 0.8 * linear["full_expert_bytes"]
-    assert plan["error_bound"] is None  # the additive bound is reported for linear/task_arithmetic only
+    # the blockwise bound is for linear/task_arithmetic; TIES gets the sound, loose sparsified one
+    assert plan["error_bound"]["kind"] == "sparsified" and plan["error_bound"]["full_delta_norm"] is None
     assert plan["thresholds"]["e1"]  # per-tensor thresholds come from the catalog and are part of the plan
     for eid in ids:
         stats = cat.tensor_stats(eid)
@@ -133,11 +134,15 @@ def test_greedy_selection_budget_sound_and_bound_exact(cat, fam, op, budget):
         assert all(c in chosen for c in cand if ratio[c] > ratio[best] * (1 + 1e-12))
         assert used + cand[best][0] > B
         assert len(chosen) > 0 or B < min(n for n, _ in cand.values())
-    # Error bound: sum over omitted blocks of |c_i| * ||delta||, from the catalog.
+    # Error bound: the additive one is the sum over omitted blocks of |c_i| * ||delta||, from the catalog; the
+    # headline (absolute) is the tighter blockwise one (checked below)
     bound = sum(cand[c][1] for c in omitted)
-    assert plan["error_bound"]["absolute"] == pytest.approx(bound, rel=1e-9, abs=1e-15)
+    assert plan["error_bound"]["additive"] == pytest.approx(bound, rel=1e-9, abs=1e-15)
+    assert plan["error_bound"]["absolute"] == plan["error_bound"]["blockwise"] <= bound * (1 + 1e-12)
     norm = plan["error_bound"]["full_delta_norm"]
-    assert plan["error_bound"]["relative"] == pytest.approx(bound / norm, rel=1e-9, abs=1e-15)
+    assert plan["error_bound"]["additive_relative"] == pytest.approx(bound / norm, rel=1e-9, abs=1e-15)
+    assert plan["error_bound"]["relative"] == pytest.approx(plan["error_bound"]["absolute"] / norm, rel=1e-9,
+                                                            abs=1e-15)
     # The blockwise bound: per (tensor, block) position, the omitted experts' terms add, then an l2 over positions.
     per_position: dict = {}
     for c in omitted:
