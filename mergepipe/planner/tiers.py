@@ -19,7 +19,7 @@ import numpy as np
 from mergepipe.catalog import compacts
 from mergepipe.errors import PlanError
 from mergepipe.planner.candidates import Candidates
-from mergepipe.storage.codecs import codec, level_bytes
+from mergepipe.storage.codecs import codec
 
 OMIT, EXACT = 0, 8  # tier codes; a compact tier's code is its bits per entry (1, 2, 4)
 TIER_NAMES = {OMIT: "omitted", 1: "1 bit", 2: "2 bits", 4: "4 bits", EXACT: "exact"}
@@ -41,32 +41,45 @@ class Tiers:
 
     def __post_init__(self):
         c = self.cands
-        self.compact_bytes = {lv: np.array([level_bytes(int(n), int(g), lv) if n else 0
-                                            for n, g in zip(self.entries, self.group)], dtype=np.int64)
-                              for lv in self.levels}
-        rows = []  # (candidate, chain position, from tier, to tier, cost to, residual to, gain, extra bytes)
-        for i in range(len(c.nbytes)):
-            options = [(0, float(c.bound_term[i]), OMIT)]
-            if self.entries[i] and not c.setup[i]:
-                for lv in self.levels:
-                    err = self.errors[lv][i]
-                    if np.isfinite(err):
-                        options.append((int(self.compact_bytes[lv][i]), self.coef[i] * float(err), lv))
-            options.append((int(c.nbytes[i]), 0.0, EXACT))
-            hull = _lower_hull(sorted(options, key=lambda o: (o[0], o[1])))
-            for pos in range(1, len(hull)):
-                (c0, r0, t0), (c1, r1, t1) = hull[pos - 1], hull[pos]
-                rows.append((i, pos, t0, t1, c1, r1, (r0 - r1) * self.factor[i], c1 - c0))
-        a = np.array(rows, dtype=np.float64).reshape(-1, 8)
-        self.seg = {"cand": a[:, 0].astype(np.int64), "pos": a[:, 1].astype(np.int64),
-                    "from": a[:, 2].astype(np.int64), "to": a[:, 3].astype(np.int64),
-                    "residual": a[:, 5], "gain": a[:, 6], "cost": a[:, 7].astype(np.int64)}
+        self.compact_bytes = {lv: _level_bytes(self.entries, self.group, lv) for lv in self.levels}
+        cost, res, code = self._options()
+        stack, size = _lower_hulls(cost, res)
+        cand, pos = np.nonzero(np.arange(cost.shape[1])[None, :] < size[:, None])
+        keep = pos >= 1
+        cand, pos = cand[keep], pos[keep]
+        j0, j1 = stack[cand, pos - 1], stack[cand, pos]
+        r0, r1 = res[cand, j0], res[cand, j1]
+        self.seg = {"cand": cand, "pos": pos, "from": code[cand, j0], "to": code[cand, j1], "residual": r1,
+                    "gain": (r0 - r1) * self.factor[cand], "cost": (cost[cand, j1] - cost[cand, j0]).astype(np.int64)}
         s = self.seg
         cost = s["cost"] + np.where(s["to"] == EXACT, c.setup[s["cand"]] / np.maximum(self._group_counts(), 1), 0)
         ratio = np.where(cost > 0, s["gain"] / np.maximum(cost, 1), np.inf)
         cand = s["cand"]
         self.order = np.lexsort((s["pos"], c.block[cand], c.tensor[cand], c.expert[cand], -ratio))
         self.cum_cost = np.cumsum(s["cost"][self.order])
+
+    def _options(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(cost, residual, tier code) of every candidate's options, [candidates, options], sorted by cost; an
+        option a candidate lacks costs inf."""
+        c = self.cands
+        n = len(c.nbytes)
+        cols_cost = [np.zeros(n)]
+        cols_res = [c.bound_term.astype(np.float64)]
+        cols_code = [np.full(n, OMIT)]
+        usable = (self.entries > 0) & (c.setup == 0)
+        for lv in self.levels:
+            err = self.errors[lv]
+            ok = usable & np.isfinite(err)
+            cols_cost.append(np.where(ok, self.compact_bytes[lv], np.inf))
+            cols_res.append(np.where(ok, self.coef * np.nan_to_num(err), np.inf))
+            cols_code.append(np.full(n, lv))
+        cols_cost.append(c.nbytes.astype(np.float64))
+        cols_res.append(np.zeros(n))
+        cols_code.append(np.full(n, EXACT))
+        cost, res, code = (np.column_stack(x) for x in (cols_cost, cols_res, cols_code))
+        order = np.argsort(cost, axis=1, kind="stable")  # omit first (cost 0), then the levels, exact
+        return (np.take_along_axis(cost, order, 1), np.take_along_axis(res, order, 1),
+                np.take_along_axis(code, order, 1))
 
     def _group_counts(self) -> np.ndarray:
         c = self.cands
@@ -89,7 +102,9 @@ class Tiers:
             taken = self.order[:k]
             np.maximum.at(tier, s["cand"][taken], s["to"][taken])
             used = int(self.cum_cost[k - 1]) if k else 0
-        for j in self.order[k:]:
+        rest = self.order[k:]
+        rest = rest[s["cost"][rest] <= budget_bytes - used]  # the others can never fit
+        for j in rest:
             i = int(s["cand"][j])
             if tier[i] != s["from"][j]:
                 continue
@@ -154,6 +169,42 @@ class Tiers:
     @property
     def full_bytes(self) -> int:
         return self.cands.full_bytes
+
+
+def _level_bytes(entries: np.ndarray, group: np.ndarray, level: int) -> np.ndarray:
+    """storage/codecs.level_bytes of every candidate (0 where it has no compact)."""
+    n = entries.astype(np.int64)
+    ng = -(-n // np.maximum(group, 1))
+    p = -(-n // 8)
+    one = 2 * ng + p
+    out = {1: one, 2: 2 * one, 4: 2 * one + 2 * p}[level]
+    return np.where(n > 0, out, 0).astype(np.int64)
+
+
+def _lower_hulls(cost: np.ndarray, res: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the option columns on the lower convex hull of (cost, residual), cost rising and residual falling
+    (``cost`` sorted along each row, inf for options a row lacks; column 0 is omit, cost 0): (columns, count)."""
+    n, m = cost.shape
+    rows = np.arange(n)
+    stack = np.zeros((n, m), dtype=np.int64)
+    size = np.ones(n, dtype=np.int64)
+    for j in range(1, m):
+        cj, rj = cost[:, j], res[:, j]
+        top = stack[rows, size - 1]
+        push = np.isfinite(cj) & (rj < res[rows, top])  # costs more and lowers nothing: not on the hull
+        size -= push & (cj == cost[rows, top])  # the same cost, a lower residual: replaces the top
+        for _ in range(m):  # drop the top while the chord from the one below it to j passes below (or through) it
+            deep = size >= 2
+            a, b = stack[rows, np.maximum(size - 2, 0)], stack[rows, size - 1]
+            c0, r0, c1, r1 = cost[rows, a], res[rows, a], cost[rows, b], res[rows, b]
+            with np.errstate(invalid="ignore"):
+                bad = push & deep & ((r0 - r1) * (cj - c0) <= (r0 - rj) * (c1 - c0))
+            if not bad.any():
+                break
+            size -= bad
+        stack[rows[push], size[push]] = j
+        size += push
+    return stack, size
 
 
 def _lower_hull(options: list[tuple]) -> list[tuple]:

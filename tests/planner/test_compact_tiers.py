@@ -93,3 +93,17 @@ def test_lower_hull():
     assert [o[2] for o in _lower_hull(opts)] == [OMIT, 4, EXACT]
     opts = [(0, 10.0, OMIT), (10, 6.0, 1), (20, 7.0, 2), (30, 1.0, 4), (100, 0.0, EXACT)]
     assert [o[2] for o in _lower_hull(opts)] == [OMIT, 1, 4, EXACT]  # 6 < the chord's 7 at cost 10
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 1000), st.floats(0, 100)), min_size=0, max_size=4), st.floats(0.01, 100))
+def test_vectorized_hulls_equal_the_reference(levels, omit_res):
+    """planner/tiers._lower_hulls (all candidates at once) keeps exactly the options _lower_hull keeps."""
+    from mergepipe.planner.tiers import _lower_hulls
+    opts = sorted([(0, omit_res, OMIT)] + [(c, r, 10 + i) for i, (c, r) in enumerate(levels)] + [(2000, 0.0, EXACT)],
+                  key=lambda o: (o[0], o[1]))
+    want = [o[2] for o in _lower_hull(opts)]
+    cost = np.array([[o[0] for o in opts]], dtype=np.float64)
+    res = np.array([[o[1] for o in opts]], dtype=np.float64)
+    stack, size = _lower_hulls(cost, res)
+    assert [opts[j][2] for j in stack[0, :size[0]]] == want
