@@ -251,6 +251,8 @@ def tier_plan_inputs(ctx) -> tuple["Tiers | None", str | None, dict]:
         stored = codec(row["codec"])
         wanted = stored.levels if mode == "auto" else codec(mode).levels
         readable = tuple(lv for lv in wanted if lv <= stored.stored_level)
+        if mode == "auto" and not ctx.op.additive and len(readable) > 1:
+            readable = tuple(lv for lv in readable if lv not in SIGN_ONLY_HURTS) or readable
         if not readable:
             raise PlanError(f"--compact {mode}: the compacts of {eid} hold {stored.stored_level} bit(s) per entry "
                             f"({stored.value}); run `mergepipe analyze --compact {mode} --force {eid}`")
@@ -289,6 +291,11 @@ def _not_applicable(ctx) -> str | None:
 
 
 TIER_STRATEGIES = ("norm", "conflict", "kept")
+# Levels `auto` does not read for operators that trim, drop or elect signs per entry: in the fidelity study
+# (docs/fidelity/tiered.md, full fine-tunes, K = 8) 1 bit per entry (every entry the group's mean magnitude)
+# cost TIES 11.7-17.6 points and dare_ties 2.3-9.2 at 5-25 %, where 2 and 4 bits stayed within 1 point
+# (the trim then acts on group means). An explicit codec (--compact progressive, sign1) reads what it names.
+SIGN_ONLY_HURTS = (1,)
 
 
 def _build_tiers(ctx, files: dict, levels: dict) -> Tiers:

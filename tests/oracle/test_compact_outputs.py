@@ -152,3 +152,19 @@ def test_sparsified_bound_is_sound(tiered, tmp_path, op):
             b = plan["error_bound"]
             assert b["kind"] == "sparsified" and 0 < dist <= b["absolute"] * (1 + 1e-6) + 1e-6, (budget, dist, b)
             print(op, compact, budget, f"realized/bound {dist / b['absolute']:.3f}")
+
+
+@pytest.mark.parametrize("op", ["ties", "dare_ties", "task_arithmetic"])
+def test_auto_levels_per_operator(tiered, op):
+    """`auto` reads 2 and 4 bits for operators that trim, drop or elect signs (1 bit cost TIES and dare_ties
+    accuracy in the fidelity study); additive operators read every stored level; an explicit codec reads what
+    it names."""
+    from mergepipe.api import plan_merge
+    fam, cat = tiered["bf16"]
+    levels = {}
+    for mode in ("auto", "progressive"):
+        plan = plan_merge(cat, "base", list(EXPERTS), op, save=False, weights=WEIGHTS, lam=LAM, budget="5%",
+                          density=DENSITY if op != "task_arithmetic" else None, compact=mode)
+        levels[mode] = {lv for lv, n in plan["tiers"]["compact"]["by_bits"].items()}
+    assert levels["progressive"] == {"1", "2", "4"}
+    assert levels["auto"] == ({"1", "2", "4"} if op == "task_arithmetic" else {"2", "4"})
