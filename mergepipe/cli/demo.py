@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from mergepipe.api import (
-    Catalog, analyze, human_bytes, merge, merge_summary, register, register_many, snapshot_count,
+    Catalog, analyze, compact_growth_text, human_bytes, merge, merge_summary, register, register_many, snapshot_count,
 )
 from mergepipe.research.family import make_family
 
@@ -29,17 +29,22 @@ def build_demo(root: Path, log=print) -> dict:
     register(cat, "base", str(fam / "base"))
     experts = [f"expert_{i}" for i in range(1, DEMO_EXPERTS + 1)]
     register_many(cat, [(e, str(fam / e)) for e in experts], base_id="base")
-    for r in analyze(cat, experts, block_bytes=256 << 10):
+    results = analyze(cat, experts, block_bytes=256 << 10, compact="progressive")
+    for r in results:
         log(f"analyze {r.model_id}: " + ("unchanged" if r.skipped else f"{r.n_blocks} blocks, "
                                           f"{human_bytes(r.bytes_read)} in {r.seconds:.2f} s"))
+    stored = [r.compact for r in results if r.compact]
+    if stored:
+        log(f"compact deltas (progressive): {compact_growth_text(sum(c['bytes'] for c in stored), sum(c['expert_bytes'] for c in stored))}")
     n = snapshot_count(cat)
     out = root / "merged" / f"ties-25pct-{n + 1}"
     out.parent.mkdir(exist_ok=True)
     plan, sid, manifest = merge(cat, "base", experts, out, operator="ties", model_id=f"demo-ties-25pct-{n + 1}",
                                 density=0.3, budget="25%")
     s = merge_summary(plan, manifest)
-    log(f"merged (ties, density 0.3, budget 25%): read {human_bytes(s['realized']['expert_read'])} of "
-        f"{human_bytes(s['full_expert_bytes'])} changed (delta != 0) expert bytes -> {sid} at {out}")
+    log(f"merged (ties, density 0.3, budget 25%): read {human_bytes(s['realized']['expert_read'])} exactly and "
+        f"{human_bytes(s['realized']['compact_read'])} of compact deltas, of {human_bytes(s['full_expert_bytes'])} "
+        f"changed (delta != 0) expert bytes -> {sid} at {out}")
     model_id = s["model_id"]
     cat.close()
     res = {"db": str(db), "snapshot_id": sid, "out": str(out), "base": "base", "experts": experts,

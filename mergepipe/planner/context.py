@@ -41,7 +41,7 @@ from mergepipe.planner.settings import (
 from mergepipe.ops.core import TENSOR_PARAMS
 from mergepipe.planner.coalesce import coalesce
 from mergepipe.planner.strategies import StrategyScores, _uniform_priority
-from mergepipe.planner.tiers import EXACT, Tiers, compact_store, tier_plan_inputs, tier_summary
+from mergepipe.planner.tiers import EXACT, NO_COMPACTS, Tiers, compact_store, tier_plan_inputs, tier_summary
 from mergepipe.storage.grid import DEFAULT_BLOCK_BYTES, tensor_grid
 from mergepipe.storage.safetensors import FLOAT_DTYPES, TensorInfo
 from mergepipe.storage.sources import fixed_bytes, open_source
@@ -567,8 +567,8 @@ class PlanContext(StrategyScores, Bounds):
             data["compact_files"] = compact["files"]
         if self.request.compact != "auto":  # outside the digest: the request's setting (an exported config keeps it)
             data["compact_mode"] = self.request.compact
-        if self.compact_note:  # outside the digest: why the catalog's compacts are not used
-            data["compact_note"] = self.compact_note
+        if self.compact_note and (self.compact_note != NO_COMPACTS or not selected_mask.all()):
+            data["compact_note"] = self.compact_note  # outside the digest: why no block comes from the compact tier
         data["transfer"] = self._transfer(access, per_expert_bytes, base_bytes,
                                           compact["reads"] if compact and compact["core"] else ())
         if self.op.additive and not self.to_analyze and not any(self.vocab_bytes.values()):  # outside the digest

@@ -242,7 +242,7 @@ def tier_plan_inputs(ctx) -> tuple["Tiers | None", str | None, dict]:
         if mode != "auto" and not ctx.to_analyze:  # a first merge stores them on the way (compact_store)
             raise PlanError(f"--compact {mode}: none of the experts has compact deltas for this grid "
                             f"(run `mergepipe analyze --compact {mode}` first)")
-        return None, None, {}
+        return None, (None if _not_applicable(ctx) else NO_COMPACTS), {}
     why = _not_applicable(ctx)
     if why:
         return None, f"compact tier not used: {why}; blocks are read exactly or omitted", {}
@@ -258,6 +258,11 @@ def tier_plan_inputs(ctx) -> tuple["Tiers | None", str | None, dict]:
                             f"({stored.value}); run `mergepipe analyze --compact {mode} --force {eid}`")
         levels[eid] = readable
     return _build_tiers(ctx, files, levels), None, files
+
+
+NO_COMPACTS = ("no compact deltas stored for these experts, so the blocks the budget leaves out count as 0: "
+               "`mergepipe analyze --compact` stores them in the same read, and a budgeted merge then takes those "
+               "blocks from them (in the fidelity study, 10 % kept the full merge's accuracy; docs/compact.md)")
 
 
 def compact_store(ctx) -> dict | None:
