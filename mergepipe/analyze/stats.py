@@ -363,7 +363,12 @@ class _TensorPass:
         pass over the kept blocks or a re-read."""
         for entry in topk.values():
             entry[3], entry[4], entry[8], entry[9] = NO_CUT, 0, NO_CUT, 0
-        queries = tie_cut_queries(topk, thresholds, self.binfo.numel)
+        # A threshold that is NaN or Inf (an expert or base holding non-finite values, which the planner
+        # refuses) needs no cut, and NaN ties cannot be counted per block: a block's max |d| ignores NaN,
+        # so its recorded bins stop below NaN's and the blocks' tied counts fall short of m (the cut ran
+        # past the last block: IndexError). Such cuts stay (NO_CUT, 0).
+        queries = [q for q in tie_cut_queries(topk, thresholds, self.binfo.numel)
+                   if (q[0] >> 23) & 0xFF != 0xFF]
         if not queries:
             return
         pats = np.array(sorted({q[0] for q in queries}), dtype=np.uint32)
