@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import os
+import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -212,12 +213,28 @@ def register_many(
     # --content-hash on an unchanged registration adds the hash and keeps its statistics
     to_hash = [c for c in checked if c.unchanged and with_content_hash and not c.old_content_hash]
     if to_write or to_hash:
-        rows = [(c, _model_row(c, with_content_hash, snapshot_id)) for c in to_write]
-        hashes = [(content_hash(c.ckpt), c.model_id) for c in to_hash]
+        rows = {c.model_id: _model_row(c, with_content_hash, snapshot_id) for c in to_write}
+        hashes = {c.model_id: content_hash(c.ckpt) for c in to_hash}
         with catalog.transaction():
-            for c, row in rows:
-                _write(catalog, c, row)
-            catalog.conn.executemany("UPDATE models SET content_hash = ? WHERE id = ?", hashes)
+            # The write lock is held from here on, but another process may have registered (or replaced)
+            # one of these ids since the check: check again, so that a race ends as the sequential case
+            # does (unchanged, or the ordinary "already registered" refusal), never in a UNIQUE violation.
+            for c in checked:
+                _compare_existing(catalog, c, replace)
+            to_write = [c for c in checked if not c.unchanged]
+            for c in to_write:
+                row = rows.get(c.model_id) or _model_row(c, with_content_hash, snapshot_id)
+                try:
+                    _write(catalog, c, row)
+                except sqlite3.IntegrityError as exc:  # not expected under the lock: still one clean line
+                    if "models.id" not in str(exc):
+                        raise
+                    raise CatalogError(f"model id {c.model_id!r} is already registered (by another process "
+                                       f"at the same time); run the command again") from None
+            to_hash = [c for c in checked if c.unchanged and with_content_hash and not c.old_content_hash]
+            catalog.conn.executemany("UPDATE models SET content_hash = ? WHERE id = ?",
+                                     [(hashes.get(c.model_id) or content_hash(c.ckpt), c.model_id)
+                                      for c in to_hash])
         if any(c.existing for c in to_write):  # a re-registered expert's compact deltas no longer apply
             from mergepipe.catalog.compacts import prune_files
             prune_files(catalog)
@@ -295,14 +312,19 @@ def _check_one(catalog: Catalog, model_id: str, uri: str, kind: str, base_id: st
         if problems:
             raise CatalogError(f"{model_id} does not match base {base_id}: " + "; ".join(problems))
     checked = Checked(model_id, uri, kind, base_id, ckpt, ckpt.fingerprint(), existing=False)
-    existing = catalog.query("SELECT * FROM models WHERE id = ?", [model_id])
-    if existing:
-        checked.existing = True
-        checked.old_content_hash = existing[0]["content_hash"]
-        checked.unchanged = _same_registration(existing[0], checked)
-        if not checked.unchanged:
-            _check_replaceable(existing[0], replace)
+    _compare_existing(catalog, checked, replace)
     return checked
+
+
+def _compare_existing(catalog: Catalog, c: Checked, replace: bool) -> None:
+    """Compare ``c`` with the id's current registration, if any (existing, unchanged, its content hash);
+    refuse a different one unless replacing. Run at the check and again under the write lock."""
+    existing = catalog.query("SELECT * FROM models WHERE id = ?", [c.model_id])
+    c.existing = bool(existing)
+    c.old_content_hash = existing[0]["content_hash"] if existing else None
+    c.unchanged = bool(existing) and _same_registration(existing[0], c)
+    if existing and not c.unchanged:
+        _check_replaceable(existing[0], replace)
 
 
 def _same_registration(old: dict, new: Checked) -> bool:
