@@ -6,7 +6,9 @@ User errors print one line (``error: ...``) and exit 2; nothing in the catalog c
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import select
 import sys
 
 from mergepipe.errors import MergePipeError
@@ -151,7 +153,47 @@ def _one_line(message: str) -> str:
     return " ".join(message.splitlines()) or "(no message)"
 
 
+# The exit status of a command whose output went into a closed pipe (`mergepipe explain ID | head`): a
+# process ended by SIGPIPE, 128 + 13, as the shell reports one; nothing is printed.
+EXIT_BROKEN_PIPE = 141
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit status. Output into a closed pipe ends quietly (EXIT_BROKEN_PIPE)."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            if sys.stdout is not None:
+                sys.stdout.flush()  # here, not at exit, so that a closed pipe is caught below
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise  # another pipe or socket broke: not the reader of our output going away
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+def _stdout_closed() -> bool:
+    """Whether standard output is a pipe (or socket) whose reader has gone."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no real descriptor (redirected in-process), no poll
+        return False
+
+
+def _silence_stdout() -> None:
+    """Point standard output at /dev/null, so that what is left in its buffer is dropped at exit (Python
+    flushes it then and would report the broken pipe again)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = _join_negative_values(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser()
     if _first_positional(argv) not in SUBCOMMANDS and ("--base" in argv or "--config" in argv):
