@@ -14,8 +14,9 @@ each time; then the read fails with one StorageError. A file whose ETag changes 
 an error, never mixed bytes.
 
 Optional block cache (off by default): ``$MERGEPIPE_REMOTE_CACHE=/some/dir`` keeps every fetched
-request's bytes in a file named by sha256(ETag, file size, start, end) -- by content, not by URL --
-so a repeated merge of the same plan reads its blocks locally. Only files with an ETag are cached;
+request's bytes in a file named by sha256(file identity, ETag, file size, start, end) -- the identity is
+the file's full URL (S3: key and endpoint), since ETags are not unique across servers (nginx's are
+mtime-size) -- so a repeated merge of the same plan reads its blocks locally. Only files with an ETag are cached;
 bytes served from the cache count in ``bytes_read`` (what the plan asked for) but not in the
 backend's transferred bytes. Delete the folder to empty it.
 """
@@ -130,12 +131,12 @@ class RemoteStorage(Storage):
 
     def fetch(self, transport, name: str, start: int, end: int, etag: str | None, size: int) -> bytes:
         """Bytes [start, end) of one file: from the block cache, else one ranged request (retried)."""
-        cached = cache_path(etag, size, start, end)
+        cached = cache_path(identity_of(transport, name), etag, size, start, end)
         if cached is not None and cached.is_file():
             with self.stats.lock:
                 self.stats.cache_hits += 1
             return cached.read_bytes()
-        data, retries = self.retrying(transport.where(name), lambda: transport.get(name, start, end, etag))
+        data, retries = self.retrying(transport.where(name), lambda: transport.get(name, start, end, etag, size))
         self.stats.add(len(data), retries)
         if cached is not None:
             store(cached, data)
@@ -436,11 +437,19 @@ class _RangeRaw(io.RawIOBase):
 
 
 # --- the optional block cache ------------------------------------------------------------------------
-def cache_path(etag: str | None, size: int, start: int, end: int) -> Path | None:
+def identity_of(transport, name: str) -> str:
+    """The full identity of a remote file (its URL; a transport without ``identity``: its shown URI)."""
+    identity = getattr(transport, "identity", None)
+    return identity(name) if identity is not None else transport.where(name)
+
+
+def cache_path(identity: str, etag: str | None, size: int, start: int, end: int) -> Path | None:
+    """The cache entry of bytes [start, end) of one version of one file: keyed by the file's identity (its
+    URL) as well as its ETag and size, never by the ETag alone."""
     root = os.environ.get("MERGEPIPE_REMOTE_CACHE")
     if not root or not etag:
         return None
-    digest = hashlib.sha256(f"{etag}\0{size}\0{start}\0{end}".encode()).hexdigest()
+    digest = hashlib.sha256(f"{identity}\0{etag}\0{size}\0{start}\0{end}".encode()).hexdigest()
     return Path(root).expanduser() / digest[:2] / digest
 
 

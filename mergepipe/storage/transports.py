@@ -4,15 +4,24 @@ A transport addresses the files of one checkpoint location (a URL prefix or an S
 does one request per call; retries, coalescing and parallelism live in :mod:`mergepipe.storage.remote`.
 Failures worth retrying (5xx, timeouts, dropped or short connections) raise :class:`Transient`;
 anything else is a :class:`~mergepipe.errors.StorageError`.
+
+Every ranged answer is checked against what was asked: its Content-Range must name exactly the bytes
+requested and the file's size (a proxy or server that answers another range of the same length is an
+error, never bytes of the wrong place), and a small file fetched whole is read no further than its size
+limit, whatever its Content-Length says or omits (a chunked or endless body is cut at limit + 1 bytes).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 from mergepipe.errors import StorageError
 from mergepipe.storage.uris import redact, split_s3
+
+
+_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 
 
 class Transient(Exception):
@@ -26,6 +35,23 @@ class Probe:
     head: bytes
     size: int
     etag: str | None
+
+
+def check_content_range(where: str, header: str | None, start: int, end: int, size: int | None) -> int:
+    """The file size a ranged answer's Content-Range gives, when it names exactly bytes [start, end) (and
+    ``size``, when known); otherwise one StorageError naming the file and the range asked for."""
+    m = _CONTENT_RANGE.match((header or "").strip())
+    if m and int(m[1]) == start and int(m[2]) == end - 1 and (size is None or int(m[3]) == size):
+        return int(m[3])
+    asked = f"bytes {start}-{end - 1}/{size if size is not None else '*'}"
+    got = "no Content-Range" if header is None else f"Content-Range {_short(header)}"
+    raise StorageError(f"{where}: asked for {asked}, the server answered with {got}; refusing bytes that may "
+                       "come from another place in the file")
+
+
+def _short(text: str, limit: int = 80) -> str:
+    text = repr(text)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def env_float(name: str, default: float) -> float:
@@ -56,6 +82,11 @@ class HttpTransport:
     def url(self, name: str) -> str:
         return self.base_url + name
 
+    def identity(self, name: str) -> str:
+        """What names this file on the network (its full URL, the Hub endpoint included): with its ETag and
+        size, the key of its cached blocks."""
+        return self.url(name)
+
     def where(self, name: str) -> str:
         return f"{self.shown}/{name}"
 
@@ -80,6 +111,31 @@ class HttpTransport:
             raise Transient(f"connection dropped ({type(exc).__name__})") from None
         finally:
             resp.release_conn()
+        if expected is not None and len(data) != expected:
+            raise Transient(f"short body ({len(data)} of {expected} bytes)")
+        return data
+
+    def _bounded_body(self, resp, name: str, limit: int, expected: int | None) -> bytes:
+        """A whole body, read in pieces and stopped after ``limit`` + 1 bytes (then refused): a body sent
+        chunked, without a Content-Length, or endless costs at most the limit in memory."""
+        u3 = self._urllib3
+        parts, got = [], 0
+        try:
+            while True:
+                chunk = resp.read(min(1 << 20, limit + 1 - got))
+                if not chunk:
+                    break
+                parts.append(chunk)
+                got += len(chunk)
+                if got > limit:
+                    resp.close()  # drop the connection rather than read the rest
+                    raise StorageError(f"{self.where(name)}: larger than the {limit}-byte limit for this file "
+                                       "(sent without a Content-Length; stopped reading at the limit)")
+        except (u3.exceptions.TimeoutError, u3.exceptions.ProtocolError, ConnectionError) as exc:
+            resp.close()
+            raise Transient(f"connection dropped ({type(exc).__name__})") from None
+        resp.release_conn()
+        data = b"".join(parts)
         if expected is not None and len(data) != expected:
             raise Transient(f"short body ({len(data)} of {expected} bytes)")
         return data
@@ -112,15 +168,24 @@ class HttpTransport:
         if not total.isdigit():
             resp.drain_conn()
             raise StorageError(f"{self.where(name)}: the server's Content-Range gives no file size")
-        return Probe(self._body(resp, None), int(total), resp.headers.get("ETag"))
+        size, want = int(total), None
+        if n > 0:
+            want = min(n, size)
+            try:
+                check_content_range(self.where(name), resp.headers.get("Content-Range"), 0, want, size)
+            except StorageError:
+                resp.close()
+                raise
+        return Probe(self._body(resp, want), size, resp.headers.get("ETag"))
 
     def _size_of_empty(self, name: str) -> int:
         resp = self._request("HEAD", name, {})
         resp.drain_conn()
         return int(resp.headers.get("Content-Length", 0))
 
-    def get(self, name: str, start: int, end: int, etag: str | None) -> bytes:
-        """Bytes [start, end) of ``name``, exactly; a changed ETag is an error, not a retry."""
+    def get(self, name: str, start: int, end: int, etag: str | None, size: int | None = None) -> bytes:
+        """Bytes [start, end) of ``name`` (of ``size`` bytes, when known), exactly: the answer's Content-Range
+        must say so; a changed ETag is an error, not a retry."""
         resp = self._request("GET", name, {"Range": f"bytes={start}-{end - 1}"})
         if resp.status != 206:
             if resp.status == 200:
@@ -133,6 +198,11 @@ class HttpTransport:
             resp.close()
             raise StorageError(f"{self.where(name)}: the file changed since it was opened (ETag {got} != {etag}); "
                                "re-register the model")
+        try:
+            check_content_range(self.where(name), resp.headers.get("Content-Range"), start, end, size)
+        except StorageError:
+            resp.close()
+            raise
         return self._body(resp, end - start)
 
     def fetch_all(self, name: str, limit: int) -> tuple[bytes, bool] | None:
@@ -148,11 +218,12 @@ class HttpTransport:
             return known[1], False
         if resp.status != 200:
             self._refuse(resp, name)
-        size = int(resp.headers.get("Content-Length", 0))
-        if size > limit:
+        length = resp.headers.get("Content-Length")
+        size = int(length) if length is not None else None
+        if size is not None and size > limit:
             resp.close()
             raise StorageError(f"{self.where(name)}: {size} bytes is larger than the {limit}-byte limit for this file")
-        data = self._body(resp, size or None)
+        data = self._bounded_body(resp, name, limit, size)
         if resp.headers.get("ETag"):
             self._small[name] = (resp.headers["ETag"], data)
         return data, True
@@ -191,6 +262,11 @@ class S3Transport:
     def where(self, name: str) -> str:
         return f"{self.shown}/{name}"
 
+    def identity(self, name: str) -> str:
+        """What names this object: its S3 key and the endpoint it is read from."""
+        endpoint = getattr(self.fs, "endpoint_url", None) or os.environ.get("AWS_ENDPOINT_URL") or "aws"
+        return f"s3://{self.key(name)} at {endpoint}"
+
     def _call(self, name: str, fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs)
@@ -213,28 +289,34 @@ class S3Transport:
             if info.get("type") != "file":
                 return None
             end = min(n, info["size"])
-            head = self._call(name, self.fs.cat_file, self.key(name), start=0, end=end) if end else b""
+            head = self._range(name, 0, end, info.get("ETag"), int(info["size"])) if end else b""
         except FileNotFoundError:
             return None
         return Probe(head, int(info["size"]), info.get("ETag"))
 
-    def get(self, name: str, start: int, end: int, etag: str | None) -> bytes:
-        """Bytes [start, end) of ``name``, exactly; with ``etag``, a GetObject with If-Match: the store refuses
-        (412) when the object changed since it was opened, so a merge never mixes two versions' bytes."""
+    def get(self, name: str, start: int, end: int, etag: str | None, size: int | None = None) -> bytes:
+        """Bytes [start, end) of ``name`` (of ``size`` bytes, when known), exactly: the answer's ContentRange
+        must say so; with ``etag``, a GetObject with If-Match: the store refuses (412) when the object changed
+        since it was opened, so a merge never mixes two versions' bytes."""
+        try:
+            return self._range(name, start, end, etag, size)
+        except FileNotFoundError:
+            raise StorageError(f"{self.where(name)}: no longer exists") from None
+
+    def _range(self, name: str, start: int, end: int, etag: str | None, size: int | None) -> bytes:
         from fsspec.asyn import sync
 
         try:
-            data = self._call(name, sync, self.fs.loop, self._get_object, self.key(name), start, end, etag)
-        except FileNotFoundError:
-            raise StorageError(f"{self.where(name)}: no longer exists") from None
+            data, got = self._call(name, sync, self.fs.loop, self._get_object, self.key(name), start, end, etag)
         except _Changed:
             raise StorageError(f"{self.where(name)}: the object changed since it was opened (its ETag is no "
                                f"longer {etag}); re-register the model") from None
+        check_content_range(self.where(name), got, start, end, size)
         if len(data) != end - start:
             raise Transient(f"short body ({len(data)} of {end - start} bytes)")
         return data
 
-    async def _get_object(self, key: str, start: int, end: int, etag: str | None) -> bytes:
+    async def _get_object(self, key: str, start: int, end: int, etag: str | None) -> tuple[bytes, str | None]:
         bucket, path, _ = self.fs.split_path(key)
         condition = {"IfMatch": etag} if etag else {}
         try:
@@ -246,7 +328,7 @@ class S3Transport:
                 raise _Changed() from None
             raise
         try:
-            return await resp["Body"].read()
+            return await resp["Body"].read(), resp.get("ContentRange")
         finally:
             resp["Body"].close()
 
@@ -259,7 +341,7 @@ class S3Transport:
         known = self._small.get(name)
         if known and probe.etag and known[0] == probe.etag:  # unchanged since last fetched
             return known[1], False
-        data = self.get(name, 0, probe.size, None) if probe.size else b""
+        data = self.get(name, 0, probe.size, None, probe.size) if probe.size else b""
         if probe.etag:
             self._small[name] = (probe.etag, data)
         return data, True
