@@ -391,7 +391,7 @@ def doctor(db_path) -> dict:
                 try:
                     check_unchanged(row)
                 except (MergePipeError, OSError) as exc:
-                    findings.append(f"model {row['id']}: {exc}")
+                    findings.append(f"model {row['id']}: {_model_finding(row, exc, path)}")
                 checked["models"] += 1
             from mergepipe.catalog.compacts import compact_findings
             compact_notes, checked["compacts"] = compact_findings(catalog)
@@ -399,6 +399,20 @@ def doctor(db_path) -> dict:
         finally:
             catalog.close()
     return {"catalog": str(path), "findings": findings, "checked": checked, "healthy": not findings}
+
+
+def _model_finding(row: dict, exc: BaseException, db: Path) -> str:
+    """Doctor's line for a model whose files changed or went missing. A published snapshot is never
+    re-registered (that would accept corrupted output as the snapshot): the advice is to verify it against
+    its manifest, then delete it and merge again, or restore its files."""
+    text = str(exc)
+    if not row.get("snapshot_id"):
+        return text
+    import re
+    text = re.sub(r";?\s*re-register it with --replace", "", text).rstrip("; ")
+    return (f"{text}; it is snapshot {row['snapshot_id']}: run `mergepipe verify --db {db} {row['id']}` to see "
+            f"which files differ, then `mergepipe delete --db {db} {row['id']}` and merge again (or restore its "
+            "files)")
 
 
 def explain(catalog: Catalog, ref: str) -> str:
