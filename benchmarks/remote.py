@@ -46,6 +46,7 @@ PROFILES = {
 }
 MB = 1e6
 OP = "linear"
+COMPACT = "progressive"  # the codec of the tiered rows (issue 27)
 
 
 def mp(db: Path, *args) -> list[str]:
@@ -137,18 +138,33 @@ def bench(args) -> dict:
         measured(server, "register base", register + [uris[0]], models, env, rows)
         measured(server, f"register {prof['k']} experts", register + ["--base", "base", *uris[1:]], models, env, rows)
         measured(server, "analyze (once per expert)", mp(db, "analyze"), models, env, rows)
+        # the compact tier (issue 27): the same analysis storing each block's compact delta in files beside the
+        # local catalog; a tiered plan then transfers only its exact blocks (and the base)
+        measured(server, f"analyze --compact {COMPACT} (once per expert)", mp(db, "analyze", "--compact", COMPACT),
+                 models, env, rows)
         os.environ["HF_ENDPOINT"] = server.url  # this process plans (headers only, from the catalog)
         cat = run.Catalog(db)
-        plans = {b: run.Planner(cat).plan("base", names[1:], OP, budget=b) for b in ("10%", "100%")}
+        plans = {(b, "off"): run.Planner(cat).plan("base", names[1:], OP, budget=b, compact="off")
+                 for b in ("10%", "25%", "100%")}
+        plans.update({(b, "auto"): run.Planner(cat).plan("base", names[1:], OP, budget=b, compact="auto")
+                      for b in ("10%", "25%")})
         cat.close()
         outs = {}
-        for budget, plan in plans.items():
-            out = outs[budget] = work / f"mp-{budget[:-1]}"
-            row = measured(server, f"mergepipe merge {budget}",
-                           mp(db, "execute", plan.id, "--out", out, "--model-id", f"out-{budget[:-1]}"),
-                           models, env, rows)
+        for (budget, mode), plan in plans.items():
+            tiered = mode != "off"
+            out = work / f"mp-{budget[:-1]}{'-tiered' if tiered else ''}"
+            if not tiered:
+                outs[budget] = out
+            row = measured(server, f"mergepipe {'tiered ' if tiered else ''}merge {budget}",
+                           mp(db, "execute", plan.id, "--out", out,
+                              "--model-id", f"out-{budget[:-1]}{'-tiered' if tiered else ''}"), models, env, rows)
             row["planned_bytes"] = plan["estimate"]["base_read"] + plan["estimate"]["expert_read"]
             row["estimated_transfer_s"] = plan["transfer"]["seconds"]
+            row["compact_bytes"] = plan["estimate"].get("compact_read", 0)  # read from local disk, not the link
+            row["tiers"] = {t: v.get("blocks") for t, v in (plan.data.get("tiers") or {}).items()}
+            row["error_bound"] = (plan["error_bound"] or {}).get("absolute")
+            if budget != "100%":
+                shutil.rmtree(out, ignore_errors=True)
         local = work / "download"
         items = [(f"{server.url}/{fam_name}/{m.name}/resolve/main/{f.name}", str(local / m.name / f.name))
                  for m in models for f in served_files(m)]
@@ -201,7 +217,7 @@ def report(res: dict) -> str:
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
         vs = ""
-        if r["contender"].startswith("mergepipe merge"):
+        if r["contender"].startswith(("mergepipe merge", "mergepipe tiered merge")):
             vs = f"{base / r['wall_s']:.2f}x faster"
         est = "" if r.get("estimated_transfer_s") is None else f"{r['estimated_transfer_s']:.1f}"
         planned = f"{r['planned_bytes'] / MB:.1f}" if r.get("planned_bytes") else ""
@@ -210,6 +226,7 @@ def report(res: dict) -> str:
     lines.append(f"| **{baseline}** (sum) | {base:.2f} | "
                  f"{rows['download everything']['transferred_bytes'] / MB:.1f} | "
                  f"| {rows['download everything']['requests']} | | | 1.00x |")
+    lines += tiered_section(res, rows)
     lines += ["", "Checks:"]
     lines += [f"- {name}: {c.get('differing')} of {c.get('total')} values differ (max |diff| {c.get('max_abs')})."
               for name, c in res["checks"].items()]
@@ -222,6 +239,35 @@ def report(res: dict) -> str:
               "- Coalescing-aware plans (fewer requests at equal bytes) are measured by "
               "benchmarks/remote_coalesce.py: [remote-coalesce.md](remote-coalesce.md)."]
     return "\n".join(lines) + "\n"
+
+
+def tiered_section(res: dict, rows: dict) -> list[str]:
+    """Exact-only vs tiered merges at 10 % and 25 % (issue 27): the compacts are local, only exact blocks move."""
+    if not any(name.startswith("mergepipe tiered merge") for name in rows):
+        return []
+    plain, comp = rows.get("analyze (once per expert)"), rows.get(f"analyze --compact {COMPACT} (once per expert)")
+    out = ["", f"Tiered merges (compact deltas, `analyze --compact {COMPACT}`; issue 27): the compact files live "
+           "beside the local catalog, so a tiered plan transfers its exact blocks and the base only; its compact "
+           "blocks are read from local disk." + (f" ANALYZE over the link with compacts took {comp['wall_s']:.2f} s "
+           f"against {plain['wall_s']:.2f} s without ({comp['wall_s'] / plain['wall_s']:.2f}x)."
+           if plain and comp else ""), "",
+           "| budget | plan | wall s | wall vs exact-only | transferred MB | vs exact-only | planned over the link MB "
+           "| compact MB (local) | blocks exact / compact / omitted | error bound |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for budget in ("10%", "25%"):
+        exact = rows.get(f"mergepipe merge {budget}")
+        for label, r in (("exact-only (`--no-compact`)", exact), ("tiered", rows.get(f"mergepipe tiered merge {budget}"))):
+            if not r:
+                continue
+            t = r.get("tiers") or {}
+            out.append(f"| {budget} | {label} | {r['wall_s']:.2f} | "
+                       f"{r['wall_s'] / exact['wall_s'] if exact else float('nan'):.2f}x | "
+                       f"{r['transferred_bytes'] / MB:.1f} | "
+                       f"{r['transferred_bytes'] / exact['transferred_bytes'] if exact else float('nan'):.2f}x | "
+                       f"{r['planned_bytes'] / MB:.1f} | {r.get('compact_bytes', 0) / MB:.1f} | "
+                       f"{t.get('exact', '')} / {t.get('compact', '')} / {t.get('omitted', '')} | "
+                       f"{'' if r.get('error_bound') is None else format(r['error_bound'], '.4g')} |")
+    return out
 
 
 def main(argv=None) -> int:
