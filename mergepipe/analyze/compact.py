@@ -104,3 +104,49 @@ def encode_block(e: np.ndarray, b: np.ndarray | None, group: int, level: int) ->
 
 
 __all__ = ["encode_block", "groups", "plane_bytes"]
+
+
+@njit(**_C)
+def _bf16_at(rec, at):
+    bits = np.uint32(rec[at]) | (np.uint32(rec[at + 1]) << np.uint32(8))
+    return np.uint32(bits << np.uint32(16)).view(np.float32)
+
+
+@njit(**_C)
+def _decode(rec, n, group, level, out):
+    ng = (n + group - 1) // group
+    p = (n + 7) // 8
+    sign_at = 2 * ng
+    a_at = 2 * ng + p
+    hi_at = 4 * ng + p
+    mid_at = hi_at + p
+    lo_at = mid_at + p
+    for g in range(ng):
+        start = g * group
+        stop = min(n, start + group)
+        if level == 1:
+            m = _bf16_at(rec, 2 * g)
+            for i in range(start, stop):
+                neg = (rec[sign_at + (i >> 3)] >> (i & 7)) & 1
+                out[i] = -m if neg else m
+            continue
+        a = _bf16_at(rec, a_at + 2 * g)
+        v2 = a * np.float32(0.75)
+        step = a * np.float32(0.125)
+        for i in range(start, stop):
+            byte, bit = i >> 3, i & 7
+            neg = (rec[sign_at + byte] >> bit) & 1
+            hi = (rec[hi_at + byte] >> bit) & 1
+            if level == 2:
+                val = v2 if hi else np.float32(0)
+            else:
+                q = (hi << 2) | (((rec[mid_at + byte] >> bit) & 1) << 1) | ((rec[lo_at + byte] >> bit) & 1)
+                val = (np.float32(q) + np.float32(0.5)) * step
+            out[i] = -val if neg else val
+
+
+def decode_block(record, n: int, group: int, level: int) -> np.ndarray:
+    """The compiled decoder: the same float32 values as storage/compact.decode (the written definition)."""
+    out = np.empty(n, dtype=np.float32)
+    _decode(np.frombuffer(record, dtype=np.uint8), n, group, level, out)
+    return out

@@ -67,7 +67,7 @@ def _merged_bytes(fused, op, params, seed, experts, sources, weight_sum, info, s
     for ei, (bufs, fixed) in contributors:
         e = experts[ei]
         if isinstance(bufs, CompactBlock):  # the compact tier: the record's decoded delta stands for the block's
-            delta = torch.from_numpy(bufs.decode()).reshape(shape)
+            delta = torch.from_numpy(decoded(bufs)).reshape(shape)
         else:
             delta = sources[ei].delta(info.name, span, bufs, fixed, base).reshape(shape)
         thr = thresholds.get(e["id"], {}).get(info.name, [])
@@ -128,13 +128,19 @@ def fused_block(op, params, seed, experts, sources, weight_sum, info, span, shap
         e = experts[ei]
         density = tensor_density(e, info.name) or 1.0
         bseed = block_seed(seed, block_content(bufs), info.name, span.index) if op.random and density < 1.0 else 0
-        data, dtype, is_delta = ((memoryview(bufs.decode()).cast("B"), "F32", True) if compact else
+        data, dtype, is_delta = ((memoryview(decoded(bufs)).cast("B"), "F32", True) if compact else
                                  (bufs[0], src.checkpoint.tensors[info.name].dtype, src.kind == "delta"))
         contributions.append((data, dtype, is_delta, tensor_weight(e, info.name), density,
                               thresholds.get(e["id"], {}).get(info.name, []), bseed))
     out = kernels.fused_merge(op, params, raw, info.dtype, math.prod(shape), contributions, weight_sum,
                               span.index)
     return None if out is None else memoryview(out)
+
+
+def decoded(block: CompactBlock):
+    """A compact record's float32 delta, by the compiled decoder (the same values as storage/compact.decode)."""
+    from mergepipe.analyze.compact import decode_block
+    return decode_block(block.record, block.n, block.group, block.level)
 
 
 def block_content(bufs) -> str:

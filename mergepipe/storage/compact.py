@@ -132,6 +132,9 @@ class CompactReader:
             from mergepipe.errors import ExecutionError
             raise ExecutionError(f"compact file {path} has {size} bytes, the catalog recorded {nbytes}: run "
                                  f"`mergepipe analyze --compact ... --force` for its expert")
+        # positioned reads of a plan's records: no read-ahead (the kernel's default would pull in whole runs of
+        # records the plan does not read)
+        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
         self.bytes_read = 0
         self._lock = threading.Lock()
 
