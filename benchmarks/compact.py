@@ -36,6 +36,10 @@ sys.path.insert(0, str(ROOT))
 
 PROFILES = {
     "full": dict(size="qwen3-0.6b", dtype="bf16", k=4, block=1 << 20, repeats=3, merge_repeats=3),
+    # merge time exact-only vs tiered with the engine of today, on a smaller family (no ANALYZE codec sweep)
+    "merges": dict(size="medium", dtype="bf16", k=4, block=1 << 20, repeats=1, merge_repeats=3,
+                   configs=("none", "progressive"), ops=("linear", "ties"), budgets=("10%", "25%", "100%"),
+                   modes=("off", "progressive"), fp32_check=False),
     # the code path only, in as few processes as it takes (each one imports torch)
     "smoke": dict(size="tiny", dtype="bf16", k=4, block=4 << 10, repeats=1, merge_repeats=1,
                   configs=("none", "progressive"), ops=("linear",), budgets=("10%", "100%"),
@@ -515,6 +519,8 @@ def report(res: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny family, one repeat: under a minute")
+    ap.add_argument("--profile", choices=sorted(PROFILES), help="a profile by name (merges: merge time exact-only "
+                    "vs tiered on a medium family, written to compact-merges.md)")
     ap.add_argument("--repeats", type=int, help="ANALYZE repeats (default: 3; smoke 1)")
     ap.add_argument("--merge-repeats", type=int, help="merge repeats (default: 3; smoke 1)")
     ap.add_argument("--work", default=str(ROOT / "benchmarks" / "work"))
@@ -553,7 +559,8 @@ def main(argv=None) -> int:
         Path(args.report).with_suffix(".md").write_text(report(res))
         return 0
     run = run_mod()
-    prof = dict(PROFILES["smoke" if args.smoke else "full"])
+    name = args.profile or ("smoke" if args.smoke else "full")
+    prof = dict(PROFILES[name])
     if args.repeats:
         prof["repeats"] = args.repeats
     if args.merge_repeats:
@@ -563,13 +570,13 @@ def main(argv=None) -> int:
     fam_dir = work_root / f"{prof['size']}-{prof['dtype']}-K{prof['k']}"
     made = not (fam_dir / f"expert_{prof['k']}" / "config.json").exists()
     fam = run.ensure_family(work_root, prof["size"], prof["dtype"], prof["k"])
-    work = work_root / ("compact-smoke" if args.smoke else "compact")
+    work = work_root / ("compact" if name == "full" else f"compact-{name}")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     ids = [f"e{i}" for i in range(1, prof["k"] + 1)]
-    stem = "compact-smoke" if args.smoke else "compact"
+    stem = "compact" if name == "full" else f"compact-{name}"
     models = [fam["base"], *fam["experts"]]
-    res = {"profile": "smoke" if args.smoke else "full", "stem": stem, "machine": run.machine_info(),
+    res = {"profile": name, "stem": stem, "machine": run.machine_info(),
            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "family": fam["root"].name,
            "k": prof["k"], "block_bytes": prof["block"], "repeats": prof["repeats"],
            "merge_repeats": prof["merge_repeats"], "density": DENSITY,

@@ -11,9 +11,19 @@ from mergepipe.catalog import analyses
 # The suggested budget's rule: the smallest greedy budget whose blockwise bound is at most this fraction of
 # the estimated ||M_full - base||. From the fidelity study on real fine-tunes (docs/fidelity/README.md: the
 # smallest blockwise bound at which an additive merge stayed within 1 point of its full merge).
-SUGGEST_BOUND_FRACTION = 0.41  # measured 0.419 (2026-12-04 run, LoRA pairs), rounded down: errs towards more bytes
-# what the rule did on configurations it was not fitted on (the fidelity study; EXPLAIN states it as measured)
-SUGGEST_VALIDATION = {"within": 0, "of": 0, "where": "docs/fidelity, not yet validated"}
+# Fitted in the tiered fidelity study (docs/fidelity/tiered.md, `python -m benchmarks.fidelity.suggest_rule`): the
+# largest fraction, rounded down, at which no budget the rule picks on the fit configurations (linear and
+# task_arithmetic, full and LoRA experts, K = 8 and the first K = 4 group) lost more than 1 point against its full
+# merge; then applied unchanged to 8 other configurations (the second K = 4 group, K = 2). One rule for three-way
+# plans (compacts in the catalog), one for exact-or-omitted plans. Not re-fitted per run: change it with the study.
+SUGGEST_RULES = {
+    "tiered": {"fraction": 0.46, "fit": "8 of 8", "within": 7, "of": 8},
+    "exact": {"fraction": 0.72, "fit": "8 of 8", "within": 5, "of": 8},
+}
+SUGGEST_BOUND_FRACTION = SUGGEST_RULES["exact"]["fraction"]
+WHERE = "docs/fidelity/tiered.md"
+# what the exact-only rule did on configurations it was not fitted on (EXPLAIN states it as measured)
+SUGGEST_VALIDATION = {"within": SUGGEST_RULES["exact"]["within"], "of": SUGGEST_RULES["exact"]["of"], "where": WHERE}
 
 
 def _zero_bound() -> dict:
@@ -178,7 +188,7 @@ class Bounds:
                 lo = mid + 1
         return int(cum[lo - 1]) if lo else 0
 
-    def suggested_budget(self, fraction: float = SUGGEST_BOUND_FRACTION) -> dict | None:
+    def suggested_budget(self, fraction: float | None = None) -> dict | None:
         """The smallest budget, in the plan's greedy order, whose blockwise bound is at most ``fraction`` x
         the estimated norm of the merged update (the bound falls as blocks are added, so a binary search
         over prefixes finds it); None when there is nothing to omit or no update."""
@@ -187,6 +197,8 @@ class Bounds:
         n = len(cands.order)
         if n == 0 or norm <= 0:
             return None
+        rule = SUGGEST_RULES["tiered" if getattr(self, "tiers", None) is not None else "exact"]
+        fraction = rule["fraction"] if fraction is None else fraction
         target = fraction * norm
 
         n, cum = self._greedy_steps()
@@ -202,4 +214,6 @@ class Bounds:
                 lo = mid + 1
         nbytes = int(cum[lo - 1]) if lo else 0
         return {"bytes": nbytes, "fraction_of_full": nbytes / cands.full_bytes if cands.full_bytes else 0.0,
-                "bound_fraction": fraction, "blockwise": bound_of(lo), "full_delta_norm": norm}
+                "bound_fraction": fraction, "blockwise": bound_of(lo), "full_delta_norm": norm,
+                "validation": {"within": rule["within"], "of": rule["of"], "where": WHERE,
+                               "plans": "tiered" if getattr(self, "tiers", None) is not None else "exact"}}

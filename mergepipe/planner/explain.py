@@ -216,7 +216,9 @@ def suggestion_line(s: dict) -> str:
     """The budget the planner suggests (planner/bounds.py: suggested_budget), with what the rule did in the study."""
     from mergepipe.planner.budget import human_bytes
     from mergepipe.planner.bounds import SUGGEST_VALIDATION
-    v = SUGGEST_VALIDATION
+    v = s.get("validation") or SUGGEST_VALIDATION
     return (f"  suggest    budget {100 * s['fraction_of_full']:.0f}% ({human_bytes(s['bytes'])}): the smallest whose "
             f"bound <= {s['bound_fraction']:g} x ||M_full - base||; in the study ({v['where']}), {v['within']} of "
-            f"{v['of']} held-out configurations at this rule were within 1 point of their full merge")
+            f"{v['of']} held-out configurations at this rule were within 1 point of their full merge"
+            + (" (three-way plans)" if v.get("plans") == "tiered" else " (exact-or-omitted plans)" if v.get("plans")
+               else ""))
