@@ -24,6 +24,14 @@ def _bf16(x):
     return bits, np.uint32(np.uint32(bits) << np.uint32(16)).view(np.float32)
 
 
+@njit(**_C)
+def _layout(n, group):
+    """(groups, offsets of the sign plane, the a_g scales, and the three magnitude planes) of a record."""
+    ng = (n + group - 1) // group
+    p = (n + 7) // 8
+    return ng, 2 * ng, 2 * ng + p, 4 * ng + p, 4 * ng + 2 * p, 4 * ng + 3 * p
+
+
 PACK = np.uint64(0x0102040810204080)  # (8 bytes of 0/1, as a little-endian uint64 * PACK) >> 56: their bits
 
 
@@ -31,13 +39,7 @@ PACK = np.uint64(0x0102040810204080)  # (8 bytes of 0/1, as a little-endian uint
 def _encode(e, b, n, group, out, errs):
     """fastmath: the sums may be reassociated (their float64 rounding, far below the bf16 of the mean and the
     float32 of the errors' use); every value that is stored is computed exactly as storage/compact.py defines."""
-    ng = (n + group - 1) // group
-    p = (n + 7) // 8
-    sign_at = 2 * ng
-    a_at = 2 * ng + p
-    hi_at = 4 * ng + p
-    mid_at = hi_at + p
-    lo_at = mid_at + p
+    ng, sign_at, a_at, hi_at, mid_at, lo_at = _layout(n, group)
     buf = np.empty(group, np.float32)
     planes = np.zeros((4, group), np.uint8)
     words = planes.view(np.uint64)  # 8 entries per word
@@ -114,13 +116,7 @@ def _bf16_at(rec, at):
 
 @njit(**_C)
 def _decode(rec, n, group, level, out):
-    ng = (n + group - 1) // group
-    p = (n + 7) // 8
-    sign_at = 2 * ng
-    a_at = 2 * ng + p
-    hi_at = 4 * ng + p
-    mid_at = hi_at + p
-    lo_at = mid_at + p
+    ng, sign_at, a_at, hi_at, mid_at, lo_at = _layout(n, group)
     for g in range(ng):
         start = g * group
         stop = min(n, start + group)
