@@ -263,7 +263,7 @@ def tier_plan_inputs(ctx) -> tuple["Tiers | None", str | None, dict]:
 NO_COMPACTS = ("no compact deltas stored for these experts, so the blocks the budget leaves out count as 0: "
                "`mergepipe analyze --compact` stores them in the same read, and a budgeted merge then takes those "
                "blocks from them (in the fidelity study, merges at 10 % were within 2 points of the full merge in 23 "
-               "of 24 configurations with them, 1 of 24 without: docs/fidelity/tiered.md)")
+               "of 24 configurations with them, 1 of 24 without: docs/fidelity/tiered.md)")  # (variant, K, operator)
 
 
 def compact_store(ctx) -> dict | None:
