@@ -219,6 +219,6 @@ def suggestion_line(s: dict) -> str:
     v = s.get("validation") or SUGGEST_VALIDATION
     return (f"  suggest    budget {100 * s['fraction_of_full']:.0f}% ({human_bytes(s['bytes'])}): the smallest whose "
             f"bound <= {s['bound_fraction']:g} x ||M_full - base||; in the study ({v['where']}), {v['within']} of "
-            f"{v['of']} held-out configurations at this rule were within 1 point of their full merge"
+            f"{v['of']} held-out configurations at this rule lost at most 1 point against their full merge"
             + (" (three-way plans)" if v.get("plans") == "tiered" else " (exact-or-omitted plans)" if v.get("plans")
                else ""))

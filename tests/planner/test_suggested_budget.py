@@ -44,8 +44,8 @@ def test_the_suggestion_is_outside_the_digest_and_in_explain(catalog):
     assert f"whose bound <= {SUGGEST_BOUND_FRACTION:g} x ||M_full - base||; in the study (" in text
     # what the rule did where it was validated, stated as measured (planner/bounds.py SUGGEST_VALIDATION)
     from mergepipe.planner.bounds import SUGGEST_VALIDATION as v
-    assert (f"{v['within']} of {v['of']} held-out configurations at this rule were within 1 point of their full "
-            f"merge") in " ".join(text.split())
+    assert (f"{v['within']} of {v['of']} held-out configurations at this rule lost at most 1 point against their "
+            f"full merge") in " ".join(text.split())
     popped = dict(a.data)
     popped.pop("suggested_budget")
     assert "suggest" not in explain_plan(popped)
