@@ -248,6 +248,33 @@ def upload_tree(local: Path, bucket_prefix: str) -> None:
             fs.pipe_file(f"{bucket_prefix}/{f.relative_to(local)}", f.read_bytes())
 
 
+def upstream_headers(handler, up) -> dict:
+    """A proxied request's headers for the upstream server ``up`` (a urlsplit result)."""
+    headers = {k: v for k, v in handler.headers.items() if k.lower() not in ("host", "expect")}
+    headers["Host"] = up.netloc
+    return headers
+
+
+def relay(handler, up, headers: dict, body) -> None:
+    """Send ``handler``'s request to ``up`` with ``headers`` and answer with the upstream's response."""
+    import http.client
+    conn = http.client.HTTPConnection(up.hostname, up.port, timeout=30)
+    conn.request(handler.command, handler.path, body=body, headers=headers)
+    resp = conn.getresponse()
+    data = resp.read()
+    handler.send_response(resp.status)
+    head = handler.command == "HEAD"
+    for k, v in resp.getheaders():
+        if k.lower() not in ("transfer-encoding", "connection") and (head or k.lower() != "content-length"):
+            handler.send_header(k, v)
+    if not head:
+        handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    if not head:
+        handler.wfile.write(data)
+    conn.close()
+
+
 class _ProxyServer(ThreadingHTTPServer):
     daemon_threads = True
     # socketserver's default backlog of 5 drops the SYNs of a burst of parallel connections (each then
@@ -264,7 +291,6 @@ class S3Proxy:
     ``fail_puts_matching`` is answered 500 (retries included)."""
 
     def __init__(self, upstream: str):
-        import http.client
         from urllib.parse import urlsplit
 
         up = urlsplit(upstream)
@@ -332,23 +358,7 @@ class S3Proxy:
                     time.sleep(proxy.put_delay)
                     if proxy.fail_puts_matching and proxy.fail_puts_matching in self.path:
                         return self._fail()
-                conn = http.client.HTTPConnection(up.hostname, up.port, timeout=30)
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "expect")}
-                headers["Host"] = up.netloc
-                conn.request(self.command, self.path, body=body, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                self.send_response(resp.status)
-                head = self.command == "HEAD"
-                for k, v in resp.getheaders():
-                    if k.lower() not in ("transfer-encoding", "connection") and (head or k.lower() != "content-length"):
-                        self.send_header(k, v)
-                if not head:
-                    self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-                conn.close()
+                relay(self, up, upstream_headers(self, up), body)
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 

@@ -29,7 +29,7 @@ from mergepipe.storage.remote import http_storage
 from mergepipe.storage.safetensors import MAX_JSON_BYTES
 
 from merge_helpers import dump_db, run_cli
-from remote_helpers import RangeServer, moto_s3, upload_tree
+from remote_helpers import RangeServer, moto_s3, relay, upload_tree, upstream_headers
 
 _RANGE = re.compile(r"^bytes=(\d+)-(\d+)$")
 SLACK = 16 << 20  # what loopback socket buffers may hold beyond what the client read
@@ -183,7 +183,6 @@ class RangeShiftingS3Proxy:
     range, with a ContentRange saying so)."""
 
     def __init__(self, upstream: str):
-        import http.client
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
         from urllib.parse import urlsplit
 
@@ -202,8 +201,7 @@ class RangeShiftingS3Proxy:
             def forward(self):
                 n = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(n) if n else None
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "expect")}
-                headers["Host"] = up.netloc
+                headers = upstream_headers(self, up)
                 m = _RANGE.match((self.headers.get("Range") or "").strip())
                 if (self.command == "GET" and m and ".safetensors" in self.path and proxy.shift_from is not None
                         and int(m[1]) >= proxy.shift_from):
@@ -211,21 +209,7 @@ class RangeShiftingS3Proxy:
                     headers = {k: v for k, v in headers.items() if k.lower() != "range"}
                     headers["Range"] = f"bytes={int(m[1]) + d}-{int(m[2]) + d}"
                     proxy.moved += 1
-                conn = http.client.HTTPConnection(up.hostname, up.port, timeout=30)
-                conn.request(self.command, self.path, body=body, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                self.send_response(resp.status)
-                head = self.command == "HEAD"
-                for k, v in resp.getheaders():
-                    if k.lower() not in ("transfer-encoding", "connection") and (head or k.lower() != "content-length"):
-                        self.send_header(k, v)
-                if not head:
-                    self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if not head:
-                    self.wfile.write(data)
-                conn.close()
+                relay(self, up, headers, body)
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = forward
 
