@@ -22,8 +22,10 @@ def table(seed: int, n: int, setup: bool = False, with_compact: bool = True, gro
     l2 = rng.gamma(2.0, 1.0, n)
     coef = rng.uniform(0.1, 1.0, n)
     bound = coef * l2
+    # one-off bytes are per (expert, tensor), as a LoRA adapter's A matrix: expert 0 is the adapter here
+    one_off = np.where(expert == 0, 16 * (tensor + 1), 0).astype(np.int64)
     cands = Candidates(expert, tensor, block, nbytes.astype(np.int64), bound.copy(), bound,
-                       setup=(rng.integers(0, 64, n) * (rng.random(n) < 0.3)).astype(np.int64) if setup else None)
+                       setup=one_off if setup else None)
     frac = {1: rng.uniform(0.4, 0.9, n), 2: rng.uniform(0.2, 0.8, n), 4: rng.uniform(0.05, 0.3, n)}
     errors = {lv: l2 * frac[lv] for lv in (1, 2, 4)}
     have = (rng.random(n) < 0.8) if with_compact else np.zeros(n, dtype=bool)
