@@ -153,19 +153,6 @@ class Tiers:
             out.append((int(self.cum_cost[k - 1]) if k else 0, float(self.prefix_residual(int(k)).sum())))
         return out
 
-    def smallest_budget_for(self, target_abs: float) -> int:
-        """The smallest greedy budget whose additive bound is at most ``target_abs``."""
-        lo, hi = 0, len(self.order)
-        if float(self.cands.bound_term.sum()) <= target_abs:
-            return 0
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if float(self.prefix_residual(mid).sum()) <= target_abs:
-                hi = mid
-            else:
-                lo = mid + 1
-        return int(self.cum_cost[lo - 1]) if lo else 0
-
     @property
     def full_bytes(self) -> int:
         return self.cands.full_bytes

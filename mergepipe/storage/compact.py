@@ -107,15 +107,12 @@ def error_norm(delta: np.ndarray, approx: np.ndarray) -> float:
 
 
 class CompactBlock:
-    """One block's compact record as read for a merge: decoded on demand into the block's float32 delta."""
+    """One block's compact record as read for a merge (the engine decodes it: engine/blocks.decoded)."""
 
     __slots__ = ("record", "n", "group", "level")
 
     def __init__(self, record: bytes, n: int, group: int, level: int):
         self.record, self.n, self.group, self.level = record, n, group, level
-
-    def decode(self) -> np.ndarray:
-        return decode(self.record, self.n, self.group, self.level)
 
 
 class CompactReader:
