@@ -319,7 +319,7 @@ def test_non_additive_snapshots_are_refused_and_nothing_changes(cat_of, tmp_path
     assert str(err.value).startswith(f"snapshot a was merged with {operator}, which is not additive")
     assert "sign election" in str(err.value)
     assert str(err.value).endswith(f"mergepipe merge --base base --experts e1 e2 e3 --op {operator} "
-                                   f"--weights 1 1 0.5 --out DIR")
+                                   f"--weights 1 1 0.5 --density 0.5 --budget 100% --out {tmp_path / 'b'}")
     assert dump_catalog(cat) == before and not (tmp_path / "b").exists()
 
 
