@@ -1,9 +1,14 @@
-"""mkdocs hook: serve the repository's assets/ folder (dashboard screenshots, the favicon) with the site.
+"""mkdocs hook: serve what the pages use from outside docs/ with the site.
 
-The screenshots live in assets/ at the top of the repository (the e2e flow refreshes them there, and the
-README and the dashboard use them from there), so the pages link them as ``../assets/NAME.png``, which
-works on GitHub. This hook adds each file of assets/ to the site under ``assets/`` and rewrites those
-links to point inside the site, so ``mkdocs build --strict`` sees no link leaving the docs folder.
+* The screenshots and the favicon live in assets/ at the top of the repository (copied there from the e2e
+  flow's screenshots; the README and the dashboard use them from there), so the pages link them as
+  ``../assets/NAME.png``, which works on GitHub. Each file of assets/ is added to the site under
+  ``assets/`` and those links are rewritten to point inside the site.
+* CONTRIBUTING.md stays at the top of the repository (where GitHub looks for it) and becomes the site's
+  ``contributing.md``: its links into docs/ are made relative to the site, and the pages' links to
+  ``../CONTRIBUTING.md`` point at it.
+
+So ``mkdocs build --strict`` sees no link leaving the docs folder, and the markdown reads the same on GitHub.
 """
 from __future__ import annotations
 
@@ -13,22 +18,30 @@ from pathlib import Path
 
 from mkdocs.structure.files import File
 
-ASSETS = Path(__file__).resolve().parents[2] / "assets"
-LINK = re.compile(r"\]\((?P<up>(?:\.\./)+)assets/")
+ROOT = Path(__file__).resolve().parents[2]
+ASSETS = ROOT / "assets"
+CONTRIBUTING = "contributing.md"
+UP = re.compile(r"\]\((?P<up>(?:\.\./)+)(?P<what>assets/|CONTRIBUTING\.md)")
 
 
 def on_files(files, config):
     for path in sorted(ASSETS.iterdir()):
         if path.is_file() and files.get_file_from_path(f"assets/{path.name}") is None:
             files.append(File.generated(config, f"assets/{path.name}", abs_src_path=str(path)))
+    files.append(File.generated(config, CONTRIBUTING, abs_src_path=str(ROOT / "CONTRIBUTING.md")))
     return files
 
 
 def on_page_markdown(markdown, page, config, files):
-    depth = posixpath.dirname(page.file.src_uri).count("/") + (1 if posixpath.dirname(page.file.src_uri) else 0)
+    if page.file.src_uri == CONTRIBUTING:  # written from the repository's top: docs/x.md -> x.md
+        return re.sub(r"\]\((?:\./)?docs/", "](", markdown)
+    folder = posixpath.dirname(page.file.src_uri)
+    depth = folder.count("/") + 1 if folder else 0
 
     def inside(m):
-        # one "../" more than the page's depth leaves the docs folder for the repository's assets/
-        return "](" + "../" * depth + "assets/" if len(m.group("up")) // 3 == depth + 1 else m.group(0)
+        # one "../" more than the page's depth leaves the docs folder for the repository's top
+        if len(m.group("up")) // 3 != depth + 1:
+            return m.group(0)
+        return "](" + "../" * depth + (CONTRIBUTING if m.group("what") == "CONTRIBUTING.md" else "assets/")
 
-    return LINK.sub(inside, markdown)
+    return UP.sub(inside, markdown)
