@@ -9,6 +9,7 @@ tensors, float64 for wider ones (so that fp32 results round once, like the from-
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ from mergepipe.engine.pipeline import block_groups
 from mergepipe.engine.write_behind import WriteBehind
 from mergepipe.errors import ExecutionError
 from mergepipe.manifest.build import file_sha256
+from mergepipe.manifest.verify import load_manifest
 from mergepipe.planner.plan import Plan, expand_ranges
 from mergepipe.storage.registry import open_checkpoint
 from mergepipe.storage.safetensors import DTYPES, FLOAT_DTYPES, bytes_to_tensor, rows_shape
@@ -29,6 +31,108 @@ from mergepipe.storage.writers import ShardWriter, finish_files, plan_shards
 
 READAHEAD = 4
 GROUP_BYTES = 16 << 20  # the snapshot is read in full, in order: larger groups, fewer requests
+PENDING_BYTES = 64 << 20  # snapshot bytes a file's hash may hold back when they arrive out of order
+GAP_CHUNK = 16 << 20
+
+
+class _FileHash:
+    """The sha256 of one file, fed the ranges the extend reads (in any order); the bytes it is not fed
+    (the header, any gap) are read through ``read(offset, nbytes)``. Ranges ahead of the hashed prefix
+    are held back up to PENDING_BYTES; past that the file is hashed from storage at the end."""
+
+    def __init__(self, size: int, start: int, read):
+        self.size, self.read = size, read
+        self.h, self.pos, self.pending, self.held = hashlib.sha256(), 0, {}, 0
+        self.whole = False  # True: hash the whole file from storage at the end
+        self._read_to(start)
+
+    def feed(self, offset: int, data) -> None:
+        if self.whole or offset + len(data) <= self.pos:
+            return
+        if offset < self.pos:
+            data, offset = memoryview(data)[self.pos - offset:], self.pos
+        if offset > self.pos:
+            self._hold(offset, data)
+            return
+        self.h.update(data)
+        self.pos += len(data)
+        self._drain()
+
+    def _hold(self, offset: int, data) -> None:
+        if self.held + len(data) > PENDING_BYTES:
+            self.whole, self.pending, self.held = True, {}, 0
+            return
+        self.pending[offset] = bytes(data)
+        self.held += len(data)
+
+    def _drain(self) -> None:
+        while self.pending and (offset := min(self.pending)) <= self.pos:
+            data = self.pending.pop(offset)
+            self.held -= len(data)
+            if offset + len(data) > self.pos:
+                self.h.update(memoryview(data)[self.pos - offset:])
+                self.pos = offset + len(data)
+
+    def _read_to(self, end: int) -> None:
+        while self.pos < end:
+            n = min(GAP_CHUNK, end - self.pos)
+            self.h.update(self.read(self.pos, n))
+            self.pos += n
+
+    def complete(self) -> bool:
+        return not self.whole and self.pos >= self.size
+
+    def hexdigest(self) -> str:
+        """The digest, reading from storage what was not fed."""
+        if self.whole:
+            self.h, self.pos, self.whole = hashlib.sha256(), 0, False
+        while self.pending:
+            self._read_to(min(self.pending))
+            self._drain()
+        self._read_to(self.size)
+        return self.h.hexdigest()
+
+
+class ParentHashes:
+    """The parent snapshot's safetensors files hashed on the way: the extend reads them in full anyway, so
+    their sha256 is checked against the parent's manifest (the catalog's copy) before anything is published.
+    Size and mtime say nothing of a value changed in place."""
+
+    def __init__(self, catalog, parent: dict, ck):
+        manifest = load_manifest(catalog, parent["snapshot_id"])
+        if manifest.manifest_hash != parent["manifest_hash"]:
+            raise ExecutionError(f"snapshot {parent['snapshot_id']}'s manifest changed since the plan was made; "
+                                 f"plan again")
+        self.sid, self.outputs = parent["snapshot_id"], manifest.core["outputs"]
+        self.gaps = ck.reader()  # its reads are not the snapshot's planned reads
+        starts: dict[str, int] = {}
+        for t in ck.tensors.values():
+            starts[t.file] = min(starts.get(t.file, t.offset), t.offset)
+        self.files = {f: _FileHash(ck.file_sizes[f], starts[f], lambda o, n, f=f: self.gaps.read(f, o, n))
+                      for f in sorted(starts)}
+        self.checked: set[str] = set()
+
+    def feed(self, fname: str, offset: int, data) -> None:
+        fh = self.files[fname]
+        fh.feed(offset, data)
+        if fh.complete() and fname not in self.checked:
+            self._check(fname)
+
+    def check_all(self) -> None:
+        for fname in self.files:
+            if fname not in self.checked:
+                self._check(fname)
+
+    def _check(self, fname: str) -> None:
+        digest = self.files[fname].hexdigest()
+        expected = (self.outputs.get(fname) or {}).get("sha256", "")
+        self.checked.add(fname)
+        if expected.removeprefix("sha256:") != digest:
+            raise ExecutionError(f"snapshot {self.sid}: {fname} does not match the sha256 in its manifest (changed "
+                                 f"since it was published); nothing was published (`mergepipe verify {self.sid}`)")
+
+    def close(self) -> None:
+        self.gaps.close()
 
 
 class ExtendPipeline:
@@ -51,6 +155,7 @@ class ExtendPipeline:
         self.work = block_groups(self.order, plan["grid"]["block_bytes"], max(engine.group_bytes, GROUP_BYTES))
         self.total_blocks = sum(len(g) for _, g in self.work)
         self.snap_reader = self.snap_ck.reader(sequential=True)
+        self.parent_hashes = ParentHashes(engine.catalog, plan["parent"], self.snap_ck)
         self.base_reader = self.base_ck.reader()
         self.expert_reader = self.source.checkpoint.reader()
         self.fixed: tuple[str, list] | None = None
@@ -139,6 +244,8 @@ class ExtendPipeline:
         the future of its merge (run on the engine's executor; torch releases the GIL)."""
         info, group = item
         snap, base, experts, nread = fetched
+        sinfo = self.snap_ck.tensors[info.name]
+        self.parent_hashes.feed(sinfo.file, sinfo.offset + group[0].rel_offset, snap)
         if nread:
             self.by_tensor[info.name] = self.by_tensor.get(info.name, 0) + nread
         shard = self.shard_of[info.name]
@@ -181,6 +288,7 @@ class ExtendPipeline:
                 done += len(item[1])
                 if self.progress:
                     self.progress(done, self.total_blocks, self.expert_reader.bytes_read)
+            self.parent_hashes.check_all()
             self.write_behind.close()
         except BaseException:
             self.write_behind.abort()
@@ -188,7 +296,7 @@ class ExtendPipeline:
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
             self.executor.shutdown()
-            for r in (self.snap_reader, self.base_reader, self.expert_reader):
+            for r in (self.snap_reader, self.base_reader, self.expert_reader, self.parent_hashes):
                 r.close()
         return self.finish()
 
