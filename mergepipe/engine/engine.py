@@ -28,7 +28,7 @@ from mergepipe.catalog.plans import has_plan
 from mergepipe.catalog.runs import mark_run_published
 from mergepipe.catalog.snapshots import record_snapshot
 from mergepipe.engine.executor import Executor, LocalExecutor, RangeExecutor
-from mergepipe.engine.extend import ExtendPipeline
+from mergepipe.engine.extend import ExtendPipeline, check_parent_present
 from mergepipe.engine.pipeline import MergePipeline
 from mergepipe.engine.txn import RemoteTransaction, Transaction, check_output_path
 from mergepipe.errors import ExecutionError
@@ -244,6 +244,8 @@ class Engine:
         return plan["base"]["id"] if {t[0] for t in layout["tensors"]} == names else None
 
     def _register(self, plan: Plan, manifest: Manifest, model_id: str, out: Path, run_id, inflight=None) -> None:
+        if is_extend(plan.data):  # a `delete` of the parent that committed first wins (engine/extend.py)
+            check_parent_present(self.catalog, plan["parent"])
         if inflight:
             inflight.store(self.catalog)
         register(self.catalog, model_id, str(out), base_id=self._output_base(plan), snapshot_id=manifest.snapshot_id)

@@ -10,6 +10,7 @@ tensors, float64 for wider ones (so that fp32 results round once, like the from-
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -18,10 +19,11 @@ from pathlib import Path
 import torch
 
 from mergepipe.engine.blocks import check_finite, tensor_bytes
+from mergepipe.engine.delete import lock_snapshot
 from mergepipe.engine.pipeline import block_groups
 from mergepipe.engine.write_behind import WriteBehind
 from mergepipe.errors import ExecutionError
-from mergepipe.manifest.build import file_sha256
+from mergepipe.manifest.build import MANIFEST_NAME, file_sha256
 from mergepipe.manifest.verify import load_manifest
 from mergepipe.planner.plan import Plan, expand_ranges
 from mergepipe.storage.registry import open_checkpoint
@@ -135,6 +137,45 @@ class ParentHashes:
         self.gaps.close()
 
 
+def check_parent_present(catalog, parent: dict) -> None:
+    """The parent snapshot is still in the catalog, as planned (call inside the transaction that registers the
+    child: a `delete` that committed first wins, and the child is not published)."""
+    if not catalog.query("SELECT 1 FROM snapshots WHERE id = ? AND manifest_hash = ?",
+                         [parent["snapshot_id"], parent["manifest_hash"]]):
+        raise ExecutionError(f"snapshot {parent['snapshot_id']} ({parent['model_id']}) was deleted while this extend "
+                             f"ran; nothing was published")
+
+
+class ParentLock:
+    """The extend's shared lock on its (local) parent snapshot while it reads it: `delete` of the parent is
+    refused meanwhile. Taken before the parent's files are opened; the parent is then checked to be still
+    registered (a delete may have finished just before)."""
+
+    def __init__(self, catalog, parent: dict):
+        self.fd = None
+        if not Path(parent["uri"]).is_dir():  # a remote parent: the commit's check alone (check_parent_present)
+            check_parent_present(catalog, parent)
+            return
+        try:
+            self.fd = lock_snapshot(Path(parent["uri"]), shared=True)
+        except BlockingIOError:
+            raise ExecutionError(f"snapshot {parent['snapshot_id']} ({parent['model_id']}) is being deleted; "
+                                 f"nothing was published") from None
+        try:
+            check_parent_present(catalog, parent)
+        except ExecutionError:
+            self.close()
+            raise
+        if self.fd is None:
+            raise ExecutionError(f"snapshot {parent['snapshot_id']}: {parent['uri']} has no {MANIFEST_NAME} any "
+                                 f"more; nothing was published")
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 class ExtendPipeline:
     """Runs an incremental plan into ``staging``; :meth:`run` returns what the manifest needs
     (``on_shard_closed``: as for :class:`MergePipeline`)."""
@@ -143,6 +184,15 @@ class ExtendPipeline:
         self.engine, self.plan, self.staging, self.progress = engine, plan, staging, progress
         self.coefs = plan["coefficients"]
         self.changed = plan["changed"]
+        self.parent_lock = ParentLock(engine.catalog, plan["parent"])  # before the parent's files are opened
+        try:
+            self._open(plan, out_shard_bytes, on_shard_closed)
+        except BaseException:
+            self.parent_lock.close()
+            raise
+
+    def _open(self, plan: Plan, out_shard_bytes: int, on_shard_closed) -> None:
+        staging, engine = self.staging, self.engine
         self.base_ck = open_checkpoint(plan["base"]["uri"])
         self.snap_ck = open_checkpoint(plan["parent"]["uri"])
         self.source = open_source(self.changed["kind"], self.changed["uri"])
@@ -296,7 +346,7 @@ class ExtendPipeline:
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
             self.executor.shutdown()
-            for r in (self.snap_reader, self.base_reader, self.expert_reader, self.parent_hashes):
+            for r in (self.snap_reader, self.base_reader, self.expert_reader, self.parent_hashes, self.parent_lock):
                 r.close()
         return self.finish()
 
