@@ -9,6 +9,8 @@ Every ranged answer is checked against what was asked: its Content-Range must na
 requested and the file's size (a proxy or server that answers another range of the same length is an
 error, never bytes of the wrong place), and a small file fetched whole is read no further than its size
 limit, whatever its Content-Length says or omits (a chunked or endless body is cut at limit + 1 bytes).
+A Content-Length that is not a plain number of bytes, and a redirect to anything but an http(s) URL
+(``file://``, ``ftp://``), are one StorageError, never a traceback.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from mergepipe.errors import StorageError
 from mergepipe.storage.uris import redact, split_s3
 
 
-_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
+_CONTENT_RANGE = re.compile(r"^bytes ([0-9]{1,19})-([0-9]{1,19})/([0-9]{1,19})$")
 
 
 class Transient(Exception):
@@ -52,6 +54,19 @@ def check_content_range(where: str, header: str | None, start: int, end: int, si
 def _short(text: str, limit: int = 80) -> str:
     text = repr(text)
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def content_length(where: str, resp) -> int | None:
+    """An answer's Content-Length: None when it gives none; one StorageError (the connection dropped) when it
+    is not a plain decimal number of bytes (``abc``, ``-1``, ``1e9``, two differing values)."""
+    value = resp.headers.get("Content-Length")
+    if value is None:
+        return None
+    text = value.strip()
+    if not (text.isascii() and text.isdigit() and len(text) <= 19):
+        resp.close()
+        raise StorageError(f"{where}: the server sent an invalid Content-Length {_short(value)} (HTTP {resp.status})")
+    return int(text)
 
 
 def env_float(name: str, default: float) -> float:
@@ -98,6 +113,12 @@ class HttpTransport:
         except (u3.exceptions.TimeoutError, u3.exceptions.ProtocolError, u3.exceptions.NewConnectionError,
                 u3.exceptions.MaxRetryError, ConnectionError) as exc:
             raise Transient(f"{type(exc).__name__}") from None
+        except u3.exceptions.LocationValueError as exc:  # the URL asked for is http(s): a redirect's Location
+            raise StorageError(f"{self.where(name)}: the server redirected to a location MergePipe does not read "
+                               f"(only http:// and https:// URLs are followed; {_short(str(exc))})") from None
+        except u3.exceptions.HTTPError as exc:  # any other answer urllib3 cannot take (a malformed header)
+            raise StorageError(f"{self.where(name)}: unusable answer from the server ({type(exc).__name__}: "
+                               f"{_short(str(exc))})") from None
         if resp.status >= 500 or resp.status in (408, 429):
             resp.drain_conn()
             raise Transient(f"HTTP {resp.status}")
@@ -158,14 +179,15 @@ class HttpTransport:
         if resp.status not in (200, 206):
             self._refuse(resp, name)
         if resp.status == 200:  # the server ignores Range: read no further than asked
-            size = int(resp.headers.get("Content-Length", -1))
+            size = content_length(self.where(name), resp)
             head = resp.read(n)
             resp.close()  # drop the connection rather than download the rest
-            if size < 0:
+            if size is None:
                 raise StorageError(f"{self.where(name)}: the server gives no Content-Length")
             return Probe(head, size, resp.headers.get("ETag"))
+        content_length(self.where(name), resp)
         total = resp.headers.get("Content-Range", "").rpartition("/")[2]
-        if not total.isdigit():
+        if not (total.isascii() and total.isdigit() and len(total) <= 19):
             resp.drain_conn()
             raise StorageError(f"{self.where(name)}: the server's Content-Range gives no file size")
         size, want = int(total), None
@@ -180,8 +202,11 @@ class HttpTransport:
 
     def _size_of_empty(self, name: str) -> int:
         resp = self._request("HEAD", name, {})
+        if resp.status != 200:
+            self._refuse(resp, name)
+        size = content_length(self.where(name), resp)
         resp.drain_conn()
-        return int(resp.headers.get("Content-Length", 0))
+        return 0 if size is None else size
 
     def get(self, name: str, start: int, end: int, etag: str | None, size: int | None = None) -> bytes:
         """Bytes [start, end) of ``name`` (of ``size`` bytes, when known), exactly: the answer's Content-Range
@@ -198,6 +223,7 @@ class HttpTransport:
             resp.close()
             raise StorageError(f"{self.where(name)}: the file changed since it was opened (ETag {got} != {etag}); "
                                "re-register the model")
+        content_length(self.where(name), resp)
         try:
             check_content_range(self.where(name), resp.headers.get("Content-Range"), start, end, size)
         except StorageError:
@@ -218,8 +244,7 @@ class HttpTransport:
             return known[1], False
         if resp.status != 200:
             self._refuse(resp, name)
-        length = resp.headers.get("Content-Length")
-        size = int(length) if length is not None else None
+        size = content_length(self.where(name), resp)
         if size is not None and size > limit:
             resp.close()
             raise StorageError(f"{self.where(name)}: {size} bytes is larger than the {limit}-byte limit for this file")
