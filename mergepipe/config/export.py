@@ -8,7 +8,7 @@ import yaml
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.plans import find_plan_id
 from mergepipe.config.model import MERGEKIT_DTYPE
-from mergepipe.errors import MergePipeError
+from mergepipe.errors import MergePipeError, brief
 from mergepipe.ops.core import get_op
 from mergepipe.storage.dtypes import float_dtype, label_float_dtype
 from mergepipe.planner.budget import human_bytes
@@ -27,7 +27,7 @@ def _record(cat: Catalog | None, ref: str) -> dict:
     try:
         m = load_manifest(cat, ref)
     except MergePipeError:
-        raise MergePipeError(f"unknown plan or snapshot {ref!r}") from None
+        raise MergePipeError(f"unknown plan or snapshot {brief(ref)}") from None
     c = m.core
     spec = c["budget"]["spec"]
     target = float(spec.split()[1]) if spec.startswith("target-bound ") else None

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from mergepipe.config.architectures import MERGEKIT_VERSION, MODULAR
 from mergepipe.config.model import ConfigError, ConfigModel, GRADIENT_PARAMS
+from mergepipe.errors import brief
 from mergepipe.config.slices import Expansion, MODULE_KEYS, OutputSlice, _exact, _params, _resolve, _slice
 from mergepipe.ops.core import get_op
 
@@ -82,7 +83,7 @@ def read_modules(doc: dict, method: str, globals_: dict, ref_of) -> tuple[str, l
     for name, body in raw.items():
         where = f"modules.{name}"
         if not isinstance(name, str) or not name:
-            raise ConfigError(f"modules: a module name must be a name, not {name!r}")
+            raise ConfigError(f"modules: a module name must be a name, not {brief(name)}")
         if not isinstance(body, dict):
             raise ConfigError(f"{where} must be a mapping with `models:` or `slices:` and optional `parameters`")
         for key in body:

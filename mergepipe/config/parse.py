@@ -21,7 +21,7 @@ from mergepipe.config.model import (
 from mergepipe.config.modules import read_modules
 from mergepipe.config.slices import lift_modules, read_slices
 from mergepipe.config.templates import CHAT_TEMPLATES
-from mergepipe.errors import PlanError, StorageError
+from mergepipe.errors import PlanError, StorageError, brief
 from mergepipe.ops.core import OPERATORS
 from mergepipe.planner.budget import Budget
 from mergepipe.planner.settings import PER_MODEL_PARAMS, check_setting
@@ -42,7 +42,7 @@ def _construct_mapping(loader, node, deep=False):
         if not isinstance(key, (str, int, float, bool)):
             continue
         if key in seen:
-            raise ConfigError(f"duplicate key {key!r} (line {key_node.start_mark.line + 1})")
+            raise ConfigError(f"duplicate key {brief(key)} (line {key_node.start_mark.line + 1})")
         seen.add(key)
     return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
 
@@ -149,19 +149,7 @@ def _load(text) -> dict:
             text = text.decode("utf-8")
         except UnicodeDecodeError:
             raise ConfigError("not a UTF-8 text file") from None
-    try:
-        _check_depth(text)
-        doc = yaml.load(text, Loader=_UniqueKeyLoader)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise ConfigError(f"not valid YAML{where}: {exc.problem or exc}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"not valid YAML: {(str(exc).splitlines() or [''])[0]}") from None
-    except RecursionError:
-        raise ConfigError("not valid YAML: nested too deeply") from None
-    except (ValueError, OverflowError):  # PyYAML's int(): a number of thousands of digits
-        raise ConfigError("not valid YAML: holds a number too large to read") from None
+    doc = load_yaml(text)
     if doc is None:
         raise ConfigError("the config is empty")
     if not isinstance(doc, dict):
@@ -175,25 +163,61 @@ def _load(text) -> dict:
     return doc
 
 
+def load_yaml(text: str):
+    """One YAML document, through the shape checks (depth, values with aliases expanded) and the
+    duplicate-key loader; every refusal is one :class:`ConfigError` line."""
+    try:
+        _check_shape(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ConfigError(f"not valid YAML{where}: {exc.problem or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"not valid YAML: {(str(exc).splitlines() or [''])[0]}") from None
+    except RecursionError:
+        raise ConfigError("not valid YAML: nested too deeply") from None
+    except (ValueError, OverflowError):  # PyYAML's int(): a number of thousands of digits
+        raise ConfigError("not valid YAML: holds a number too large to read") from None
+
+
 MAX_DEPTH = 64  # a merge config nests a few levels; PyYAML's composer recurses once per level
+MAX_NODES = 200_000  # values in a document, an alias counted at the size of what it names
 _OPENERS = re.compile(r"(?:[\[{][ \t\r\n]*){%d}" % (MAX_DEPTH + 1))
 
 
-def _check_depth(text: str) -> None:
-    """Refuse deep nesting from the event stream (which PyYAML parses without recursion) before the
-    recursive composer builds it: a thousand `[` would otherwise take seconds to hit the recursion limit."""
+def _check_shape(text: str) -> None:
+    """Refuse from the event stream (which PyYAML parses without recursion), before anything is built:
+    nesting deeper than MAX_DEPTH (the recursive composer would take seconds to hit the recursion
+    limit), and more than MAX_NODES values once aliases are expanded (nested anchors make a 1 KB
+    "billion laughs" of 10^9 values, which any walk over the document -- a message, a check -- would
+    then take hours and gigabytes to visit)."""
     if _OPENERS.search(text):  # the scanner alone is quadratic in the flow depth: refuse the obvious at once
         raise ConfigError(f"not valid YAML: nested more than {MAX_DEPTH} levels deep")
-    depth = 0
+    sizes: dict[str, int] = {}  # anchor -> values under it
+    open_: list[list] = [[0, None]]  # per open collection: [values so far, its anchor]
     for event in yaml.parse(text, Loader=yaml.SafeLoader):
         if isinstance(event, yaml.CollectionStartEvent):
-            depth += 1
-            if depth > MAX_DEPTH:
+            open_.append([1, event.anchor])
+            if len(open_) - 1 > MAX_DEPTH:
                 mark = event.start_mark
                 raise ConfigError(f"not valid YAML (line {mark.line + 1}, column {mark.column + 1}): nested more "
                                   f"than {MAX_DEPTH} levels deep")
-        elif isinstance(event, yaml.CollectionEndEvent):
-            depth -= 1
+            continue
+        if isinstance(event, yaml.CollectionEndEvent):
+            n, anchor = open_.pop()
+        elif isinstance(event, yaml.AliasEvent):
+            n, anchor = sizes.get(event.anchor, 1), None
+        elif isinstance(event, yaml.ScalarEvent):
+            n, anchor = 1, event.anchor
+        else:
+            continue
+        if anchor is not None:
+            sizes[anchor] = n
+        open_[-1][0] += n
+        if open_[-1][0] > MAX_NODES:
+            raise ConfigError(f"refused: the document holds more than {MAX_NODES:,} values once its aliases "
+                              f"(*name) are expanded")
 
 
 def _method(doc: dict) -> str:
@@ -202,7 +226,7 @@ def _method(doc: dict) -> str:
     if method is None:
         raise ConfigError("`merge_method` is required")
     if not isinstance(method, str):
-        raise ConfigError(f"`merge_method` must be a name, not {method!r}")
+        raise ConfigError(f"`merge_method` must be a name, not {brief(method)}")
     if method not in OPERATORS:
         supported = ", ".join(OPERATORS)
         if method in MERGEKIT_ONLY_METHODS:
@@ -365,10 +389,10 @@ def _tokenizer(doc: dict) -> tuple:
         if not isinstance(template, str) or not template.strip():
             raise ConfigError("chat_template must be `auto`, a template name or the template text")
         if template != "auto" and "{" not in template and template not in CHAT_TEMPLATES:
-            raise ConfigError(f"chat_template: {template!r} is neither `auto`, a known template name "
+            raise ConfigError(f"chat_template: {brief(template)} is neither `auto`, a known template name "
                               f"({', '.join(sorted(CHAT_TEMPLATES))}) nor a Jinja template (paste its text)")
         if "{" in template and len(template) < 20:
-            raise ConfigError(f"chat_template: {template!r} is too short to be a Jinja chat template")
+            raise ConfigError(f"chat_template: {brief(template)} is too short to be a Jinja chat template")
     return src, tokens, pad, template
 
 
@@ -383,7 +407,7 @@ def _extension(doc: dict):
     budget = ext.get("budget")
     if budget is not None:
         if isinstance(budget, bool) or not isinstance(budget, (str, int, float)):
-            raise ConfigError(f"mergepipe.budget must be like 25%, 0.25 or 512MiB, not {budget!r}")
+            raise ConfigError(f"mergepipe.budget must be like 25%, 0.25 or 512MiB, not {brief(budget)}")
         try:
             budget = Budget.parse(budget)
         except PlanError as exc:
@@ -395,10 +419,10 @@ def _extension(doc: dict):
             raise ConfigError("give either mergepipe.budget or mergepipe.target_bound, not both")
     strategy = ext.get("strategy")
     if strategy is not None and strategy not in STRATEGIES:
-        raise ConfigError(f"mergepipe.strategy {strategy!r} is unknown (choose from {', '.join(STRATEGIES)})")
+        raise ConfigError(f"mergepipe.strategy {brief(strategy)} is unknown (choose from {', '.join(STRATEGIES)})")
     seed = ext.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ConfigError(f"mergepipe.seed must be an integer, not {seed!r}")
+        raise ConfigError(f"mergepipe.seed must be an integer, not {brief(seed)}")
     plan_id = ext.get("plan")
     if plan_id is not None and not isinstance(plan_id, str):
         raise ConfigError("mergepipe.plan must be a plan id")
@@ -406,7 +430,7 @@ def _extension(doc: dict):
     if isinstance(compact, bool):
         compact = "auto" if compact else "off"
     if compact is not None and compact not in COMPACT_MODES:
-        raise ConfigError(f"mergepipe.compact {str(compact)[:40]!r} is unknown (choose from {', '.join(COMPACT_MODES)})")
+        raise ConfigError(f"mergepipe.compact {brief(compact)} is unknown (choose from {', '.join(COMPACT_MODES)})")
     return budget, target, strategy, seed, plan_id, compact
 
 
@@ -421,7 +445,7 @@ def _ref(value, where: str) -> str:
         raise ConfigError(f"{where}: the mapping form of a model reference is not supported; "
                           f"write a path, a catalog id or BASE+ADAPTER")
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{where} must be a path or a model id, not {value!r}")
+        raise ConfigError(f"{where} must be a path or a model id, not {brief(value)}")
     return value.strip()
 
 
@@ -493,9 +517,9 @@ def _flag_setting(value, where: str):
 
 def _number(value, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{where} must be a number, not {value!r}")
+        raise ConfigError(f"{where} must be a number, not {brief(value)}")
     if not math.isfinite(value):
-        raise ConfigError(f"{where} must be a finite number, not {value!r}")
+        raise ConfigError(f"{where} must be a finite number, not {brief(value)}")
     return float(value)
 
 
@@ -504,14 +528,14 @@ def _flag(value, where: str) -> bool | None:
         return value
     if isinstance(value, (int, float)) and value in (0, 1):
         return bool(value)
-    raise ConfigError(f"{where} must be true or false, not {value!r}")
+    raise ConfigError(f"{where} must be true or false, not {brief(value)}")
 
 
 def _dtype(value, key: str) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or value.lower() not in DTYPE_NAMES:
-        raise ConfigError(f"{key}: unknown dtype {value!r} (float32, bfloat16, float16)")
+        raise ConfigError(f"{key}: unknown dtype {brief(value)} (float32, bfloat16, float16)")
     return DTYPE_NAMES[value.lower()]
 
 

@@ -12,12 +12,13 @@ expert (same id, other files), a changed recipe or more than one change is merge
 from __future__ import annotations
 
 import fnmatch
+import string
 import time
 from dataclasses import asdict, dataclass, field
 
 from mergepipe.catalog import recipes as store
 from mergepipe.catalog.db import Catalog
-from mergepipe.errors import MergePipeError, PlanError
+from mergepipe.errors import MergePipeError, PlanError, brief
 from mergepipe.manifest.verify import load_manifest
 from mergepipe.ops.core import get_op
 from mergepipe.planner.budget import Budget, human_bytes
@@ -25,6 +26,7 @@ from mergepipe.planner.extend import ExtendRequest, plan_extend
 from mergepipe.planner.request import MergeRequest
 
 OUT_FIELDS = ("name", "n", "version", "date")
+MAX_OUT = 4096  # characters of an output pattern, and of the folder name made from it (PATH_MAX)
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ class Recipe:
     def build(cls, name: str, base: str, experts, operator: str = "linear", weights=None, params=None,
               budget=None, out: str | None = None) -> Recipe:
         if not name or not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
-            raise PlanError(f"recipe name {name!r}: use letters, digits, '-', '_' and '.'")
+            raise PlanError(f"recipe name {brief(name)}: use letters, digits, '-', '_' and '.'")
         if not experts:
             raise PlanError("a recipe needs at least one expert id or pattern")
         recipe = cls(name, base, tuple(experts), get_op(operator).name, dict(weights or {}),
@@ -50,11 +52,7 @@ class Recipe:
                      Budget.of(budget).spec if budget is not None else "100%", out or "{name}-{n}")
         if Budget.of(recipe.budget).is_target:
             raise PlanError("a recipe takes a byte or fraction budget")
-        try:
-            recipe.out.format(**{k: "x" for k in OUT_FIELDS})
-        except (KeyError, IndexError, ValueError) as exc:
-            raise PlanError(f"output pattern {recipe.out!r}: only {{name}}, {{n}}, {{version}} and {{date}} "
-                            f"may be used ({exc})") from None
+        out_path(recipe.out, name=name, n=10**9, version=10**9, date="20260101")  # refused now, not on a run
         MergeRequest.build(base, list(recipe.experts), recipe.operator, budget=recipe.budget, **recipe.params)
         return recipe
 
@@ -80,7 +78,7 @@ def load_recipe(catalog: Catalog, name: str, version: int | None = None) -> tupl
     import json
     row = store.recipe_row(catalog, name, version)
     if row is None:
-        raise PlanError(f"unknown recipe {name!r}" + (f" version {version}" if version is not None else "")
+        raise PlanError(f"unknown recipe {brief(name)}" + (f" version {version}" if version is not None else "")
                         + " (see `mergepipe recipe list`)")
     body = json.loads(row["json"])
     body["experts"] = tuple(body["experts"])
@@ -95,18 +93,48 @@ def resolve_experts(catalog: Catalog, recipe: Recipe) -> list[dict]:
     for entry in recipe.experts:
         hits = [m["id"] for m in candidates if fnmatch.fnmatchcase(m["id"], entry)]
         if not hits and not any(c in entry for c in "*?["):
-            raise PlanError(f"recipe {recipe.name}: expert {entry!r} is not registered on base {recipe.base!r}")
+            raise PlanError(f"recipe {recipe.name}: expert {brief(entry)} is not registered on base {brief(recipe.base)}")
         chosen += hits
     ids = sorted(set(chosen))
     if not ids:
-        raise PlanError(f"recipe {recipe.name}: no registered expert on {recipe.base!r} matches "
+        raise PlanError(f"recipe {recipe.name}: no registered expert on {brief(recipe.base)} matches "
                         f"{', '.join(recipe.experts)}")
     return [{"model": i, "weight": recipe.weight_of(i)} for i in ids]
 
 
 def _out(catalog: Catalog, recipe: Recipe, version: int) -> str:
     n = store.recipe_run_count(catalog, recipe.name) + 1
-    return recipe.out.format(name=recipe.name, n=n, version=version, date=time.strftime("%Y%m%d", time.gmtime()))
+    return out_path(recipe.out, name=recipe.name, n=n, version=version, date=time.strftime("%Y%m%d", time.gmtime()))
+
+
+def out_path(pattern: str, **values) -> str:
+    """The output folder a pattern names: each plain ``{field}`` (one of OUT_FIELDS) replaced by its value.
+
+    Never ``str.format``: a format spec (``{name:>1000000000}``) would build a gigabyte string and
+    ``{name.__class__}`` reads attributes. The length is counted before anything is built."""
+    pieces = _out_pieces(pattern)
+    texts = [(literal, "" if field is None else str(values[field])) for literal, field in pieces]
+    length = sum(len(a) + len(b) for a, b in texts)
+    if length > MAX_OUT:
+        raise PlanError(f"output pattern {brief(pattern)}: makes a folder name of {length:,} characters "
+                        f"(at most {MAX_OUT})")
+    return "".join(a + b for a, b in texts)
+
+
+def _out_pieces(pattern) -> list[tuple[str, str | None]]:
+    """(literal text, field or None) of an output pattern; anything but plain placeholders is refused."""
+    if not isinstance(pattern, str) or len(pattern) > MAX_OUT:
+        raise PlanError(f"output pattern {brief(pattern)}: a folder pattern of at most {MAX_OUT} characters")
+    try:
+        pieces = list(string.Formatter().parse(pattern))
+    except ValueError as exc:  # a lone { or }
+        raise PlanError(f"output pattern {brief(pattern)}: {exc} (write {{{{ and }}}} for braces)") from None
+    for _, field, spec, conversion in pieces:
+        if field is not None and (field not in OUT_FIELDS or spec or conversion):
+            shown = "{" + field + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+            raise PlanError(f"output pattern {brief(pattern)}: only {{name}}, {{n}}, {{version}} and {{date}} may "
+                            f"be used, as written (not {brief(shown)})")
+    return [(literal, field) for literal, field, _, _ in pieces]
 
 
 def _incremental(catalog: Catalog, recipe: Recipe, experts: list[dict], out: str):

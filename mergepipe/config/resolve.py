@@ -21,7 +21,7 @@ from mergepipe.config import soup
 from mergepipe.config.parse import _exists
 from mergepipe.config.templates import CHAT_TEMPLATES
 from mergepipe.config.vocab import VocabRefusal, needs_vocab, row_model_order, vocab_setting
-from mergepipe.errors import MergePipeError
+from mergepipe.errors import MergePipeError, brief
 from mergepipe.ops.core import get_op, resolve_params
 from mergepipe.planner.context import Planner
 from mergepipe.planner.plan import Plan
@@ -145,7 +145,7 @@ class _Resolver:
             if self.split_lora(text):
                 self.fail(where, "a LoRA-patched model (BASE+ADAPTER) cannot be the base; "
                                  "list the adapter under `models:`")
-            self.fail(where, f"{text!r} is neither a registered model id nor an existing path {REMOTE_HINT}")
+            self.fail(where, f"{brief(text, 200)} is neither a registered model id nor an existing path {REMOTE_HINT}")
         rows = [r for r in self._rows_at(path) if r["kind"] == "full"]
         rows.sort(key=lambda r: r["base_id"] is not None)  # a plain base first
         for row in rows:
@@ -190,7 +190,7 @@ class _Resolver:
         else:
             path = self._path(text, where)
             if path is None:
-                self.fail(where, f"{text!r} is neither a registered model id nor an existing path {REMOTE_HINT}")
+                self.fail(where, f"{brief(text, 200)} is neither a registered model id nor an existing path {REMOTE_HINT}")
             if base_path is not None and path == base_path:
                 return None
         rows = [r for r in self._rows_at(path) if r["base_id"] == base_id
@@ -441,11 +441,11 @@ def _model_ref(r: _Resolver, ref: str, where: str, models: list[tuple[str, Path]
         return r.out.ids[ref]
     if cat.has_model(ref):
         if cat.model(ref)["kind"] == "lora":
-            r.fail(where, f"{ref!r}: a LoRA adapter has no tokenizer of its own; name the base or a model")
+            r.fail(where, f"{brief(ref, 200)}: a LoRA adapter has no tokenizer of its own; name the base or a model")
         return ref
     path = r._path(ref, where)
     if path is None:
-        r.fail(where, f"{ref!r} is neither `base`, `union`, a registered model id nor an existing path")
+        r.fail(where, f"{brief(ref, 200)} is neither `base`, `union`, a registered model id nor an existing path")
     found = next((m for m, p in models if p == path), None)
     if found is None:
         r.fail(where, f"{ref} is not one of the models merged")

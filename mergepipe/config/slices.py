@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergepipe.config.model import ConfigError, ConfigModel, GRADIENT_PARAMS, PER_TENSOR
+from mergepipe.errors import brief
 from mergepipe.planner.settings import LAYER, PRE_LAYER_NAMES, check_setting, evaluate
 
 SLICE_KEYS = ("sources",)
@@ -134,7 +135,7 @@ def _source(item, where: str, ref_of) -> SliceSource:
     rng = item["layer_range"]
     if not (isinstance(rng, list) and len(rng) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
                                                              for v in rng) and 0 <= rng[0] < rng[1]):
-        raise ConfigError(f"{where}.layer_range must be [start, end] with 0 <= start < end (integers), not {rng!r}")
+        raise ConfigError(f"{where}.layer_range must be [start, end] with 0 <= start < end (integers), not {brief(rng)}")
     return SliceSource(ref, rng[0], rng[1], _params(item.get("parameters"), f"{where}.parameters"), where)
 
 

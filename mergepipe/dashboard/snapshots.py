@@ -217,8 +217,8 @@ def verify_text(result: dict) -> str:
 def model_card(manifest: Manifest) -> tuple[dict, str] | None:
     """(front matter, markdown body) of the snapshot's README.md, or None when it has none (published
     before model cards) or its folder is gone."""
-    import yaml
     from pathlib import Path
+    from mergepipe.config.parse import load_yaml
     from mergepipe.manifest.card import CARD_NAME
     path = Path(manifest.run["out"]) / CARD_NAME
     if CARD_NAME not in manifest.core["outputs"] or not path.is_file():
@@ -227,8 +227,8 @@ def model_card(manifest: Manifest) -> tuple[dict, str] | None:
     if text.startswith("---\n") and "\n---\n" in text[4:]:
         head, body = text[4:].split("\n---\n", 1)
         try:
-            front = yaml.safe_load(head) or {}
-        except yaml.YAMLError:
+            front = load_yaml(head) or {}  # bounded: a tampered card cannot hang the page
+        except MergePipeError:
             front = {}
         return (front if isinstance(front, dict) else {}), body.lstrip("\n")
     return {}, text

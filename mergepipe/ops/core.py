@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mergepipe.errors import PlanError
+from mergepipe.errors import PlanError, brief
 from mergepipe.ops import (
     arcee_fusion, breadcrumbs, dare, della, karcher, linear, model_stock, multislerp, nearswap, nuslerp, passthrough, ram,
     sce, slerp, ties,
@@ -72,12 +72,12 @@ for _family in FAMILIES:
 
 
 def get_op(name: str) -> OpSpec:
-    key = name.strip().lower()
+    key = name.strip().lower() if isinstance(name, str) else None
     for spec in OPERATORS.values():
         if key == spec.name or key in spec.aliases:
             return spec
     names = ", ".join(sorted(list(OPERATORS) + [a for s in OPERATORS.values() for a in s.aliases]))
-    raise PlanError(f"unknown operator {name!r} (choose from {names})")
+    raise PlanError(f"unknown operator {brief(name)} (choose from {names})")
 
 
 def resolve_params(spec: OpSpec, normalize=None, rescale=None, lam=None, **extra) -> dict:
@@ -133,7 +133,7 @@ def _flag_or_setting(value, name: str):
                 raise PlanError(f"{name}: a condition has the keys filter and value (true or false)")
             f = c.get("filter")
             if f is not None and not isinstance(f, str):
-                raise PlanError(f"{name}: filter must be a substring of tensor names, not {f!r}")
+                raise PlanError(f"{name}: filter must be a substring of tensor names, not {brief(f)}")
             out.append({"filter": f, "value": 1.0 if _bool(c["value"], Param(name, False, "")) else 0.0})
         return out
     return bool(value)
@@ -148,7 +148,7 @@ def _bool(value, param: Param) -> bool:
         return value
     if isinstance(value, (int, float)) and value in (0, 1):
         return bool(value)
-    raise PlanError(f"{param.name} must be true or false, not {value!r}")
+    raise PlanError(f"{param.name} must be true or false, not {brief(value)}")
 
 
 def _setting(value, param: Param):
@@ -163,7 +163,7 @@ def _setting(value, param: Param):
                 raise PlanError(f"{param.name}: a condition has the keys filter and value")
             f = v.get("filter")
             if f is not None and not isinstance(f, str):
-                raise PlanError(f"{param.name}: filter must be a substring of tensor names, not {f!r}")
+                raise PlanError(f"{param.name}: filter must be a substring of tensor names, not {brief(f)}")
             inner = v["value"]
             out.append({"filter": f, "value": _setting(inner, param) if isinstance(inner, (list, tuple))
                         else param.check(_float(inner, param))})
@@ -176,11 +176,11 @@ def _setting(value, param: Param):
 
 def _float(value, param: Param) -> float:
     if isinstance(value, bool):
-        raise PlanError(f"{param.name} must be a number, not {value!r}")
+        raise PlanError(f"{param.name} must be a number, not {brief(value)}")
     try:
         return float(value)
     except (TypeError, ValueError):
-        raise PlanError(f"{param.name} must be a number, not {value!r}") from None
+        raise PlanError(f"{param.name} must be a number, not {brief(value)}") from None
 
 
 def threshold_fractions(spec: OpSpec, density: float, params: dict) -> list[float]:

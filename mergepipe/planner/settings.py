@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from mergepipe.errors import PlanError
+from mergepipe.errors import PlanError, brief
 # a decoder/encoder layer's tensors (``layers.N.``, ``h.N.``, ``layer.N.``, ``blocks.N.``): storage/views.py
 from mergepipe.storage.views import LAYER  # noqa: F401 (re-exported)
 
@@ -47,7 +47,7 @@ def check_setting(value, where: str, error: type[Exception] = PlanError):
             raise error(f"{w}: a condition has the keys filter and value (got {', '.join(map(str, cond))})")
         f = cond.get("filter")
         if f is not None and not isinstance(f, str):
-            raise error(f"{w}.filter must be a substring of tensor names, not {f!r}")
+            raise error(f"{w}.filter must be a substring of tensor names, not {brief(f)}")
         v = cond["value"]
         if isinstance(v, dict) or (isinstance(v, (list, tuple)) and any(isinstance(x, (dict, list, tuple)) for x in v)):
             raise error(f"{w}.value: conditions cannot be nested")
@@ -58,9 +58,9 @@ def check_setting(value, where: str, error: type[Exception] = PlanError):
 def _number(value, where: str, error: type[Exception]) -> float:
     if not is_scalar(value):
         raise error(f"{where} must be a number, a list of numbers (gradient) or a list of {{filter, value}} "
-                    f"conditions, not {value!r}")
+                    f"conditions, not {brief(value)}")
     if not math.isfinite(value):
-        raise error(f"{where} must be a finite number, not {value!r}")
+        raise error(f"{where} must be a finite number, not {brief(value)}")
     return float(value)
 
 
