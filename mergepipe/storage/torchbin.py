@@ -28,17 +28,23 @@ import io
 import math
 import os
 import pickle
+import pickletools
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
 
-from mergepipe.errors import StorageError
+from mergepipe.errors import StorageError, brief
 from mergepipe.storage.paths import open_regular
 from mergepipe.storage.safetensors import ITEMSIZE, Checkpoint, TensorInfo, read_json_object
 
 BIN_INDEX = "pytorch_model.bin.index.json"
 BIN_NAME = "pytorch_model.bin"
 MAX_PICKLE_BYTES = 64 * 1024 * 1024
+# A state dict's pickle takes ~32 opcodes per tensor; a million is ~30,000 tensors in one file (a
+# shard holds a few thousand at most). Counted before unpickling: 8 MiB of `]` would otherwise build 8
+# million lists (680 MiB); a memo index of 2^31 would size the memo table to 16 GiB.
+MAX_PICKLE_OPS = 1_000_000
+_MEMO_PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
 STORAGE_DTYPES = {
     "FloatStorage": "F32", "HalfStorage": "F16", "BFloat16Storage": "BF16", "DoubleStorage": "F64",
     "LongStorage": "I64", "IntStorage": "I32", "ShortStorage": "I16", "CharStorage": "I8",
@@ -207,6 +213,7 @@ def parse_bin_bytes(src, size: int, path, label: str) -> dict[str, TensorInfo]:
 
 
 def _unpickle(raw: bytes, label: str):
+    _check_pickle_size(raw, label)
     try:
         return _LayoutUnpickler(raw, label).load()
     except StorageError:
@@ -214,6 +221,28 @@ def _unpickle(raw: bytes, label: str):
     except Exception as exc:  # malformed pickle: never a partial layout
         raise StorageError(f"{label}: data.pkl is not a readable torch state dict ({type(exc).__name__}: {exc})") \
             from None
+
+
+def _check_pickle_size(raw: bytes, label: str) -> None:
+    """Refuse a pickle of more than MAX_PICKLE_OPS opcodes, or one storing to a memo index beyond that,
+    by reading its opcodes (nothing is built). A malformed stream stops the count: the unpickler then
+    refuses it at the same place, having built no more than the opcodes counted."""
+    ops = 0
+    try:
+        for op, arg, _ in pickletools.genops(raw):
+            ops += 1
+            if ops > MAX_PICKLE_OPS:
+                raise StorageError(f"{label}: refused to load: data.pkl has more than {MAX_PICKLE_OPS:,} pickle "
+                                   f"operations (a state dict of tensors needs about 32 per tensor)")
+            if op.name in _MEMO_PUTS and not (isinstance(arg, int) and 0 <= arg < MAX_PICKLE_OPS):
+                raise StorageError(f"{label}: refused to load: data.pkl stores to memo slot {arg} (a state dict's "
+                                   f"pickle numbers its objects from 0)")
+            if op.name == "STOP":
+                return
+    except StorageError:
+        raise
+    except Exception:  # a malformed opcode or argument: the unpickler names it
+        return
 
 
 def _data_start(src, path: Path, info: zipfile.ZipInfo, size: int) -> int:
@@ -258,7 +287,7 @@ def _layout(path, label, src, size, prefix, entries, obj) -> dict[str, TensorInf
         raise StorageError(f"{path}: holds a {type(obj).__name__}, not a state dict of tensors")
     bad = [k for k, v in obj.items() if not isinstance(k, str) or not isinstance(v, _Tensor)]
     if bad:
-        shown = ", ".join(repr(k) for k in bad[:5])
+        shown = ", ".join(brief(k) for k in bad[:5])
         raise StorageError(f"{path}: not a flat state dict of tensors (entries {shown} are not tensors; a "
                            f"training checkpoint's nested state dict must be extracted first)")
     tensors: dict[str, TensorInfo] = {}
@@ -266,23 +295,18 @@ def _layout(path, label, src, size, prefix, entries, obj) -> dict[str, TensorInf
     starts: dict[str, int] = {}
     for name, t in obj.items():
         st = t.storage
-        shape, stride = tuple(t.shape), tuple(t.stride)
-        if not (all(isinstance(d, int) and d >= 0 for d in shape) and len(stride) == len(shape)
-                and isinstance(t.offset, int) and t.offset >= 0):
-            raise StorageError(f"{path}: tensor {name!r} has a malformed shape, stride or offset")
-        if not _contiguous(shape, stride):
-            raise StorageError(f"{path}: tensor {name!r} is not contiguous (stride {list(stride)} for shape "
-                               f"{list(shape)}); re-save it with .contiguous() or convert to safetensors")
+        shape, stride = _shape_stride(path, name, t)
         entry = entries.get(f"{prefix}data/{st.key}")
         if entry is None:
-            raise StorageError(f"{path}: tensor {name!r} refers to a missing storage entry data/{st.key}")
+            raise StorageError(f"{path}: tensor {brief(name, 200)} refers to a missing storage entry "
+                               f"data/{brief(st.key)}")
         item = ITEMSIZE[st.dtype]
         if entry.file_size != st.numel * item:
-            raise StorageError(f"{path}: storage data/{st.key} has {entry.file_size} bytes, expected "
-                               f"{st.numel} x {item}")
+            raise StorageError(f"{path}: storage data/{brief(st.key)} has {entry.file_size} bytes, expected "
+                               f"{brief(st.numel)} x {item}")
         numel = math.prod(shape)
         if t.offset + numel > st.numel:
-            raise StorageError(f"{path}: tensor {name!r} lies outside its storage data/{st.key}")
+            raise StorageError(f"{path}: tensor {brief(name, 200)} lies outside its storage data/{brief(st.key)}")
         if st.key not in starts:
             starts[st.key] = _data_start(src, path, entry, size)
         users.setdefault(st.key, []).append((name, t))
@@ -293,9 +317,31 @@ def _layout(path, label, src, size, prefix, entries, obj) -> dict[str, TensorInf
             other = tensors[name]
             if (other.offset, other.nbytes, other.dtype, other.shape) != (first.offset, first.nbytes, first.dtype,
                                                                           first.shape):
-                raise StorageError(f"{path}: tensors {used[0][0]!r} and {name!r} are different views of one "
-                                   f"storage (data/{key}); re-save them with .clone() or convert to safetensors")
+                raise StorageError(f"{path}: tensors {brief(used[0][0], 200)} and {brief(name, 200)} are different "
+                                   f"views of one storage (data/{brief(key)}); re-save them with .clone() or "
+                                   f"convert to safetensors")
     return tensors
+
+
+MAX_DIMS = 64  # torch's limit on a tensor's dimensions
+_INDEX = range(2**63)  # a shape, stride or offset fits in an int64
+
+
+def _shape_stride(path, name: str, t: _Tensor) -> tuple[tuple, tuple]:
+    """A tensor's shape and stride: up to MAX_DIMS non-negative int64s each, contiguous."""
+    shape, stride = t.shape, t.stride
+    if not (isinstance(shape, (tuple, list)) and isinstance(stride, (tuple, list)) and len(shape) == len(stride)
+            and len(shape) <= MAX_DIMS and all(_is_index(d) for d in (*shape, *stride, t.offset))):
+        raise StorageError(f"{path}: tensor {brief(name, 200)} has a malformed shape, stride or offset")
+    shape, stride = tuple(shape), tuple(stride)
+    if not _contiguous(shape, stride):
+        raise StorageError(f"{path}: tensor {brief(name, 200)} is not contiguous (stride {list(stride)} for shape "
+                           f"{list(shape)}); re-save it with .contiguous() or convert to safetensors")
+    return shape, stride
+
+
+def _is_index(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value in _INDEX
 
 
 def open_bin_checkpoint(root: Path) -> Checkpoint:
@@ -311,15 +357,15 @@ def open_bin_checkpoint(root: Path) -> Checkpoint:
         for f in files:
             for name, info in parse_bin(f, f.name).items():
                 if name in tensors:
-                    raise StorageError(f"{root}: tensor {name!r} appears in more than one shard")
+                    raise StorageError(f"{root}: tensor {brief(name, 200)} appears in more than one shard")
                 tensors[name] = info
         index = root / BIN_INDEX
         if index.is_file():
             for name, fname in read_json_object(index)["weight_map"].items():
                 if name not in tensors:
-                    raise StorageError(f"{index}: tensor {name!r} is listed but not present in {fname}")
+                    raise StorageError(f"{index}: tensor {brief(name, 200)} is listed but not present in {fname}")
                 if tensors[name].file != fname:
-                    raise StorageError(f"{index}: tensor {name!r} is listed in {fname} but found in "
+                    raise StorageError(f"{index}: tensor {brief(name, 200)} is listed in {fname} but found in "
                                        f"{tensors[name].file}")
         config = read_json_object(root / "config.json") if (root / "config.json").exists() else {}
     if not tensors:
