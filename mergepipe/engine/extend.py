@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from mergepipe.catalog.snapshots import snapshot_manifest_hash
 from mergepipe.engine.blocks import check_finite, tensor_bytes
 from mergepipe.engine.delete import lock_snapshot
 from mergepipe.engine.pipeline import block_groups
@@ -140,8 +141,7 @@ class ParentHashes:
 def check_parent_present(catalog, parent: dict) -> None:
     """The parent snapshot is still in the catalog, as planned (call inside the transaction that registers the
     child: a `delete` that committed first wins, and the child is not published)."""
-    if not catalog.query("SELECT 1 FROM snapshots WHERE id = ? AND manifest_hash = ?",
-                         [parent["snapshot_id"], parent["manifest_hash"]]):
+    if snapshot_manifest_hash(catalog, parent["snapshot_id"]) != parent["manifest_hash"]:
         raise ExecutionError(f"snapshot {parent['snapshot_id']} ({parent['model_id']}) was deleted while this extend "
                              f"ran; nothing was published")
 
