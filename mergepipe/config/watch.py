@@ -3,7 +3,9 @@ fingerprint, register and analyze them for a recipe.
 
 Each immediate sub-folder of a watched folder holding ``*.safetensors`` (or a PEFT adapter) is a
 checkpoint; its folder name is its model id. A checkpoint is taken once its fingerprint is the same on
-two scans in a row (a folder still being copied changes between scans). A changed checkpoint is
+two scans in a row (a folder still being copied changes between scans) and, for a full checkpoint, its
+sampled data is written (not zeros where the base holds data: a writer that preallocated its files and
+stalled looks quiet too; config/watch_ready.py). A changed checkpoint is
 registered again (replacing its row: the old statistics no longer match its fingerprint, so they are
 never used) and analyzed again. The state -- which folder was seen with which fingerprint, and how far it
 got -- lives in the catalog (``watch_seen``), so a watcher killed at any point starts where it was.
@@ -19,6 +21,7 @@ from mergepipe.analyze.runner import analyze
 from mergepipe.catalog import recipes as store
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.models import open_files, register
+from mergepipe.config.watch_ready import unwritten
 from mergepipe.errors import MergePipeError
 
 
@@ -55,10 +58,12 @@ def scan(catalog: Catalog, dirs, base_id: str, log) -> list[str]:
         if fp is None:
             continue
         prev = seen.get(key)
-        if prev and prev["fingerprint"] == fp and prev["status"] in ("analyzed", "failed", "skipped"):
+        if prev and prev["fingerprint"] == fp and prev["status"] in ("analyzed", "failed", "skipped", "unwritten"):
             continue
         if not prev or prev["fingerprint"] != fp:  # first sight of this content: take it on the next scan
             store.set_watch_seen(catalog, key, path.name, fp, "pending")
+            continue
+        if _unwritten(catalog, path, key, fp, base_id, log):
             continue
         try:
             taken.append(_take(catalog, path, key, fp, base_id, log))
@@ -66,6 +71,21 @@ def scan(catalog: Catalog, dirs, base_id: str, log) -> list[str]:
             log(f"warning: {path}: {exc}")
             store.set_watch_seen(catalog, key, path.name, fp, "failed")
     return [t for t in taken if t]
+
+
+def _unwritten(catalog: Catalog, path: Path, key: str, fp: str, base_id: str, log) -> bool:
+    """A full checkpoint whose sampled data is still zeros (a stalled writer that preallocated its files) waits,
+    until its files change (config/watch_ready.py)."""
+    if _kind(path) != "full":
+        return False
+    try:
+        why = unwritten(path, catalog.model(base_id)["uri"])
+    except (MergePipeError, OSError):
+        return False  # registering it gives the one error
+    if why:
+        log(f"waiting: {path}: {why}; it is taken once its files change")
+        store.set_watch_seen(catalog, key, path.name, fp, "unwritten")
+    return why is not None
 
 
 def _take(catalog: Catalog, path: Path, key: str, fp: str, base_id: str, log) -> str | None:
