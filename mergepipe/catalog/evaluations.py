@@ -1,5 +1,6 @@
 """Stored evaluation results: a model's score on a held-out text (or task suite), keyed by the model's
-fingerprint and the text's sha256 so that a result is reused until either changes."""
+fingerprint and a ``dataset`` key -- the file's sha256, and for a perplexity also the settings that change it
+(``sha256:...;window=256;max_tokens=8192``) -- so that a result is reused until any of them changes."""
 
 from __future__ import annotations
 

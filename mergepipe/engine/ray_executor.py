@@ -6,12 +6,22 @@ writes its range of the output shards in the driver's staging directory (which m
 filesystem); only the plan goes out (once, through the object store) and only counters come back.
 A task whose worker process dies is run again by Ray (``retries`` times); a task that raises is not
 (a MergePipeError is a verdict, not a fault) and its error fails the merge, which publishes nothing.
+
+A local cluster (no ``address``) listens on 127.0.0.1 only -- GCS, raylet (node and object manager),
+runtime-env agent, workers; no dashboard -- and, where the installed Ray has it (>= 2.52), with Ray's token
+authentication on: a fresh random token in this process's environment, which the Ray processes it
+starts inherit (none is written to ~/.ray). ``address`` joins a cluster the user started: its exposure
+(interfaces, authentication, dashboard) is that cluster's configuration, and this process serves its
+own worker endpoint to that cluster's nodes.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from mergepipe.engine.executor import RangeExecutor
@@ -19,6 +29,7 @@ from mergepipe.errors import ExecutionError, MergePipeError
 
 INSTALL_HINT = "--executor ray needs Ray, which is not installed: pip install 'mergepipe[ray]'"
 CANCEL_WAIT_S = 60
+LOOPBACK = "127.0.0.1"
 
 
 def import_ray():
@@ -40,15 +51,70 @@ def runtime_env() -> dict:
 
 def connect(address: str | None = None):
     """Ray, connected: the running session if any, else ``address`` (``auto``, ``ray://host:port``,
-    ``host:port``), else a new local cluster on this machine's cores."""
+    ``host:port``), else a new local cluster on this machine's cores, on loopback only."""
+    local = _starts_local(address)
+    if local and not _ray_initialized():
+        _token_auth()
     ray = import_ray()
     if not ray.is_initialized():
         try:
-            ray.init(address=address, include_dashboard=False, runtime_env=runtime_env(),
-                     logging_level=logging.WARNING, log_to_driver=False)
+            with _loopback_node(ray, local):
+                ray.init(address=address, include_dashboard=False, dashboard_host=LOOPBACK,
+                         runtime_env=runtime_env(), logging_level=logging.WARNING, log_to_driver=False)
         except (ConnectionError, ValueError, RuntimeError) as exc:
             raise ExecutionError(f"cannot connect to the Ray cluster at {address}: {exc}") from None
+        if local:
+            _check_loopback(ray)
     return ray
+
+
+def _starts_local(address: str | None) -> bool:
+    return address == "local" or (address is None and not os.environ.get("RAY_ADDRESS"))
+
+
+def _ray_initialized() -> bool:
+    ray = sys.modules.get("ray")
+    return bool(ray and ray.is_initialized())
+
+
+def _token_auth() -> None:
+    """Token authentication for the local cluster about to start. Ray reads RAY_AUTH_MODE when it is
+    imported, so an already imported Ray re-reads its configuration (as ray.init itself does when it
+    turns the mode on)."""
+    os.environ["RAY_AUTH_MODE"] = "token"
+    if not os.environ.get("RAY_AUTH_TOKEN") and not os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    if "ray" in sys.modules:
+        try:
+            from ray._raylet import AuthenticationTokenLoader, Config
+        except ImportError:  # a Ray without token authentication
+            return
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+
+
+@contextmanager
+def _loopback_node(ray, local: bool):
+    """A new local node takes 127.0.0.1 as its address, and Ray binds its servers to the node's address.
+    Ray turns an explicit ``_node_ip_address="127.0.0.1"`` into the machine's routable address; it
+    keeps loopback only where clusters are off (its Windows/macOS default), which this switch selects."""
+    consts = ray._private.ray_constants
+    saved = consts.ENABLE_RAY_CLUSTER
+    consts.ENABLE_RAY_CLUSTER = saved and not local
+    try:
+        yield
+    finally:
+        consts.ENABLE_RAY_CLUSTER = saved
+
+
+def _check_loopback(ray) -> None:
+    """Refuse to run on a local cluster that did not come up on loopback (a Ray that changed how it
+    chooses the node's address)."""
+    node_ip = ray.util.get_node_ip_address()
+    if node_ip != LOOPBACK:
+        ray.shutdown()
+        raise ExecutionError(f"the local Ray cluster came up on {node_ip}, not {LOOPBACK}; start one yourself "
+                             "and pass --address")
 
 
 class RayExecutor(RangeExecutor):

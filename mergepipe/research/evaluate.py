@@ -24,7 +24,9 @@ Two kinds of measurement, both for any model directory (a registered checkpoint 
   characters plus ``<pad>``, ``<s>``, ``</s>`` use :class:`CharTokenizer` (the fidelity family in
   ``benchmarks/fidelity`` does); other models use ``transformers.AutoTokenizer``.
 
-transformers is imported lazily (optional extra ``[eval]``).
+transformers is imported lazily (optional extra ``[eval]``). Every file it loads (config, weights, tokenizer)
+comes from a checked copy of the model folder (:func:`~mergepipe.storage.tokenizer_files.checked_folder`), and
+held-out texts and task suites are read through the same path checks ($MERGEPIPE_ALLOWED_ROOTS).
 
 CLI::
 
@@ -38,6 +40,7 @@ CLI::
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import sys
@@ -46,11 +49,67 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from mergepipe.config.task_suite import read_task_suite, TaskExample  # noqa: F401  (the format lives in config)
+from mergepipe.config.task_suite import (  # noqa: F401  (the format lives in config)
+    TaskExample, parse_task_suite, read_task_suite,
+)
 from mergepipe.errors import MergePipeError
+from mergepipe.storage.paths import check_allowed, read_regular
 from mergepipe.storage.safetensors import FLOAT_DTYPES, open_checkpoint
+from mergepipe.storage.tokenizer_files import checked_folder
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+INSTALL_HINT = "evaluating a model needs transformers, which is not installed: pip install 'mergepipe[eval]'"
+MAX_TEXT_BYTES = 256 << 20  # a held-out text or task suite
+
+
+def import_transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise MergePipeError(INSTALL_HINT) from None
+    return transformers
+
+
+def read_eval_file(path, label: str = "") -> bytes:
+    """The bytes of a held-out text or task suite: inside the allowed roots (symlinks followed), a regular
+    file, at most MAX_TEXT_BYTES; ``label`` prefixes the errors (``evaluate.text: ``)."""
+    try:
+        check_allowed(path)
+        if not Path(path).is_file():
+            raise MergePipeError(f"{path} is not a file")
+        return read_regular(path, MAX_TEXT_BYTES)
+    except MergePipeError as exc:
+        raise MergePipeError(f"{label}{exc}") from None
+
+
+def check_scoring(window: int, max_tokens: int, names: tuple[str, str] = ("--window", "--max-tokens")) -> None:
+    """Perplexity's window and token limit: whole numbers of at least 2 tokens (one prediction)."""
+    for name, value in zip(names, (window, max_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+            shown = value if isinstance(value, int) and value.bit_length() <= 64 else "that"
+            raise MergePipeError(f"{name} must be a whole number of at least 2 tokens, not {shown}")
+
+
+def text_job(path, window: int, max_tokens: int) -> dict:
+    """A held-out text to score by perplexity (``mergepipe evaluate --text``), read through the path checks.
+    ``dataset`` keys a stored result: the text's sha256 with the window and token limit, which change it."""
+    check_scoring(window, max_tokens)
+    data = read_eval_file(path)
+    return {"metric": "perplexity", "dataset": f"{_digest(data)};window={window};max_tokens={max_tokens}",
+            "name": Path(path).name, "text": data.decode("utf-8", errors="replace"), "window": window,
+            "max_tokens": max_tokens}
+
+
+def suite_job(path) -> dict:
+    """A task suite to score (``mergepipe evaluate --tasks``): read once through the path checks, parsed
+    before any model is loaded; ``dataset``: the file's sha256."""
+    data = read_eval_file(path)
+    return {"metric": "accuracy", "dataset": _digest(data), "name": Path(path).name,
+            "suite": parse_task_suite(data, path)}
+
+
+def _digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 # --- weight space -----------------------------------------------------------------------------------
@@ -168,12 +227,13 @@ class CharTokenizer:
 class _HFTokenizer:
     """Adapter so a transformers tokenizer looks like CharTokenizer to the decoding loop."""
 
-    def __init__(self, model_dir):
-        from transformers import AutoTokenizer
+    def __init__(self, model_dir, folder):
+        """``folder``: the checked copy of ``model_dir``'s files that transformers reads."""
+        auto = import_transformers().AutoTokenizer
         try:
-            self.tok = AutoTokenizer.from_pretrained(str(model_dir))
+            self.tok = auto.from_pretrained(str(folder))
         except (OSError, ValueError, KeyError, ImportError) as exc:
-            raise MergePipeError(f"{model_dir}: no usable tokenizer ({str(exc).strip().splitlines()[0]})") from None
+            raise MergePipeError(f"{model_dir}: no usable tokenizer ({_reason(exc, folder, model_dir)})") from None
         self.bos_id, self.eos_id = self.tok.bos_token_id, self.tok.eos_token_id
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
@@ -188,21 +248,28 @@ class _HFTokenizer:
 
 
 def load_tokenizer(model_dir):
-    return CharTokenizer.from_dir(model_dir) if CharTokenizer.applies(model_dir) else _HFTokenizer(model_dir)
+    with checked_folder(model_dir) as folder:
+        return CharTokenizer.from_dir(folder) if CharTokenizer.applies(folder) else _HFTokenizer(model_dir, folder)
 
 
 def load_model(model_dir):
     """The model in float32, eval mode (transformers imported here, lazily)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    except (OSError, ValueError, KeyError) as exc:
-        raise MergePipeError(f"{model_dir}: cannot load as a causal LM ({str(exc).splitlines()[0]})") from None
+    transformers = import_transformers()
+    transformers.utils.logging.disable_progress_bar()
+    with checked_folder(model_dir, weights=True) as folder:
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+        except (OSError, ValueError, KeyError) as exc:
+            raise MergePipeError(f"{model_dir}: cannot load as a causal LM ({_reason(exc, folder, model_dir)})") \
+                from None
     model.eval()
     return model
+
+
+def _reason(exc: Exception, folder: Path, model_dir) -> str:
+    """The first line of a transformers error, naming the model folder rather than its checked copy."""
+    lines = str(exc).strip().splitlines()
+    return (lines[0] if lines else type(exc).__name__).replace(str(folder), str(model_dir))
 
 
 @torch.no_grad()
@@ -322,6 +389,7 @@ def perplexity(model_or_dir, text: str, tokenizer=None, window: int = 256, max_t
     """Perplexity of a causal LM on ``text``: non-overlapping windows of ``window`` tokens (the first
     ``max_tokens`` tokens of the text), exp of the mean next-token negative log-likelihood.
     ``progress(done, total)`` is called after each window. Returns {'perplexity', 'nll', 'tokens'}."""
+    check_scoring(window, max_tokens, ("window", "max_tokens"))
     model = load_model(model_or_dir) if isinstance(model_or_dir, (str, Path)) else model_or_dir
     tok = tokenizer or load_tokenizer(model_or_dir)
     try:
@@ -330,7 +398,6 @@ def perplexity(model_or_dir, text: str, tokenizer=None, window: int = 256, max_t
         raise MergePipeError(f"the text holds a character the model's vocabulary lacks: {exc}") from None
     if len(ids) < 2:
         raise MergePipeError("the text is too short to score (fewer than 2 tokens)")
-    window = max(2, int(window))
     chunks = [ids[i:i + window] for i in range(0, len(ids), window)]
     chunks = [c for c in chunks if len(c) >= 2]
     total_nll, count = 0.0, 0

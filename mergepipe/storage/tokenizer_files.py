@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from mergepipe.errors import StorageError
-from mergepipe.storage.paths import read_regular
+from mergepipe.storage.paths import open_regular, read_regular
 
 MAX_TOKENIZER_FILE_BYTES = 512 << 20  # a tokenizer.json of a 256k vocabulary is ~30 MB
 
@@ -35,6 +38,7 @@ TEMPLATES_DIR = "additional_chat_templates"
 # files that say what a tokenizer is (without one of them a folder has no tokenizer to compare or load)
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model",
                      "spiece.model", "sentencepiece.bpe.model")
+MODEL_WEIGHT_SUFFIXES = (".safetensors", ".bin")  # what transformers' from_pretrained loads weights from
 
 
 def is_tokenizer_file(name: str) -> bool:
@@ -69,6 +73,37 @@ def copy_tokenizer_files(src: Path, staging: Path) -> list[str]:
         # through the path checks: a linked tokenizer file must not carry a file from outside the roots
         dest.write_bytes(read_regular(Path(src) / name, MAX_TOKENIZER_FILE_BYTES))
     return names
+
+
+@contextmanager
+def checked_folder(root: Path, weights: bool = False):
+    """A temporary folder for transformers to load instead of ``root``: its tokenizer files and config.json,
+    each read through the path checks (inside $MERGEPIPE_ALLOWED_ROOTS when set, a regular file, size-bounded),
+    so that no file transformers opens by itself can lead outside the roots. ``weights``: also the weight
+    files, as links to their resolved paths once those passed the same checks (shard indexes copied)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise StorageError(f"{root}: not a directory")
+    with tempfile.TemporaryDirectory(prefix="mergepipe-checked-") as tmp:
+        folder = Path(tmp)
+        try:
+            copy_tokenizer_files(root, folder)
+            if (root / "config.json").is_file():
+                (folder / "config.json").write_bytes(read_regular(root / "config.json", MAX_TOKENIZER_FILE_BYTES))
+            if weights:
+                _link_weights(root, folder)
+        except OSError as exc:
+            raise StorageError(f"{root}: cannot read its files ({exc.strerror})") from None
+        yield folder
+
+
+def _link_weights(root: Path, folder: Path) -> None:
+    for p in sorted(root.iterdir()):
+        if p.name.endswith(".index.json"):
+            (folder / p.name).write_bytes(read_regular(p, MAX_TOKENIZER_FILE_BYTES))
+        elif p.name.endswith(MODEL_WEIGHT_SUFFIXES):
+            os.close(open_regular(p))  # inside the roots and a regular file
+            os.symlink(p.resolve(), folder / p.name)
 
 
 def read_chat_template(root: Path) -> str | None:
@@ -108,19 +143,27 @@ def write_chat_template(staging: Path, template: str) -> None:
         tj.write_text(json.dumps({"chat_template": template}, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+def load_auto_tokenizer(root: Path, **kwargs):
+    """``transformers.AutoTokenizer.from_pretrained(root, local_files_only=True, **kwargs)``, loaded from a
+    checked copy of ``root`` (:func:`checked_folder`); any loading failure is one StorageError naming ``root``."""
+    try:
+        import transformers
+    except ImportError:
+        raise StorageError("loading a tokenizer needs transformers, which is not installed: "
+                           "pip install 'mergepipe[eval]'") from None
+    with checked_folder(root) as folder:
+        try:
+            return transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - any loading failure is one clear message
+            first = str(exc).splitlines()[0].replace(str(folder), str(root)) if str(exc).strip() else ""
+            raise StorageError(f"{root}: cannot load its tokenizer with transformers ({type(exc).__name__}"
+                               f"{': ' + first if first else ''})") from None
+
+
 def vocabulary(root: Path) -> dict[str, int]:
     """A tokenizer folder's vocabulary (token -> id, added tokens included), as transformers loads it
     (``AutoTokenizer.from_pretrained(root, local_files_only=True).get_vocab()``, what mergekit compares)."""
-    try:
-        import transformers
-    except ImportError:  # pragma: no cover - transformers is a dependency of the test and eval extras
-        raise StorageError("comparing tokenizers needs the `transformers` package") from None
-    try:
-        tok = transformers.AutoTokenizer.from_pretrained(str(root), local_files_only=True)
-        return dict(tok.get_vocab())
-    except Exception as exc:  # noqa: BLE001 - any loading failure is one clear message
-        raise StorageError(f"{root}: cannot load its tokenizer with transformers ({type(exc).__name__}: "
-                           f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    return dict(load_auto_tokenizer(root).get_vocab())
 
 
 def vocab_difference(want: dict[str, int], have: dict[str, int]) -> str:

@@ -28,6 +28,8 @@ from typing import Callable
 import numpy as np
 
 from mergepipe.errors import StorageError
+from mergepipe.storage.paths import read_regular
+from mergepipe.storage.tokenizer_files import MAX_TOKENIZER_FILE_BYTES, load_auto_tokenizer
 
 OWN = "own"  # the model's own row
 ROW = "row"  # (ROW, model, row): another model's (or another token's) row
@@ -58,11 +60,8 @@ class UnionVocabulary:
 
 
 def _auto_tokenizer(root: Path):
-    import transformers
-    try:
-        return transformers.AutoTokenizer.from_pretrained(str(root), local_files_only=True, use_fast=True)
-    except Exception as exc:  # noqa: BLE001 - any loading failure is one clear message
-        raise StorageError(f"{root}: cannot load its tokenizer with transformers ({type(exc).__name__})") from None
+    """The fast tokenizer of ``root``, loaded from a checked copy of its files (the allowed roots)."""
+    return load_auto_tokenizer(root, use_fast=True)
 
 
 def config_vocab_size(root: Path) -> int | None:
@@ -70,7 +69,7 @@ def config_vocab_size(root: Path) -> int | None:
     path = Path(root) / "config.json"
     if not path.is_file():
         return None
-    doc = json.loads(path.read_text(encoding="utf-8"))
+    doc = json.loads(read_regular(path, MAX_TOKENIZER_FILE_BYTES))
     size = doc.get("vocab_size", (doc.get("text_config") or {}).get("vocab_size"))
     return int(size) if isinstance(size, int) else None
 
