@@ -28,6 +28,7 @@ from mergepipe.manifest.diff import diff_snapshots, diff_text  # noqa: F401
 from mergepipe.manifest.lineage import lineage, lineage_dot  # noqa: F401  (lineage_dot: for the CLI)
 from mergepipe.manifest.verify import load_manifest, verify
 from mergepipe.storage.paths import check_output
+from mergepipe.storage.serve import serve as serve_files  # noqa: F401  (`mergepipe serve DIR`)
 
 if TYPE_CHECKING:
     from mergepipe.engine.engine import Engine
@@ -428,13 +429,10 @@ def explain(catalog: Catalog, ref: str) -> str:
     core = manifest.core
     text = load_plan(catalog, core["plan_id"]).explain() if has_plan(
         catalog, core["plan_id"]) else f"PLAN {core['plan_id']}"
-    r, e = core["realized"], core["estimated"]
+    from mergepipe.planner.explain import realized_line
     return (f"SNAPSHOT {manifest.snapshot_id}  model {manifest.run['model_id']}  at {manifest.run['out']}\n"
             f"  manifest   {manifest.manifest_hash}\n"
-            f"  realized   base read {r['base_read']} B (est. {e['base_read']}), expert read {r['expert_read']} B "
-            f"(est. {e['expert_read']})"
-            + (f", compact read {r['compact_read']} B (est. {e.get('compact_read', 0)})" if r.get("compact_read") else "")
-            + f", write {r['output_write']} B (est. {e['output_write']})\n" + text)
+            + realized_line(core["realized"], core["estimated"]) + "\n" + text)
 
 
 def load_sweep(path):

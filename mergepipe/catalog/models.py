@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mergepipe.catalog.db import Catalog, now
+from mergepipe.catalog.mismatch import OTHER_VOCAB, mismatch_error
 from mergepipe.errors import CatalogError, MergePipeError
 from mergepipe.storage.lora import base_mismatches
 from mergepipe.storage.registry import canonical_uri, open_adapter, open_checkpoint, scheme_of, storage_for
@@ -103,7 +104,7 @@ def is_vocab_tensor(name: str) -> bool:
     return name.endswith(VOCAB_TENSOR_SUFFIXES)
 
 
-def layout_mismatches(base: Checkpoint, expert: Checkpoint, limit: int = 20, any_float: bool = False,
+def layout_mismatches(base: Checkpoint, expert: Checkpoint, limit: int | None = 20, any_float: bool = False,
                       vocab_rows: bool = False) -> list[str]:
     """Differences in tensor names, shapes and dtypes between an expert and its base.
 
@@ -119,15 +120,11 @@ def layout_mismatches(base: Checkpoint, expert: Checkpoint, limit: int = 20, any
         b, e = base.tensors[name], expert.tensors[name]
         other_rows = len(b.shape) == 2 and b.shape[1:] == e.shape[1:] and is_vocab_tensor(name)
         if b.shape != e.shape and not (vocab_rows and other_rows):
-            hint = ""
-            if other_rows:
-                hint = (" (another vocabulary size: merging models with different vocabularies re-orders their "
-                        "embedding rows to one tokenizer, mergekit's tokenizer_source, and needs the model's "
-                        "tokenizer files next to its weights)")
+            hint = " " + OTHER_VOCAB if other_rows else ""
             problems.append(f"{name}: shape {list(e.shape)} != base {list(b.shape)}{hint}")
         if b.dtype != e.dtype and not (any_float and {b.dtype, e.dtype} <= FLOAT_DTYPES):
             problems.append(f"{name}: dtype {e.dtype} != base {b.dtype}")
-    if len(problems) > limit:
+    if limit is not None and len(problems) > limit:
         problems = problems[:limit] + [f"... and {len(problems) - limit} more"]
     return problems
 
@@ -306,11 +303,11 @@ def _check_one(catalog: Catalog, model_id: str, uri: str, kind: str, base_id: st
         if view is not None:  # a layer view holds some of the base's layers (storage/views.py)
             base_ckpt = dataclasses.replace(base_ckpt, tensors={n: t for n, t in base_ckpt.tensors.items()
                                                                 if n in ckpt.tensors})
-        problems = (base_mismatches(adapter, base_ckpt) if adapter
-                    else layout_mismatches(base_ckpt, ckpt, any_float=kind == "delta",
+        problems = (base_mismatches(adapter, base_ckpt, limit=len(adapter.pairs)) if adapter
+                    else layout_mismatches(base_ckpt, ckpt, limit=None, any_float=kind == "delta",
                                            vocab_rows=kind == "full" and has_tokenizer(Path(own))))
         if problems:
-            raise CatalogError(f"{model_id} does not match base {base_id}: " + "; ".join(problems))
+            raise mismatch_error(model_id, base_id, problems, base_ckpt, None if adapter else ckpt)
     checked = Checked(model_id, uri, kind, base_id, ckpt, ckpt.fingerprint(), existing=False)
     _compare_existing(catalog, checked, replace)
     return checked

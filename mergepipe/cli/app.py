@@ -15,7 +15,7 @@ from mergepipe.errors import MergePipeError
 # Importing a command module registers its commands (in this order: catalog, merge, snapshots).
 from mergepipe.cli import catalog, merge, snapshots  # noqa: F401
 from mergepipe.cli.catalog import _add_analyze, _add_register
-from mergepipe.cli.common import SUBCOMMANDS, default_db
+from mergepipe.cli.common import ARGUMENTS, SUBCOMMANDS, default_db
 from mergepipe.cli.merge import _add_extend_args, _add_out_args, _add_plan_args, _add_sweep_args
 
 
@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (fn, help_text) in SUBCOMMANDS.items():
         parsers[name] = sub.add_parser(name, help=help_text, parents=[common], description=help_text)
         parsers[name].set_defaults(func=fn)
+        if name in ARGUMENTS:  # a command that declares its own arguments (cli/common.py: command)
+            ARGUMENTS[name](parsers[name])
     _add_register(parsers["register"])
     _add_analyze(parsers["analyze"])
     parsers["blocks"].add_argument("--model-id", required=True, help="the analyzed expert")

@@ -1,4 +1,4 @@
-"""Catalog commands: init-db, register, analyze, models, blocks, make-family, demo."""
+"""Catalog commands: init-db, register, analyze, models, blocks, make-family, serve, demo."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ def _add_register(p):
                    help="full checkpoint (default), delta (expert - base) or a PEFT LoRA adapter")
     p.add_argument("--content-hash", action="store_true", help="also hash every byte (slow)")
     p.add_argument("--replace", action="store_true", help="replace an id registered with other content")
+    p.add_argument("--verbose", action="store_true",
+                   help="when an expert does not match its base, list every difference (on standard error)")
 
 
 def _register_items(args) -> list[tuple[str, str]]:
@@ -53,11 +55,22 @@ def cmd_register(args):
     from mergepipe.api import register_many
     items = _register_items(args)
     cat = open_catalog(args, create=True, write=True)
-    results = register_many(cat, items, base_id=args.base_id, kind=args.kind,
-                            with_content_hash=args.content_hash, replace=args.replace)
+    try:
+        results = register_many(cat, items, base_id=args.base_id, kind=args.kind,
+                                with_content_hash=args.content_hash, replace=args.replace)
+    except MergePipeError as exc:
+        if args.verbose:
+            _print_details(exc)
+        raise
     out = results[0] if args.uri is not None else results  # the single --uri form prints one object
     emit(args, out, lambda _: [print(f"{r['status']}: {r['model_id']} ({r['fingerprint'][:19]}...)")
                                for r in results])
+
+
+def _print_details(exc: MergePipeError) -> None:
+    """Every difference a refusal summarized, one per line on standard error, before its `error:` line."""
+    for line in getattr(exc, "details", None) or ():
+        print(f"  {line}", file=sys.stderr)
 
 
 def _add_analyze(p):
@@ -150,7 +163,12 @@ def cmd_analyze(args):
             print(f"warning: {w}", file=sys.stderr)
 
 
-@command("models", "list registered models")
+def _add_wide(p):
+    p.add_argument("--wide", action="store_true",
+                   help="show every column in full, however wide the lines (ids are never cut or wrapped)")
+
+
+@command("models", "list registered models", arguments=_add_wide)
 def cmd_models(args):
     from mergepipe.api import human_bytes
     cat = open_catalog(args)
@@ -161,7 +179,8 @@ def cmd_models(args):
         [{**r, "bytes": human_bytes(r["bytes"]), "fingerprint": r["fingerprint"][7:19],
           "analyzed": "yes" if r["analyzed"] else ("no" if r["base_id"] and not r["snapshot_id"] else "-")} for r in rs],
         ["id", "kind", "base_id", "architecture", "dtype", "params", "bytes", "fingerprint", "analyzed"],
-        headers={"base_id": "base", "bytes": "size", "fingerprint": "fp"}, wide=("architecture", "params")))
+        headers={"base_id": "base", "bytes": "size", "fingerprint": "fp"}, wide=("architecture", "params"),
+        show_all=args.wide))
 
 
 @command("blocks", "per-block statistics of an analyzed expert")
@@ -180,7 +199,7 @@ def cmd_blocks(args):
           "nbytes": human_bytes(r["nbytes"])} for r in rs],
         ["tensor", "block", "rows", "offset", "nbytes", "delta_l2", "delta_max_abs", "delta_nnz"],
         headers={"delta_l2": "|d|_2", "delta_max_abs": "max|d|", "delta_nnz": "nnz", "nbytes": "size"},
-        wide=("offset",)))
+        wide=("offset",), keep=("tensor",)))
 
 
 @command("make-family", "write a synthetic base + K experts family")
@@ -189,6 +208,28 @@ def cmd_make_family(args):
     paths = make_family(args.out, experts=args.experts, size=args.size, dtype=args.dtype,
                         shard_bytes=args.shard_bytes, seed=args.seed)
     emit(args, paths, lambda p: print(f"wrote base {p['base']} and {len(p['experts'])} experts"))
+
+
+def _add_serve(p):
+    p.add_argument("dir", metavar="DIR", help="the folder whose files are served (e.g. a family: base/, expert_1/ ...)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: a free one, printed)")
+    p.add_argument("--host", default=None,
+                   help="address to listen on (default 127.0.0.1, this machine only); another address serves "
+                        "every file under DIR to anyone who can reach it")
+
+
+@command("serve", "serve a folder's checkpoints read-only over HTTP with byte ranges, for remote reads "
+                  "(http://HOST:PORT/PATH)", arguments=_add_serve)
+def cmd_serve(args):
+    from mergepipe.api import serve_files
+
+    def ready(url, loopback):
+        print(f"serving {Path(args.dir).resolve()} at {url}/ (read-only; Ctrl-C stops)", flush=True)
+        if not loopback:
+            print(f"warning: {args.host} is not loopback: anyone who can reach {url} can read every file "
+                  f"under {args.dir}", file=sys.stderr, flush=True)
+    serve_files(args.dir, port=args.port, host=args.host or "127.0.0.1", allow_remote=args.host is not None,
+                on_ready=ready)
 
 
 @command("demo", "build a small family, register, analyze and merge it, then open the dashboard")

@@ -8,11 +8,15 @@ import sys
 
 
 SUBCOMMANDS: dict[str, callable] = {}
+# command name -> a function adding its arguments to its parser (for commands that declare them here)
+ARGUMENTS: dict[str, callable] = {}
 
 
-def command(name, help_text):
+def command(name, help_text, arguments=None):
     def deco(fn):
         SUBCOMMANDS[name] = (fn, help_text)
+        if arguments is not None:
+            ARGUMENTS[name] = arguments
         return fn
     return deco
 
@@ -39,22 +43,88 @@ def emit(args, data, render=None) -> None:
 
 
 def table(rows: list[dict], columns: list[str], title: str | None = None, headers: dict | None = None,
-          wide: tuple = (), wide_width: int = 120) -> None:
-    """A table that stays readable at 80 columns: light borders, and cells that wrap (fold) instead of
-    being cut with an ellipsis; ``headers`` renames columns for display; ``wide`` columns are shown only
-    on a terminal at least ``wide_width`` columns wide (they stay in --json)."""
+          wide: tuple = (), wide_width: int = 120, keep: tuple = ("id",), show_all: bool = False) -> None:
+    """A table that fits the terminal (COLUMNS, else its width, else 80) and whose ``keep`` columns (ids)
+    are never wrapped or cut, so that they can be copied: the other columns are narrowed (their cells cut
+    with an ellipsis), and the rightmost of them left out (and named below the table) when even that is too
+    wide. One line per row. ``headers`` renames columns
+    for display; ``wide`` columns are shown only at least ``wide_width`` columns wide (they stay in --json);
+    ``show_all`` (--wide) shows every column at its full width, however wide the lines."""
     from rich import box
     from rich.console import Console
     from rich.table import Table
-    console = Console()
-    if console.width < wide_width:
+    width = terminal_width()
+    if not show_all and width < wide_width:
         columns = [c for c in columns if c not in wide]
+    heads = [(headers or {}).get(c, c) for c in columns]
+    cells = [[_fmt(r.get(c)) for c in columns] for r in rows]
+    natural = [max([len(h)] + [len(row[i]) for row in cells]) for i, h in enumerate(heads)]
+    kept = [c in keep for c in columns]
+    whole = [c in keep or _numeric([row[i] for row in cells]) for i, c in enumerate(columns)]  # never cut
+    widths = natural if show_all else fit_widths(natural, kept, width, whole)
     t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
-    for c in columns:
-        t.add_column((headers or {}).get(c, c), overflow="fold")
-    for r in rows:
-        t.add_row(*[_fmt(r.get(c)) for c in columns])
-    console.print(t)
+    shown = [i for i, w in enumerate(widths) if w]
+    for i in shown:
+        t.add_column(heads[i], width=widths[i], no_wrap=True, overflow="ignore" if whole[i] else "ellipsis")
+    for row in cells:
+        t.add_row(*[row[i] for i in shown])
+    console = Console(width=max(width, table_width([widths[i] for i in shown])))
+    with console.capture() as captured:
+        console.print(t)
+    sys.stdout.write("".join(_rstrip(line) for line in captured.get().splitlines(keepends=True)))
+    left_out = [heads[i] for i, w in enumerate(widths) if not w]
+    if left_out:
+        import textwrap
+        print(textwrap.fill(f"(left out at {width} columns: {', '.join(left_out)}; --wide shows them)", width))
+
+
+# A rendered table is its columns' widths, TABLE_GAP between two columns and TABLE_EDGE at its two edges.
+TABLE_GAP, TABLE_EDGE, CUT_MIN = 3, 2, 8
+
+
+def terminal_width() -> int:
+    import shutil
+    return shutil.get_terminal_size((80, 24)).columns
+
+
+def table_width(widths: list[int]) -> int:
+    return sum(widths) + TABLE_GAP * max(len(widths) - 1, 0) + TABLE_EDGE
+
+
+def fit_widths(natural: list[int], kept: list[bool], width: int, whole: list[bool] | None = None) -> list[int]:
+    """Column widths within ``width``: kept columns at their natural width; the rightmost other columns
+    left out (width 0) while the table would not fit even with the rest narrowed (to CUT_MIN, or not at all
+    if ``whole``: kept columns too); then the widest of the rest narrowed, one character at a time, until
+    it fits."""
+    whole = whole or kept
+    floor = [n if w else min(CUT_MIN, n) for n, w in zip(natural, whole)]
+    shown = list(range(len(natural)))
+    while table_width([floor[i] for i in shown]) > width and not all(kept[i] for i in shown):
+        shown.remove([i for i in shown if not kept[i]][-1])
+    widths = [natural[i] if i in shown else 0 for i in range(len(natural))]
+    while table_width([widths[i] for i in shown]) > width:
+        narrowable = [i for i in shown if widths[i] > floor[i]]
+        if not narrowable:
+            break
+        widths[max(narrowable, key=lambda i: widths[i])] -= 1
+    return widths
+
+
+def _rstrip(line: str) -> str:
+    """A rendered line without its trailing padding (kept: the style codes and the newline)."""
+    import re
+    return re.sub(r"[ ]+((?:\x1b\[[0-9;]*m)*)(\n?)$", r"\1\2", line)
+
+
+def _numeric(cells: list[str]) -> bool:
+    """Whether a column holds numbers only (a cut number would mislead: such columns are kept whole)."""
+    def number(text):
+        try:
+            float(text)
+            return True
+        except ValueError:
+            return text == "-"
+    return bool(cells) and all(number(c) for c in cells)
 
 
 def short_tensor(name: str) -> str:

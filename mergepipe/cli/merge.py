@@ -60,7 +60,11 @@ def _add_plan_args(p, with_out: bool):
         _add_param(p, api, param)
     p.add_argument("--budget", help="expert-read budget: 10%%, 0.1, 512MiB, 8GB (default 100%%)")
     p.add_argument("--io-budget-mb", type=float, help="expert-read budget in MiB")
-    p.add_argument("--target-bound", type=float, help="smallest budget whose relative error bound <= this")
+    p.add_argument("--target-bound", type=float, metavar="EPS",
+                   help="a relative error bound to meet instead of a budget (wins over --budget): the smallest "
+                        "budget whose guaranteed ||M_full - M_budget||, as a fraction of ||M_full - base||, is at "
+                        "most EPS; 0 reads every changed block; 0.05 (within 5%% of the full merge's change) is a "
+                        "typical value")
     p.add_argument("--strategy", default=None,
                    help="how blocks are ranked: norm (default), conflict, kept, random, uniform")
     p.add_argument("--seed", type=int, default=None, help="seed of the random operators and strategy (default 0)")

@@ -22,7 +22,9 @@ def cmd_verify(args):
         raise VerifyError(f"{res['snapshot_id']}: " + "; ".join(res["problems"]))
 
 
-@command("snapshots", "list published snapshots")
+@command("snapshots", "list published snapshots", arguments=lambda p: p.add_argument(
+    "--wide", action="store_true", help="show every column in full, however wide the lines (ids are never cut "
+                                        "or wrapped)"))
 def cmd_snapshots(args):
     from mergepipe.api import human_bytes, snapshots
     cat = open_catalog(args)
@@ -31,7 +33,8 @@ def cmd_snapshots(args):
             f" ({r['expert_read_bytes'] / r['full_expert_bytes']:.0%})" if r.get("full_expert_bytes") else ""),
           "created_at": short_date(r["created_at"])} for r in rs],
         ["id", "model_id", "operator", "read", "created_at", "out"],
-        headers={"model_id": "model", "operator": "op", "created_at": "created"}, wide=("out",)))
+        headers={"model_id": "model", "operator": "op", "created_at": "created"}, wide=("out",),
+        keep=("id", "model_id"), show_all=args.wide))
 
 
 @command("lineage", "ancestors and descendants of a model (the whole DAG without an id)")

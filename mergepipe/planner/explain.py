@@ -28,6 +28,24 @@ def coalesce_line(c: dict) -> str:
             f"(within {c['tolerance']:.0%} of the cut-off score per byte)")
 
 
+def realized_line(realized: dict, estimated: dict) -> str:
+    """``realized   base read 9.54 MiB (as estimated), ...``: a snapshot's reads and write beside its plan's
+    estimates, in binary units (the exact byte counts are in the manifest: ``explain --json``)."""
+    from mergepipe.planner.budget import human_bytes
+
+    def one(what: str, key: str) -> str:
+        got, est = realized.get(key, 0), estimated.get(key, 0)
+        if got == est:
+            return f"{what} {human_bytes(got)} (as estimated)"
+        if human_bytes(got) == human_bytes(est):  # too close for the units to show
+            return f"{what} {human_bytes(got)} ({got - est:+d} B vs the estimate)"
+        return f"{what} {human_bytes(got)} (est. {human_bytes(est)})"
+    parts = [one("base read", "base_read"), one("expert read", "expert_read")]
+    if realized.get("compact_read"):
+        parts.append(one("compact read", "compact_read"))
+    return "  realized   " + ", ".join(parts + [one("write", "output_write")])
+
+
 # what a re-ordered vocabulary's embedding coefficients are computed from at merge time (engine/vocab.py)
 _COMPOSED_STATS = {
     "sce": "their Gram statistics and, with select_topk < 1, the top k of the variance across the experts",
