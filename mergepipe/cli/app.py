@@ -95,7 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--run-id", type=int, help=argparse.SUPPRESS)
     _add_recipe_args(parsers["recipe"])
     w = parsers["watch"]
-    w.add_argument("dirs", nargs="+", metavar="DIR", help="folders whose checkpoint sub-folders are watched")
+    w.add_argument("dirs", nargs="+", metavar="DIR",
+                   help="folders whose checkpoint sub-folders are watched; a checkpoint is taken once its files are "
+                        "unchanged over two scans and, for a full checkpoint, sampled windows of its tensors hold data "
+                        "(not zeros where the base has data: a writer that preallocated its files and stalled waits)")
     w.add_argument("--recipe", required=True, help="the recipe to run on every new or changed checkpoint")
     w.add_argument("--interval", type=float, default=5.0, help="seconds between scans (default 5)")
     w.add_argument("--once", action="store_true", help="scan until nothing is pending, run the recipe, exit")
