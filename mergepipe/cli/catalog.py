@@ -211,7 +211,8 @@ def cmd_make_family(args):
 
 
 def _add_serve(p):
-    p.add_argument("dir", metavar="DIR", help="the folder whose files are served (e.g. a family: base/, expert_1/ ...)")
+    p.add_argument("dir", metavar="DIR",
+                   help="the folder whose files are served (e.g. a family: base/, expert_1/ ...)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: a free one, printed)")
     p.add_argument("--host", default=None,
                    help="address to listen on (default 127.0.0.1, this machine only); another address serves "

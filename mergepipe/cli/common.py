@@ -43,7 +43,8 @@ def emit(args, data, render=None) -> None:
 
 
 def table(rows: list[dict], columns: list[str], title: str | None = None, headers: dict | None = None,
-          wide: tuple = (), wide_width: int = 120, keep: tuple = ("id",), show_all: bool = False) -> None:
+          wide: tuple = (), wide_width: int = 120, keep: tuple = ("id", "name"),
+          show_all: bool = False) -> None:
     """A table that fits the terminal (COLUMNS, else its width, else 80) and whose ``keep`` columns (ids)
     are never wrapped or cut, so that they can be copied: the other columns are narrowed (their cells cut
     with an ellipsis), and the rightmost of them left out (and named below the table) when even that is too
