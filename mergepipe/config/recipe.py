@@ -12,6 +12,7 @@ expert (same id, other files), a changed recipe or more than one change is merge
 from __future__ import annotations
 
 import fnmatch
+import math
 import string
 import time
 from dataclasses import asdict, dataclass, field
@@ -43,10 +44,7 @@ class Recipe:
     @classmethod
     def build(cls, name: str, base: str, experts, operator: str = "linear", weights=None, params=None,
               budget=None, out: str | None = None) -> Recipe:
-        if not name or not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
-            raise PlanError(f"recipe name {brief(name)}: use letters, digits, '-', '_' and '.'")
-        if not experts:
-            raise PlanError("a recipe needs at least one expert id or pattern")
+        _check_fields(name, experts, weights, params)
         recipe = cls(name, base, tuple(experts), get_op(operator).name, dict(weights or {}),
                      {k: v for k, v in (params or {}).items() if v is not None},
                      Budget.of(budget).spec if budget is not None else "100%", out or "{name}-{n}")
@@ -67,6 +65,22 @@ class Recipe:
             if fnmatch.fnmatchcase(model_id, pattern):
                 return float(w)
         return 1.0
+
+
+def _check_fields(name, experts, weights, params) -> None:
+    """The recipe's own fields, as the API may pass any value: one PlanError for each kind of mistake."""
+    if not isinstance(name, str) or not name or not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise PlanError(f"recipe name {brief(name)}: use letters, digits, '-', '_' and '.'")
+    if not experts:
+        raise PlanError("a recipe needs at least one expert id or pattern")
+    if not isinstance(experts, (list, tuple)) or not all(isinstance(e, str) and e for e in experts):
+        raise PlanError(f"a recipe's experts are a list of model ids or patterns, not {brief(experts)}")
+    if weights is not None and not (isinstance(weights, dict) and all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            for k, v in weights.items())):
+        raise PlanError(f"a recipe's weights map patterns to numbers, not {brief(weights)}")
+    if params is not None and not (isinstance(params, dict) and all(isinstance(k, str) for k in params)):
+        raise PlanError(f"a recipe's parameters map names to values, not {brief(params)}")
 
 
 def save_recipe(catalog: Catalog, recipe: Recipe) -> int:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergepipe.config.model import MAX_CONFIG_BYTES, ConfigError
-from mergepipe.config.parse import load_yaml
+from mergepipe.config.parse import _cut, load_yaml
 from mergepipe.errors import StorageError, brief
 from mergepipe.storage.paths import allowed_roots, check_allowed, read_regular
 
@@ -80,11 +80,20 @@ def load_sweep(path) -> SweepConfig:
         raise ConfigError(f"{path}: not a UTF-8 text file") from None
     except ConfigError as exc:
         msg = str(exc)
-        raise ConfigError(msg if msg.startswith(f"{path}: ") else f"{path}: {msg}") from None
+        raise ConfigError(_cut(msg if msg.startswith(f"{path}: ") else f"{path}: {msg}")) from None
     return parse_sweep(doc, default_name=path.stem, root=path.parent)
 
 
 def parse_sweep(doc, default_name: str = "sweep", root: Path = Path(".")) -> SweepConfig:
+    """A sweep document's points and settings; every refusal is one ConfigError line (keys quoted
+    from the document are escaped, long ones cut)."""
+    try:
+        return _parse_sweep(doc, default_name, root)
+    except ConfigError as exc:
+        raise ConfigError(_cut(str(exc))) from None
+
+
+def _parse_sweep(doc, default_name: str, root: Path) -> SweepConfig:
     if not isinstance(doc, dict):
         raise ConfigError("a sweep config is a mapping (base, experts, out, grid and/or points, ...)")
     unknown = sorted(set(doc) - KEYS)

@@ -224,9 +224,9 @@ def _unpickle(raw: bytes, label: str):
 
 
 def _check_pickle_size(raw: bytes, label: str) -> None:
-    """Refuse a pickle of more than MAX_PICKLE_OPS opcodes, or one storing to a memo index beyond that,
-    by reading its opcodes (nothing is built). A malformed stream stops the count: the unpickler then
-    refuses it at the same place, having built no more than the opcodes counted."""
+    """Refuse, from its opcodes (nothing is built), a pickle of more than MAX_PICKLE_OPS operations, one
+    storing to a memo slot beyond that, and one whose opcodes or lengths are malformed (a length prefix
+    of 2^60 would have the unpickler allocate it before finding the data short)."""
     ops = 0
     try:
         for op, arg, _ in pickletools.genops(raw):
@@ -235,14 +235,13 @@ def _check_pickle_size(raw: bytes, label: str) -> None:
                 raise StorageError(f"{label}: refused to load: data.pkl has more than {MAX_PICKLE_OPS:,} pickle "
                                    f"operations (a state dict of tensors needs about 32 per tensor)")
             if op.name in _MEMO_PUTS and not (isinstance(arg, int) and 0 <= arg < MAX_PICKLE_OPS):
-                raise StorageError(f"{label}: refused to load: data.pkl stores to memo slot {arg} (a state dict's "
-                                   f"pickle numbers its objects from 0)")
-            if op.name == "STOP":
-                return
+                raise StorageError(f"{label}: refused to load: data.pkl stores to memo slot {brief(arg)} (a state "
+                                   f"dict's pickle numbers its objects from 0)")
     except StorageError:
         raise
-    except Exception:  # a malformed opcode or argument: the unpickler names it
-        return
+    except Exception as exc:  # an unknown opcode, a length past the end, a bad argument
+        raise StorageError(f"{label}: data.pkl is not a readable torch state dict ({type(exc).__name__}: "
+                           f"{str(exc)[:200]})") from None
 
 
 def _data_start(src, path: Path, info: zipfile.ZipInfo, size: int) -> int:

@@ -28,8 +28,8 @@ from typing import Callable
 import numpy as np
 
 from mergepipe.errors import StorageError
-from mergepipe.storage.paths import read_regular
-from mergepipe.storage.tokenizer_files import MAX_TOKENIZER_FILE_BYTES, load_auto_tokenizer
+from mergepipe.storage.safetensors import read_json_object
+from mergepipe.storage.tokenizer_files import load_auto_tokenizer
 
 OWN = "own"  # the model's own row
 ROW = "row"  # (ROW, model, row): another model's (or another token's) row
@@ -69,9 +69,10 @@ def config_vocab_size(root: Path) -> int | None:
     path = Path(root) / "config.json"
     if not path.is_file():
         return None
-    doc = json.loads(read_regular(path, MAX_TOKENIZER_FILE_BYTES))
-    size = doc.get("vocab_size", (doc.get("text_config") or {}).get("vocab_size"))
-    return int(size) if isinstance(size, int) else None
+    doc = read_json_object(path)  # one StorageError for bad JSON, a non-object, deep nesting
+    text = doc.get("text_config")
+    size = doc.get("vocab_size", text.get("vocab_size") if isinstance(text, dict) else None)
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
 def _union_tokenizer(base_tok, toks: dict[str, object], sizes: dict[str, int | None]):
