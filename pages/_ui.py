@@ -46,6 +46,18 @@ def user_errors():
         st.error(f"{type(exc).__name__}: {exc}")
 
 
+def table(df, **kw):
+    """st.dataframe of ``df`` as every table shows it (views.table: a missing value reads '-', not `None`)."""
+    return st.dataframe(views.table(df), **kw)
+
+
+def default(key: str, **value) -> dict:
+    """A keyed widget's default-value argument (``value=``, ``default=``, ``index=``), left out once session state
+    holds the key: a widget given a default while its key was set through st.session_state (a callback applying a
+    YAML, the suggested budget) makes Streamlit log a warning with a 30-line stack."""
+    return {} if key in st.session_state else value
+
+
 def flash(kind: str, message: str) -> None:
     """Queue a message (from a callback) to be shown by the page's next render."""
     st.session_state.setdefault("_flash", []).append((kind, message))

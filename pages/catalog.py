@@ -66,11 +66,11 @@ with ui.user_errors(), ui.catalog() as cat:
     elif view == "Tensors":
         df = ui.tensor_stats(db, version, ex)
         st.caption(f"{len(df)} rows: one per (tensor, expert). Click a column header to sort.")
-        st.dataframe(df, hide_index=True, key="tensor_table", height=520,
-                     column_config={"density": st.column_config.NumberColumn(format="%.3f"),
-                                    "delta_l2": st.column_config.NumberColumn(format="%.4g"),
-                                    "delta_l1": st.column_config.NumberColumn(format="%.4g"),
-                                    "delta_max_abs": st.column_config.NumberColumn(format="%.4g")})
+        ui.table(df, hide_index=True, key="tensor_table", height=520,
+                 column_config={"density": st.column_config.NumberColumn(format="%.3f"),
+                                "delta_l2": st.column_config.NumberColumn(format="%.4g"),
+                                "delta_l1": st.column_config.NumberColumn(format="%.4g"),
+                                "delta_max_abs": st.column_config.NumberColumn(format="%.4g")})
 
     elif view == "Blocks":
         if st.session_state.get("layer") not in groups and st.query_params.get("layer") not in groups:
@@ -83,7 +83,7 @@ with ui.user_errors(), ui.catalog() as cat:
                                              + (", per expert" if mode == "per expert" else "") + ")", label,
                                              show_x_labels=True), key="block_chart")
         df = ui.block_stats(db, version, ex, tensors)
-        st.dataframe(df, hide_index=True, key="block_table", height=420)
+        ui.table(df, hide_index=True, key="block_table", height=420)
 
     else:  # Conflicts
         if len(experts) < 2:
@@ -105,4 +105,4 @@ with ui.user_errors(), ui.catalog() as cat:
         m = ui.conflict(db, version, ex, tensors, metric)
         st.plotly_chart(views.conflict_heatmap(m, metric, item), key="conflict_chart")
         st.caption("Estimated from the catalog's block sketches (sampled deltas); no checkpoint is read.")
-        st.dataframe(m.round(4), key="conflict_table")
+        ui.table(m.round(4), key="conflict_table")

@@ -47,17 +47,17 @@ with ui.user_errors(), ui.catalog() as cat:
 
     st.subheader("Settings")
     only = st.toggle("Only the differences", key="cmp_only")
-    st.dataframe(views.settings_diff(a, b, only), hide_index=True, key="cmp_settings",
-                 column_config={"A": st.column_config.TextColumn(width="large"),
-                                "B": st.column_config.TextColumn(width="large")})
+    ui.table(views.settings_diff(a, b, only), hide_index=True, key="cmp_settings",
+             column_config={"A": st.column_config.TextColumn(width="large"),
+                            "B": st.column_config.TextColumn(width="large")})
     st.subheader("Bytes and bound")
-    st.dataframe(views.numbers_df(a, b), hide_index=True, key="cmp_numbers")
+    ui.table(views.numbers_df(a, b), hide_index=True, key="cmp_numbers")
     st.subheader("Quality")
     scores = views.scores_df(cat, a, b)
     if scores.empty:
         st.caption("No stored scores: evaluate the snapshots on the **Snapshots** page (Evaluate).")
     else:
-        st.dataframe(scores, hide_index=True, key="cmp_scores")
+        ui.table(scores, hide_index=True, key="cmp_scores")
     if a.run["model_id"] and b.run["model_id"]:
         note = views.realized_deviation(cat, a, b)
         if note:
@@ -92,8 +92,8 @@ with ui.user_errors(), ui.catalog() as cat:
                "(a plan: the blocks it would read).")
     st.plotly_chart(views.access_figure(diff), key="cmp_access")
     with st.expander("Per-tensor table"):
-        st.dataframe(diff, hide_index=True, key="cmp_access_table",
-                     column_config={"tensor": st.column_config.TextColumn(width="large")})
+        ui.table(diff, hide_index=True, key="cmp_access_table",
+                 column_config={"tensor": st.column_config.TextColumn(width="large")})
     st.subheader("Lineage")
     for line in views.lineage_note(a, b):
         st.write(line)

@@ -18,7 +18,8 @@ with ui.user_errors(), ui.catalog() as cat:
     c = st.columns(4)
     c[0].metric("Plans", t["plans"])
     c[1].metric("Snapshots", t["snapshots"])
-    c[2].metric("Runs", t["runs"])
+    c[2].metric("Runs", t["runs"], help="Merge, analyze and evaluate runs started here, and merges made from the "
+                                        "command line (the demo's too), each counted by the snapshot it published")
     if t["models"] == 0:
         st.info("The catalog is empty: register a base and its experts on the **Models** page, analyze them, "
                 "then make a plan on the **Plan** page.")
@@ -29,15 +30,17 @@ with ui.user_errors(), ui.catalog() as cat:
         st.caption("Models → register and analyze · Plan → budget and settings (also as mergekit YAML) · "
                    "Run → merge · Snapshots → manifest, model card, tags, delete.")
     st.subheader("Last runs")
-    runs = views.runs_df(cat, limit=10)
+    runs = views.activity_df(cat, limit=10)
     if runs.empty:
         st.caption("No runs yet.")
     else:
-        st.dataframe(runs, hide_index=True, key="home_runs",
-                     column_config={"progress": st.column_config.ProgressColumn("progress", min_value=0, max_value=100,
-                                                                                format="%.0f%%")})
+        if runs["run"].isna().any():
+            st.caption("A merge made from the command line has no run number: its record is its snapshot.")
+        ui.table(runs, hide_index=True, key="home_runs",
+                 column_config={"progress": st.column_config.ProgressColumn("progress", min_value=0, max_value=100,
+                                                                            format="%.0f%%")})
     st.subheader("Latest snapshots")
     if snaps.empty:
         st.caption("No snapshots yet.")
     else:
-        st.dataframe(snaps, hide_index=True, key="home_snaps")
+        ui.table(snaps, hide_index=True, key="home_snaps")

@@ -23,13 +23,13 @@ with ui.user_errors(), ui.catalog() as cat:
     st.graphviz_chart(views.lineage_dot(cat))
     ids = nodes["node"].tolist()
     st.session_state["_node_ids"] = ids
-    st.dataframe(nodes, hide_index=True, key="lineage_table", on_select=pick_row, selection_mode="single-row")
+    ui.table(nodes, hide_index=True, key="lineage_table", on_select=pick_row, selection_mode="single-row")
     node = st.selectbox("Node", ids, index=None, key="node", bind="query-params",
                         placeholder="choose a node (or select a table row)")
     if node:
         kind, target = views.node_target(cat, node)
         d = views.model_details(cat, node)
-        st.dataframe(d["summary"], hide_index=True, key="node_summary")
+        ui.table(d["summary"], hide_index=True, key="node_summary")
         if kind == "snapshot":
             if st.button(f"Open the manifest of {target}", key="open_manifest", type="primary"):
                 st.switch_page("pages/snapshots.py", query_params={"snapshot": target})
@@ -46,4 +46,4 @@ with ui.user_errors(), ui.catalog() as cat:
         if changes.empty:
             st.info(f"No snapshot was published after {since} on its base.")
         else:
-            st.dataframe(changes, hide_index=True, key="changes_table")
+            ui.table(changes, hide_index=True, key="changes_table")

@@ -123,15 +123,15 @@ with ui.user_errors(), ui.catalog() as cat:
     if df.empty:
         st.caption("No models registered yet.")
     else:
-        st.dataframe(df.drop(columns=["bytes"]), hide_index=True, key="models_table", on_select=open_model,
-                     selection_mode="single-row", column_config={"id": st.column_config.TextColumn(width="medium")})
+        ui.table(df.drop(columns=["bytes"]), hide_index=True, key="models_table", on_select=open_model,
+                 selection_mode="single-row", column_config={"id": st.column_config.TextColumn(width="medium")})
 
     st.subheader("Details")
     model = st.selectbox("Model", df["id"].tolist(), index=None, key="model", bind="query-params",
                          placeholder="choose a model (or select a row above)")
     if model:
         d = views.model_details(cat, model)
-        st.dataframe(d["summary"], hide_index=True, key="model_summary")
+        ui.table(d["summary"], hide_index=True, key="model_summary")
         if d["parents"]:
             st.write("Parents: " + ", ".join(f"{p['parent_id']} ({p['role']})" for p in d["parents"]))
         if d["children"]:

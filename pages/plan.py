@@ -47,6 +47,12 @@ def use_suggested(pct: int):
     st.session_state["budget"] = int(pct)
 
 
+def start_target():
+    """Switching to the target bound starts it at the bound of the plan shown (the plan stays the same)."""
+    if st.session_state.get("mode") == "target bound":
+        st.session_state["target"] = views.target_default(st.session_state.get("_plan_bound"))
+
+
 def apply_yaml(key: str):
     """Apply the edited YAML to the settings (the widgets follow on the next run)."""
     s = st.session_state
@@ -78,22 +84,16 @@ with ui.user_errors(), ui.catalog() as cat:
     models = {m["id"]: m for m in cat.models()}
     settings, result = st.columns([1, 2], gap="large")
     with settings:
-        with st.expander("Load a mergekit YAML"):
-            st.file_uploader("mergekit config", type=["yml", "yaml"], key="mk_upload",
-                             help="The models must be registered already (the CLI's `merge --config` registers "
-                                  "paths for you; the first merge analyzes them on the way).")
-            st.text_input("... or its path", key="mk_path",
-                          help="Under an allowed folder: " + ", ".join(map(str, ui.roots())))
-            st.button("Load settings", key="mk_load", on_click=load_mergekit)
         base = st.selectbox("Base", bases, key="base", bind="query-params", on_change=reset_experts)
         analyzed = views.analyzed_experts(cat, base)
         options = [e for e in views.experts_of(cat, base) if not models[e]["snapshot_id"] or e in analyzed]
-        experts = st.multiselect("Experts", options, default=analyzed, key="experts", bind="query-params",
-                                 format_func=lambda e: e if e in analyzed else f"{e} (not analyzed)")
+        experts = st.multiselect("Experts", options, key="experts", bind="query-params",
+                                 format_func=lambda e: e if e in analyzed else f"{e} (not analyzed)",
+                                 **ui.default("experts", default=analyzed))
         if experts:  # the chips above cut long names: the full list, wrapped
             st.caption(f"{len(experts)} expert{'s' if len(experts) != 1 else ''}: " + ", ".join(experts))
-        op = st.selectbox("Operator", views.operators(), index=views.operators().index("linear"), key="op",
-                          bind="query-params")
+        op = st.selectbox("Operator", views.operators(), key="op", bind="query-params",
+                          **ui.default("op", index=views.operators().index("linear")))
         info = views.op_info(op)
         # The operator's parameters, as it declares them (mergepipe/ops/): the ones only some operators
         # take here, the per-expert weights and the common ones in the expander.
@@ -104,25 +104,28 @@ with ui.user_errors(), ui.catalog() as cat:
                 default = "on" if p["declared_default"] else "off"
                 return TRI[st.selectbox(p["label"], list(TRI), key=p["key"], bind="query-params",
                                         help=f"default for {op}: {default}. {p['help']}")]
-            v = st.number_input(label or p["label"], min_value=p["min"], max_value=p["max"], value=float(p["default"]),
-                                step=p["step"], format="%.2f" if p["step"] < 0.1 else None, key=key or p["key"],
-                                bind="query-params", help=p["help"])
+            key = key or p["key"]
+            v = st.number_input(label or p["label"], min_value=p["min"], max_value=p["max"], step=p["step"],
+                                format="%.2f" if p["step"] < 0.1 else None, key=key, bind="query-params",
+                                help=p["help"], **ui.default(key, value=float(p["default"])))
             return round(v, p["decimals"]) if p["decimals"] is not None else v
 
         for p in info["params"]:
             if p["place"] == "main":
                 values[p["key"]] = widget(p)
-        with st.expander("Weights and parameters"):
-            weight = next((p for p in info["params"] if p["place"] == "weights"), None)  # slerp etc. take none
-            weights = tuple(float(widget(weight, key=f"w_{e}", label=f"weight of {e}")) for e in experts) \
-                if weight else ()
-            for p in info["params"]:
-                if p["place"] == "more":
-                    values[p["key"]] = widget(p)
-            seed = int(st.number_input("seed", value=0, step=1, key="seed", bind="query-params"))
-            strategy = st.selectbox("strategy", list(STRATEGIES), key="strategy", bind="query-params",
-                                    help="norm: greedy by |c|*||delta|| per byte; conflict: also down-weights "
-                                         "blocks whose signs conflict with the other experts")
+        modes = ["budget", "target bound"] if info["additive"] else ["budget"]
+        mode = st.radio("Choose by", modes, key="mode", horizontal=True, bind="query-params", on_change=start_target)
+        if mode == "budget":
+            budget = st.slider("Expert-read budget (% of the changed expert bytes)", min_value=0, max_value=100,
+                               step=1, format="%d%%", key="budget", bind="query-params",
+                               **ui.default("budget", value=25))
+            target = None
+        else:
+            target = st.number_input("Target relative error bound", min_value=0.0, step=0.01, format="%.3f",
+                                     key="target", bind="query-params", help=views.TARGET_HELP,
+                                     **ui.default("target", value=views.TARGET_TYPICAL))
+            budget = None
+        suggestion_slot = st.empty()  # the suggested budget, filled once the plan is made (beside the slider)
         # the compact tier (issue 27): shown only when some chosen expert has compact deltas in the catalog
         compact_modes = views.compact_options(cat, experts)
         compact = None
@@ -135,17 +138,24 @@ with ui.user_errors(), ui.catalog() as cat:
                 help="Blocks the budget does not read exactly can be taken from the experts' compact deltas "
                      "(stored by `mergepipe analyze --compact`) instead of being left out; their bytes count "
                      "against the budget. " + " ".join(f"{m}: {views.compact_mode_help(m)}." for m in compact_modes))
-        modes = ["budget", "target bound"] if info["additive"] else ["budget"]
-        mode = st.radio("Choose by", modes, key="mode", horizontal=True, bind="query-params")
-        if mode == "budget":
-            budget = st.slider("Expert-read budget (% of the changed expert bytes)", min_value=0, max_value=100, value=25,
-                               step=1, format="%d%%", key="budget", bind="query-params")
-            target = None
-        else:
-            target = st.number_input("Target relative error bound", min_value=0.0, value=1.0, step=0.05,
-                                     format="%.3f", key="target", bind="query-params")
-            budget = None
-        suggestion_slot = st.empty()  # the suggested budget, filled once the plan is made (beside the slider)
+        with st.expander("Weights and parameters"):
+            weight = next((p for p in info["params"] if p["place"] == "weights"), None)  # slerp etc. take none
+            weights = tuple(float(widget(weight, key=f"w_{e}", label=f"weight of {e}")) for e in experts) \
+                if weight else ()
+            for p in info["params"]:
+                if p["place"] == "more":
+                    values[p["key"]] = widget(p)
+            seed = int(st.number_input("seed", step=1, key="seed", bind="query-params", **ui.default("seed", value=0)))
+            strategy = st.selectbox("strategy", list(STRATEGIES), key="strategy", bind="query-params",
+                                    help="norm: greedy by |c|*||delta|| per byte; conflict: also down-weights "
+                                         "blocks whose signs conflict with the other experts")
+        with st.expander("Load a mergekit YAML"):
+            st.file_uploader("mergekit config", type=["yml", "yaml"], key="mk_upload",
+                             help="The models must be registered already (the CLI's `merge --config` registers "
+                                  "paths for you; the first merge analyzes them on the way).")
+            st.text_input("... or its path", key="mk_path",
+                          help="Under an allowed folder: " + ", ".join(map(str, ui.roots())))
+            st.button("Load settings", key="mk_load", on_click=load_mergekit)
         ranges = {"budget": (0, 100), **{p["key"]: (p["min"], p["max"]) for p in info["params"]
                                           if p["kind"] == "float" and p["place"] != "weights"}}
         used = {k: st.session_state.get(k) for k in st.session_state.get("_plan_url_given", {})}
@@ -159,6 +169,7 @@ with ui.user_errors(), ui.catalog() as cat:
         ctx = ui.plan_context(ui.db(), version, key, request)
         view = ui.plan_view(ui.db(), version, key, budget, target, ctx)
         plan = view.plan
+        st.session_state["_plan_bound"] = plan.data.get("error_bound")  # where a switch to the target bound starts
         size = sum(models[e]["bytes"] or 0 for e in experts if e in models)
         s = views.plan_summary(plan, size)
         sug = view.suggestion
@@ -200,14 +211,14 @@ with ui.user_errors(), ui.catalog() as cat:
         if compact_modes and view.tiers is not None:
             st.caption("Per tier: blocks and estimated bytes (exact and compact bytes count against the budget; "
                        "omitted bytes are the exact bytes left unread)")
-            st.dataframe(view.tiers, hide_index=True, key="plan_tiers", column_config={
-                "est. bytes": st.column_config.TextColumn(help="bytes estimated by the plan"),
-                "% of changed": st.column_config.TextColumn(help="share of the changed (delta != 0) expert bytes, "
-                                                                 "what the budget percentage is a share of")})
+            ui.table(view.tiers, hide_index=True, key="plan_tiers", column_config={
+            "est. bytes": st.column_config.TextColumn(help="bytes estimated by the plan"),
+            "% of changed": st.column_config.TextColumn(help="share of the changed (delta != 0) expert bytes, "
+                                                             "what the budget percentage is a share of")})
         st.plotly_chart(view.mask, key="mask_chart")
         st.plotly_chart(view.frontier, key="frontier_chart")
-        st.dataframe(views.plan_experts_table(plan), hide_index=True, key="plan_experts",
-                     column_config={"expert": st.column_config.TextColumn(width="large")})
+        ui.table(views.plan_experts_table(plan), hide_index=True, key="plan_experts",
+                 column_config={"expert": st.column_config.TextColumn(width="large")})
         if st.button("Save plan", type="primary", key="save_plan"):
             save_plan(cat, plan)
             st.success(f"Saved {plan.id}.")

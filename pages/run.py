@@ -105,6 +105,6 @@ with ui.user_errors(), ui.catalog() as cat:
 
         watch()
         st.subheader("Runs")
-        st.dataframe(views.runs_df(cat, "merge"), hide_index=True, key="runs_table",
-                     column_config={"progress": st.column_config.ProgressColumn("progress", min_value=0, max_value=100,
-                                                                                format="%.0f%%")})
+        ui.table(views.runs_df(cat, "merge"), hide_index=True, key="runs_table",
+                 column_config={"progress": st.column_config.ProgressColumn("progress", min_value=0, max_value=100,
+                                                                            format="%.0f%%")})

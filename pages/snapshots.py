@@ -69,7 +69,7 @@ with ui.user_errors(), ui.catalog() as cat:
         st.stop()
     ids = df["snapshot"].tolist()
     st.session_state["_snap_ids"] = ids
-    st.dataframe(df, hide_index=True, key="snap_table", on_select=pick_row, selection_mode="single-row")
+    ui.table(df, hide_index=True, key="snap_table", on_select=pick_row, selection_mode="single-row")
     models = dict(zip(df["snapshot"], df["model"]))
     # no format_func: a selectbox bound to the URL matches ?snapshot= against the shown labels
     sid = st.selectbox("Snapshot", ids, key="snapshot", bind="query-params")
@@ -80,7 +80,7 @@ with ui.user_errors(), ui.catalog() as cat:
     left, right = st.columns([3, 2])
     with left:
         st.subheader("Manifest")
-        st.dataframe(view.summary, hide_index=True, key="manifest_summary")
+        ui.table(view.summary, hide_index=True, key="manifest_summary")
     with right:
         st.subheader("Verify")
         st.caption("Re-hash every output file against the manifest and the catalog.")
@@ -154,7 +154,7 @@ with ui.user_errors(), ui.catalog() as cat:
 
         evaluate_progress()
         if not evals.empty:
-            st.dataframe(evals, hide_index=True, key="eval_table")
+            ui.table(evals, hide_index=True, key="eval_table")
 
     st.subheader("Estimated vs realized expert bytes")
     st.plotly_chart(view.by_expert, key="bytes_expert")
@@ -170,8 +170,8 @@ with ui.user_errors(), ui.catalog() as cat:
         st.caption(f"{len(top)} of {matching} matching tensors ({len(by_tensor)} in all), largest {sort} first.")
         st.plotly_chart(views.bytes_bars(top, "tensor"), key="bytes_tensor")
         with st.expander("As a table"):
-            st.dataframe(views.bytes_table(top), hide_index=True, key="bytes_tensor_table",
-                         column_config={"tensor": st.column_config.TextColumn(width="large")})
+            ui.table(views.bytes_table(top), hide_index=True, key="bytes_tensor_table",
+                     column_config={"tensor": st.column_config.TextColumn(width="large")})
     st.plotly_chart(view.touched, key="touched_chart")
     with st.expander("Raw manifest (JSON)"):
         st.json(manifest.to_dict(), expanded=2)

@@ -15,11 +15,11 @@ with ui.user_errors(), ui.catalog() as cat:
         st.stop()
     sweep_id = st.selectbox("Sweep", list(table["id"]), key="sweep_id",
                             format_func=lambda i: f"{i} ({table.set_index('id').loc[i, 'name']})")
-    st.dataframe(table, hide_index=True, width="stretch")
+    ui.table(table, hide_index=True, width="stretch")
     points = data.points_df(cat, sweep_id)
     st.subheader("Frontier")
     st.caption("Quality (lower is better: perplexity, or the error bound when the sweep was not evaluated) "
                "against the expert bytes read; marker size: merge time. Dotted: the frontier.")
     st.plotly_chart(data.frontier_figure(points), width="stretch")
     st.subheader("Points")
-    st.dataframe(points.drop(columns=["expert_read"]), hide_index=True, width="stretch")
+    ui.table(points.drop(columns=["expert_read"]), hide_index=True, width="stretch")

@@ -148,13 +148,17 @@ def heatmap_figure(matrix: pd.DataFrame, title: str, colorbar: str, colorscale="
     return fig
 
 
+TICK_SPAN = 20  # a tick at most every 1/20 of the columns: >= 20 px apart on a 400 px plot, enough for 12 px labels
+
+
 def group_ticks(columns, min_gap: int | None = None) -> tuple[list[str], list[str]]:
     """(tick values, tick texts) marking where each layer group starts among block columns labelled
-    'tensor#block' (or aggregated bins 'tensor#block..tensor#block'). A group starting less than
-    ``min_gap`` columns after the last ticked one gets no tick (its labels would overlap; the hover still
-    names every block); default: 1/40 of the columns."""
+    'tensor#block' (or aggregated bins 'tensor#block..tensor#block'). Ticks are at least ``min_gap`` columns
+    apart (default: 1/TICK_SPAN of the columns), so that their labels never overlap: a group starting closer
+    after the last tick gets none (the hover still names every block), except a named group (embed, other,
+    head), whose name joins that tick's ('other, head')."""
     columns = [str(c) for c in columns]
-    gap = max(1, len(columns) // 40) if min_gap is None else min_gap
+    gap = max(1, math.ceil(len(columns) / TICK_SPAN)) if min_gap is None else min_gap
     vals, texts, prev, last = [], [], None, None
     for i, c in enumerate(columns):
         g = group_of(c.split("#", 1)[0])
@@ -163,16 +167,73 @@ def group_ticks(columns, min_gap: int | None = None) -> tuple[list[str], list[st
                 vals.append(c)
                 texts.append(g)
                 last = i
+            elif not g.startswith("layer "):
+                texts[-1] += f", {g}"
             prev = g
     return vals, texts
 
 
+# --- readable figures: font sizes, title and legend on their own lines, byte axes in binary units ------------
+FONT_PX = 12  # every figure's text (Streamlit's theme draws ticks smaller)
+TITLE_PX = 16
+TITLE_TOP_PX = 6  # the title's top, from the figure's top
+LEGEND_TOP_PX = 34  # the legend's top: under the title's line (TITLE_TOP_PX + a 16 px title's height + a gap)
+LEGEND_ROW_PX = 26
+
+
+def readable(fig: go.Figure, title: str, legend_above: bool = True) -> go.Figure:
+    """Fonts of FONT_PX (the title TITLE_PX), the title on the first line and, with ``legend_above``, a horizontal
+    legend on its own line under it (above the plot area): the two never overlap, whatever the width. Call after
+    the figure's height is set."""
+    height = fig.layout.height or 450
+    top = LEGEND_TOP_PX + LEGEND_ROW_PX if legend_above else LEGEND_TOP_PX
+    margin = fig.layout.margin.to_plotly_json() if fig.layout.margin else {}
+    fig.update_layout(font={"size": FONT_PX}, margin={**margin, "t": top},
+                      title={"text": title, "font": {"size": TITLE_PX}, "x": 0, "xanchor": "left", "xref": "container",
+                             "yref": "container", "y": 1 - TITLE_TOP_PX / height, "yanchor": "top"})
+    if legend_above:
+        fig.update_layout(legend={"orientation": "h", "yref": "container", "y": 1 - LEGEND_TOP_PX / height,
+                                  "yanchor": "top", "xanchor": "right", "x": 1.0, "font": {"size": FONT_PX}})
+    fig.update_xaxes(tickfont={"size": FONT_PX}, title_font={"size": FONT_PX})
+    fig.update_yaxes(tickfont={"size": FONT_PX}, title_font={"size": FONT_PX})
+    return fig
+
+
+BINARY_UNITS = ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"), (1, "B"))
+
+
+def _nice_step(raw: float) -> float:
+    """The smallest of 1, 2, 2.5, 5 times a power of ten that is >= ``raw``."""
+    exp = 10 ** math.floor(math.log10(raw))
+    return next(m * exp for m in (1, 2, 2.5, 5, 10) if m * exp >= raw - 1e-12)
+
+
+def bytes_ticks(max_bytes: float, n: int = 5) -> tuple[list[float], list[str]]:
+    """(tick values in bytes, tick texts) for an axis from 0 to ``max_bytes`` in binary units, as every size
+    on the dashboard is written: 0, 256 KiB, 512 KiB, ... (about ``n`` ticks, one past the maximum)."""
+    max_bytes = float(max_bytes) if max_bytes and max_bytes > 0 else 0.0  # none, NaN or negative: an empty axis
+    unit, name = next((u, nm) for u, nm in BINARY_UNITS if max_bytes >= u or u == 1)
+    step = _nice_step(max_bytes / unit / n) if max_bytes > 0 else 1.0
+    count = math.floor(max_bytes / unit / step + 1e-9) + 1
+    vals = [i * step * unit for i in range(count + 1)]
+    return vals, ["0"] + [f"{i * step:g} {name}" for i in range(1, count + 1)]
+
+
+def bytes_axis(fig: go.Figure, axis: str, max_bytes: float) -> go.Figure:
+    """Label the ``axis`` ('x' or 'y') of a figure of bytes with bytes_ticks (binary units, not Plotly's 1.2M)."""
+    vals, texts = bytes_ticks(max_bytes)
+    update = fig.update_xaxes if axis == "x" else fig.update_yaxes
+    update(tickmode="array", tickvals=vals, ticktext=texts, title_text="bytes")
+    return fig
+
+
 def state_figure(matrix: pd.DataFrame, title: str, states: list[tuple[float, str, str]],
-                 height: int | None = None) -> go.Figure:
+                 height: int | None = None, legend_below: bool = False) -> go.Figure:
     """Experts x blocks in a few discrete states (value, legend label, colour): a heatmap without a colour
     bar, a legend with one entry per state, the x axis labelled with the layer groups (ticks where each
     starts; the hover names the tensor and block), the y axis with the full expert names. Aggregated bins
-    hold the mean of their blocks and are drawn between the states' colours."""
+    hold the mean of their blocks and are drawn between the states' colours. The legend sits under the title, or
+    with ``legend_below`` (many states: they do not fit on one line) under the plot."""
     states = sorted(states)
     lo, hi = states[0][0], states[-1][0]
     span = (hi - lo) or 1.0
@@ -189,11 +250,15 @@ def state_figure(matrix: pd.DataFrame, title: str, states: list[tuple[float, str
                                          "line": {"color": "#888", "width": 1}}))
     vals, texts = group_ticks(x)
     binned = any(".." in c for c in x[:1])
-    fig.update_layout(title=title, height=height or max(240, 120 + 28 * len(y)),
-                      margin={"l": 10, "r": 10, "t": 40, "b": 10},
-                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "right", "x": 1.0})
+    height = height or max(260, 150 + 28 * len(y))
+    fig.update_layout(height=height + (150 if legend_below else 0),
+                      margin={"l": 10, "r": 10, "b": 130 if legend_below else 10})
+    readable(fig, title, legend_above=not legend_below)
+    if legend_below:
+        fig.update_layout(legend={"orientation": "h", "yref": "container", "y": 0.0, "yanchor": "bottom",
+                                  "xanchor": "left", "x": 0.0, "font": {"size": FONT_PX}})
     fig.update_xaxes(type="category", tickmode="array", tickvals=vals, ticktext=texts, tickangle=-45,
-                     title_text="blocks of each tensor in model order (tensor#block" + (", binned" if binned else "")
-                     + "); ticks: where each layer starts", showgrid=False)
+                     title_text="blocks in model order" + (" (binned)" if binned else "") + "; a tick where each "
+                     "layer starts", showgrid=False)
     fig.update_yaxes(type="category", autorange="reversed", title_text="expert", automargin=True)
     return fig

@@ -74,3 +74,31 @@ def bound_parts(bound: dict | None) -> list[str]:
         rel = bound.get(RELATIVE_KEYS[key])
         out.append(f"{label} {value:.4g}" + ("" if rel is None else f" (relative {rel:.3g})"))
     return out
+
+
+# --- tables ------------------------------------------------------------------------------------------------
+MISSING = "-"  # what a table shows for a missing value (Streamlit would write `None`), as the formatters above
+
+
+def fmt_cell(value) -> str:
+    """One table cell as text: a missing value (None, NaN, NaT) is MISSING; numbers keep up to five significant
+    digits (1.0 -> '1', 5.29652 -> '5.2965'); anything else as str()."""
+    import pandas as pd
+    if value is None or (not isinstance(value, (list, tuple, dict)) and pd.isna(value)):
+        return MISSING
+    if isinstance(value, float):
+        return f"{value:.5g}"
+    return str(value)
+
+
+def table(df):
+    """A DataFrame as every dashboard table shows it: the columns holding a missing value are written out with
+    fmt_cell (MISSING where a value is missing); the other columns keep their type (numeric sorting, column
+    formats). The data itself is not changed: pages pass the result to st.dataframe."""
+    missing = [c for c in df.columns if df[c].isna().any()]
+    if not missing:
+        return df
+    out = df.copy()
+    for c in missing:
+        out[c] = out[c].map(fmt_cell).astype(object)
+    return out

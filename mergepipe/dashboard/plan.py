@@ -88,6 +88,20 @@ def make_plan(ctx: PlanContext, budget_pct: float | None = None, target_rel: flo
     return ctx.plan(Budget.percent(budget_pct))
 
 
+TARGET_TYPICAL = 0.1  # the target bound a page opened in target mode (a link) starts at
+TARGET_HELP = ("The largest error the merge may have, relative to the full merge's change from the base: the smallest "
+               "budget whose error bound ||M_full - M_A|| is at most this fraction of ||M_full - base||. 0 reads every "
+               "changed block; 1 allows leaving every block out. Typical: 0.05 to 0.2. It starts at the bound of the "
+               "budget shown before the switch, so the plan stays the same until you change it.")
+
+
+def target_default(bound: dict | None) -> float:
+    """Where the target bound starts when the page switches to it: the relative bound of the plan shown, rounded
+    up to the control's 0.001 (so the smallest budget meeting it reads no more), else TARGET_TYPICAL."""
+    rel = (bound or {}).get("relative")
+    return TARGET_TYPICAL if rel is None else math.ceil(float(rel) * 1000 - 1e-9) / 1000
+
+
 @dataclasses.dataclass(frozen=True)
 class PlanView:
     """Everything the Plan page draws for one budget: built once per (settings, budget) and then reused
@@ -467,12 +481,8 @@ def mask_heatmap(mask: pd.DataFrame, levels=()) -> go.Figure:
     states = mask_states(levels)
     if states == MASK_STATES:
         return state_figure(mask, "access mask: which blocks each expert reads", states)
-    fig = state_figure(mask, "access mask: read exactly, from the compact tier, or omitted", states)
-    base = fig.layout.height or 240
-    fig.update_layout(height=base + 150, margin={"l": 10, "r": 10, "t": 40, "b": 130},
-                      legend={"orientation": "h", "yref": "container", "y": 0.0, "yanchor": "bottom",
-                              "xanchor": "left", "x": 0.0, "font": {"size": 11}})
-    return fig
+    return state_figure(mask, "access mask: read exactly, from the compact tier, or omitted", states,
+                        legend_below=True)
 
 
 def mask_state_counts(mask: pd.DataFrame) -> dict[str, int]:

@@ -13,7 +13,7 @@ from mergepipe import api
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.plans import plan_bounds
 from mergepipe.dashboard.figures import (
-    MAX_CELLS, aggregate, block_layout, state_figure, tensor_sort_key,
+    FONT_PX, MAX_CELLS, aggregate, block_layout, bytes_axis, readable, state_figure, tensor_sort_key,
 )
 from mergepipe.dashboard.paths import check_path
 from mergepipe.dashboard.formatting import fmt_bound, fmt_bytes, fmt_pct, short_fp
@@ -106,13 +106,21 @@ def manifest_plan(cat: Catalog, manifest: Manifest) -> Plan | None:
         return None
 
 
+def _largest(df: pd.DataFrame, *columns: str) -> float:
+    """The largest number in ``columns`` of ``df`` (missing ones and values skipped; 0 when there is none)."""
+    values = [pd.to_numeric(df[c], errors="coerce") for c in columns if c in df]
+    top = pd.concat(values).max() if values else 0.0
+    return 0.0 if pd.isna(top) else float(top)
+
+
 def bytes_figure(df: pd.DataFrame, by: str) -> go.Figure:
     fig = go.Figure()
     if "estimated" in df and df["estimated"].notna().any():
         fig.add_trace(go.Bar(x=df[by], y=df["estimated"], name="estimated"))
     fig.add_trace(go.Bar(x=df[by], y=df["realized"], name="realized"))
-    fig.update_layout(barmode="group", title=f"expert bytes per {by}: estimated vs realized", yaxis_title="bytes",
-                      margin={"l": 10, "r": 10, "t": 40, "b": 10}, height=340)
+    fig.update_layout(barmode="group", margin={"l": 10, "r": 10, "b": 10}, height=340)
+    readable(fig, f"expert bytes per {by}: estimated vs realized")
+    bytes_axis(fig, "y", _largest(df, "estimated", "realized"))
     if by == "tensor":
         fig.update_xaxes(showticklabels=len(df) <= 40)
     return fig
@@ -180,13 +188,13 @@ def bytes_bars(df: pd.DataFrame, by: str, title: str | None = None) -> go.Figure
     text = [("" if pd.isna(diff) else f"{signed_bytes(diff)}" + ("" if pd.isna(r) else f" ({r:.2f}x)"))
             for diff, r in zip(d["difference"], d["ratio"])]
     fig.add_trace(go.Bar(y=names, x=d["realized"], name="realized", orientation="h", marker_color="#08519c",
-                         text=text, textposition="outside", cliponaxis=False,
+                         text=text, textposition="outside", cliponaxis=False, constraintext="none",
+                         textfont={"size": FONT_PX},
                          hovertemplate="%{y}<br>realized %{x:,} B<br>%{text}<extra></extra>"))
-    fig.update_layout(barmode="group", title=title or f"expert bytes per {by}: estimated vs realized "
-                      "(label: realized - estimated, realized / estimated)",
-                      xaxis_title="bytes", margin={"l": 10, "r": 120, "t": 60, "b": 10},
-                      height=max(220, 90 + 34 * len(names)),
-                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "right", "x": 1.0})
+    fig.update_layout(barmode="group", margin={"l": 10, "r": 120, "b": 10}, height=max(240, 110 + 34 * len(names)))
+    readable(fig, title or f"expert bytes per {by}: estimated vs realized (label: realized - estimated, "
+             "realized / estimated)")
+    bytes_axis(fig, "x", _largest(d, "estimated", "realized"))
     fig.update_yaxes(autorange="reversed", automargin=True, type="category")
     return fig
 

@@ -15,20 +15,21 @@ from __future__ import annotations
 import pandas as pd  # noqa: F401  (pages annotate with views.pd.DataFrame)
 
 from mergepipe.dashboard.formatting import (  # noqa: F401
-    bound_parts, fmt_bound, fmt_bytes, fmt_pct, fmt_seconds, no_bound_reason, short_fp,
+    bound_parts, fmt_bound, fmt_bytes, fmt_cell, fmt_pct, fmt_seconds, MISSING, no_bound_reason, short_fp, table,
 )
 from mergepipe.dashboard.paths import (  # noqa: F401
     allowed_roots, check_out_path, check_path, db_path, default_out, log_dir,
 )
 from mergepipe.dashboard.figures import (  # noqa: F401
-    aggregate, block_layout, group_of, group_ticks, groups, heatmap_figure, state_figure, layer_of, layout_of, MAX_CELLS,
+    aggregate, block_layout, bytes_axis, bytes_ticks, group_of, group_ticks, groups, heatmap_figure, state_figure,
+    layer_of, layout_of, MAX_CELLS,
     tensor_sort_key, tensors_in_group,
 )
 from mergepipe.dashboard.models import (  # noqa: F401
     analyzed_experts, bases, expert_warnings, experts_of, KIND_HELP, model_details, models_df, REGISTER_KINDS,
     registration_base, role_of, stats_version, unanalyzed_experts,
 )
-from mergepipe.dashboard.home import getting_started, totals  # noqa: F401
+from mergepipe.dashboard.home import activity_df, getting_started, merges_without_run, totals  # noqa: F401
 from mergepipe.dashboard.runs import (  # noqa: F401
     _parse_ts, ACTIVE, effective_status, latest_run, run_progress, runs, runs_df,
 )
@@ -38,6 +39,7 @@ from mergepipe.dashboard.catalog import (  # noqa: F401
 )
 from mergepipe.dashboard.plan import (  # noqa: F401
     block_labels, current_point, first_merge_note, frontier_df, frontier_figure, make_plan, mask_heatmap,
+    target_default, TARGET_HELP, TARGET_TYPICAL,
     MASK_STATES, mask_matrix, mergekit_plan_settings, omitted_term, op_info, operators, plan_context, plan_experts_df,
     plan_experts_table, plan_view, PlanView,
     check_plan_yaml, PLAN_PAGE_TRI, plan_request, plan_summary, plan_yaml, plans_df, read_config_source, request_key,

@@ -86,7 +86,7 @@ def test_mask_heatmap_is_discrete_with_axis_labels(built):
     assert heat.type == "heatmap" and heat.showscale is False
     legend = [t.name for t in fig.data[1:]]
     assert sorted(legend) == sorted(label for _, label, _ in views.MASK_STATES) and len(legend) == 3
-    assert fig.layout.xaxis.title.text.startswith("blocks of each tensor")
+    assert fig.layout.xaxis.title.text.startswith("blocks in model order")
     assert fig.layout.yaxis.title.text == "expert" and list(heat.y) == E
     texts = list(fig.layout.xaxis.ticktext)
     assert texts[0] == "embed" and "layer 0" in texts and "layer 1" in texts
@@ -156,7 +156,7 @@ def test_plan_wording_and_experts_table(built):
 
 def test_group_ticks_skip_crowded_groups():
     cols = [f"model.layers.0.x#{i}" for i in range(80)] + ["model.norm.weight#0", "lm_head.weight#0"]
-    assert views.group_ticks(cols)[1] == ["layer 0", "other"]  # head starts 1 column after other: no tick
+    assert views.group_ticks(cols)[1] == ["layer 0", "other, head"]  # head starts 1 column after other: one tick
     assert views.group_ticks(cols, min_gap=1)[1] == ["layer 0", "other", "head"]
 
 
