@@ -116,8 +116,8 @@ def read_chat_template(root: Path) -> str | None:
     if cfg.is_file():
         try:
             t = json.loads(read_regular(cfg, MAX_TOKENIZER_FILE_BYTES)).get("chat_template")
-        except (ValueError, UnicodeDecodeError, AttributeError, StorageError):
-            return None
+        except (ValueError, UnicodeDecodeError, AttributeError, RecursionError, StorageError):
+            return None  # RecursionError: nested thousands deep
         if isinstance(t, list):
             t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
         return t if isinstance(t, str) else None

@@ -29,6 +29,7 @@ import math
 import os
 import pickle
 import pickletools
+import struct
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
@@ -51,6 +52,17 @@ STORAGE_DTYPES = {
     "ByteStorage": "U8", "BoolStorage": "BOOL",
 }
 _LOCAL_HEADER = b"PK\x03\x04"
+
+
+# what zipfile raises on a corrupt directory: a bad signature, an unknown version (NotImplementedError),
+# offsets or sizes past the file (OSError, EOFError, OverflowError), undecodable names (ValueError)
+_ZIP_ERRORS = (zipfile.BadZipFile, OSError, ValueError, NotImplementedError, EOFError, OverflowError, struct.error)
+
+
+def _esc(*parts: str) -> str:
+    """Names from the file (zip entries, pickle globals) for a message: control characters escaped, cut."""
+    text = ".".join(str(p) for p in parts)
+    return repr(text[:200])[1:-1] + ("..." if len(text) > 200 else "")
 
 
 class _StorageType:
@@ -107,9 +119,9 @@ class _LayoutUnpickler(pickle.Unpickler):
         if module == "torch" and name in STORAGE_DTYPES:
             return _StorageType(STORAGE_DTYPES[name])
         if module == "torch" or module.startswith("torch."):
-            raise StorageError(f"{self.label}: refused to load: its pickle uses {module}.{name}; MergePipe reads "
+            raise StorageError(f"{self.label}: refused to load: its pickle uses {_esc(module, name)}; MergePipe reads "
                                f"dense tensors of the standard dtypes only (convert it to safetensors)")
-        raise StorageError(f"{self.label}: refused to load: its pickle asks for {module}.{name}, which a "
+        raise StorageError(f"{self.label}: refused to load: its pickle asks for {_esc(module, name)}, which a "
                            f"checkpoint of tensors never needs (MergePipe never executes a checkpoint's "
                            f"pickle; convert it to safetensors with a tool you trust)")
 
@@ -193,7 +205,7 @@ def parse_bin_bytes(src, size: int, path, label: str) -> dict[str, TensorInfo]:
     with src.file() as fh:
         try:
             zf = zipfile.ZipFile(fh)
-        except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        except _ZIP_ERRORS as exc:
             raise StorageError(f"{path}: not a valid torch checkpoint zip ({exc})") from None
         with zf:
             entries = {i.filename: i for i in zf.infolist()}
@@ -248,18 +260,20 @@ def _data_start(src, path: Path, info: zipfile.ZipInfo, size: int) -> int:
     """Absolute offset of an entry's bytes: after its local header (whose extra field, torch's alignment
     padding, may differ from the central directory's)."""
     if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
-        raise StorageError(f"{path}: entry {info.filename} is compressed; MergePipe reads tensors in place "
+        raise StorageError(f"{path}: entry {_esc(info.filename)} is compressed; MergePipe reads tensors in place "
                            f"(re-save with torch.save, which stores them uncompressed)")
     if info.flag_bits & 0x1:
-        raise StorageError(f"{path}: entry {info.filename} is encrypted")
+        raise StorageError(f"{path}: entry {_esc(info.filename)} is encrypted")
+    if not 0 <= info.header_offset <= size - 30:
+        raise StorageError(f"{path}: entry {_esc(info.filename)} has no valid local header (corrupt zip)")
     head = src.pread(30, info.header_offset)
     if len(head) < 30 or head[:4] != _LOCAL_HEADER:
-        raise StorageError(f"{path}: entry {info.filename} has no valid local header (corrupt zip)")
+        raise StorageError(f"{path}: entry {_esc(info.filename)} has no valid local header (corrupt zip)")
     n_name = int.from_bytes(head[26:28], "little")
     n_extra = int.from_bytes(head[28:30], "little")
     start = info.header_offset + 30 + n_name + n_extra
     if start + info.file_size > size:
-        raise StorageError(f"{path}: entry {info.filename} runs past the end of the file (truncated?)")
+        raise StorageError(f"{path}: entry {_esc(info.filename)} runs past the end of the file (truncated?)")
     return start
 
 
@@ -268,7 +282,7 @@ def _entry_bytes(src, path: Path, info: zipfile.ZipInfo, size: int, limit: int) 
     n = min(info.file_size, limit)
     data = src.pread(n, start)
     if len(data) != n:
-        raise StorageError(f"{path}: entry {info.filename} is truncated")
+        raise StorageError(f"{path}: entry {_esc(info.filename)} is truncated")
     return data
 
 

@@ -74,3 +74,52 @@ def test_a_pickle_length_past_its_end_is_refused_before_unpickling(tmp_path):
     (tmp_path / "a.bin").write_bytes(buf.getvalue())
     with pytest.raises(StorageError, match=r"^a.bin: data.pkl is not a readable torch state dict \(ValueError: "):
         parse_bin(tmp_path / "a.bin")
+
+
+def test_a_deeply_nested_tokenizer_config_has_no_chat_template(tmp_path):
+    """read_chat_template: json's RecursionError escaped (the long fuzz run of issue 28)."""
+    from mergepipe.storage.tokenizer_files import read_chat_template
+    (tmp_path / "tokenizer_config.json").write_bytes(b"[" * 5000 + b"]" * 5000)
+    assert read_chat_template(tmp_path) is None
+
+
+def _zip_bytes(members: dict[str, bytes]) -> bytearray:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    return bytearray(buf.getvalue())
+
+
+GOOD = {"archive/data.pkl": b"\x80\x02}.", "archive/byteorder": b"little"}
+
+
+def _refused(tmp_path, raw: bytes, needle: str) -> str:
+    (tmp_path / "z.bin").write_bytes(bytes(raw))
+    with pytest.raises(StorageError) as ei:
+        parse_bin(tmp_path / "z.bin")
+    msg = str(ei.value)
+    assert needle in msg and len(msg.splitlines()) == 1 and len(msg) < 400, msg
+    return msg
+
+
+def test_corrupt_zip_directories_are_one_error(tmp_path):
+    """The long fuzz run: a central directory entry needing zip version 6.4 (NotImplementedError), and a
+    start-of-directory offset past the real one (negative entry offsets: OSError from pread; huge ones:
+    OverflowError)."""
+    raw = _zip_bytes(GOOD)
+    cd = raw.index(b"PK\x01\x02")
+    raw[cd + 6:cd + 8] = (64).to_bytes(2, "little")  # version needed to extract: 6.4
+    _refused(tmp_path, raw, "not a valid torch checkpoint zip (zip file version 6.4)")
+    raw = _zip_bytes(GOOD)
+    eocd = raw.rindex(b"PK\x05\x06")
+    start = int.from_bytes(raw[eocd + 16:eocd + 20], "little")
+    raw[eocd + 16:eocd + 20] = (start + 100).to_bytes(4, "little")  # entries now start at -100
+    _refused(tmp_path, raw, "has no valid local header (corrupt zip)")
+
+
+def test_control_characters_in_names_from_the_file_are_escaped(tmp_path):
+    raw = _zip_bytes({"archive/data.pkl": b"\x80\x02ctorch\n\x0bFloat16Storage\n.", "archive/byteorder": b"little"})
+    assert "its pickle uses torch.\\x0bFloat16Storage;" in _refused(tmp_path, raw, "refused to load")
+    raw = _zip_bytes({"archive/data.pkl": b"\x80\x02c\x0borch\nx\n.", "archive/byteorder": b"little"})
+    assert "its pickle asks for \\x0borch.x," in _refused(tmp_path, raw, "refused to load")
