@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mergepipe.analyze.runner import analyze  # noqa: E402
 from mergepipe.catalog.db import Catalog  # noqa: E402
 from mergepipe.engine.engine import Engine  # noqa: E402
+from mergepipe.planner.budget import Budget  # noqa: E402
 from mergepipe.planner.context import Planner  # noqa: E402
 from mergepipe.catalog.models import register  # noqa: E402
 from mergepipe.storage.local import evict  # noqa: E402
@@ -75,7 +76,7 @@ def main() -> int:
             times = []
             for _ in range(5):
                 t0 = time.perf_counter()
-                plan = ctx.plan(budget)
+                plan = ctx.plan(Budget.parse(budget))
                 times.append(time.perf_counter() - t0)
             row[f"bound@{budget}"] = plan["error_bound"]["relative"]
             row[f"plan_ms@{budget}"] = statistics.median(times) * 1000

@@ -34,7 +34,7 @@ from mergepipe.engine.txn import RemoteTransaction, Transaction, check_output_pa
 from mergepipe.errors import ExecutionError
 from mergepipe.manifest.build import Manifest
 from mergepipe.manifest.card import CARD_NAME, write_card
-from mergepipe.planner.extend import is_extend
+from mergepipe.planner.extend_format import is_extend
 from mergepipe.planner.plan import Plan, load_plan
 from mergepipe.storage.grid import DEFAULT_BLOCK_BYTES
 from mergepipe.storage.paths import check_output

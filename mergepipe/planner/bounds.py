@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from mergepipe.catalog import analyses
+from mergepipe.ops.spec import Sparsify
 
 # The suggested budget's rule: the smallest greedy budget whose blockwise bound is at most this fraction of
 # the estimated ||M_full - base||. From the fidelity study on real fine-tunes (docs/fidelity/README.md: the
@@ -96,17 +97,33 @@ class Bounds:
         ||delta||_2 (times TIES' L1 ratio), or by its ||delta||_1 where an L1-preserving rescale may amplify it
         (DARE, DELLA, breadcrumbs with rescale). Loose, but sound; None where no bound holds (sign consensus
         under normalize with a weight <= 0: its divisor can vanish)."""
-        from mergepipe.catalog import analyses
-        from mergepipe.ops.spec import Sparsify
         cands = self.candidates
         if not len(cands.nbytes):
             return _zero_bound()
-        names = [t["name"] for t in self.tensors]
+        ratio, l1_scaled, lam, normalize = self._sparsify_factors()
+        if self.op.consensus and (normalize & (self.weight_matrix[cands.expert, cands.tensor] <= 0)).any():
+            return None
+        l2 = cands.l2
+        l1 = self._block_l1() if l1_scaled.any() else np.zeros(len(l2))
+        full = np.where(l1_scaled, l1, ratio * l2)
+        plan = np.where(exact, full, 0.0)
+        if tier is not None:
+            for lv in self.tiers.levels:
+                at = tier == lv
+                err = self.tiers.errors[lv][at]
+                entries = self.tiers.entries[at]
+                plan[at] = np.where(l1_scaled[at], l1[at] + np.sqrt(entries) * err, ratio[at] * (l2[at] + err))
+        return self._position_bound(exact, full, plan, lam, normalize)
+
+    def _sparsify_factors(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per candidate: TIES' L1 ratio (magnitude pruning with rescale), whether an L1-preserving rescale
+        applies (the bound takes ||delta||_1), |lambda| and normalize on its tensor."""
+        cands = self.candidates
         ratio = np.ones(len(cands.nbytes))
         l1_scaled = np.zeros(len(cands.nbytes), dtype=bool)
         lam = np.zeros(len(cands.nbytes))
         normalize = np.zeros(len(cands.nbytes), dtype=bool)
-        for ti, name in enumerate(names):
+        for ti, name in enumerate(t["name"] for t in self.tensors):
             at = cands.tensor == ti
             if not at.any():
                 continue
@@ -118,25 +135,24 @@ class Bounds:
                     ratio[at & (cands.expert == ei)] = thr[1] if len(thr) > 1 else 1.0
             elif self.op.sparsify is not Sparsify.MAGNITUDE and params.get("rescale"):
                 l1_scaled[at] = True
-        if self.op.consensus and (normalize & (self.weight_matrix[cands.expert, cands.tensor] <= 0)).any():
-            return None
-        l2 = cands.l2
-        l1 = np.zeros(len(l2))
-        if l1_scaled.any():
-            stored = {}
-            for ei, e in enumerate(self.experts):
-                for t, b, v in analyses.changed_block_l1(self.catalog, e["id"]):
-                    stored[(ei, t, b)] = v
-            l1 = np.array([stored.get((int(e), names[t], int(b)), 0.0)
-                           for e, t, b in zip(cands.expert, cands.tensor, cands.block)])
-        full = np.where(l1_scaled, l1, ratio * l2)
-        plan = np.where(exact, full, 0.0)
-        if tier is not None:
-            for lv in self.tiers.levels:
-                at = tier == lv
-                err = self.tiers.errors[lv][at]
-                entries = self.tiers.entries[at]
-                plan[at] = np.where(l1_scaled[at], l1[at] + np.sqrt(entries) * err, ratio[at] * (l2[at] + err))
+        return ratio, l1_scaled, lam, normalize
+
+    def _block_l1(self) -> np.ndarray:
+        """||delta||_1 of each candidate block, from the catalog."""
+        cands = self.candidates
+        names = [t["name"] for t in self.tensors]
+        stored = {}
+        for ei, e in enumerate(self.experts):
+            for t, b, v in analyses.changed_block_l1(self.catalog, e["id"]):
+                stored[(ei, t, b)] = v
+        return np.array([stored.get((int(e), names[t], int(b)), 0.0)
+                         for e, t, b in zip(cands.expert, cands.tensor, cands.block)])
+
+    def _position_bound(self, exact: np.ndarray, full: np.ndarray, plan: np.ndarray, lam: np.ndarray,
+                        normalize: np.ndarray) -> dict:
+        """The sparsified bound from per-candidate update norms (``full``: the full merge's, ``plan``: the
+        plan's), summed per position (tensor, block) where some expert's block is not read exactly."""
+        cands = self.candidates
         pos = cands.tensor * (int(cands.block.max()) + 1) + cands.block
         _, group = np.unique(pos, return_inverse=True)
         inexact = np.bincount(group, weights=(~exact).astype(np.float64)) > 0

@@ -1,11 +1,21 @@
 """Candidate blocks and the greedy selection: score per byte, deterministic tie-break, budget-sound
-by construction; the budget/bound frontier."""
+by construction; the budget/bound frontier. And how a PlanContext finds them: the magnitude thresholds
+per (expert, tensor) from the catalog, then every block the operator could use, scored by the strategy."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from mergepipe.catalog import analyses
+from mergepipe.ops.core import lookup_thresholds, tensor_statistics, threshold_fractions, useful_blocks
+from mergepipe.planner.settings import expert_params, tensor_density
+from mergepipe.planner.strategies import _uniform_priority
+from mergepipe.storage.grid import tensor_grid
+from mergepipe.storage.safetensors import FLOAT_DTYPES, TensorInfo
+from mergepipe.storage.sources import fixed_bytes, open_source
 
 
 @dataclass
@@ -91,3 +101,106 @@ class Candidates:
         k = int(np.searchsorted(self.cum_bound, need - 1e-12 * max(1.0, total), side="left"))
         k = min(k, len(self.order) - 1)
         return int(self.cum_bytes[k])
+
+
+def find_thresholds(ctx) -> dict[str, dict[str, list[float]]]:
+    """Magnitude thresholds per (expert, tensor) from the catalog. An expert lacking one for a
+    density this merge needs is marked to be analyzed on the way (the merge reads it in full)."""
+    out: dict[str, dict[str, list[float]]] = {}
+    if not ctx.op.thresholded:
+        return out
+    for e in ctx.experts:
+        if e.get("analyze"):
+            continue
+        rows = analyses.changed_tensor_thresholds(ctx.catalog, e["id"])
+        per = {}
+        for name, text, topk, l1, max_abs, numel in rows:
+            if name in (ctx.vocab or {}).get("tensors", {}):
+                continue  # re-ordered rows: the engine takes their top k (engine/vocab.py)
+            params = expert_params(ctx.params_for(name), e, name)
+            fracs = threshold_fractions(ctx.op, tensor_density(e, name) or 1.0, params)
+            vals = tensor_statistics(ctx.op, tensor_density(e, name) or 1.0, params, text, topk, l1, max_abs,
+                                     numel)
+            if vals is None:
+                table = json.loads(text or "{}")  # fraction 1: the top n - 1 (breadcrumbs, ops.core)
+                missing = ", ".join(f"{f:g}" for f in fracs if lookup_thresholds(table, [f]) is None
+                                    or (f >= 1.0 and "1.0" not in table))
+                e["analyze"] = (f"no magnitude threshold for top-{missing}" if missing else
+                                "no exact top-k statistics (analyzed before catalog v5)")
+                break
+            if fracs:
+                per[name] = vals
+        if per and not e.get("analyze"):
+            out[e["id"]] = per
+    return out
+
+
+def find_candidates(ctx) -> Candidates:
+    """Every block the operator could use (analyzed experts: their changed blocks past the thresholds;
+    experts analyzed on the way: all their blocks), scored by the context's strategy."""
+    arr = _candidate_table(ctx)
+    coefs = np.abs(ctx.coef_matrix)
+    bound_term = coefs[arr["expert"], arr["tensor"]] * arr["l2"] if len(arr["l2"]) else np.zeros(0)
+    score = bound_term.copy()
+    priority = None
+    if ctx.strategy == "conflict" and len(score):
+        score = score * (1.0 - ctx._conflict_rates(arr))
+    elif ctx.strategy == "kept" and len(score):
+        score = score * np.sqrt(ctx._kept_energy(arr))
+    elif ctx.strategy == "random":
+        priority = np.random.default_rng(ctx.seed).random(len(score))
+    elif ctx.strategy == "uniform":
+        priority = _uniform_priority(arr["expert"], arr["tensor"], arr["block"])
+    cands = Candidates(arr["expert"], arr["tensor"], arr["block"], arr["nbytes"], score, bound_term, priority,
+                       arr["setup"])
+    cands.l2 = arr["l2"]  # ||delta|| of each block (the sparsified operators' bound, planner/bounds.py)
+    return cands
+
+
+def _candidate_table(ctx) -> dict[str, np.ndarray]:
+    """The candidates' columns: expert, tensor, block, nbytes, l2 (||delta|| of the block), setup."""
+    float_tensor = {t["name"] for t in ctx.tensors if t["dtype"] in FLOAT_DTYPES
+                    and t["name"] not in (ctx.vocab or {}).get("tensors", {})}
+    parts = []
+    for ei, e in enumerate(ctx.experts if not ctx.op.copies else ()):  # passthrough reads no delta
+        if e.get("analyze"):
+            parts.append(_all_blocks(ctx, ei, e))
+            continue
+        fixed = analyses.fixed_bytes_by_tensor(ctx.catalog, e["id"])
+        rows = analyses.changed_block_stats(ctx.catalog, e["id"])
+        by_tensor: dict[str, list] = {}
+        for r in rows:
+            if r[0] in float_tensor:
+                by_tensor.setdefault(r[0], []).append(r)
+        for name, rs in by_tensor.items():
+            a = np.array([r[1:] for r in rs], dtype=np.float64)  # block, nbytes, l2, max_abs
+            useful = useful_blocks(ctx.op, ctx.thresholds.get(e["id"], {}).get(name), a[:, 3])
+            a = a[useful]
+            parts.append(np.column_stack([np.full(len(a), ei), np.full(len(a), ctx.tensor_index[name]), a[:, :3],
+                                          np.full(len(a), fixed.get(name, 0))]))
+    table = np.concatenate(parts) if parts else np.zeros((0, 6))
+    cols = {"expert": table[:, 0], "tensor": table[:, 1], "block": table[:, 2], "nbytes": table[:, 3],
+            "l2": table[:, 4], "setup": table[:, 5]}
+    return {k: np.array(v, dtype=np.float64 if k == "l2" else np.int64) for k, v in cols.items()}
+
+
+def _all_blocks(ctx, ei: int, expert: dict) -> np.ndarray:
+    """Every block of an expert analyzed on the way (it has no statistics to choose from): the
+    columns of the candidate table, with no score."""
+    source = open_source(expert["kind"], expert["uri"])
+    composed = (ctx.vocab or {}).get("tensors", {})  # re-ordered rows: read whole by the engine (engine/vocab.py)
+    rows = []
+    for ti, t in enumerate(ctx.tensors):
+        if (t["dtype"] not in FLOAT_DTYPES or t["name"] in composed
+                or not source.has_delta(t["name"], t["shape"])):
+            continue
+        setup = fixed_bytes(source, t["name"])
+        for span in tensor_grid(tensor_info(t), ctx.block_bytes):
+            nbytes = sum(n for _, _, n in source.block_ranges(t["name"], span))
+            rows.append((ei, ti, span.index, nbytes, 0.0, setup))
+    return np.array(rows, dtype=np.float64).reshape(-1, 6)
+
+
+def tensor_info(row: dict) -> TensorInfo:
+    """A catalog tensor row as the storage layer's TensorInfo."""
+    return TensorInfo(row["name"], row["dtype"], tuple(row["shape"]), row["file"], row["offset"], row["nbytes"])

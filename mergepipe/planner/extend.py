@@ -41,7 +41,9 @@ from mergepipe.errors import MergePipeError, PlanError
 from mergepipe.manifest.build import canonical
 from mergepipe.manifest.verify import load_manifest
 from mergepipe.ops.core import get_op
-from mergepipe.planner.budget import Budget, human_bytes
+from mergepipe.planner.budget import Budget
+from mergepipe.planner.context import PlanContext
+from mergepipe.planner.extend_format import EXTEND_FORMAT
 from mergepipe.planner.plan import Plan, compact_ranges, expand_ranges
 from mergepipe.planner.request import MergeRequest, check_weight_sum
 from mergepipe.planner.settings import check_setting
@@ -50,7 +52,6 @@ from mergepipe.storage.safetensors import FLOAT_DTYPES, TensorInfo
 from mergepipe.storage.sources import fixed_bytes, open_source
 from mergepipe.version import __version__
 
-EXTEND_FORMAT = "mergepipe.extend-plan/1"
 ACTIONS = ("add", "remove", "reweight")
 
 
@@ -291,7 +292,6 @@ class _ExtendContext:
         if not self.catalog.is_analyzed(eid):
             raise PlanError(f"expert {eid!r} is not analyzed (or changed since): run `mergepipe analyze {eid}` "
                             f"first; an incremental merge plans from its statistics")
-        from mergepipe.planner.context import PlanContext
         # one expert, coefficient 1: the greedy order is its blocks by l2 per byte, the bound its omitted l2
         # exact or omitted blocks only: an incremental merge reads the changed expert's blocks themselves
         ctx = PlanContext(self.catalog, MergeRequest.build(self.base["id"], [{"model": eid, "weight": 1.0}],
@@ -458,42 +458,6 @@ class _ExtendContext:
             "software": {"mergepipe": __version__},
         })
         return Plan(data)
-
-
-def is_extend(plan_data: dict) -> bool:
-    return plan_data.get("format") == EXTEND_FORMAT
-
-
-def explain_extend(p: dict) -> str:
-    """EXPLAIN of an incremental plan, with the from-scratch merge of the same sets beside it."""
-    c, e, fs = p["change"], p["estimate"], p["from_scratch_estimate"]
-    if c["action"] == "add":
-        what = f"add {c['expert']} (weight {c['weight']:g})"
-    elif c["action"] == "remove":
-        what = f"remove {c['expert']} (weight {c['weight_old']:g})"
-    else:
-        what = f"reweight {c['expert']} {c['weight_old']:g} -> {c['weight']:g}"
-    incr = e["snapshot_read"] + e["base_read"] + e["expert_read"]
-    scratch = fs["base_read"] + fs["expert_read"]
-    coefs = p["coefficients"]
-    b = p["error_bound"]
-    lines = [
-        f"PLAN {p['id']}  ({p['digest']})  incremental",
-        f"  extends    snapshot {p['parent']['snapshot_id']} (model {p['parent']['model_id']})",
-        f"  change     {what}",
-        f"  operator   {p['operator']}  experts after: " + ", ".join(f"{x['id']}:{x['weight']:g}" for x in p["experts"]),
-        f"  update     M' = {coefs['a']:.6g} M + {coefs['g']:.6g} base + {coefs['b']:.6g} delta"
-        + ("  (untouched blocks copied)" if coefs["copy_unread"] else ""),
-        f"  expert     {human_bytes(e['expert_read'])} of {human_bytes(p['full_expert_bytes'])} "
-        f"({p['budget']['spec']})",
-        f"  incremental reads  snapshot {human_bytes(e['snapshot_read'])} + base {human_bytes(e['base_read'])} + "
-        f"expert {human_bytes(e['expert_read'])} = {human_bytes(incr)}",
-        f"  from scratch reads base {human_bytes(fs['base_read'])} + experts {human_bytes(fs['expert_read'])} = "
-        f"{human_bytes(scratch)}  ({scratch / incr:.2f}x the incremental)" if incr else "",
-        f"  bound      ||M_full - M_A|| <= {b['absolute']:.6g}"
-        + (f"  (relative ~{b['relative']:.3e})" if b.get("relative") is not None else ""),
-    ]
-    return "\n".join(x for x in lines if x)
 
 
 def _info(row: dict) -> TensorInfo:

@@ -10,6 +10,7 @@ from mergepipe.catalog import plans
 from mergepipe.catalog.db import Catalog
 from mergepipe.errors import PlanError
 from mergepipe.planner.explain import explain_plan
+from mergepipe.planner.extend_format import explain_extend, is_extend
 
 
 PLAN_FORMAT = "mergepipe.plan/1"
@@ -44,8 +45,7 @@ class Plan:
         return sum(r[1] - r[0] for tensors in self.data["access"].values() for rs in tensors.values() for r in rs)
 
     def explain(self) -> str:
-        if self.data.get("format") == "mergepipe.extend-plan/1":
-            from mergepipe.planner.extend import explain_extend
+        if is_extend(self.data):
             return explain_extend(self.data)
         return explain_plan(self.data)
 

@@ -3,7 +3,8 @@ YAML config, a dashboard page or the Python API), validated once, and passed dow
 
 What can be checked without the catalog is checked here (the operator and its parameters, the
 strategy, the seed, the budget, the number of weights); what needs the catalog (the models, their
-settings per tensor, densities against the operator) is checked by the planner's ``PlanContext``.
+settings per tensor, densities against the operator) is checked by the resolved request
+(planner/resolved.py), which a ``PlanContext`` builds.
 The plan records the request exactly as the planner always did, so plan ids and digests do not
 depend on how the request was spelled.
 

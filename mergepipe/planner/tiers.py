@@ -19,6 +19,7 @@ import numpy as np
 from mergepipe.catalog import compacts
 from mergepipe.errors import PlanError
 from mergepipe.planner.candidates import Candidates
+from mergepipe.planner.plan import compact_ranges
 from mergepipe.storage.codecs import codec
 
 OMIT, EXACT = 0, 8  # tier codes; a compact tier's code is its bits per entry (1, 2, 4)
@@ -327,7 +328,6 @@ def tier_summary(ctx, tier: np.ndarray) -> dict:
     read at each level; None when no block is), ``bytes`` and ``by_expert`` (compact bytes), ``files`` (outside
     the digest: each expert's compact file and the offsets of the records the plan reads) and ``tiers`` (blocks
     and bytes per tier)."""
-    from mergepipe.planner.plan import compact_ranges
     tiers, cands = ctx.tiers, ctx.candidates
     names = [t["name"] for t in ctx.tensors]
     read = tiers.compact_read(tier)
