@@ -92,8 +92,10 @@ def _add_out_args(p):
     p.add_argument("--executor", choices=("local", "ray"), default="local",
                    help="where the blocks are merged: local threads (default), or range tasks on a Ray cluster "
                         "(needs `pip install 'mergepipe[ray]'`; inputs and --out on storage every node sees)")
-    p.add_argument("--address", help="with --executor ray: the cluster to join (auto, HOST:PORT, ray://HOST:PORT); "
-                                     "default: a new local cluster")
+    p.add_argument("--address", help="with --executor ray: the cluster to join (auto, HOST:PORT, ray://HOST:PORT): "
+                                     "its exposure (interfaces, token authentication, dashboard) is that cluster's "
+                                     "setup, and this process serves a worker endpoint to its nodes; default: a new "
+                                     "local cluster on 127.0.0.1 only, with Ray's token authentication")
 
 
 def _add_extend_args(p):
@@ -348,18 +350,17 @@ def _add_sweep_args(p):
     p.add_argument("--config", required=True, help="the sweep's YAML: base, experts, out, grid and/or points, "
                                                    "executor, concurrency, evaluate (see README, Ray)")
     p.add_argument("--executor", choices=("local", "ray"), help="override the config's executor")
-    p.add_argument("--address", help="with --executor ray: the cluster to join (default: a new local one)")
+    p.add_argument("--address", help="with --executor ray: the cluster to join, exposed as that cluster is set up "
+                                     "(default: a new local one on 127.0.0.1 only, with token authentication)")
     p.add_argument("--concurrency", type=int, help="with ray: merges in flight at once (override)")
 
 
 def _evaluator(spec: dict):
     """(metric, value) of an output directory: perplexity on the config's held-out text."""
-    from mergepipe.research.evaluate import perplexity
-    path = Path(spec["text"])
-    if not path.is_file():
-        raise MergePipeError(f"evaluate.text: {path} is not a file")
-    text = path.read_text(encoding="utf-8", errors="replace")
+    from mergepipe.research.evaluate import check_scoring, perplexity, read_eval_file
+    text = read_eval_file(spec["text"], "evaluate.text: ").decode("utf-8", errors="replace")
     window, max_tokens = int(spec.get("window", 256)), int(spec.get("max_tokens", 2048))
+    check_scoring(window, max_tokens, ("evaluate.window", "evaluate.max_tokens"))
     return lambda out: ("perplexity", perplexity(str(out), text, window=window, max_tokens=max_tokens)["perplexity"])
 
 

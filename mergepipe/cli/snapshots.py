@@ -97,31 +97,14 @@ def cmd_evaluate(args):
     emit(args, results, lambda rs: [print(_evaluation_line(r)) for r in rs])
 
 
-def _digest(data: bytes) -> str:
-    import hashlib
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
 def _text_job(args) -> dict | None:
-    if not args.text:
-        return None
-    path = Path(args.text)
-    if not path.is_file():
-        raise MergePipeError(f"{path} is not a file")
-    data = path.read_bytes()
-    return {"metric": "perplexity", "dataset": _digest(data), "name": path.name,
-            "text": data.decode("utf-8", errors="replace"), "window": args.window, "max_tokens": args.max_tokens}
+    from mergepipe.research.evaluate import text_job
+    return text_job(args.text, args.window, args.max_tokens) if args.text else None
 
 
 def _suite_job(args) -> dict | None:
-    from mergepipe.research.evaluate import read_task_suite
-    if not args.tasks:
-        return None
-    path = Path(args.tasks)
-    if not path.is_file():
-        raise MergePipeError(f"{path} is not a file")
-    suite = read_task_suite(path)  # checked before any model is loaded
-    return {"metric": "accuracy", "dataset": _digest(path.read_bytes()), "name": path.name, "suite": suite}
+    from mergepipe.research.evaluate import suite_job
+    return suite_job(args.tasks) if args.tasks else None
 
 
 def _reference_job(cat, args) -> dict | None:
