@@ -10,6 +10,7 @@ from mergepipe.catalog.plans import find_plan_id
 from mergepipe.config.model import MERGEKIT_DTYPE
 from mergepipe.errors import MergePipeError, brief
 from mergepipe.ops.core import get_op
+from mergepipe.ops.setting import Setting
 from mergepipe.storage.dtypes import float_dtype, label_float_dtype
 from mergepipe.planner.budget import human_bytes
 from mergepipe.storage.views import is_view
@@ -61,7 +62,7 @@ def _base_dtype(cat: Catalog | None, base: dict) -> str | None:
 def _in_place_layout(cat: Catalog | None, base: dict) -> dict:
     """The layout of a merge that keeps the base's tensors in place (as config/slices.py expands it: the
     tensors before the layers, the layers, the others), for writing its layer views as slices."""
-    from mergepipe.planner.settings import LAYER, PRE_LAYER_NAMES
+    from mergepipe.ops.setting import LAYER, PRE_LAYER_NAMES
     if cat is not None and cat.has_model(base["id"]):
         names = [t["name"] for t in cat.tensors(base["id"])]
     else:
@@ -94,9 +95,7 @@ def _expert_setting(e: dict, key: str):
 
 def _flag_out(value):
     """normalize/rescale as mergekit writes them: a bool, or filters of bools (stored as 1.0/0.0)."""
-    if isinstance(value, list):
-        return [{"filter": c["filter"], "value": bool(c["value"])} for c in value]
-    return value
+    return Setting.from_json(value).to_yaml(flag=True) if isinstance(value, list) else value
 
 
 def export_mergekit(cat: Catalog | None, ref: str) -> str:

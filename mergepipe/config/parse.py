@@ -24,7 +24,8 @@ from mergepipe.config.templates import CHAT_TEMPLATES
 from mergepipe.errors import PlanError, StorageError, brief
 from mergepipe.ops.core import OPERATORS
 from mergepipe.planner.budget import Budget
-from mergepipe.planner.settings import PER_MODEL_PARAMS, check_setting
+from mergepipe.ops.setting import Setting
+from mergepipe.planner.settings import PER_MODEL_PARAMS
 from mergepipe.storage.codecs import COMPACT_MODES
 from mergepipe.planner.strategies import STRATEGIES
 from mergepipe.storage.paths import read_regular
@@ -475,7 +476,7 @@ def _param(value, where: str, name: str):
 
 def _setting(value, where: str):
     """A weight/density setting in the planner's JSON form (floats, lists, {filter, value} dicts)."""
-    return check_setting(value, where, ConfigError)
+    return Setting.parse(value, where, ConfigError).json
 
 
 def _with_fallback(own, merge_wide):
@@ -508,9 +509,8 @@ def _flag_setting(value, where: str):
     """A merge-wide normalize/rescale: true/false, or filters of true/false (mergekit's per-tensor setting)."""
     if not isinstance(value, (list, dict)):
         return _flag(value, where)
-    from mergepipe.ops.core import _flag_or_setting
     try:
-        return _flag_or_setting(value, where)
+        return Setting.parse_flag(value, where).json
     except PlanError as exc:
         raise ConfigError(str(exc)) from None
 

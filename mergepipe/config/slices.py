@@ -53,7 +53,7 @@ from pathlib import Path
 
 from mergepipe.config.model import ConfigError, ConfigModel, GRADIENT_PARAMS, PER_TENSOR
 from mergepipe.errors import brief
-from mergepipe.planner.settings import LAYER, PRE_LAYER_NAMES, check_setting, evaluate
+from mergepipe.ops.setting import LAYER, PRE_LAYER_NAMES, Setting
 
 SLICE_KEYS = ("sources",)
 SOURCE_KEYS = ("model", "layer_range", "parameters")
@@ -151,7 +151,7 @@ def _params(raw, where: str) -> dict:
                               f"{', '.join(SLICE_PARAMS)}; give the others once under the top-level `parameters:`)")
         if isinstance(v, dict) and set(v) <= {"value", "filter"} and "value" in v and v.get("filter") in (None, "*"):
             v = v["value"]
-        out[k] = check_setting(v, f"{where}.{k}", ConfigError)
+        out[k] = Setting.parse(v, f"{where}.{k}", ConfigError).json
     return out
 
 
@@ -329,7 +329,7 @@ def _renumber(name: str, layer: int) -> str:
 def _resolve(settings, tensor: str, t: float):
     for s in settings:
         if s is not None:
-            v = evaluate(s, tensor, t)
+            v = Setting.from_json(s).at(tensor, t)
             if v is not None:
                 return float(v)
     return None

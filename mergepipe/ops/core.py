@@ -46,6 +46,7 @@ from mergepipe.ops import (
     arcee_fusion, breadcrumbs, dare, della, karcher, linear, model_stock, multislerp, nearswap, nuslerp, passthrough, ram,
     sce, slerp, ties,
 )
+from mergepipe.ops.setting import Setting, param_bool, param_float
 from mergepipe.ops.topk import NO_CUT
 from mergepipe.ops.spec import (  # noqa: F401
     LAMBDA, OPERATORS, Consensus, OpSpec, Param, Sparsify, all_parameters, register_op,
@@ -87,10 +88,10 @@ def resolve_params(spec: OpSpec, normalize=None, rescale=None, lam=None, **extra
     if unknown:
         raise PlanError(f"operator {spec.name} takes no parameter {', '.join(unknown)}")
     params = {
-        "normalize": spec.normalize if normalize is None else _flag_or_setting(normalize, "normalize"),
-        "rescale": spec.rescale if rescale is None else _flag_or_setting(rescale, "rescale"),
-        "lambda": 1.0 if lam is None else (_setting(lam, LAMBDA) if isinstance(lam, (list, tuple, dict))
-                                           else LAMBDA.check(_float(lam, LAMBDA))),
+        "normalize": spec.normalize if normalize is None else _json(Setting.parse_flag(normalize, "normalize")),
+        "rescale": spec.rescale if rescale is None else _json(Setting.parse_flag(rescale, "rescale")),
+        "lambda": 1.0 if lam is None else (Setting.parse_param(lam, LAMBDA).json if isinstance(lam, (list, tuple, dict))
+                                           else LAMBDA.check(param_float(lam, LAMBDA.name))),
     }
     if spec.common is not None:  # the interpolation methods take none of these
         given = [n for n, v in (("lambda", lam), ("normalize", normalize), ("rescale", rescale)) if v is not None
@@ -104,11 +105,11 @@ def resolve_params(spec: OpSpec, normalize=None, rescale=None, lam=None, **extra
                 raise PlanError(f"operator {spec.name} needs the parameter {p.name} ({p.help})")
             params[p.name] = p.default
         elif p.kind is bool:
-            params[p.name] = _bool(value, p)
+            params[p.name] = param_bool(value, p.name)
         elif p.gradient and isinstance(value, (list, tuple, dict)):
-            params[p.name] = _setting(value, p)
+            params[p.name] = Setting.parse_param(value, p).json
         else:
-            params[p.name] = p.check(_float(value, p))
+            params[p.name] = p.check(param_float(value, p.name))
     check = getattr(_family_of(spec), "check", None)
     problem = check(params) if check else None
     if problem:
@@ -117,70 +118,18 @@ def resolve_params(spec: OpSpec, normalize=None, rescale=None, lam=None, **extra
 
 
 # the merge-wide parameters that may vary per tensor (mergekit's SHARED parameters with filters or a
-# gradient): the planner resolves them per tensor (PlanContext.params_for), the plan records the values
+# gradient, parsed by ops/setting.Setting): the planner resolves them per tensor (PlanContext.params_for),
+# the plan records the values
 TENSOR_PARAMS = ("lambda", "normalize", "rescale")
 
 
-def _flag_or_setting(value, name: str):
-    """normalize/rescale: true/false, or a list of {filter, value: true/false} conditions (as 1.0/0.0)."""
-    if isinstance(value, (list, tuple, dict)):
-        conds = [value] if isinstance(value, dict) else list(value)
-        if not all(isinstance(c, dict) for c in conds):
-            raise PlanError(f"{name} is true or false, or a list of {{filter, value}} conditions (not a gradient)")
-        out = []
-        for c in conds:
-            if set(c) - {"filter", "value"} or "value" not in c or isinstance(c["value"], (list, tuple, dict)):
-                raise PlanError(f"{name}: a condition has the keys filter and value (true or false)")
-            f = c.get("filter")
-            if f is not None and not isinstance(f, str):
-                raise PlanError(f"{name}: filter must be a substring of tensor names, not {brief(f)}")
-            out.append({"filter": f, "value": 1.0 if _bool(c["value"], Param(name, False, "")) else 0.0})
-        return out
-    return bool(value)
+def _json(value):
+    """A parsed normalize/rescale in the plan's form: a bool, or a setting's plain form."""
+    return value.json if isinstance(value, Setting) else value
 
 
 def _family_of(spec: OpSpec):
     return next((f for f in FAMILIES if any(s.name == spec.name for s in f.SPECS)), None)
-
-
-def _bool(value, param: Param) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, (int, float)) and value in (0, 1):
-        return bool(value)
-    raise PlanError(f"{param.name} must be true or false, not {brief(value)}")
-
-
-def _setting(value, param: Param):
-    """A gradient (list of numbers) or a list of {filter, value} conditions, checked (finite numbers in
-    the declared range); returned in the planner's JSON form."""
-    if isinstance(value, dict):
-        value = [value]
-    out = []
-    for v in value:
-        if isinstance(v, dict):
-            if set(v) - {"filter", "value"} or "value" not in v:
-                raise PlanError(f"{param.name}: a condition has the keys filter and value")
-            f = v.get("filter")
-            if f is not None and not isinstance(f, str):
-                raise PlanError(f"{param.name}: filter must be a substring of tensor names, not {brief(f)}")
-            inner = v["value"]
-            out.append({"filter": f, "value": _setting(inner, param) if isinstance(inner, (list, tuple))
-                        else param.check(_float(inner, param))})
-        else:
-            out.append(param.check(_float(v, param)))
-    if not out:
-        raise PlanError(f"{param.name} is an empty list")
-    return out
-
-
-def _float(value, param: Param) -> float:
-    if isinstance(value, bool):
-        raise PlanError(f"{param.name} must be a number, not {brief(value)}")
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise PlanError(f"{param.name} must be a number, not {brief(value)}") from None
 
 
 def threshold_fractions(spec: OpSpec, density: float, params: dict) -> list[float]:
