@@ -482,3 +482,154 @@ def _plan_points(catalog: Catalog, config) -> list:
         taken.add(model_id)
         points.append(SweepPoint(i, settings, plan, out, model_id))
     return points
+
+
+# --- the dashboard's door ------------------------------------------------------------------------------
+# What mergepipe.dashboard reads and plans through (it imports api, units and errors only): thin calls over
+# the catalog, planner, config, storage and process helpers, each delegating unchanged (plans, ids and
+# digests are those of the library calls they wrap).
+from mergepipe.catalog import analyses as _analyses, compacts as _compacts, runs as _runs  # noqa: E402
+from mergepipe.catalog import snapshots as _snapshots, sweeps as _sweeps  # noqa: E402
+from mergepipe.catalog.plans import plan_bounds, plan_rows  # noqa: E402,F401
+from mergepipe.catalog.sketch import decode as decode_sketch  # noqa: E402,F401
+from mergepipe.manifest.build import Manifest  # noqa: E402,F401
+from mergepipe.storage.paths import ROOTS_ENV, allowed_roots as env_allowed_roots  # noqa: E402,F401
+from mergepipe.storage.procs import pid_alive  # noqa: E402,F401
+
+_LAZY.update({
+    "PlanContext": "mergepipe.planner.context", "EXACT": "mergepipe.planner.tiers",
+    "CODECS": "mergepipe.storage.codecs", "CARD_NAME": "mergepipe.manifest.card",
+    "load_yaml": "mergepipe.config.parse", "MAX_CONFIG_BYTES": "mergepipe.config.model",
+})
+
+
+def operator_spec(name: str):
+    """One operator's declaration (ops/spec.py OpSpec) by name or alias; a PlanError names the choices."""
+    from mergepipe.ops.core import get_op
+    return get_op(name)
+
+
+def plan_session(catalog: Catalog, request: MergeRequest):
+    """A PlanContext of ``request`` ready for fast re-planning: ``session.plan(Budget...)`` plans again at
+    another budget without re-reading the catalog (for an additive operator the sketch-based norm estimate
+    is computed now). The plans are those of :func:`plan` for the same request and budget."""
+    from mergepipe.planner.context import PlanContext
+    ctx = PlanContext(catalog, request)
+    if ctx.op.additive:
+        ctx.full_norm_estimate()
+    return ctx
+
+
+def codec(name: str):
+    """A compact codec by name (storage/codecs.py: its levels, stored level, help)."""
+    from mergepipe.storage.codecs import codec as _codec
+    return _codec(name)
+
+
+def compact_rows(catalog: Catalog) -> list[dict]:
+    """The experts' stored compact deltas (one row per expert)."""
+    return _compacts.compact_rows(catalog)
+
+
+def read_config_file(path: Path) -> bytes:
+    """The bytes of a mergekit YAML file (a regular file no larger than a merge config may be)."""
+    from mergepipe.config.model import MAX_CONFIG_BYTES
+    from mergepipe.storage.paths import read_regular
+    p = Path(path)
+    if not p.is_file():
+        raise MergePipeError(f"{p} is not a file")
+    if p.stat().st_size > MAX_CONFIG_BYTES:
+        raise MergePipeError(f"{p}: {p.stat().st_size} bytes is too large for a merge config")
+    return read_regular(p, MAX_CONFIG_BYTES)
+
+
+def resolve_config(catalog: Catalog, config, register_paths: bool = False, check_path=None):
+    """A parsed mergekit config resolved against the catalog (config/resolve.py prepare: base, experts,
+    layout); with ``register_paths=False`` every model must be registered already."""
+    from mergepipe.config.resolve import prepare
+    return prepare(catalog, config, register_paths=register_paths, check_path=check_path)
+
+
+def plan_as_yaml(catalog: Catalog, plan) -> str:
+    """The mergekit YAML (with the ``mergepipe:`` key) of a plan or its data, saved or not."""
+    from mergepipe.config.export import export_plan_data
+    return export_plan_data(catalog, plan.data if hasattr(plan, "data") else plan)
+
+
+def read_task_suite(path):
+    """A task suite file read and checked (config/task_suite.py); a MergePipeError says what is wrong."""
+    from mergepipe.config.task_suite import read_task_suite as _read
+    return _read(path)
+
+
+def run_alive(run: dict) -> bool:
+    """Whether a run row's process (its ``pid``) is still alive."""
+    return bool(run.get("pid")) and pid_alive(run["pid"])
+
+
+def runs(catalog: Catalog, kind: str | None = None, limit: int = 50) -> list[dict]:
+    """The newest runs first, optionally of one kind ('merge' or 'analyze')."""
+    return _runs.list_runs(catalog, kind, limit)
+
+
+def output_number(catalog: Catalog) -> int:
+    """A number for the next default output name: runs + snapshots so far, plus one."""
+    return len(_runs.list_runs(catalog, None, 1 << 62)) + snapshot_count(catalog) + 1
+
+
+def block_count(tensor: dict, block_bytes: int) -> int:
+    """How many blocks a catalog tensor row (name, dtype, shape, file, offset, nbytes) has on a grid."""
+    from mergepipe.storage.grid import tensor_grid
+    from mergepipe.storage.safetensors import TensorInfo
+    t = tensor
+    return len(tensor_grid(TensorInfo(t["name"], t["dtype"], tuple(t["shape"]), t["file"], t["offset"], t["nbytes"]),
+                           block_bytes))
+
+
+def tensor_stats_rows(catalog: Catalog, experts: list[str]) -> list[dict]:
+    return _analyses.tensor_stats_rows(catalog, experts)
+
+
+def block_stats_rows(catalog: Catalog, experts: list[str], tensors: list[str] | None = None) -> list[dict]:
+    return _analyses.block_stats_rows(catalog, experts, tensors)
+
+
+def sketch_rows(catalog: Catalog, experts: list[str], tensors: list[str]) -> list[dict]:
+    return _analyses.sketch_rows(catalog, experts, tensors)
+
+
+def stats_version_row(catalog: Catalog) -> tuple:
+    """What changes when any expert's statistics change (a cache key)."""
+    return _analyses.stats_version_row(catalog)
+
+
+def parents_of(catalog: Catalog, model_id: str) -> list[dict]:
+    return _snapshots.parents_of(catalog, model_id)
+
+
+def children_of(catalog: Catalog, model_id: str) -> list[str]:
+    return _snapshots.children_of(catalog, model_id)
+
+
+def snapshot_row(catalog: Catalog, ref: str) -> dict | None:
+    return _snapshots.snapshot_row(catalog, ref)
+
+
+def snapshot_dependents(catalog: Catalog, model_id: str) -> list[str]:
+    return _snapshots.snapshot_dependents(catalog, model_id)
+
+
+def snapshot_ids_in_order(catalog: Catalog) -> list[str]:
+    return _snapshots.snapshot_ids_in_order(catalog)
+
+
+def sweep_rows(catalog: Catalog) -> list[dict]:
+    return _sweeps.sweeps(catalog)
+
+
+def sweep_points(catalog: Catalog, sweep_id: str) -> list[dict]:
+    return _sweeps.sweep_points(catalog, sweep_id)
+
+
+# --- run bookkeeping (a command started with --run-id) ------------------------------------------------
+from mergepipe.engine.runs import recorded_run  # noqa: E402,F401  (running, then cancelled/failed/succeeded)

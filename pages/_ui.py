@@ -11,7 +11,6 @@ import subprocess
 import streamlit as st
 
 from mergepipe.dashboard import views
-from mergepipe.api import Catalog
 from mergepipe.errors import MergePipeError
 
 
@@ -27,7 +26,7 @@ def roots() -> list:
 @contextlib.contextmanager
 def catalog():
     """A short-lived Catalog for this rerun (cheap to open; never shared between threads)."""
-    cat = Catalog(db())
+    cat = views.open_catalog(db())
     try:
         yield cat
     finally:
@@ -80,7 +79,7 @@ def action(fn, *args, **kw):
 
 
 def with_catalog(fn, *args, **kw):
-    cat = Catalog(db())
+    cat = views.open_catalog(db())
     try:
         return fn(cat, *args, **kw)
     finally:
@@ -139,7 +138,7 @@ def conflict(db_path: str, version: str, experts: tuple, tensors: tuple, metric:
 def plan_context(db_path: str, version: str, key: str, _request):
     """One PlanContext per merge request (``key``: its text; its own long-lived connection): moving the
     budget only re-plans."""
-    cat = Catalog(db_path)
+    cat = views.open_catalog(db_path)
     return views.plan_context(cat, _request)
 
 

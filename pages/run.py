@@ -46,12 +46,8 @@ with ui.user_errors(), ui.catalog() as cat:
         # no format_func: a selectbox bound to the URL matches ?plan= against the shown labels
         plan_id = st.selectbox("Saved plan", plans["plan"].tolist(), key="plan", bind="query-params")
         st.caption(plan_labels.get(plan_id, ""))
-        n = len(cat.query("SELECT id FROM runs")) + len(cat.query("SELECT id FROM snapshots")) + 1
         if st.session_state.get("_out_for") != plan_id:
-            out = views.default_out(ui.db(), plan_id, n)
-            while out.exists():
-                n += 1
-                out = views.default_out(ui.db(), plan_id, n)
+            out = views.next_out(cat, ui.db(), plan_id)
             st.session_state["out"] = str(out)
             st.session_state["model_id"] = out.name
             st.session_state["_out_for"] = plan_id

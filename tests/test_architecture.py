@@ -1,5 +1,6 @@
 """The package layout keeps its shape: import-linter's contracts (pyproject.toml) hold, every SQL
-statement lives in mergepipe/catalog/, and app.py imports only the dashboard's public doors."""
+statement lives in mergepipe/catalog/ (none in pages/ or app.py), app.py and the pages import only the
+dashboard's public doors, and the dashboard reaches the library through mergepipe.api only."""
 
 from __future__ import annotations
 
@@ -51,7 +52,19 @@ def test_sql_only_in_catalog():
     assert not offenders, "SQL outside mergepipe/catalog/:\n" + "\n".join(offenders)
 
 
-ALLOWED = ("mergepipe.api", "mergepipe.dashboard", "mergepipe.errors")
+APP_FILES = [ROOT / "app.py", *sorted((ROOT / "pages").glob("*.py"))]
+
+
+@pytest.mark.parametrize("path", APP_FILES, ids=lambda p: p.name)
+def test_no_sql_in_app_or_pages(path):
+    """Pages only render: no SQL, and no raw catalog (no Catalog of their own, no query on one)."""
+    offenders = [f"{path.name}:{i}: {line.strip()}" for i, line in enumerate(path.read_text().splitlines(), 1)
+                 if SQL.search(line) or RAW_CATALOG.search(line)]
+    assert not offenders, "SQL or a raw catalog in the dashboard's pages:\n" + "\n".join(offenders)
+
+
+RAW_CATALOG = re.compile(r"\bCatalog\(|\.query\(|\.conn\b|\bsqlite_utils\b")
+ALLOWED = ("mergepipe.api", "mergepipe.dashboard", "mergepipe.errors", "mergepipe.units")
 
 
 def _mergepipe_imports(path: Path) -> list[str]:
@@ -67,10 +80,50 @@ def _mergepipe_imports(path: Path) -> list[str]:
     return names
 
 
-@pytest.mark.parametrize("path", [ROOT / "app.py", *sorted((ROOT / "pages").glob("*.py"))], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", APP_FILES, ids=lambda p: p.name)
 def test_app_and_pages_use_only_the_public_doors(path):
+    """app.py and pages/ import mergepipe.api, mergepipe.dashboard, mergepipe.errors and mergepipe.units
+    (besides the standard library, streamlit and other third-party packages, and pages._ui)."""
     bad = [m for m in _mergepipe_imports(path) if not any(m == a or m.startswith(a + ".") for a in ALLOWED)]
     assert not bad, f"{path.name} imports {bad}"
+    local = [m for m in _local_imports(path) if m not in ("pages", "pages._ui")]
+    assert not local, f"{path.name} imports {local}"
+
+
+def _local_imports(path: Path) -> list[str]:
+    """Imports of this repository's top-level modules other than mergepipe (app, pages, tests, scripts, ...)."""
+    own = {p.stem for p in ROOT.glob("*.py")} | {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()
+                                                 or p.name in ("pages", "tests", "scripts", "benchmarks")}
+    own.discard("mergepipe")
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.split(".")[0] in own:
+                names += [node.module] if node.module != "pages" else [f"pages.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names += [a.name for a in node.names if a.name.split(".")[0] in own]
+    return names
+
+
+DASHBOARD_ALLOWED = ("mergepipe.api", "mergepipe.dashboard", "mergepipe.errors", "mergepipe.units")
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "dashboard").glob("*.py")), ids=lambda p: p.name)
+def test_dashboard_goes_through_the_api(path):
+    """One door: the dashboard's modules import mergepipe.api, mergepipe.units and mergepipe.errors (and each
+    other), never the planner, config, engine, ops, catalog, storage or manifest directly (import-linter
+    checks the same as a contract)."""
+    bad = [m for m in _mergepipe_imports(path)
+           if not any(m == a or m.startswith(a + ".") for a in DASHBOARD_ALLOWED)]
+    assert not bad, f"dashboard/{path.name} imports {bad}"
+
+
+def test_dashboard_contract_is_declared():
+    text = (ROOT / "pyproject.toml").read_text()
+    assert 'source_modules = ["mergepipe.dashboard"]' in text
+    block = text.split('source_modules = ["mergepipe.dashboard"]')[1].split("[[")[0]
+    for m in ("cli", "research", "config", "engine", "planner", "analyze", "manifest", "ops", "catalog", "storage"):
+        assert f'"mergepipe.{m}"' in block, m
 
 
 CLI_ALLOWED = ("mergepipe.api", "mergepipe.errors", "mergepipe.cli", "mergepipe.dashboard.server",

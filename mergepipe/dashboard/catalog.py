@@ -6,9 +6,8 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from mergepipe.catalog import analyses
-from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.sketch import decode
+from mergepipe import api
+from mergepipe.api import Catalog
 from mergepipe.dashboard.figures import (
     MAX_CELLS, _group_key, aggregate, group_of, heatmap_figure, tensor_sort_key,
 )
@@ -20,7 +19,7 @@ def tensor_stats_df(cat: Catalog, experts: list[str]) -> pd.DataFrame:
     cols = ["expert", "tensor", "group", "numel", "delta_l2", "delta_l1", "delta_max_abs", "delta_nnz", "density"]
     if not experts:
         return pd.DataFrame(columns=cols)
-    rows = analyses.tensor_stats_rows(cat, experts)
+    rows = api.tensor_stats_rows(cat, experts)
     df = pd.DataFrame(rows, columns=["model_id", "tensor", "numel", "delta_l2", "delta_l1", "delta_max_abs",
                                      "delta_nnz"]).rename(columns={"model_id": "expert"})
     df["group"] = df["tensor"].map(group_of)
@@ -38,7 +37,7 @@ def block_stats_df(cat: Catalog, experts: list[str], tensors: list[str] | None =
             "delta_max_abs", "delta_nnz"]
     if not experts or (tensors is not None and not tensors):
         return pd.DataFrame(columns=cols)
-    df = pd.DataFrame(analyses.block_stats_rows(cat, experts, tensors), columns=["model_id", "tensor", "block", "row_start", "row_end", "nbytes",
+    df = pd.DataFrame(api.block_stats_rows(cat, experts, tensors), columns=["model_id", "tensor", "block", "row_start", "row_end", "nbytes",
                                                        "delta_l2", "delta_l1", "delta_max_abs", "delta_nnz"])
     df = df.rename(columns={"model_id": "expert"})
     df["group"] = df["tensor"].map(group_of)
@@ -116,7 +115,7 @@ def sketch_matrix(cat: Catalog, experts: list[str], tensors: list[str]) -> np.nd
     concatenated in (tensor, block) order; a block an expert left unchanged contributes zeros."""
     if not experts or not tensors:
         return np.zeros((len(experts), 0), dtype=np.float32)
-    rows = analyses.sketch_rows(cat, experts, tensors)
+    rows = api.sketch_rows(cat, experts, tensors)
     tindex = {t: i for i, t in enumerate(tensors)}
     eindex = {e: i for i, e in enumerate(experts)}
     size = max((len(r["sketch"] or b"") // 2 for r in rows), default=0)
@@ -124,7 +123,7 @@ def sketch_matrix(cat: Catalog, experts: list[str], tensors: list[str]) -> np.nd
     kindex = {k: i for i, k in enumerate(keys)}
     mat = np.zeros((len(experts), len(keys), size), dtype=np.float32)
     for r in rows:
-        v = decode(r["sketch"])
+        v = api.decode_sketch(r["sketch"])
         if len(v):
             mat[eindex[r["model_id"]], kindex[(tindex[r["tensor"]], r["block"])], :len(v)] = v * float(r["delta_max_abs"])
     return mat.reshape(len(experts), -1)

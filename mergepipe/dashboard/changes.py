@@ -6,8 +6,7 @@ from __future__ import annotations
 import pandas as pd
 
 from mergepipe import api
-from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.snapshots import snapshot_ids_in_order
+from mergepipe.api import Catalog
 
 CHANGE_COLUMNS = ["snapshot", "model", "created", "extends X", "added", "removed", "reweighted", "re-trained",
                   "settings", "read", "bound", "scores"]
@@ -22,7 +21,7 @@ def changes_since(cat: Catalog, ref: str) -> pd.DataFrame:
     start = api.load_manifest(cat, ref)
     base = start.core["inputs"]["base"]["id"]
     rows = []
-    order = snapshot_ids_in_order(cat)
+    order = api.snapshot_ids_in_order(cat)
     rows_by_id = {s["id"]: s for s in api.snapshots(cat)}
     for sid in order[order.index(start.snapshot_id) + 1:]:
         s = rows_by_id[sid]

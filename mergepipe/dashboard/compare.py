@@ -12,12 +12,9 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from mergepipe import api
-from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.plans import plan_rows
+from mergepipe.api import Catalog, Manifest, Plan
 from mergepipe.dashboard.figures import tensor_sort_key
 from mergepipe.dashboard.formatting import fmt_bound, fmt_bytes, fmt_pct
-from mergepipe.manifest.build import Manifest
-from mergepipe.planner.plan import load_plan, Plan
 
 NOT_MERGED = "- (a plan)"
 
@@ -36,13 +33,13 @@ def plan_side(plan: Plan) -> Manifest:
 
 def side(cat: Catalog, ref: str) -> Manifest:
     """A snapshot's manifest, or a saved plan as :func:`plan_side` (``ref``: a snapshot or plan id)."""
-    return plan_side(load_plan(cat, ref)) if ref.startswith("plan-") else api.load_manifest(cat, ref)
+    return plan_side(api.load_plan(cat, ref)) if ref.startswith("plan-") else api.load_manifest(cat, ref)
 
 
 def choices(cat: Catalog) -> tuple[list[str], dict[str, str]]:
     """(ids: snapshots then saved plans, newest first; id -> caption) for the two pickers."""
     snaps = list(reversed(api.snapshots(cat)))
-    plans = plan_rows(cat)
+    plans = api.plan_rows(cat)
     ids, captions = [], {}
     for s in snaps:
         ids.append(s["id"])

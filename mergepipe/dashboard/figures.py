@@ -13,10 +13,9 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from mergepipe.catalog.db import Catalog
+from mergepipe import api
+from mergepipe.api import Catalog
 from mergepipe.errors import CatalogError
-from mergepipe.storage.grid import tensor_grid
-from mergepipe.storage.safetensors import TensorInfo
 
 
 MAX_CELLS = 100_000
@@ -58,8 +57,7 @@ def layout_of(tensor_rows: list[dict], block_bytes: int) -> pd.DataFrame:
     """Tensors in display order with their block counts and first global block column."""
     rows = []
     for t in sorted(tensor_rows, key=lambda t: tensor_sort_key(t["name"])):
-        info = TensorInfo(t["name"], t["dtype"], tuple(t["shape"]), t["file"], t["offset"], t["nbytes"])
-        rows.append({"tensor": t["name"], "group": group_of(t["name"]), "blocks": len(tensor_grid(info, block_bytes)),
+        rows.append({"tensor": t["name"], "group": group_of(t["name"]), "blocks": api.block_count(t, block_bytes),
                      "nbytes": t["nbytes"]})
     df = pd.DataFrame(rows, columns=["tensor", "group", "blocks", "nbytes"])
     df["first"] = np.concatenate([[0], np.cumsum(df["blocks"].to_numpy())[:-1]]).astype(int) if len(df) else []

@@ -9,17 +9,16 @@ from __future__ import annotations
 import pandas as pd
 
 from mergepipe import api
-from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.runs import list_runs
+from mergepipe.api import Catalog
 from mergepipe.dashboard.formatting import fmt_bytes
 from mergepipe.dashboard.runs import runs_df
 
-ALL = 1 << 62  # list_runs' limit when every run is wanted
+ALL = 1 << 62  # api.runs' limit when every run is wanted
 
 
 def merges_without_run(cat: Catalog) -> list[dict]:
     """The snapshots no dashboard run published (newest first): merges made in the foreground."""
-    by_runs = {r["snapshot_id"] for r in list_runs(cat, "merge", ALL) if r["snapshot_id"]}
+    by_runs = {r["snapshot_id"] for r in api.runs(cat, "merge", ALL) if r["snapshot_id"]}
     return [s for s in reversed(api.snapshots(cat)) if s["id"] not in by_runs]
 
 

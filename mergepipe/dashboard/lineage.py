@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from mergepipe import api
-from mergepipe.catalog.db import Catalog
+from mergepipe.api import Catalog
 
 
 # --- lineage -------------------------------------------------------------------------------------------

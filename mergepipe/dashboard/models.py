@@ -7,9 +7,8 @@ import json
 
 import pandas as pd
 
-from mergepipe.catalog import analyses
-from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.snapshots import children_of, parents_of
+from mergepipe import api
+from mergepipe.api import Catalog
 from mergepipe.dashboard.formatting import fmt_bytes, short_fp
 from mergepipe.errors import MergePipeError
 
@@ -45,8 +44,8 @@ def model_details(cat: Catalog, model_id: str) -> dict:
     m = dict(cat.model(model_id))
     config = json.loads(m.pop("config") or "{}")
     a = cat.analysis(model_id)
-    parents = parents_of(cat, model_id)
-    children = children_of(cat, model_id)
+    parents = api.parents_of(cat, model_id)
+    children = api.children_of(cat, model_id)
     return {
         "model": m, "role": role_of(m), "config": config, "analysis": a,
         "analyzed": cat.is_analyzed(model_id) if m["base_id"] else None,
@@ -101,11 +100,11 @@ def unanalyzed_experts(cat: Catalog) -> list[str]:
 
 def stats_version(cat: Catalog) -> str:
     """Changes when models, analyses or grids change (not on run progress): a cache key for statistics."""
-    row = analyses.stats_version_row(cat)
+    row = api.stats_version_row(cat)
     return hashlib.sha256(repr(tuple(row)).encode()).hexdigest()[:16]
 
 
 def expert_warnings(cat: Catalog) -> list[str]:
     """Warnings about registered experts from their stored statistics: an expert whose delta is far
     larger than its siblings' (fine-tuned from a different base?)."""
-    return [w for b in bases(cat) for w in analyses.outlier_warnings(cat, b)]
+    return [w for b in bases(cat) for w in api.outlier_warnings(cat, b)]

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from mergepipe.errors import MergePipeError
-from mergepipe.storage.paths import ROOTS_ENV, allowed_roots as storage_roots
+from mergepipe.api import Catalog, ROOTS_ENV, env_allowed_roots as storage_roots
 
 
 # --- paths -----------------------------------------------------------------------------------------
@@ -71,6 +71,12 @@ def check_out_path(path: str, roots: list[Path]) -> Path:
     if not parent.is_dir():
         raise MergePipeError(f"{parent} is not a directory")
     return p
+
+
+def open_catalog(db) -> Catalog:
+    """The catalog at ``db`` (the pages hold one per rerun or cached plan session and pass it to the views;
+    they never query it themselves)."""
+    return Catalog(str(db))
 
 
 def log_dir(db) -> Path:

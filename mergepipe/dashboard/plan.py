@@ -12,24 +12,17 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.plans import plan_rows
+from mergepipe import api
+from mergepipe.api import Budget, Catalog, MergeRequest, Plan, PlanContext
 from mergepipe.dashboard.figures import MAX_CELLS, aggregate, layout_of, state_figure
 from mergepipe.dashboard.formatting import bound_parts, fmt_bound, fmt_bytes, fmt_pct, no_bound_reason
 from mergepipe.dashboard.paths import check_path
 from mergepipe.errors import MergePipeError, PlanError
-from mergepipe.ops.core import get_op, OPERATORS
-from mergepipe.planner.budget import Budget
-from mergepipe.planner.context import PlanContext
-from mergepipe.planner.plan import Plan
-from mergepipe.planner.request import MergeRequest
-from mergepipe.storage.codecs import CODECS, codec
-from mergepipe.storage.paths import read_regular
 
 
 # --- plans ---------------------------------------------------------------------------------------------
 def operators() -> list[str]:
-    return list(OPERATORS)
+    return [s.name for s in api.operators()]
 
 
 def op_info(name: str) -> dict:
@@ -37,9 +30,9 @@ def op_info(name: str) -> dict:
     operator's declared parameters as widgets (ops/spec.py): ``place`` is ``main`` for those only some
     operators take (density, gamma, epsilon), ``more`` for lambda, normalize and rescale, ``weights``
     for the per-expert weight."""
-    spec = get_op(name)
+    spec = api.operator_spec(name)
     # the parameters every task-vector operator takes (the interpolation methods declare their own only)
-    common = set.intersection(*({p.name for p in s.parameters} for s in OPERATORS.values() if s.common is None))
+    common = set.intersection(*({p.name for p in s.parameters} for s in api.operators() if s.common is None))
     params = []
     for p in spec.parameters:
         place = "weights" if p.name == "weight" else ("more" if p.name in common else "main")
@@ -58,7 +51,7 @@ def plan_request(base: str, experts, operator: str = "linear", **settings) -> Me
     """The merge request of the Plan page's settings (keyword names as in :meth:`MergeRequest.build`)."""
     if not experts:
         raise PlanError("choose at least one expert")
-    return MergeRequest.build(base, list(experts), operator, **settings)
+    return api.merge_request(base, list(experts), operator, **settings)
 
 
 def request_key(request: MergeRequest) -> str:
@@ -72,9 +65,7 @@ def plan_context(cat: Catalog, base: MergeRequest | str, experts: list[str] | No
     that moving the budget touches no catalog row). Takes a MergeRequest, or builds one from settings."""
     request = base if isinstance(base, MergeRequest) else plan_request(
         base, experts, operator, weights=list(weights) if weights is not None else None, **settings)
-    ctx = PlanContext(cat, request)
-    if ctx.op.additive:
-        ctx.full_norm_estimate()
+    ctx = api.plan_session(cat, request)
     ctx.layout = layout_of(ctx.tensors, ctx.block_bytes)
     return ctx
 
@@ -136,25 +127,23 @@ def compact_options(cat: Catalog, experts) -> list[str]:
     """The Plan page's choices for the request's ``compact`` setting: [] when none of ``experts`` has compact
     deltas in the catalog (no control: the request keeps ``auto``, which then plans exact/omit), else
     ``auto``, ``off`` and each codec whose levels every such expert's stored compact can serve."""
-    from mergepipe.catalog import compacts
     wanted = set(experts or ())
-    stored = [codec(r["codec"]).stored_level for r in compacts.compact_rows(cat) if r["model_id"] in wanted]
+    stored = [api.codec(r["codec"]).stored_level for r in api.compact_rows(cat) if r["model_id"] in wanted]
     if not stored:
         return []
     top = min(stored)
-    return ["auto", "off", *(c for c in CODECS if all(lv <= top for lv in codec(c).levels))]
+    return ["auto", "off", *(c for c in api.CODECS if all(lv <= top for lv in api.codec(c).levels))]
 
 
 def compact_mode_help(mode: str) -> str:
-    return COMPACT_MODE_HELP.get(mode) or f"read only this codec's levels: {codec(mode).help}"
+    return COMPACT_MODE_HELP.get(mode) or f"read only this codec's levels: {api.codec(mode).help}"
 
 
 def compacts_version(cat: Catalog) -> str:
     """Changes when an expert's compact deltas are stored, replaced or removed (a cache key beside
     stats_version, which an ``analyze --compact`` of analyzed experts may leave as it was)."""
-    from mergepipe.catalog import compacts
     rows = [(r["model_id"], r["fingerprint"], r["block_bytes"], r["codec"], r["group_size"], r["sha256"],
-             r.get("created_at")) for r in compacts.compact_rows(cat)]
+             r.get("created_at")) for r in api.compact_rows(cat)]
     return hashlib.sha256(repr(rows).encode()).hexdigest()[:16] if rows else ""
 
 
@@ -253,15 +242,10 @@ PLAN_PAGE_TRI = {None: "default", True: "on", False: "off"}
 def read_config_source(upload: bytes | None, path: str | None, roots: list[Path],
                        upload_name: str | None = None) -> tuple[bytes, str]:
     """The bytes of a mergekit YAML from an upload, else from a typed path under an allowed folder."""
-    from mergepipe.config.model import MAX_CONFIG_BYTES
     if upload is not None:
         return upload, upload_name or "uploaded config"
     p = check_path(path or "", roots)
-    if not p.is_file():
-        raise MergePipeError(f"{p} is not a file")
-    if p.stat().st_size > MAX_CONFIG_BYTES:
-        raise MergePipeError(f"{p}: {p.stat().st_size} bytes is too large for a merge config")
-    return read_regular(p, MAX_CONFIG_BYTES), p.name
+    return api.read_config_file(p), p.name
 
 
 def mergekit_plan_settings(cat: Catalog, text: str | bytes, source: str, roots: list[Path]) -> dict:
@@ -270,11 +254,9 @@ def mergekit_plan_settings(cat: Catalog, text: str | bytes, source: str, roots: 
     Only looks at the catalog: the config's models must be registered already (a path is matched by
     uri and fingerprint; paths must lie under an allowed folder). Refuses what the page cannot show
     (per-model densities that differ, a budget that is not a whole percentage)."""
-    from mergepipe.config.parse import parse_config
-    from mergepipe.config.resolve import prepare
-    cfg = parse_config(text, source)
-    r = prepare(cat, cfg, register_paths=False, check_path=lambda t: check_path(t, roots))
-    spec = get_op(cfg.method)
+    cfg = api.parse_config(text, source)
+    r = api.resolve_config(cat, cfg, register_paths=False, check_path=lambda t: check_path(t, roots))
+    spec = api.operator_spec(cfg.method)
     if r.layout is not None:
         raise PlanError(f"{source}: its `slices:` renumber, repeat or copy layers, which the Plan page cannot show; "
                         f"use `mergepipe merge --config`")
@@ -547,7 +529,6 @@ def frontier_figure(frontier: pd.DataFrame, current_pct: float, current_bound: f
 
 def candidate_tiers(ctx: PlanContext, plan: Plan | dict) -> np.ndarray:
     """The tier code of each candidate in a plan (planner/tiers.py: 0 omitted, 1/2/4 compact bits, 8 exact)."""
-    from mergepipe.planner.tiers import EXACT
     p = plan.data if isinstance(plan, Plan) else plan
     experts = [e["id"] for e in ctx.experts]
     states = _state_array(ctx.layout, experts, p)
@@ -556,7 +537,7 @@ def candidate_tiers(ctx: PlanContext, plan: Plan | dict) -> np.ndarray:
     c = ctx.candidates
     v = states[c.expert, first[c.tensor] + c.block] if len(c.expert) else np.zeros(0)
     tier = np.zeros(len(v), dtype=np.int64)
-    tier[v == 1.0] = EXACT
+    tier[v == 1.0] = api.EXACT
     for bits, value in COMPACT_VALUE.items():
         tier[v == value] = bits
     return tier
@@ -585,7 +566,7 @@ def current_point(ctx: PlanContext, plan: Plan | dict, relative: bool) -> tuple[
 
 def plans_df(cat: Catalog) -> pd.DataFrame:
     rows = []
-    for r in plan_rows(cat):
+    for r in api.plan_rows(cat):
         p = json.loads(r["json"])
         rows.append({"plan": r["id"], "created": r["created_at"], "base": r["base_id"], "operator": r["operator"],
                      "experts": ", ".join(e["id"] for e in p["experts"]), "budget": p["budget"]["spec"],
@@ -626,8 +607,7 @@ def url_replacements(given: dict, used: dict, ranges: dict | None = None) -> lis
 # --- the settings as mergekit YAML (shown, edited and applied on the Plan page) -------------------------
 def plan_yaml(cat: Catalog, plan: Plan | dict) -> str:
     """The mergekit YAML (with the ``mergepipe:`` key: budget, strategy, seed) of a plan, saved or not."""
-    from mergepipe.config.export import export_plan_data
-    return export_plan_data(cat, plan.data if isinstance(plan, Plan) else plan)
+    return api.plan_as_yaml(cat, plan)
 
 
 def check_plan_yaml(cat: Catalog, text: str, roots: list[Path]) -> tuple[dict, str]:

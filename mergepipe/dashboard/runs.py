@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 import pandas as pd
 
-from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.runs import list_runs
+from mergepipe import api
+from mergepipe.api import Catalog
 from mergepipe.dashboard.formatting import fmt_bytes, fmt_seconds
-from mergepipe.engine.txn import pid_alive
+from mergepipe.dashboard.paths import default_out
 
 
 ACTIVE = ("queued", "running")
@@ -26,7 +27,7 @@ def _parse_ts(ts: str | None) -> float | None:
 
 def effective_status(run: dict) -> str:
     """The run's status, with a queued/running run whose process is gone reported as failed."""
-    if run["status"] in ACTIVE and run["pid"] and not pid_alive(run["pid"]):
+    if run["status"] in ACTIVE and run["pid"] and not api.run_alive(run):
         return "failed"
     return run["status"]
 
@@ -64,7 +65,7 @@ def run_progress(run: dict, now_ts: float | None = None) -> dict:
 
 
 def runs(cat: Catalog, kind: str | None = None, limit: int = 50) -> list[dict]:
-    return list_runs(cat, kind, limit)
+    return api.runs(cat, kind, limit)
 
 
 def runs_df(cat: Catalog, kind: str | None = None, limit: int = 50) -> pd.DataFrame:
@@ -82,3 +83,14 @@ def runs_df(cat: Catalog, kind: str | None = None, limit: int = 50) -> pd.DataFr
 def latest_run(cat: Catalog, kind: str) -> dict | None:
     rows = runs(cat, kind, 1)
     return rows[0] if rows else None
+
+
+def next_out(cat: Catalog, db, plan_id: str) -> Path:
+    """The Run page's default output directory for a plan: merged/merge-<plan>-<n> beside the catalog, ``n``
+    the runs and snapshots so far plus one, counted on past any folder that exists already."""
+    n = api.output_number(cat)
+    out = default_out(db, plan_id, n)
+    while out.exists():
+        n += 1
+        out = default_out(db, plan_id, n)
+    return out

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from mergepipe.errors import MergePipeError
-from mergepipe.storage.paths import ROOTS_ENV, allowed_roots
+from mergepipe.api import ROOTS_ENV, env_allowed_roots as allowed_roots
 
 APP = Path(__file__).resolve().parents[2] / "app.py"
 

@@ -10,8 +10,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from mergepipe import api
-from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.plans import plan_bounds
+from mergepipe.api import Catalog, Manifest, Plan
 from mergepipe.dashboard.figures import (
     FONT_PX, MAX_CELLS, aggregate, block_layout, bytes_axis, readable, state_figure, tensor_sort_key,
 )
@@ -19,8 +18,6 @@ from mergepipe.dashboard.paths import check_path
 from mergepipe.dashboard.formatting import fmt_bound, fmt_bytes, fmt_pct, short_fp
 from mergepipe.dashboard.plan import _mask_array, block_labels
 from mergepipe.errors import MergePipeError
-from mergepipe.manifest.build import Manifest
-from mergepipe.planner.plan import load_plan, Plan
 
 
 # --- snapshots -----------------------------------------------------------------------------------------
@@ -28,7 +25,7 @@ def snapshots_df(cat: Catalog) -> pd.DataFrame:
     rows = []
     labels = api.snapshot_labels(cat)
     ppl, acc = latest_scores(cat, "perplexity"), latest_scores(cat, "accuracy")
-    bounds = plan_bounds(cat)
+    bounds = api.plan_bounds(cat)
     for s in reversed(api.snapshots(cat)):
         lab = labels.get(s["id"], {})
         rows.append({"snapshot": s["id"], "model": s["model_id"], "operator": s["operator"], "plan": s["plan_id"],
@@ -101,7 +98,7 @@ def bytes_by_tensor_df(manifest: Manifest, plan: Plan | dict | None = None) -> p
 
 def manifest_plan(cat: Catalog, manifest: Manifest) -> Plan | None:
     try:
-        return load_plan(cat, manifest.core["plan_id"])
+        return api.load_plan(cat, manifest.core["plan_id"])
     except MergePipeError:
         return None
 
@@ -225,17 +222,14 @@ def verify_text(result: dict) -> str:
 def model_card(manifest: Manifest) -> tuple[dict, str] | None:
     """(front matter, markdown body) of the snapshot's README.md, or None when it has none (published
     before model cards) or its folder is gone."""
-    from pathlib import Path
-    from mergepipe.config.parse import load_yaml
-    from mergepipe.manifest.card import CARD_NAME
-    path = Path(manifest.run["out"]) / CARD_NAME
-    if CARD_NAME not in manifest.core["outputs"] or not path.is_file():
+    path = Path(manifest.run["out"]) / api.CARD_NAME
+    if api.CARD_NAME not in manifest.core["outputs"] or not path.is_file():
         return None
     text = path.read_text(encoding="utf-8", errors="replace")
     if text.startswith("---\n") and "\n---\n" in text[4:]:
         head, body = text[4:].split("\n---\n", 1)
         try:
-            front = load_yaml(head) or {}  # bounded: a tampered card cannot hang the page
+            front = api.load_yaml(head) or {}  # bounded: a tampered card cannot hang the page
         except MergePipeError:
             front = {}
         return (front if isinstance(front, dict) else {}), body.lstrip("\n")
@@ -264,16 +258,14 @@ def labels_of(cat: Catalog, snapshot_id: str) -> dict:
 
 def delete_preview(cat: Catalog, snapshot_id: str) -> dict:
     """What deleting a snapshot removes, and who still needs it (deletion is refused unless forced)."""
-    from pathlib import Path
-    from mergepipe.catalog.snapshots import snapshot_dependents, snapshot_row
-    row = snapshot_row(cat, snapshot_id)
+    row = api.snapshot_row(cat, snapshot_id)
     if row is None:
         raise MergePipeError(f"unknown snapshot {snapshot_id!r}")
     out = Path(row["out"])
     files = sorted(p for p in out.iterdir() if p.is_file()) if out.is_dir() else []
     return {"snapshot_id": row["id"], "model_id": row["model_id"], "out": str(out), "exists": out.is_dir(),
             "files": len(files), "bytes": sum(p.stat().st_size for p in files),
-            "dependents": snapshot_dependents(cat, row["model_id"])}
+            "dependents": api.snapshot_dependents(cat, row["model_id"])}
 
 
 # --- evaluation -------------------------------------------------------------------------------------------
@@ -287,7 +279,6 @@ def evaluation_models(cat: Catalog, manifest: Manifest) -> list[str]:
 def evaluation_inputs(text: str, tasks: str, roots: list) -> tuple[Path | None, Path | None]:
     """The held-out text and the task suite a user typed (either may be empty, not both), each under an
     allowed folder; the suite is parsed now, so a bad one is refused before any run starts."""
-    from mergepipe.config.task_suite import read_task_suite
     if not (text or "").strip() and not (tasks or "").strip():
         raise MergePipeError("give a held-out text file or a task suite (or both)")
     text_path = check_path(text, roots) if (text or "").strip() else None
@@ -296,7 +287,7 @@ def evaluation_inputs(text: str, tasks: str, roots: list) -> tuple[Path | None, 
         if p is not None and not p.is_file():
             raise MergePipeError(f"{p} is not a file")
     if tasks_path is not None:
-        read_task_suite(tasks_path)
+        api.read_task_suite(tasks_path)
     return text_path, tasks_path
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.sweeps import sweep_points, sweeps
+from mergepipe import api
+from mergepipe.api import Catalog
 from mergepipe.dashboard.formatting import fmt_bytes
 
 SWEEP_COLUMNS = ["id", "name", "executor", "status", "points", "started_at", "finished_at"]
@@ -15,7 +15,7 @@ SWEEP_COLUMNS = ["id", "name", "executor", "status", "points", "started_at", "fi
 
 def sweeps_df(catalog: Catalog) -> pd.DataFrame:
     """Every sweep, newest first."""
-    return pd.DataFrame(sweeps(catalog), columns=SWEEP_COLUMNS)
+    return pd.DataFrame(api.sweep_rows(catalog), columns=SWEEP_COLUMNS)
 
 
 def _settings_text(settings: dict) -> str:
@@ -26,7 +26,7 @@ def points_df(catalog: Catalog, sweep_id: str) -> pd.DataFrame:
     """A sweep's points: settings, status, snapshot, realized expert bytes, seconds, quality, and whether
     the point is on the frontier (no other published point reads at most as many bytes with a better
     score; lower is better for perplexity and the error bound)."""
-    rows = sweep_points(catalog, sweep_id)
+    rows = api.sweep_points(catalog, sweep_id)
     df = pd.DataFrame([{
         "point": r["point"], "settings": _settings_text(r["settings"]), "operator": r["settings"].get("operator", "linear"),
         "status": r["status"], "snapshot": r["snapshot_id"], "expert_read": r["expert_read"],

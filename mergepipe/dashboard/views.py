@@ -18,7 +18,7 @@ from mergepipe.dashboard.formatting import (  # noqa: F401
     bound_parts, fmt_bound, fmt_bytes, fmt_cell, fmt_pct, fmt_seconds, MISSING, no_bound_reason, short_fp, table,
 )
 from mergepipe.dashboard.paths import (  # noqa: F401
-    allowed_roots, check_out_path, check_path, db_path, default_out, log_dir,
+    allowed_roots, check_out_path, check_path, db_path, default_out, log_dir, open_catalog,
 )
 from mergepipe.dashboard.figures import (  # noqa: F401
     aggregate, block_layout, bytes_axis, bytes_ticks, group_of, group_ticks, groups, heatmap_figure, state_figure,
@@ -31,7 +31,7 @@ from mergepipe.dashboard.models import (  # noqa: F401
 )
 from mergepipe.dashboard.home import activity_df, getting_started, merges_without_run, totals  # noqa: F401
 from mergepipe.dashboard.runs import (  # noqa: F401
-    _parse_ts, ACTIVE, effective_status, latest_run, run_progress, runs, runs_df,
+    _parse_ts, ACTIVE, effective_status, latest_run, next_out, run_progress, runs, runs_df,
 )
 from mergepipe.dashboard.catalog import (  # noqa: F401
     block_stats_df, conflict_heatmap, conflict_matrix, norm_heatmap, norm_matrix, NORM_MODES, NORM_SCALES,
