@@ -9,23 +9,13 @@ import json
 import numpy as np
 import pytest
 
-from dashboard_helpers import EXPERTS, build_catalog, open_page, page_env, wait_until
+from dashboard_helpers import EXPERTS, open_page, wait_until
 from mergepipe.dashboard import views
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.models import register
 from mergepipe.engine.runs import get_run
 
 E = list(EXPERTS)
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    return build_catalog(tmp_path_factory.mktemp("pages"))
-
-
-@pytest.fixture
-def env(built, tmp_path, monkeypatch):
-    return page_env(built, tmp_path, monkeypatch)
 
 
 def metrics(at) -> dict:

@@ -8,22 +8,12 @@ import json
 
 import pytest
 
-from dashboard_helpers import EXPERTS, build_catalog, open_page, page_env
+from dashboard_helpers import EXPERTS, open_page
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.models import register
 from mergepipe.dashboard import views
 
 E = list(EXPERTS)
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    return build_catalog(tmp_path_factory.mktemp("pages-daily"))
-
-
-@pytest.fixture
-def env(built, tmp_path, monkeypatch):
-    return page_env(built, tmp_path, monkeypatch)
 
 
 def spec(at, key: str) -> dict:

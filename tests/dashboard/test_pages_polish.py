@@ -8,24 +8,13 @@ from __future__ import annotations
 import math
 
 import pandas as pd
-import pytest
 
-from dashboard_helpers import EXPERTS, build_catalog, open_page, page_env
+from dashboard_helpers import EXPERTS, open_page
 from mergepipe.catalog.db import Catalog
 from mergepipe.dashboard import views
 from mergepipe.dashboard.figures import FONT_PX, LEGEND_ROW_PX, TITLE_PX, TICK_SPAN
 
 E = list(EXPERTS)
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    return build_catalog(tmp_path_factory.mktemp("polish"))
-
-
-@pytest.fixture
-def env(built, tmp_path, monkeypatch):
-    return page_env(built, tmp_path, monkeypatch)
 
 
 def texts(elements) -> list[str]:

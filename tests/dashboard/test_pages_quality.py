@@ -7,22 +7,12 @@ import json
 
 import pytest
 
-from dashboard_helpers import EXPERTS, build_catalog, open_page, page_env, wait_until
+from dashboard_helpers import EXPERTS, open_page, wait_until
 from mergepipe.catalog.db import Catalog
 from mergepipe.api import evaluations
 from mergepipe.dashboard import views
 
 E = list(EXPERTS)
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    return build_catalog(tmp_path_factory.mktemp("pages-quality"))
-
-
-@pytest.fixture
-def env(built, tmp_path, monkeypatch):
-    return page_env(built, tmp_path, monkeypatch)
 
 
 def texts(elements) -> list[str]:

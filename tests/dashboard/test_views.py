@@ -15,7 +15,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import pytest
 
-from dashboard_helpers import BLOCK_BYTES, EXPERTS, build_catalog, copy_catalog
+from dashboard_helpers import BLOCK_BYTES, EXPERTS, copy_catalog
 from mergepipe.dashboard import server as dashboard, views
 from mergepipe.api import plan_merge
 from mergepipe.catalog.db import Catalog
@@ -26,11 +26,6 @@ from mergepipe.catalog.models import register
 from mergepipe.catalog.sketch import conflict_rate, cosine
 
 E = list(EXPERTS)
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    return build_catalog(tmp_path_factory.mktemp("views"))
 
 
 @pytest.fixture(scope="module")

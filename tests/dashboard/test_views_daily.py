@@ -8,17 +8,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dashboard_helpers import EXPERTS, build_catalog, copy_catalog
+from dashboard_helpers import EXPERTS, copy_catalog
 from mergepipe.catalog import analyses
 from mergepipe.catalog.db import Catalog
 from mergepipe.dashboard import views
 
 E = list(EXPERTS)
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    return build_catalog(tmp_path_factory.mktemp("daily"))
 
 
 @pytest.fixture
