@@ -12,12 +12,13 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from mergepipe.catalog import runs as runs_table
 from mergepipe.catalog.db import Catalog
 from mergepipe.engine.txn import check_output_path, pid_alive
-from mergepipe.errors import ExecutionError
+from mergepipe.errors import ExecutionError, MergePipeError
 
 PROGRESS_INTERVAL_S = 0.3
 
@@ -143,6 +144,32 @@ class RunProgress:
                 runs_table.mark_run_ended(self.catalog, self.run_id, status, message)
         except Exception:  # noqa: BLE001  (the error being propagated is the one to report)
             pass
+
+
+@contextmanager
+def recorded_run(catalog: Catalog, run_id: int | None, finish: bool = True):
+    """The bookkeeping of a run started with ``--run-id`` (a row the dashboard's launcher inserted):
+    marked running on entry; on the way out cancelled (Ctrl-C, SIGTERM), failed (with the error, which
+    goes on propagating) or, with ``finish``, succeeded. ``finish=False`` where the engine marks the run
+    succeeded itself, in the transaction that publishes its snapshot. Yields the RunProgress callback to
+    report progress through, or None (and records nothing) without a run id."""
+    if run_id is None:
+        yield None
+        return
+    run = RunProgress(catalog, run_id)
+    try:
+        yield run
+    except KeyboardInterrupt:
+        run.fail("cancelled", "cancelled by the user")
+        raise
+    except MergePipeError as exc:
+        run.fail("failed", str(exc))
+        raise
+    except BaseException as exc:
+        run.fail("failed", f"{type(exc).__name__}: {exc}")
+        raise
+    if finish:
+        run.finish()
 
 
 def get_run(catalog: Catalog, run_id: int) -> dict:
