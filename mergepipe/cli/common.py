@@ -1,24 +1,68 @@
-"""What every command shares: the command registry, opening the catalog, JSON or table output, progress bars."""
+"""What every command shares: the command registry, opening the catalog, JSON or table output, progress bars.
+
+A command is declared beside its function: ``@command(name, help, arguments=add_flags)`` registers the
+function and the function that adds its flags to its parser (``group=`` makes it a sub-command of a
+``command_group``, e.g. ``mergepipe recipe save``); cli/app.py builds the parser from this registry.
+The parser is argparse's, not click's or typer's: no new dependency, and ``mergepipe --help`` stays
+fast (argparse is in the standard library; click alone would add tens of milliseconds to every start).
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
+import shutil
 import sys
+import textwrap
+from dataclasses import dataclass, field
+from typing import Callable
+
+from mergepipe import api
 
 
-SUBCOMMANDS: dict[str, callable] = {}
-# command name -> a function adding its arguments to its parser (for commands that declare them here)
-ARGUMENTS: dict[str, callable] = {}
+@dataclass
+class Command:
+    """One ``mergepipe`` command (or a group of sub-commands, ``func`` None) in the order registered."""
+    name: str
+    help: str
+    func: Callable | None = None
+    arguments: Callable | None = None  # adds the command's flags to its parser
+    children: dict[str, "Command"] = field(default_factory=dict)
 
 
-def command(name, help_text, arguments=None):
+# name -> Command; importing a command module registers its commands
+COMMANDS: dict[str, Command] = {}
+
+
+def command(name: str, help_text: str, arguments: Callable | None = None, group: str | None = None):
+    """Register the decorated function as ``mergepipe NAME`` (``mergepipe GROUP NAME`` with ``group``);
+    ``arguments(parser)`` adds its flags."""
     def deco(fn):
-        SUBCOMMANDS[name] = (fn, help_text)
-        if arguments is not None:
-            ARGUMENTS[name] = arguments
+        where = COMMANDS if group is None else COMMANDS[group].children
+        where[name] = Command(name, help_text, fn, arguments)
         return fn
     return deco
+
+
+def command_group(name: str, help_text: str) -> None:
+    """Register ``mergepipe NAME ACTION ...``: its actions are the commands registered with ``group=NAME``."""
+    COMMANDS[name] = Command(name, help_text)
+
+
+def add_commands(parser: argparse.ArgumentParser, commands: dict[str, Command], parents: list,
+                 dest: str = "command", metavar: str | None = "COMMAND") -> None:
+    """A sub-parser per command (and per action of a group), each with ``parents``' flags and its own."""
+    sub = parser.add_subparsers(dest=dest, metavar=metavar, required=dest != "command")
+    for c in commands.values():
+        p = sub.add_parser(c.name, help=c.help, parents=parents, description=c.help)
+        if c.func is not None:
+            p.set_defaults(func=c.func)
+        if c.arguments is not None:
+            c.arguments(p)
+        if c.children:
+            add_commands(p, c.children, parents, dest="action", metavar=None)
 
 
 def default_db() -> str:
@@ -27,8 +71,7 @@ def default_db() -> str:
 
 def open_catalog(args, create: bool = False, write: bool = False):
     """The catalog at --db; ``write``: the command writes to it, so a read-only one is an error now."""
-    from mergepipe.api import Catalog
-    cat = Catalog(args.db, create=create)
+    cat = api.Catalog(args.db, create=create)
     if write:
         cat.require_writable()
     return cat
@@ -51,7 +94,7 @@ def table(rows: list[dict], columns: list[str], title: str | None = None, header
     wide. One line per row. ``headers`` renames columns
     for display; ``wide`` columns are shown only at least ``wide_width`` columns wide (they stay in --json);
     ``show_all`` (--wide) shows every column at its full width, however wide the lines."""
-    from rich import box
+    from rich import box  # rich on first use: `mergepipe --help` does not load it
     from rich.console import Console
     from rich.table import Table
     width = terminal_width()
@@ -75,7 +118,6 @@ def table(rows: list[dict], columns: list[str], title: str | None = None, header
     sys.stdout.write("".join(_rstrip(line) for line in captured.get().splitlines(keepends=True)))
     left_out = [heads[i] for i, w in enumerate(widths) if not w]
     if left_out:
-        import textwrap
         print(textwrap.fill(f"(left out at {width} columns: {', '.join(left_out)}; --wide shows them)", width))
 
 
@@ -84,7 +126,6 @@ TABLE_GAP, TABLE_EDGE, CUT_MIN = 3, 2, 8
 
 
 def terminal_width() -> int:
-    import shutil
     return shutil.get_terminal_size((80, 24)).columns
 
 
@@ -113,7 +154,6 @@ def fit_widths(natural: list[int], kept: list[bool], width: int, whole: list[boo
 
 def _rstrip(line: str) -> str:
     """A rendered line without its trailing padding (kept: the style codes and the newline)."""
-    import re
     return re.sub(r"[ ]+((?:\x1b\[[0-9;]*m)*)(\n?)$", r"\1\2", line)
 
 
@@ -131,7 +171,6 @@ def _numeric(cells: list[str]) -> bool:
 def short_tensor(name: str) -> str:
     """'model.layers.3.self_attn.q_proj.weight' -> 'L3.self_attn.q_proj' (tables at 80 columns; --json
     keeps the full name)."""
-    import re
     n = re.sub(r"^model\.", "", name)
     n = re.sub(r"(^|\.)layers\.(\d+)\.", r"\1L\2.", n)
     return n.removesuffix(".weight")

@@ -7,9 +7,8 @@ import shlex
 import time
 from pathlib import Path
 
-from mergepipe.api import (
-    Catalog, analyze, compact_growth_text, human_bytes, merge, merge_summary, register, register_many, snapshot_count,
-)
+from mergepipe import api
+from mergepipe.dashboard.server import check_port_free, run_dashboard
 from mergepipe.research.family import make_family
 
 DEMO_EXPERTS = 4
@@ -25,25 +24,25 @@ def build_demo(root: Path, log=print) -> dict:
         log(f"building a small bf16 family (base + {DEMO_EXPERTS} experts) in {fam} ...")
         make_family(fam, experts=DEMO_EXPERTS, size="small", dtype="bf16", shard_bytes=4 << 20, seed=0)
     db = root / "catalog.sqlite"
-    cat = Catalog(db)
-    register(cat, "base", str(fam / "base"))
+    cat = api.Catalog(db)
+    api.register(cat, "base", str(fam / "base"))
     experts = [f"expert_{i}" for i in range(1, DEMO_EXPERTS + 1)]
-    register_many(cat, [(e, str(fam / e)) for e in experts], base_id="base")
-    results = analyze(cat, experts, block_bytes=256 << 10, compact="progressive")
+    api.register_many(cat, [(e, str(fam / e)) for e in experts], base_id="base")
+    results = api.analyze(cat, experts, block_bytes=256 << 10, compact="progressive")
     for r in results:
         log(f"analyze {r.model_id}: " + ("unchanged" if r.skipped else f"{r.n_blocks} blocks, "
-                                          f"{human_bytes(r.bytes_read)} in {r.seconds:.2f} s"))
+                                          f"{api.human_bytes(r.bytes_read)} in {r.seconds:.2f} s"))
     stored = [r.compact for r in results if r.compact]
     if stored:
-        log(f"compact deltas (progressive): {compact_growth_text(sum(c['bytes'] for c in stored), sum(c['expert_bytes'] for c in stored))}")
-    n = snapshot_count(cat)
+        log(f"compact deltas (progressive): {api.compact_growth_text(sum(c['bytes'] for c in stored), sum(c['expert_bytes'] for c in stored))}")
+    n = api.snapshot_count(cat)
     out = root / "merged" / f"ties-25pct-{n + 1}"
     out.parent.mkdir(exist_ok=True)
-    plan, sid, manifest = merge(cat, "base", experts, out, operator="ties", model_id=f"demo-ties-25pct-{n + 1}",
+    plan, sid, manifest = api.merge(cat, "base", experts, out, operator="ties", model_id=f"demo-ties-25pct-{n + 1}",
                                 density=0.3, budget="25%")
-    s = merge_summary(plan, manifest)
-    log(f"merged (ties, density 0.3, budget 25%): read {human_bytes(s['realized']['expert_read'])} exactly and "
-        f"{human_bytes(s['realized']['compact_read'])} of compact deltas, of {human_bytes(s['full_expert_bytes'])} "
+    s = api.merge_summary(plan, manifest)
+    log(f"merged (ties, density 0.3, budget 25%): read {api.human_bytes(s['realized']['expert_read'])} exactly and "
+        f"{api.human_bytes(s['realized']['compact_read'])} of compact deltas, of {api.human_bytes(s['full_expert_bytes'])} "
         f"changed (delta != 0) expert bytes -> {sid} at {out}")
     model_id = s["model_id"]
     cat.close()
@@ -73,10 +72,8 @@ def next_steps(res: dict) -> list[str]:
 
 def run_demo(root: Path, dashboard: bool = True, port: int = 8501) -> dict:
     if dashboard:  # refuse a taken port before building anything
-        from mergepipe.dashboard.server import check_port_free
         check_port_free(port)
     res = build_demo(root)
     if dashboard:
-        from mergepipe.dashboard.server import run_dashboard
         run_dashboard(res["db"], port=port, extra_roots=[str(Path(root).absolute())])
     return res

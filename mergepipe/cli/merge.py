@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
+from mergepipe import api
 from mergepipe.cli.common import command, emit, open_catalog, progress_bar
 from mergepipe.errors import MergePipeError
 
 
 # --- plan / merge / execute ---------------------------------------------------------------------
-def _operator_help(api) -> str:
+def _operator_help() -> str:
     names = ", ".join(s.name + (f" ({', '.join(a.upper() for a in s.aliases)})" if s.aliases else "")
                       for s in api.operators())
     return f"{names} (default linear, or the config's merge_method)"
 
 
-def _param_help(api, p) -> str:
+def _param_help(p) -> str:
     """A declared parameter's help: what it does, its range and default, and which operators take it."""
     takers = [s.name for s in api.operators() if any(q.name == p.name for q in s.parameters)]
     every = len(takers) == len(api.operators())
@@ -38,9 +40,9 @@ def _param_help(api, p) -> str:
     return "; ".join(parts).replace("%", "%%")
 
 
-def _add_param(p, api, param) -> None:
+def add_param(p, param) -> None:
     """The flags of one declared operator parameter (ops/spec.py)."""
-    text = _param_help(api, param)
+    text = _param_help(param)
     if param.kind is bool:
         p.add_argument(param.option, dest=param.key, action="store_true", default=None, help=text)
         p.add_argument(f"--no-{param.name}", dest=param.key, action="store_false", help=f"turn {param.name} off")
@@ -49,15 +51,14 @@ def _add_param(p, api, param) -> None:
 
 
 def _add_plan_args(p, with_out: bool):
-    from mergepipe import api
     p.add_argument("--config", help="a mergekit YAML config (models, base_model, merge_method, parameters); "
                                     "paths in it are registered and analyzed on the fly; flags given here "
                                     "override its values")
     p.add_argument("--base", help="base model id (required without --config)")
     p.add_argument("--experts", nargs="+", help="expert model ids (required without --config)")
-    p.add_argument("--op", "--operator", dest="op", default=None, help=_operator_help(api))
+    p.add_argument("--op", "--operator", dest="op", default=None, help=_operator_help())
     for param in api.parameters():  # generated from the operators' declarations
-        _add_param(p, api, param)
+        add_param(p, param)
     p.add_argument("--budget", help="expert-read budget: 10%%, 0.1, 512MiB, 8GB (default 100%%)")
     p.add_argument("--io-budget-mb", type=float, help="expert-read budget in MiB")
     p.add_argument("--target-bound", type=float, metavar="EPS",
@@ -111,7 +112,6 @@ def _add_extend_args(p):
 
 def _extend_request(args):
     """The incremental request of `merge --extend` (the flags of a from-scratch merge are refused)."""
-    from mergepipe import api
     if args.config or args.base or args.experts:
         raise MergePipeError("--extend takes its base and experts from the snapshot: drop --config/--base/--experts")
     given = [k for k, v in _settings(args).items() if v is not None] + [
@@ -141,7 +141,6 @@ def _number(text: str, what: str) -> float:
 
 
 def _extend(args, cat):
-    from mergepipe import api
     prog, cb = progress_bar("extend")
     with prog:
         plan, _, manifest = api.extend(cat, _extend_request(args), out_shard_bytes=args.out_shard_size,
@@ -158,12 +157,10 @@ def _extend(args, cat):
 
 def _settings(args) -> dict:
     """The operator parameters given on the command line (None: not given), by request keyword."""
-    from mergepipe import api
     return {p.key: getattr(args, p.key, None) for p in api.parameters()}
 
 
 def _budget(args):
-    from mergepipe import api
     if args.budget is not None and args.io_budget_mb is not None:
         raise MergePipeError("give either --budget or --io-budget-mb, not both")
     if args.budget is None and args.io_budget_mb is None and args.target_bound is None:
@@ -173,7 +170,6 @@ def _budget(args):
 
 def _request(args):
     """The MergeRequest of the command line's flags (without --config)."""
-    from mergepipe import api
     budget = _budget(args)
     if not args.base or not args.experts:
         raise MergePipeError("--base and --experts are required (or give a mergekit YAML with --config)")
@@ -184,7 +180,6 @@ def _request(args):
 
 
 def _make_plan(args, cat, save=True, reserved_ids=()):
-    from mergepipe import api
     if args.config is not None:
         return _config_plan(args, cat, save, reserved_ids)
     return api.plan(cat, _request(args), save=save)
@@ -192,7 +187,6 @@ def _make_plan(args, cat, save=True, reserved_ids=()):
 
 def _load_config(args):
     """The --config file, parsed and validated, with the command line's flags applied over it."""
-    from mergepipe import api
     budget = _budget(args)
     if args.base or args.experts:
         raise MergePipeError("--base/--experts cannot be combined with --config (the config names the models)")
@@ -206,7 +200,6 @@ def _load_config(args):
 
 
 def _config_plan(args, cat, save, reserved_ids):
-    from mergepipe import api
     plan, resolved = api.plan_from_config(cat, args.config_parsed, save=save, reserved_ids=reserved_ids)
     for kw in resolved.to_register:
         print(f"registered {kw['model_id']} ({kw['kind']}) from {kw['uri']}", file=sys.stderr)
@@ -231,40 +224,26 @@ def _open_for_plan(args):
     return open_catalog(args, write=True)
 
 
-@command("plan", "make and store a plan (reads no expert bytes)")
+@command("plan", "make and store a plan (reads no expert bytes)",
+         arguments=lambda p: _add_plan_args(p, with_out=False))
 def cmd_plan(args):
     cat = _open_for_plan(args)
     plan = _make_plan(args, cat)
     emit(args, _plan_summary(plan), lambda _: print(plan.explain()))
 
 
-def _execute(args, cat, plan):
-    from mergepipe import api
-    run = api.RunProgress(cat, args.run_id) if getattr(args, "run_id", None) is not None else None
+def _execute(args, cat, plan, run=None):
+    """Run the plan (``run``: the RunProgress of `execute --run-id`, else None) and print its summary."""
     prog, cb = progress_bar("merge")
 
     def progress(done, total, nbytes):
         cb("blocks", done, total)
         if run:
             run(done, total, nbytes)
-    try:
-        with prog:
-            _, manifest = api.execute(cat, plan, out=args.out, model_id=args.model_id,
-                                      out_shard_bytes=args.out_shard_size, progress=progress,
-                                      run_id=getattr(args, "run_id", None), executor=args.executor,
-                                      address=args.address)
-    except KeyboardInterrupt:
-        if run:
-            run.fail("cancelled", "cancelled by the user")
-        raise
-    except MergePipeError as exc:
-        if run:
-            run.fail("failed", str(exc))
-        raise
-    except Exception as exc:
-        if run:
-            run.fail("failed", f"{type(exc).__name__}: {exc}")
-        raise
+    with prog:
+        _, manifest = api.execute(cat, plan, out=args.out, model_id=args.model_id, out_shard_bytes=args.out_shard_size,
+                                  progress=progress, run_id=run.run_id if run else None, executor=args.executor,
+                                  address=args.address)
     summary = api.merge_summary(plan, manifest)
     emit(args, summary, lambda s: print(
         f"published {s['snapshot_id']} as model {s['model_id']} at {s['out']}\n"
@@ -280,7 +259,12 @@ def _execute(args, cat, plan):
            if s["error_bound"] else "")))
 
 
-@command("merge", "plan and execute a merge, publishing a snapshot")
+def _add_merge_args(p):
+    _add_plan_args(p, with_out=True)
+    _add_extend_args(p)
+
+
+@command("merge", "plan and execute a merge, publishing a snapshot", arguments=_add_merge_args)
 def cmd_merge(args):
     if args.extend is not None:
         return _extend(args, open_catalog(args, write=True))
@@ -291,8 +275,7 @@ def cmd_merge(args):
     # usable, so a refused merge leaves the catalog unchanged.
     reserved = ()
     if args.config is not None:  # refuse a taken output before registering or analyzing anything
-        from mergepipe.api import check_target
-        _, model_id = check_target(cat, args.out, args.model_id)
+        _, model_id = api.check_target(cat, args.out, args.model_id)
         reserved = (model_id,)
     plan = _make_plan(args, cat, save=False, reserved_ids=reserved)
     for warning in plan.data.get("warnings", ()):
@@ -300,40 +283,45 @@ def cmd_merge(args):
     _execute(args, cat, plan)
 
 
-@command("execute", "execute a stored plan")
+def _add_execute_args(p):
+    p.add_argument("plan_id", help="a stored plan (see `mergepipe plan`)")
+    _add_out_args(p)
+    p.add_argument("--run-id", type=int, help=argparse.SUPPRESS)
+
+
+@command("execute", "execute a stored plan", arguments=_add_execute_args)
 def cmd_execute(args):
-    from mergepipe import api
     cat = open_catalog(args, write=True)
-    try:
-        plan = api.load_plan(cat, args.plan_id)
-    except MergePipeError as exc:
-        if args.run_id is not None:
-            api.RunProgress(cat, args.run_id).fail("failed", str(exc))
-        raise
-    _execute(args, cat, plan)
+    # the engine marks the run succeeded when it publishes the snapshot
+    with api.recorded_run(cat, args.run_id, finish=False) as run:
+        _execute(args, cat, api.load_plan(cat, args.plan_id), run)
 
 
-@command("explain", "print a plan or a snapshot, per expert and per tensor")
+def _add_explain_args(p):
+    p.add_argument("ref", help="plan id, snapshot id, merged model id or snapshot directory")
+    p.add_argument("--as-mergekit", action="store_true", help="print the equivalent mergekit YAML config instead")
+    p.add_argument("--out", help="with --as-mergekit: write the YAML to this file")
+
+
+@command("explain", "print a plan or a snapshot, per expert and per tensor", arguments=_add_explain_args)
 def cmd_explain(args):
-    from mergepipe.api import explain, find_plan_id, load_manifest, load_plan
     if args.as_mergekit:
         return _explain_mergekit(args)
     if args.out is not None:
         raise MergePipeError("--out goes with --as-mergekit")
     cat = open_catalog(args)
     if args.json:
-        if find_plan_id(cat, args.ref) is not None:
-            print(load_plan(cat, args.ref).to_json(indent=2))
+        if api.find_plan_id(cat, args.ref) is not None:
+            print(api.load_plan(cat, args.ref).to_json(indent=2))
         else:
-            print(load_manifest(cat, args.ref).to_json())
+            print(api.load_manifest(cat, args.ref).to_json())
         return
-    print(explain(cat, args.ref))
+    print(api.explain(cat, args.ref))
 
 
 def _explain_mergekit(args):
-    from mergepipe.api import export_mergekit
     cat = open_catalog(args) if (Path(args.db).exists() or not Path(args.ref).is_dir()) else None
-    text = export_mergekit(cat, args.ref)
+    text = api.export_mergekit(cat, args.ref)
     if args.out is None:
         sys.stdout.write(text)
         return
@@ -357,7 +345,7 @@ def _add_sweep_args(p):
 
 def _evaluator(spec: dict):
     """(metric, value) of an output directory: perplexity on the config's held-out text."""
-    from mergepipe.research.evaluate import check_scoring, perplexity, read_eval_file
+    from mergepipe.research.evaluate import check_scoring, perplexity, read_eval_file  # imports torch
     text = read_eval_file(spec["text"], "evaluate.text: ").decode("utf-8", errors="replace")
     window, max_tokens = int(spec.get("window", 256)), int(spec.get("max_tokens", 2048))
     check_scoring(window, max_tokens, ("evaluate.window", "evaluate.max_tokens"))
@@ -370,14 +358,13 @@ def _point_line(row: dict) -> str:
     if row["status"] != "published":
         return f"  [{row['point']}] {what}: {row['status']}: {row['error']}"
     quality = f", {row['metric']} {row['quality']:.4g}" if row.get("quality") is not None else ""
-    from mergepipe.api import human_bytes
-    return (f"  [{row['point']}] {what}: {row['snapshot_id']}, expert read {human_bytes(row['expert_read'])}, "
+    return (f"  [{row['point']}] {what}: {row['snapshot_id']}, expert read {api.human_bytes(row['expert_read'])}, "
             f"{row['seconds']:.2f} s{quality}")
 
 
-@command("sweep", "plan and run a grid or list of merges (locally or on Ray), recorded as a sweep table")
+@command("sweep", "plan and run a grid or list of merges (locally or on Ray), recorded as a sweep table",
+         arguments=_add_sweep_args)
 def cmd_sweep(args):
-    from mergepipe import api
     cat = open_catalog(args, write=True)
     cfg = api.load_sweep(args.config).with_overrides(args.executor, args.address, args.concurrency)
     evaluate = _evaluator(cfg.evaluate) if cfg.evaluate else None

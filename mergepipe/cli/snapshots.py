@@ -1,19 +1,27 @@
-"""Snapshot commands: verify, snapshots, lineage, recover, and starting the dashboard."""
+"""Snapshot commands: verify, snapshots, lineage, delete, evaluate, recover, doctor, diff, and starting the
+dashboard."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
+from mergepipe import api
 from mergepipe.cli.common import command, emit, open_catalog, short_date, table
-from mergepipe.errors import MergePipeError
+from mergepipe.dashboard.server import run_dashboard
+from mergepipe.errors import MergePipeError, VerifyError
 
 
-@command("verify", "re-hash a snapshot against its manifest (exit 1 on mismatch)")
+def _add_verify(p):
+    p.add_argument("ref", help="plan id, snapshot id, merged model id or snapshot directory")
+    p.add_argument("--outputs-only", action="store_true",
+                   help="check the snapshot's files only, not whether its inputs are unchanged")
+
+
+@command("verify", "re-hash a snapshot against its manifest (exit 1 on mismatch)", arguments=_add_verify)
 def cmd_verify(args):
-    from mergepipe.errors import VerifyError
-    from mergepipe.api import verify
     cat = open_catalog(args) if (Path(args.db).exists() or not Path(args.ref).is_dir()) else None
-    res = verify(cat, args.ref, check_inputs=not args.outputs_only)
+    res = api.verify(cat, args.ref, check_inputs=not args.outputs_only)
     emit(args, res, lambda r: print(
         f"{'OK' if r['ok'] else 'MISMATCH'} {r['snapshot_id']} ({r['files_checked']} files, "
         f"{r['inputs_checked']} inputs) {r['out']}"
@@ -26,10 +34,9 @@ def cmd_verify(args):
     "--wide", action="store_true", help="show every column in full, however wide the lines (ids are never cut "
                                         "or wrapped)"))
 def cmd_snapshots(args):
-    from mergepipe.api import human_bytes, snapshots
     cat = open_catalog(args)
-    emit(args, snapshots(cat), lambda rs: table(
-        [{**r, "read": human_bytes(r["expert_read_bytes"]) + (
+    emit(args, api.snapshots(cat), lambda rs: table(
+        [{**r, "read": api.human_bytes(r["expert_read_bytes"]) + (
             f" ({r['expert_read_bytes'] / r['full_expert_bytes']:.0%})" if r.get("full_expert_bytes") else ""),
           "created_at": short_date(r["created_at"])} for r in rs],
         ["id", "model_id", "operator", "read", "created_at", "out"],
@@ -37,42 +44,65 @@ def cmd_snapshots(args):
         keep=("id", "model_id"), show_all=args.wide))
 
 
-@command("lineage", "ancestors and descendants of a model (the whole DAG without an id)")
+def _add_lineage(p):
+    p.add_argument("model_id", nargs="?", help="a model id (default: the whole DAG)")
+    p.add_argument("--dot", action="store_true", help="print Graphviz DOT")
+
+
+@command("lineage", "ancestors and descendants of a model (the whole DAG without an id)", arguments=_add_lineage)
 def cmd_lineage(args):
-    from mergepipe.api import lineage, lineage_dot
     cat = open_catalog(args)
-    g = lineage(cat, args.model_id)
+    g = api.lineage(cat, args.model_id)
     if args.dot:
-        print(lineage_dot(g))
+        print(api.lineage_dot(g))
         return
     emit(args, g, lambda g: [print(f"{e['parent_id']} -[{e['role']}"
                                    + (f" w={e['weight']:g}" if e["weight"] is not None else "")
                                    + f"]-> {e['child_id']}") for e in g["edges"]] or print("(no merges yet)"))
 
 
-@command("delete", "delete a snapshot: its folder and its catalog rows (refused while another model needs it)")
+def _add_delete(p):
+    p.add_argument("ref", help="snapshot id or merged model id")
+    p.add_argument("--force", action="store_true", help="delete even when another model's lineage needs it")
+
+
+@command("delete", "delete a snapshot: its folder and its catalog rows (refused while another model needs it)",
+         arguments=_add_delete)
 def cmd_delete(args):
-    from mergepipe.api import delete_snapshot
     cat = open_catalog(args)
-    res = delete_snapshot(cat, args.ref, force=args.force)
+    res = api.delete_snapshot(cat, args.ref, force=args.force)
     emit(args, res, lambda r: print(
         f"deleted {r['snapshot_id']} ({r['model_id']})" + (f" and {r['out']}" if r["removed_files"] else
                                                             f"; {r['out']} was already gone")
         + (f"; forced: {', '.join(r['dependents'])} lose an input" if r["dependents"] else "")))
 
 
+def _add_evaluate(p):
+    p.add_argument("model_ids", nargs="+", metavar="MODEL", help="registered full checkpoints (snapshots too)")
+    p.add_argument("--text", help="a held-out UTF-8 text file: perplexity")
+    p.add_argument("--tasks", metavar="SUITE.jsonl",
+                   help="a task suite: accuracy per task and their mean; one JSON object per line, "
+                        '{"task", "prompt", "answer"} (exact match of the greedy answer) or '
+                        '{"task", "prompt", "choices": [...], "answer": index} (multiple choice by log-likelihood)')
+    p.add_argument("--reference", metavar="MODEL",
+                   help="a registered full checkpoint: the realized weight-space deviation ||M - R|| (and relative "
+                        "to ||R||) of each model from it, e.g. from the full-budget merge")
+    p.add_argument("--window", type=int, default=256, help="tokens per scored window (default 256)")
+    p.add_argument("--max-tokens", type=int, default=8192, help="score at most this many tokens (default 8192)")
+    p.add_argument("--force", action="store_true", help="score again even when a stored result applies")
+    p.add_argument("--run-id", type=int, help=argparse.SUPPRESS)
+
+
 @command("evaluate", "perplexity on a held-out text and accuracy on a task suite (results stored; reused while "
-                     "unchanged)")
+                     "unchanged)", arguments=_add_evaluate)
 def cmd_evaluate(args):
-    from mergepipe import api
     cat = open_catalog(args)
     if not args.text and not args.tasks and not args.reference:
         raise MergePipeError("give a held-out text (--text), a task suite (--tasks) or a reference model "
                              "(--reference)")
-    run = api.RunProgress(cat, args.run_id) if args.run_id is not None else None
     ids = list(args.model_ids)
     results = []
-    try:
+    with api.recorded_run(cat, args.run_id) as run:
         jobs = [j for j in (_text_job(args), _suite_job(args), _reference_job(cat, args)) if j is not None]
         units = len(ids) * len(jobs) * 1000
         for i, mid in enumerate(ids):
@@ -88,22 +118,16 @@ def cmd_evaluate(args):
                 results.append(_evaluate_one(cat, m, job, args.force, progress))
                 if run:
                     run(step + 1000, units, 0)
-    except BaseException as exc:
-        if run:
-            run.fail("cancelled" if isinstance(exc, KeyboardInterrupt) else "failed", str(exc))
-        raise
-    if run:
-        run.finish()
     emit(args, results, lambda rs: [print(_evaluation_line(r)) for r in rs])
 
 
 def _text_job(args) -> dict | None:
-    from mergepipe.research.evaluate import text_job
+    from mergepipe.research.evaluate import text_job  # imports torch: only when evaluating
     return text_job(args.text, args.window, args.max_tokens) if args.text else None
 
 
 def _suite_job(args) -> dict | None:
-    from mergepipe.research.evaluate import suite_job
+    from mergepipe.research.evaluate import suite_job  # imports torch: only when evaluating
     return suite_job(args.tasks) if args.tasks else None
 
 
@@ -118,8 +142,7 @@ def _reference_job(cat, args) -> dict | None:
 
 def _evaluate_one(cat, m: dict, job: dict, force: bool, progress) -> dict:
     """One model on one text, suite or reference; a stored result of the same model and data is reused."""
-    from mergepipe import api
-    from mergepipe.research.evaluate import deviation, perplexity, score_task_suite
+    from mergepipe.research.evaluate import deviation, perplexity, score_task_suite  # imports torch
     head = {"model_id": m["id"], "metric": job["metric"], "dataset": job["name"]}
     cached = None if force else api.evaluation(cat, m["id"], m["fingerprint"], job["dataset"], job["metric"])
     if job["metric"] == "deviation":
@@ -167,9 +190,8 @@ def _evaluation_line(r: dict) -> str:
 
 @command("recover", "roll back unfinished merges and clean up their leftovers")
 def cmd_recover(args):
-    from mergepipe.api import recover
     cat = open_catalog(args, write=True)
-    res = recover(cat)
+    res = api.recover(cat)
     emit(args, res, lambda r: print(f"rolled back {len(r['rolled_back'])} transaction(s), removed "
                                     f"{len(r['removed'])} path(s), marked {len(r['failed_runs'])} run(s) failed"))
 
@@ -177,8 +199,7 @@ def cmd_recover(args):
 @command("doctor", "check the catalog: file integrity, unfinished merges, registered models' files "
                    "(exit 0 healthy, 1 findings)")
 def cmd_doctor(args):
-    from mergepipe.api import doctor
-    report = doctor(args.db)
+    report = api.doctor(args.db)
     checked = report["checked"]
 
     def render(r):
@@ -194,69 +215,25 @@ def cmd_doctor(args):
     return 0 if report["healthy"] else 1
 
 
-@command("dashboard", "start the Streamlit dashboard on 127.0.0.1")
+def _add_dashboard(p):
+    p.add_argument("--port", type=int, default=8501, help="port on 127.0.0.1 (default 8501; refused when taken)")
+    p.add_argument("--allow-root", action="append", metavar="DIR",
+                   help="also let the dashboard read checkpoints from and write merges into DIR (repeatable); added "
+                        "to $MERGEPIPE_ALLOWED_ROOTS when set, else to the working directory and the catalog's folder")
+
+
+@command("dashboard", "start the Streamlit dashboard on 127.0.0.1", arguments=_add_dashboard)
 def cmd_dashboard(args):
-    from mergepipe.dashboard.server import run_dashboard
     run_dashboard(args.db, port=args.port, extra_roots=args.allow_root)
 
 
-@command("diff", "what changed from snapshot A to snapshot B (experts, weights, bytes, bound, scores)")
+def _add_diff(p):
+    p.add_argument("a", help="the earlier snapshot (id or merged model id)")
+    p.add_argument("b", help="the later snapshot")
+
+
+@command("diff", "what changed from snapshot A to snapshot B (experts, weights, bytes, bound, scores)",
+         arguments=_add_diff)
 def cmd_diff(args):
-    from mergepipe.api import diff_snapshots, diff_text, human_bytes
     cat = open_catalog(args)
-    emit(args, diff_snapshots(cat, args.a, args.b), lambda d: print(diff_text(d, human_bytes)))
-
-
-@command("recipe", "named, versioned merge recipes: save, show, list, explain, run")
-def cmd_recipe(args):
-    from mergepipe import api
-    if args.action == "list":
-        rows = api.recipe_list(open_catalog(args))
-        return emit(args, rows, lambda rs: table(rs, ["name", "version", "runs", "last_snapshot", "created_at"]))
-    if not args.name:
-        raise MergePipeError(f"recipe {args.action} needs a recipe NAME")
-    if args.action == "save":
-        cat = open_catalog(args, write=True)
-        version = api.recipe_save(cat, args.name, args.base, args.experts or [], args.op or "linear",
-                                  _weights(args.weight), _recipe_params(args), args.budget, args.out)
-        return emit(args, {"name": args.name, "version": version},
-                    lambda d: print(f"recipe {d['name']} v{d['version']} saved"))
-    if args.action == "show":
-        return emit(args, api.recipe_show(open_catalog(args), args.name, args.version))
-    if args.action == "explain":
-        return print(api.recipe_explain(open_catalog(args), args.name))
-    res = api.recipe_run(open_catalog(args, write=True), args.name)
-    emit(args, res, lambda r: print(r["explain"] + (
-        f"\npublished {r['snapshot_id']} as model {r['model_id']} at {r['out']} ({r['choice']})"
-        if r["snapshot_id"] else "")))
-
-
-def _weights(items) -> dict:
-    out = {}
-    for item in items or ():
-        pattern, sep, value = item.rpartition("=")
-        try:
-            out[pattern] = float(value)
-        except ValueError:
-            sep = ""
-        if not sep or not pattern:
-            raise MergePipeError(f"--weight takes PATTERN=W (e.g. 'math-*=0.5'), not {item!r}")
-    return out
-
-
-def _recipe_params(args) -> dict:
-    from mergepipe import api
-    return {p.key: getattr(args, p.key) for p in api.parameters()
-            if p.key != "weights" and getattr(args, p.key, None) is not None}
-
-
-@command("watch", "watch folders for new or changed checkpoints and run a recipe on them (until SIGTERM)")
-def cmd_watch(args):
-    import sys
-    from mergepipe import api
-    if not args.interval > 0:
-        raise MergePipeError("--interval must be a positive number of seconds")
-    res = api.watch(open_catalog(args, write=True), args.dirs, args.recipe, interval=args.interval, once=args.once,
-                    log=lambda line: print(line, file=sys.stderr, flush=True))
-    emit(args, {"snapshots": [r["snapshot_id"] for r in res["runs"]], "stopped_by": res["stopped_by"]},
-         lambda d: print(f"{len(d['snapshots'])} snapshot(s) published"))
+    emit(args, api.diff_snapshots(cat, args.a, args.b), lambda d: print(api.diff_text(d, api.human_bytes)))
