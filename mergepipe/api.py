@@ -491,7 +491,6 @@ def _plan_points(catalog: Catalog, config) -> list:
 from mergepipe.catalog import analyses as _analyses, compacts as _compacts, runs as _runs  # noqa: E402
 from mergepipe.catalog import snapshots as _snapshots, sweeps as _sweeps  # noqa: E402
 from mergepipe.catalog.plans import plan_bounds, plan_rows  # noqa: E402,F401
-from mergepipe.catalog.sketch import decode as decode_sketch  # noqa: E402,F401
 from mergepipe.manifest.build import Manifest  # noqa: E402,F401
 from mergepipe.storage.paths import ROOTS_ENV, allowed_roots as env_allowed_roots  # noqa: E402,F401
 from mergepipe.storage.procs import pid_alive  # noqa: E402,F401
@@ -633,3 +632,10 @@ def sweep_points(catalog: Catalog, sweep_id: str) -> list[dict]:
 
 # --- run bookkeeping (a command started with --run-id) ------------------------------------------------
 from mergepipe.engine.runs import recorded_run  # noqa: E402,F401  (running, then cancelled/failed/succeeded)
+
+
+def decode_sketch(blob: bytes | None):
+    """A stored block sketch as a numpy array (numpy is imported here, on first use: importing the api,
+    which `mergepipe --help` does, stays fast)."""
+    from mergepipe.catalog.sketch import decode
+    return decode(blob)
