@@ -4,7 +4,9 @@ heatmaps from the sketches, and a drill-down from a layer to its blocks."""
 import streamlit as st
 
 from mergepipe.dashboard import views
-from pages import _ui as ui
+from pages import _nav, _ui as ui
+
+_nav.through_app()
 
 VIEWS = ["Heatmap", "Tensors", "Blocks", "Conflicts"]
 METRICS = {"sign conflict": "conflict", "cosine": "cosine"}

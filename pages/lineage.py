@@ -3,7 +3,9 @@
 import streamlit as st
 
 from mergepipe.dashboard import views
-from pages import _ui as ui
+from pages import _nav, _ui as ui
+
+_nav.through_app()
 
 st.title("Lineage")
 

@@ -5,7 +5,9 @@ import streamlit as st
 from mergepipe.dashboard import views
 from mergepipe.errors import MergePipeError
 from mergepipe.api import launch_analyze, register
-from pages import _ui as ui
+from pages import _nav, _ui as ui
+
+_nav.through_app()
 
 NO_BASE = "(none: this is a base model)"
 

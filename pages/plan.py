@@ -9,7 +9,9 @@ import streamlit as st
 from mergepipe.dashboard import views
 from mergepipe.api import STRATEGIES, save_plan
 from mergepipe.errors import MergePipeError
-from pages import _ui as ui
+from pages import _nav, _ui as ui
+
+_nav.through_app()
 
 TRI = {"default": None, "on": True, "off": False}
 

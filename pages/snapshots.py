@@ -5,7 +5,9 @@ import streamlit as st
 
 from mergepipe.dashboard import views
 from mergepipe.api import delete_snapshot, launch_evaluate, set_snapshot_labels, verify
-from pages import _ui as ui
+from pages import _nav, _ui as ui
+
+_nav.through_app()
 
 st.title("Snapshots")
 

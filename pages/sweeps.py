@@ -4,7 +4,9 @@ frontier of quality vs expert bytes read vs time (marker size)."""
 import streamlit as st
 
 from mergepipe.dashboard import sweeps as data
-from pages import _ui as ui
+from pages import _nav, _ui as ui
+
+_nav.through_app()
 
 st.title("Sweeps")
 
