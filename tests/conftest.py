@@ -1,8 +1,10 @@
 """Shared fixtures for the catalog-foundation tests: small generated families, fresh catalogs, and
-helpers to hand-craft safetensors files, load reference tensors and dump a catalog for comparison."""
+helpers to hand-craft safetensors files, load reference tensors and dump a catalog for comparison; and the
+test markers (slow, e2e, parity, remote, ray, quick), applied by path in `pytest_collection_modifyitems`."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import struct
@@ -127,6 +129,25 @@ def analyzed(tmp_path_factory, families):
         cat.close()
 
 
+# --- dashboard ----------------------------------------------------------------------------------
+# Shared by the dashboard tests. Here and not in tests/dashboard/conftest.py: a second conftest.py (no
+# __init__.py) would take the module name `conftest`, and `from conftest import ...` in later test files
+# would then find the wrong one. A module that needs another catalog (the Sweeps page: no merge; the
+# compact Plan page: compacts) defines its own `built`.
+@pytest.fixture(scope="module")
+def built(request, tmp_path_factory):
+    """dashboard_helpers.build_catalog: the tiny analyzed and merged family, one per test module, read-only."""
+    from dashboard_helpers import build_catalog
+    return build_catalog(tmp_path_factory.mktemp(request.module.__name__.removeprefix("test_")))
+
+
+@pytest.fixture
+def env(built, tmp_path, monkeypatch):
+    """A private copy of `built`'s catalog shown by the app (MERGEPIPE_DB, allowed roots): AppTest page tests."""
+    from dashboard_helpers import page_env
+    return page_env(built, tmp_path, monkeypatch)
+
+
 # --- helpers ------------------------------------------------------------------------------------
 def load_checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint (file or directory) through the safetensors library."""
@@ -182,3 +203,41 @@ def fsync_tree(*paths: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
+
+# --- markers ------------------------------------------------------------------------------------
+# The heavy tests, classified by where they live: marker -> node-id patterns (fnmatch, `*` crosses `/`; a
+# pattern without "::" names whole files). A new file under tests/parity/ is `parity` with no edit here; an
+# explicit `@pytest.mark.slow` (or any of these) on a test or a module works as well. The markers are
+# described in pyproject.toml. Every test with none of them also gets `quick`: `pytest -m quick` is the
+# quick loop (CONTRIBUTING.md). Nothing is deselected by default: plain `pytest` runs everything.
+MARKER_RULES: dict[str, tuple[str, ...]] = {
+    # against mergekit 0.1.5, run in a subprocess
+    "parity": ("tests/parity/*",),
+    # Debian's chromium driven by Playwright against a real Streamlit server
+    "e2e": ("tests/dashboard/test_e2e*.py", "tests/dashboard/test_a11y.py", "tests/dashboard/test_demo_dashboard.py"),
+    # a Range HTTP server, `mergepipe serve` or moto's S3 server on loopback
+    "remote": ("tests/storage/test_remote_*.py", "tests/storage/test_serve.py",
+               "tests/planner/test_coalesce.py::test_a_coalescing_plan_*",
+               "tests/planner/test_coalesce.py::test_coalesce_flags_on_the_command_line",
+               "tests/test_benchmarks.py::test_remote_*"),
+    # a local Ray cluster (ray.init or `--executor ray` in a subprocess)
+    "ray": ("tests/engine/test_ray_*.py", "tests/*::*_on_ray_*"),
+    # the individually slowest of the rest (measured with --durations; each > ~3 s on 2 cores)
+    "slow": (),
+}
+HEAVY_MARKERS = tuple(MARKER_RULES)
+
+
+def _rule_matches(nodeid: str, pattern: str) -> bool:
+    target = nodeid if "::" in pattern else nodeid.split("::", 1)[0]
+    return fnmatch.fnmatchcase(target, pattern)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for marker, patterns in MARKER_RULES.items():
+            if item.get_closest_marker(marker) is None and any(_rule_matches(item.nodeid, p) for p in patterns):
+                item.add_marker(marker)
+        if not any(item.get_closest_marker(m) for m in HEAVY_MARKERS):
+            item.add_marker("quick")
