@@ -13,6 +13,7 @@ from mergepipe.ops.core import get_op
 from mergepipe.ops.setting import Setting
 from mergepipe.storage.dtypes import float_dtype, label_float_dtype
 from mergepipe.planner.budget import human_bytes
+from mergepipe.planner.plan import as_plan
 from mergepipe.storage.views import is_view
 from mergepipe.storage.registry import open_checkpoint
 
@@ -40,13 +41,13 @@ def _record(cat: Catalog | None, ref: str) -> dict:
             "compact": (c.get("compact") or {}).get("mode")}
 
 
-def _plan_record(p: dict) -> dict:
-    return {"plan_id": p["id"], "digest": p["digest"], "base": p["base"], "experts": p["experts"],
-            "operator": p["operator"], "params": p["params"], "seed": p["seed"], "strategy": p["strategy"],
-            "budget": p["budget"], "target_bound": p.get("target_bound"), "snapshot_id": None,
-            "full_expert_bytes": p["full_expert_bytes"], "tokenizer": p.get("tokenizer"), "layout": p.get("layout"),
-            "base_member": p.get("base_member"),
-            "compact": p.get("compact_mode") or (p.get("compact") or {}).get("mode")}
+def _plan_record(data: dict) -> dict:
+    p = as_plan(data)
+    return {"plan_id": p.id, "digest": p.digest, "base": p.base, "experts": p.experts,
+            "operator": p.operator, "params": p.params, "seed": p.seed, "strategy": p.strategy,
+            "budget": p.budget, "target_bound": p.target_bound, "snapshot_id": None,
+            "full_expert_bytes": p.full_expert_bytes, "tokenizer": p.tokenizer, "layout": p.layout,
+            "base_member": p.base_member, "compact": p.compact_mode}
 
 
 def _base_dtype(cat: Catalog | None, base: dict) -> str | None:

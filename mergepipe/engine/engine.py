@@ -34,7 +34,6 @@ from mergepipe.engine.txn import RemoteTransaction, Transaction, check_output_pa
 from mergepipe.errors import ExecutionError
 from mergepipe.manifest.build import Manifest
 from mergepipe.manifest.card import CARD_NAME, write_card
-from mergepipe.planner.extend_format import is_extend
 from mergepipe.planner.plan import Plan, load_plan
 from mergepipe.storage.grid import DEFAULT_BLOCK_BYTES
 from mergepipe.storage.paths import check_output
@@ -87,9 +86,7 @@ class Engine:
     def _read_inputs(plan: Plan) -> list[dict]:
         """The models a plan reads: base and experts; for an incremental plan base, parent snapshot and
         the changed expert (the other experts are not read, so they need not exist any more)."""
-        if is_extend(plan.data):
-            return [plan["base"], plan["parent"], plan["changed"]]
-        return [plan["base"], *plan["experts"]]
+        return plan.inputs()
 
     def _check_inputs(self, plan: Plan) -> dict[str, int]:
         """Inputs as planned (fingerprints; content hashes where registered: returns bytes hashed)."""
@@ -101,8 +98,8 @@ class Engine:
             check_unchanged(row)
             if row.get("content_hash"):
                 hashed[inp["id"]] = check_content_hash(row)
-        if (self.catalog.grid_block_bytes(plan["base"]["id"]) or DEFAULT_BLOCK_BYTES) != plan["grid"]["block_bytes"]:
-            raise ExecutionError(f"the block grid of {plan['base']['id']} changed since plan {plan.id}; plan again")
+        if (self.catalog.grid_block_bytes(plan.base_id) or DEFAULT_BLOCK_BYTES) != plan.block_bytes:
+            raise ExecutionError(f"the block grid of {plan.base_id} changed since plan {plan.id}; plan again")
         check_compact_inputs(self.catalog, plan)
         return hashed
 
@@ -166,7 +163,7 @@ class Engine:
 
     # --- the streaming loop ------------------------------------------------------------------------
     def _run(self, plan: Plan, staging: Path, out_shard_bytes: int, progress, on_shard_closed) -> dict:
-        if is_extend(plan.data):  # an incremental merge reads the parent snapshot (in this process)
+        if plan.is_extend:  # an incremental merge reads the parent snapshot (in this process)
             return ExtendPipeline(self, plan, staging, out_shard_bytes, progress, on_shard_closed).run()
         if isinstance(self.executor, RangeExecutor):  # range tasks where the data lives (e.g. on Ray)
             from mergepipe.engine.ranges import RangeMerge  # (its shards are complete only at the end)
@@ -180,42 +177,42 @@ class Engine:
         core = {
             "format": "mergepipe.manifest/1",
             "plan_id": plan.id, "plan_digest": plan.digest,
-            "operator": plan["operator"], "params": plan["params"], "seed": plan["seed"],
-            "strategy": plan["strategy"], "grid": plan["grid"],
-            "inputs": {"base": plan["base"], "experts": plan["experts"]},
-            "budget": plan["budget"], "full_expert_bytes": plan["full_expert_bytes"],
-            "estimated": plan["estimate"],
-            "estimated_by_expert": plan["expert_read_by_expert"],
+            "operator": plan.operator, "params": plan.params, "seed": plan.seed,
+            "strategy": plan.strategy, "grid": plan.grid,
+            "inputs": {"base": plan.base, "experts": plan.experts},
+            "budget": plan.budget, "full_expert_bytes": plan.full_expert_bytes,
+            "estimated": plan.estimated,
+            "estimated_by_expert": plan.estimated_by_expert,
             "realized": {"base_read": result["base_read"], "expert_read": sum(result["realized_by_expert"].values()),
                          "compact_read": sum((result.get("compact_read_by_expert") or {}).values()),
                          "output_write": result["output_write"]},
             "realized_by_expert": result["realized_by_expert"],
             "realized_by_tensor": dict(sorted(result["realized_by_tensor"].items())),
             "touched": result["touched"],
-            "error_bound": plan["error_bound"],
+            "error_bound": plan.error_bound,
             "outputs": outputs,
             "software": {"mergepipe": __version__, "torch": torch.__version__},
             "parents": [_base_parent(plan)]
-            + [{"id": e["id"], "role": "expert", "weight": e["weight"]} for e in plan["experts"]],
+            + [{"id": e["id"], "role": "expert", "weight": e["weight"]} for e in plan.experts],
         }
-        if plan.data.get("compact"):  # blocks read from the compact tier: which, at which level, and the bytes
-            core["compact"] = plan["compact"]
-            core["tiers"] = plan["tiers"]
+        if plan.compact:  # blocks read from the compact tier: which, at which level, and the bytes
+            core["compact"] = plan.compact
+            core["tiers"] = plan.tiers
             core["realized_compact_by_expert"] = dict(sorted(result["compact_read_by_expert"].items()))
             core["compact_inputs"] = {e: {"sha256": f["sha256"], "nbytes": f["nbytes"]}
-                                      for e, f in sorted(plan["compact_files"].items())}
-        if plan.data.get("base_member"):  # a model soup: the base (reference) is averaged in
-            core["inputs"]["base_member"] = plan["base_member"]
-        if plan.data.get("tokenizer"):
-            core["tokenizer"] = plan["tokenizer"]
-        if plan.data.get("layout"):  # a `slices:` merge: which input tensor each output tensor is made of
-            core["layout"] = plan["layout"]
-        if is_extend(plan.data):
+                                      for e, f in sorted(plan.compact_files.items())}
+        if plan.base_member:  # a model soup: the base (reference) is averaged in
+            core["inputs"]["base_member"] = plan.base_member
+        if plan.tokenizer:
+            core["tokenizer"] = plan.tokenizer
+        if plan.layout:  # a `slices:` merge: which input tensor each output tensor is made of
+            core["layout"] = plan.layout
+        if plan.is_extend:
             core["realized"]["snapshot_read"] = result["snapshot_read"]
-            core["extends"] = {k: plan["parent"][k] for k in ("snapshot_id", "model_id", "manifest_hash")}
-            core["change"] = plan["change"]
-            core["access_bytes"] = plan["access_bytes"]
-            core["parents"].append({"id": plan["parent"]["model_id"], "role": "extends", "weight": None})
+            core["extends"] = {k: plan.parent[k] for k in ("snapshot_id", "model_id", "manifest_hash")}
+            core["change"] = plan.change
+            core["access_bytes"] = plan.access_bytes
+            core["parents"].append({"id": plan.parent["model_id"], "role": "extends", "weight": None})
         if result["content_hashed"]:
             core["content_verified"] = {e: {"bytes_hashed": n} for e, n in sorted(result["content_hashed"].items())}
         if result["analysis_read"]:
@@ -237,15 +234,15 @@ class Engine:
     def _output_base(self, plan: Plan) -> str | None:
         """The merged model is registered against the base, unless a `slices:` layout gave it other tensors
         (a frankenmerge's extra or fewer layers): then it is a model of its own (no base)."""
-        layout = plan.data.get("layout")
-        if layout is None:
-            return plan["base"]["id"]
-        names = {t["name"] for t in self.catalog.tensors(plan["base"]["id"])}
-        return plan["base"]["id"] if {t[0] for t in layout["tensors"]} == names else None
+        outputs = plan.output_tensor_names
+        if outputs is None:
+            return plan.base_id
+        names = {t["name"] for t in self.catalog.tensors(plan.base_id)}
+        return plan.base_id if outputs == names else None
 
     def _register(self, plan: Plan, manifest: Manifest, model_id: str, out: Path, run_id, inflight=None) -> None:
-        if is_extend(plan.data):  # a `delete` of the parent that committed first wins (engine/extend.py)
-            check_parent_present(self.catalog, plan["parent"])
+        if plan.is_extend:  # a `delete` of the parent that committed first wins (engine/extend.py)
+            check_parent_present(self.catalog, plan.parent)
         if inflight:
             inflight.store(self.catalog)
         register(self.catalog, model_id, str(out), base_id=self._output_base(plan), snapshot_id=manifest.snapshot_id)
@@ -263,8 +260,8 @@ def _raise_interrupt(signum, frame):
 def _base_parent(plan: Plan) -> dict:
     """The base's lineage entry; in a model soup it is averaged in with a weight (the reference model of a
     config without base_model)."""
-    member = plan.data.get("base_member")
+    member = plan.base_member
     if not member:
-        return {"id": plan["base"]["id"], "role": "base", "weight": None}
-    return {"id": plan["base"]["id"], "role": "reference" if member.get("reference") else "base",
+        return {"id": plan.base_id, "role": "base", "weight": None}
+    return {"id": plan.base_id, "role": "reference" if member.get("reference") else "base",
             "weight": member.get("weight")}

@@ -182,9 +182,9 @@ class ExtendPipeline:
 
     def __init__(self, engine, plan: Plan, staging: Path, out_shard_bytes: int, progress, on_shard_closed=None):
         self.engine, self.plan, self.staging, self.progress = engine, plan, staging, progress
-        self.coefs = plan["coefficients"]
-        self.changed = plan["changed"]
-        self.parent_lock = ParentLock(engine.catalog, plan["parent"])  # before the parent's files are opened
+        self.coefs = plan.coefficients
+        self.changed = plan.changed
+        self.parent_lock = ParentLock(engine.catalog, plan.parent)  # before the parent's files are opened
         try:
             self._open(plan, out_shard_bytes, on_shard_closed)
         except BaseException:
@@ -193,19 +193,19 @@ class ExtendPipeline:
 
     def _open(self, plan: Plan, out_shard_bytes: int, on_shard_closed) -> None:
         staging, engine = self.staging, self.engine
-        self.base_ck = open_checkpoint(plan["base"]["uri"])
-        self.snap_ck = open_checkpoint(plan["parent"]["uri"])
+        self.base_ck = open_checkpoint(plan.base["uri"])
+        self.snap_ck = open_checkpoint(plan.parent["uri"])
         self.source = open_source(self.changed["kind"], self.changed["uri"])
         self.order = sorted(self.base_ck.tensors.values(), key=lambda t: (t.file, t.offset))
         self.shards = plan_shards(self.order, out_shard_bytes)
         self.shard_of = {n: s for s in self.shards for n in s.offsets}
-        reads = plan["reads"]
+        reads = plan.reads
         self.expert_blocks = {t: set(expand_ranges(rs)) for t, rs in reads["expert"].items()}
         self.base_blocks = {t: set(expand_ranges(rs)) for t, rs in reads["base"].items()}
-        self.work = block_groups(self.order, plan["grid"]["block_bytes"], max(engine.group_bytes, GROUP_BYTES))
+        self.work = block_groups(self.order, plan.block_bytes, max(engine.group_bytes, GROUP_BYTES))
         self.total_blocks = sum(len(g) for _, g in self.work)
         self.snap_reader = self.snap_ck.reader(sequential=True)
-        self.parent_hashes = ParentHashes(engine.catalog, plan["parent"], self.snap_ck)
+        self.parent_hashes = ParentHashes(engine.catalog, plan.parent, self.snap_ck)
         self.base_reader = self.base_ck.reader()
         self.expert_reader = self.source.checkpoint.reader()
         self.fixed: tuple[str, list] | None = None
@@ -220,7 +220,7 @@ class ExtendPipeline:
         info, group = item
         sinfo = self.snap_ck.tensors[info.name]
         if (sinfo.dtype, tuple(sinfo.shape)) != (info.dtype, tuple(info.shape)):
-            raise ExecutionError(f"snapshot {self.plan['parent']['snapshot_id']} holds {info.name} as {sinfo.dtype} "
+            raise ExecutionError(f"snapshot {self.plan.parent['snapshot_id']} holds {info.name} as {sinfo.dtype} "
                                  f"{list(sinfo.shape)}, the base as {info.dtype} {list(info.shape)}")
         start, end = group[0], group[-1]
         snap = self.snap_reader.read(sinfo.file, sinfo.offset + start.rel_offset,
@@ -353,14 +353,14 @@ class ExtendPipeline:
     def finish(self) -> dict:
         plan, staging = self.plan, self.staging
         outputs = {name: w.close() for name, w in self.writers.items()}
-        finish_files(self.base_ck, staging, self.shards, plan.data.get("tokenizer"))
+        finish_files(self.base_ck, staging, self.shards, plan.tokenizer)
         for extra in sorted(p for p in staging.rglob("*") if p.is_file()):
             name = extra.relative_to(staging).as_posix()
             if name not in outputs:
                 outputs[name] = {"sha256": file_sha256(extra), "bytes": extra.stat().st_size}
         eid = self.changed["id"]
         realized = {eid: self.expert_reader.bytes_read}
-        est = plan["estimate"]
+        est = plan.estimated
         for what, got, planned in (("expert", realized[eid], est["expert_read"]),
                                    ("base", self.base_reader.bytes_read, est["base_read"]),
                                    ("snapshot", self.snap_reader.bytes_read, est["snapshot_read"])):
@@ -369,7 +369,7 @@ class ExtendPipeline:
                                      f"nothing was published")
         return {
             "outputs": outputs, "realized_by_expert": realized, "realized_by_tensor": self.by_tensor,
-            "touched": plan["access"], "base_read": self.base_reader.bytes_read,
+            "touched": plan.access, "base_read": self.base_reader.bytes_read,
             "snapshot_read": self.snap_reader.bytes_read, "timing": self.timing, "inflight": None,
             "analysis_read": {}, "output_write": sum(o["bytes"] for o in outputs.values()),
         }

@@ -31,7 +31,8 @@ from mergepipe.catalog.analyses import nonfinite_message
 from mergepipe.catalog.db import Catalog
 from mergepipe.errors import ExecutionError
 from mergepipe.ops.core import get_op, tensor_statistics, threshold_fractions, useful_blocks
-from mergepipe.planner.settings import expert_params, params_on, tensor_density
+from mergepipe.planner.plan import as_plan
+from mergepipe.planner.settings import expert_params, tensor_density
 from mergepipe.storage.safetensors import FLOAT_DTYPES, Checkpoint, TensorInfo
 
 LOOKAHEAD_BYTES = 256 << 20  # base-tensor bytes the analysis may run ahead of the merge
@@ -43,23 +44,22 @@ class InflightAnalysis:
 
     def __init__(self, plan, base_ck: Checkpoint, order: list[TensorInfo], lookahead: int = LOOKAHEAD_BYTES,
                  catalog: Catalog | None = None):
-        self.op = get_op(plan["operator"])
-        self.params = plan["params"]
-        data = plan.data if hasattr(plan, "data") else plan
-        self.per_tensor = data.get("tensor_params")
+        self.plan = plan = as_plan(plan)
+        self.op = get_op(plan.operator)
+        self.params = plan.params
         # a re-ordered vocabulary's embedding tensors: analyzed (for the catalog) but their thresholds for the merge
         # come from the composed rows (engine/vocab.py), not from the expert's own rows seen here
-        self.composed = set(((data.get("tokenizer") or {}).get("vocab") or {}).get("tensors") or ())
-        self.base_id = plan["base"]["id"]
-        self.experts = [e for e in plan["experts"] if e.get("analyze")]
+        self.composed = plan.composed_tensors
+        self.base_id = plan.base_id
+        self.experts = plan.analyzed_on_the_way
         self.order = order
         self.index = {t.name: i for i, t in enumerate(order)}
         self.starts = np.cumsum([0] + [t.nbytes for t in order])  # where each tensor starts in the pass
         self.lookahead = lookahead
-        block_bytes = plan["grid"]["block_bytes"]
-        store = data.get("compact_store")  # the compacts a first merge's analysis writes too (planner/tiers.py)
-        self.jobs = {e["id"]: ExpertAnalysis(e, plan["base"], base_ck, block_bytes, densities=self._densities(e),
-                                             compact=(CompactWriter(catalog, e, plan["base"]["id"], block_bytes,
+        block_bytes = plan.block_bytes
+        store = plan.compact_store  # the compacts a first merge's analysis writes too (planner/tiers.py)
+        self.jobs = {e["id"]: ExpertAnalysis(e, plan.base, base_ck, block_bytes, densities=self._densities(e),
+                                             compact=(CompactWriter(catalog, e, plan.base_id, block_bytes,
                                                                     codec(store["codec"]), store["group"])
                                                       if store and catalog is not None else None))
                      for e in self.experts}
@@ -73,7 +73,7 @@ class InflightAnalysis:
         """The stored densities plus every top-k fraction this merge needs from the expert."""
         needed = {f for t in self.order if t.dtype in FLOAT_DTYPES
                   for f in threshold_fractions(self.op, tensor_density(expert, t.name) or 1.0,
-                                               expert_params(params_on(self.params, self.per_tensor, t.name), expert,
+                                               expert_params(self.plan.params_for(t.name), expert,
                                                              t.name))
                   if f < 1.0}
         return tuple(sorted(set(DEFAULT_DENSITIES) | needed))
@@ -103,7 +103,7 @@ class InflightAnalysis:
         thr = None
         if stats["delta_nnz"] and self.op.thresholded:
             thr = tensor_statistics(self.op, tensor_density(expert, name) or 1.0,
-                                    expert_params(params_on(self.params, self.per_tensor, name), expert, name),
+                                    expert_params(self.plan.params_for(name), expert, name),
                                     stats["thresholds"],
                                     stats.get("topk"), stats["delta_l1"], stats["delta_max_abs"],
                                     stats["numel"])

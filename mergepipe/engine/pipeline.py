@@ -26,7 +26,7 @@ from mergepipe.errors import ExecutionError
 from mergepipe.manifest.build import file_sha256
 from mergepipe.ops.core import get_op
 from mergepipe.planner.plan import Plan, compact_ranges, expand_ranges
-from mergepipe.planner.settings import params_on, tensor_weight
+from mergepipe.planner.settings import tensor_weight
 from mergepipe.storage.grid import BlockSpan, tensor_grid
 from mergepipe.storage.registry import open_checkpoint
 from mergepipe.storage.safetensors import FLOAT_DTYPES, TensorInfo
@@ -68,15 +68,15 @@ class MergePipeline:
     def __init__(self, engine, plan: Plan, staging: Path, out_shard_bytes: int, progress, on_shard_closed=None):
         self.engine, self.plan, self.staging, self.progress = engine, plan, staging, progress
         self.on_shard_closed = on_shard_closed
-        self.op = op = get_op(plan["operator"])
-        self.params = params = plan["params"]
-        self.experts = experts = plan["experts"]
-        self.base_ck = base_ck = open_checkpoint(plan["base"]["uri"])
+        self.op = op = get_op(plan.operator)
+        self.params = params = plan.params
+        self.experts = experts = plan.experts
+        self.base_ck = base_ck = open_checkpoint(plan.base["uri"])
         self.sources = [open_source(e["kind"], e["uri"]) for e in experts]
         # output tensors in file order; each is made of one input tensor (its own name, in the base, unless
         # the plan has a layout: a `slices:` config's renumbered, repeated or copied layers)
-        self.layout = plan.data.get("layout")
-        self.inputs = {plan["base"]["id"]: base_ck}
+        self.layout = plan.layout
+        self.inputs = {plan.base_id: base_ck}
         self.inputs.update({e["id"]: src.checkpoint for e, src in zip(experts, self.sources)
                             if self.layout and getattr(src, "kind", None) == "full"})
         vocab = vocab_setting(plan)  # different vocabularies: re-ordered embedding rows (engine/vocab.py)
@@ -84,28 +84,26 @@ class MergePipeline:
         self.order = order = self._output_tensors()
         self.shards = plan_shards(order, out_shard_bytes)
         self.shard_of = {n: s for s in self.shards for n in s.offsets}
-        self.selected = {e["id"]: {t: set(expand_ranges(rs)) for t, rs in plan["access"][e["id"]].items()}
+        self.selected = {e["id"]: {t: set(expand_ranges(rs)) for t, rs in plan.access_for(e["id"]).items()}
                          for e in experts}
         self.inflight = inflight = (InflightAnalysis(plan, base_ck, order, catalog=engine.catalog)
-                                    if any(e.get("analyze") for e in experts)
+                                    if plan.analyzed_on_the_way
                                     else None)
         # per expert, the plan's thresholds (copied: engine/vocab.py adds a re-ordered tensor's to them) and, for an
         # expert analyzed on the way, the analysis' own dict, which it fills tensor by tensor (the same object)
-        self.thresholds = {eid: dict(per) for eid, per in plan["thresholds"].items()}
+        self.thresholds = {eid: dict(per) for eid, per in plan.thresholds.items()}
         self.thresholds.update(inflight.thresholds if inflight else {})
         # a model soup (linear averaging the base in): every float block goes through mergekit's operation order
-        self.base_member = member = plan.data.get("base_member") if op.whole_models else None  # (karcher: its own)
+        self.base_member = member = plan.base_member if op.whole_models else None  # (karcher: its own)
         self.weight_sums = {n: sum(tensor_weight(e, n) or 0.0 for e in experts)
                             + ((tensor_weight(member, n) or 0.0) if member else 0.0)
                             for n in set(self.input_name.values())}
         # interpolation methods: per-tensor scalars, and the budget-omitted blocks (which keep the base)
         # (a copy: a re-ordered vocabulary's embedding tensors get theirs when composed, engine/vocab.py)
-        self.coefficients = dict(plan.data.get("coefficients") or {})
-        self.omitted = {t: set(expand_ranges(rs)) for t, rs in (plan.data.get("omitted") or {}).items()}
-        # linear without normalize scales the base by sum(w): then no block is a plain copy
-        self.tensor_params = plan.data.get("tensor_params") or {}  # lambda/normalize/rescale per tensor
+        self.coefficients = dict(plan.coefficients)
+        self.omitted = {t: set(expand_ranges(rs)) for t, rs in plan.omitted.items()}
         self.compact = CompactInputs(plan)  # blocks the plan reads from the compact tier (storage/compact.py)
-        self.work = self.select_work(block_groups(order, plan["grid"]["block_bytes"], engine.group_bytes,
+        self.work = self.select_work(block_groups(order, plan.block_bytes, engine.group_bytes,
                                                   self.span_cost, engine.group_read_bytes))
         self.total_blocks = sum(len(g) for _, g in self.work)
         self.readers = [src.checkpoint.reader() for src in self.sources]
@@ -132,7 +130,7 @@ class MergePipeline:
     def _output_tensors(self) -> list[TensorInfo]:
         """The output tensors in output order (each an input tensor's info under its output name), with
         ``input_name``, ``input_model`` and ``scale`` of each."""
-        base_id = self.plan["base"]["id"]
+        base_id = self.plan.base_id
         if self.layout is None:
             order = sorted(self.base_ck.tensors.values(), key=lambda t: (t.file, t.offset))
             if self.vocab_rows:
@@ -174,7 +172,8 @@ class MergePipeline:
         return not self.base_member and not (scales_base and self.weight_sums[name] != 1.0)
 
     def params_for(self, name: str) -> dict:
-        return params_on(self.params, self.tensor_params, name)
+        """lambda/normalize/rescale per tensor where the plan gives them so, over the merge-wide ones."""
+        return self.plan.params_for(name)
 
     def method_merges(self, name: str, block: int) -> bool:
         """An interpolation method merges every block of a float tensor that the plan did not omit (an
@@ -256,7 +255,7 @@ class MergePipeline:
     def merge_one(self, info, span, raw, contributors):
         """A block task (run by the executor): the merged bytes of one block (``info``: the input tensor's)."""
         t_c = time.perf_counter()
-        data = merge_block(self.engine.fused, self.op, self.params_for(info.name), self.plan["seed"], self.experts, self.sources,
+        data = merge_block(self.engine.fused, self.op, self.params_for(info.name), self.plan.seed, self.experts, self.sources,
                            self.weight_sums[info.name], info, span, raw, contributors, self.thresholds,
                            self.coefficients.get(info.name), self.soup_weights(info.name))
         self.timing["compute_s"] += time.perf_counter() - t_c
@@ -292,7 +291,7 @@ class MergePipeline:
 
     def scale_one(self, info, span, raw, scale):
         """A passthrough block with a scale (the operator's block kernel, the scale as its scalar)."""
-        return merge_block(False, self.op, self.params, self.plan["seed"], [], [], 0.0, info, span, raw, [], {},
+        return merge_block(False, self.op, self.params, self.plan.seed, [], [], 0.0, info, span, raw, [], {},
                            [scale])
 
     # --- writes ---------------------------------------------------------------------------------------
@@ -382,11 +381,11 @@ def finish_snapshot(plan: Plan, base_ck, staging: Path, shards, outputs: dict, r
     """Complete the snapshot's files around its written ``shards`` (``outputs``: name -> sha256 and
     bytes), check the realized expert reads against the plan, and return what the manifest needs
     (``counters``: realized_by_tensor, touched, base_read, timing, inflight, analysis_read)."""
-    finish_files(base_ck, staging, shards, plan.data.get("tokenizer"))
+    finish_files(base_ck, staging, shards, plan.tokenizer)
     if vocab_setting(plan):
         write_vocab_files(plan, staging)
-    if plan.data.get("layout") is not None:
-        write_layout_config(staging, plan.data["layout"])
+    if plan.layout is not None:
+        write_layout_config(staging, plan.layout)
     for extra in sorted(p for p in staging.rglob("*") if p.is_file()):  # config, index, tokenizer files
         name = extra.relative_to(staging).as_posix()
         if name not in outputs:
@@ -402,9 +401,9 @@ def check_realized(plan: Plan, realized_by_expert: dict, compact_by_expert: dict
     """Refuse to publish when the bytes read from an expert (exactly, or from the compact tier) differ from the
     plan, or exceed the budget."""
     compact_by_expert = compact_by_expert or {}
-    planned_compact = plan.data.get("compact_read_by_expert") or {}
-    for e in plan["experts"]:
-        planned = plan["expert_read_by_expert"][e["id"]]
+    planned_compact = plan.compact_read_by_expert
+    for e in plan.experts:
+        planned = plan.estimated_by_expert[e["id"]]
         if realized_by_expert[e["id"]] != planned:
             raise ExecutionError(f"realized expert read of {e['id']} ({realized_by_expert[e['id']]} B) "
                                  f"differs from the plan ({planned} B); nothing was published")
@@ -413,7 +412,7 @@ def check_realized(plan: Plan, realized_by_expert: dict, compact_by_expert: dict
             raise ExecutionError(f"realized compact read of {e['id']} ({got} B) differs from the plan ({want} B); "
                                  f"nothing was published")
     total = sum(realized_by_expert.values()) + sum(compact_by_expert.values())
-    if total > plan["budget"]["bytes"] and plan["full_expert_bytes"]:
+    if total > plan.budget_bytes and plan.full_expert_bytes:
         raise ExecutionError("realized expert read exceeds the budget; nothing was published")
 
 
@@ -422,8 +421,8 @@ class CompactInputs:
     the record's offset, entries and the level read."""
 
     def __init__(self, plan: Plan):
-        core = plan.data.get("compact") or {}
-        files = plan.data.get("compact_files") or {}
+        core = plan.compact or {}
+        files = plan.compact_files
         self.blocks: dict[str, dict] = {}
         self.files = files
         self.readers: dict[str, CompactReader] = {}

@@ -45,17 +45,15 @@ def default_limit() -> int:
 
 def first_ranges(plan, limit: int) -> list[tuple[str, int, int]]:
     """(path, offset, nbytes) of the plan's reads in the engine's order, until ``limit`` bytes."""
-    data = plan.data
-    if data.get("layout") is not None or (data.get("tokenizer") or {}).get("vocab") or limit <= 0:
+    if plan.layout is not None or plan.vocab or limit <= 0:
         return []  # other models' tensors, or re-ordered embedding rows read whole: the engine's own order
-    inputs = [data["base"], *(data["experts"] if "experts" in data else []), data.get("parent") or {},
-              data.get("changed") or {}]
+    inputs = [plan.base, *plan.experts, plan.parent or {}, plan.changed or {}]
     if any(scheme_of(i["uri"]) is not None for i in inputs if i.get("uri")) or \
             any(i.get("kind") == "lora" for i in inputs):
         return []
-    base = open_checkpoint(data["base"]["uri"])
-    block_bytes = data["grid"]["block_bytes"]
-    if data.get("parent"):
+    base = open_checkpoint(plan.base["uri"])
+    block_bytes = plan.block_bytes
+    if plan.parent:
         per_tensor = _extend_reads(plan, base)
     else:
         per_tensor = _merge_reads(plan, base)
@@ -79,9 +77,9 @@ def _blocks(ck, name, spans, chosen) -> list[tuple[str, int, int]]:
 
 def _extend_reads(plan, base):
     """An incremental merge: the parent snapshot's tensor, then the base and expert blocks it needs."""
-    snap = open_checkpoint(plan["parent"]["uri"])
-    expert = open_checkpoint(plan["changed"]["uri"])
-    reads = plan["reads"]
+    snap = open_checkpoint(plan.parent["uri"])
+    expert = open_checkpoint(plan.changed["uri"])
+    reads = plan.reads
 
     def per_tensor(info, spans):
         s = snap.tensors.get(info.name)
@@ -93,7 +91,7 @@ def _extend_reads(plan, base):
 
 def _merge_reads(plan, base):
     """A merge: the base's tensor, then each expert's selected blocks of it."""
-    experts = [(open_checkpoint(e["uri"]), plan["access"][e["id"]]) for e in plan["experts"]]
+    experts = [(open_checkpoint(e["uri"]), plan.access_for(e["id"])) for e in plan.experts]
 
     def per_tensor(info, spans):
         out = [(str(base.path_of(info)), info.offset, info.nbytes)]

@@ -166,7 +166,7 @@ class RangeMerge:
     manifest needs, like :meth:`MergePipeline.run`."""
 
     def __init__(self, engine, plan: Plan, staging: Path, out_shard_bytes: int, progress):
-        if any(e.get("analyze") for e in plan["experts"]):
+        if plan.analyzed_on_the_way:
             raise ExecutionError("a merge on range tasks needs analyzed experts (it cannot analyze on the way): "
                                  "run `mergepipe analyze` first, or merge with the local executor")
         self.plan, self.staging, self.out_shard_bytes, self.progress = plan, staging, out_shard_bytes, progress
@@ -188,7 +188,7 @@ class RangeMerge:
         return self.finish(layout, results)
 
     def finish(self, layout: ShardLayout, results: list[dict]) -> dict:
-        plan, experts = self.plan, self.plan["experts"]
+        plan, experts = self.plan, self.plan.experts
         data_bytes = sum(s.size - len(s.header) for s in layout.shards)
         written = sum(r["written"] for r in results)
         if written != data_bytes:

@@ -46,7 +46,7 @@ def launch_run(db_path: str | Path, catalog: Catalog, plan_id: str, out: str, mo
         raise ExecutionError(f"model id {model_id!r} is already registered; choose another")
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    run_id = create_run(catalog, plan.id, out, model_id, plan["estimate"]["expert_read"], None)
+    run_id = create_run(catalog, plan.id, out, model_id, plan.estimated["expert_read"], None)
     log_path = log_dir / f"run-{run_id}.log"
     cmd = ["execute", plan.id, "--out", str(out), "--model-id", model_id, "--run-id", str(run_id)]
     if out_shard_bytes:

@@ -80,9 +80,9 @@ def _run_point_own_catalog(path, sweep_id, point, range_executor, evaluate, on_p
 
 def _run_point(catalog: Catalog, sweep_id: str, point: SweepPoint, range_executor, evaluate, on_point) -> None:
     plan = point.plan
-    values = {"plan_id": plan.id, "model_id": point.model_id, "budget_bytes": plan["budget"]["bytes"],
-              "full_expert_bytes": plan["full_expert_bytes"],
-              "error_bound": (plan["error_bound"] or {}).get("relative")}
+    values = {"plan_id": plan.id, "model_id": point.model_id, "budget_bytes": plan.budget_bytes,
+              "full_expert_bytes": plan.full_expert_bytes,
+              "error_bound": (plan.error_bound or {}).get("relative")}
     t0 = time.perf_counter()
     try:
         engine = Engine(catalog, executor=range_executor) if range_executor else Engine(catalog)

@@ -39,7 +39,7 @@ _KEPT = ("preprocessor_config.json", "processor_config.json", "feature_extractor
 
 
 def vocab_setting(plan) -> dict | None:
-    return (plan.data.get("tokenizer") or {}).get("vocab")
+    return plan.vocab
 
 
 class VocabRows:
@@ -70,7 +70,7 @@ class VocabRows:
         """The base's composed bytes of a group and every expert's blocks (as a full checkpoint's)."""
         composed, nread = self._composed(info.name)
         # passthrough: the copied model's own tensor, re-ordered alone (``copies``); else the base's
-        base_id = self.copies.get(info.name, self.p.plan["base"]["id"])
+        base_id = self.copies.get(info.name, self.p.plan.base_id)
         start, end = group[0], group[-1]
         g0 = start.rel_offset
         base_buf = memoryview(composed[base_id])[g0:end.rel_offset + end.nbytes]
@@ -105,15 +105,15 @@ class VocabRows:
         composed rows of every model (as ANALYZE takes them for other tensors), turned into scalars by the
         planner's own function with the settings the plan recorded (``composed_coefficients``)."""
         p = self.p
-        settings = (p.plan.data.get("composed_coefficients") or {}).get(name)
+        settings = p.plan.composed_coefficients.get(name)
         if settings is None:
             return
         info = next(t for t in p.order if t.name == name)
         itemsize = info.nbytes // max(1, info.shape[0] * info.shape[1])
         blocks = [(s.rel_offset // itemsize, (s.rel_offset + s.nbytes) // itemsize)
-                  for s in tensor_grid(info, p.plan["grid"]["block_bytes"])]
+                  for s in tensor_grid(info, p.plan.block_bytes)]
         flat = {m: _floats(data, info).numpy().reshape(-1) for m, data in composed.items()}
-        base, xs = flat[p.plan["base"]["id"]], [flat[e["id"]] for e in p.experts]
+        base, xs = flat[p.plan.base_id], [flat[e["id"]] for e in p.experts]
         settings = dict(settings)
         # the whole-tensor statistics ANALYZE stores for other tensors, taken from the composed rows
         if p.op.name == "ramplus_tl":
@@ -121,7 +121,7 @@ class VocabRows:
         elif p.op.name == "arcee_fusion":
             settings["arcee_threshold"] = composed_arcee(base, xs[0], tuple(info.shape), blocks)
         elif p.op.name == "sce" and 0.0 < p.params.get("select_topk", 1.0) < 1.0:
-            settings["sce"] = composed_sce(base, xs, tensor_grid(info, p.plan["grid"]["block_bytes"]), itemsize,
+            settings["sce"] = composed_sce(base, xs, tensor_grid(info, p.plan.block_bytes), itemsize,
                                            p.params["select_topk"])
         gram = composed_gram(base, xs, blocks) if p.op.gram else None
         p.coefficients[name] = method_scalars(p.op, gram, settings, p.params, len(info.shape))
@@ -133,8 +133,8 @@ class VocabRows:
         if p.op.sparsify not in (Sparsify.MAGNITUDE, Sparsify.OUTLIERS):
             return
         info = next(t for t in p.order if t.name == name)
-        spans = tensor_grid(info, p.plan["grid"]["block_bytes"])
-        base = _floats(composed[p.plan["base"]["id"]], info)
+        spans = tensor_grid(info, p.plan.block_bytes)
+        base = _floats(composed[p.plan.base_id], info)
         for e in p.experts:
             density = tensor_density(e, name) or 1.0
             if density >= 1.0:
@@ -152,7 +152,7 @@ class VocabRows:
     def _read_all(self, name: str) -> tuple[dict[str, np.ndarray], int]:
         """Every model's whole tensor (float32 for bf16/fp16: the mean rows are averaged in float32)."""
         p = self.p
-        base_id = p.plan["base"]["id"]
+        base_id = p.plan.base_id
         arrays, nread = {}, 0
         if self.copies:  # passthrough: only the copied model's tensor, a read of an input it copies from
             m = self.copies[name]
@@ -267,7 +267,7 @@ def write_vocab_files(plan, staging: Path) -> None:
     vocab = vocab_setting(plan)
     tokens = {t: TokenSetting(source=tuple(s) if isinstance(s, list) else s, force=f)
               for t, f, s in vocab["tokens"]}
-    base_id = plan["base"]["id"]
+    base_id = plan.base_id
     roots = {m: Path(uri) for m, uri in vocab["models"]}
     source = vocab["source"]
     built = build_vocabulary(base_id, roots, source, tuple(tokens), vocab.get("pad_to_multiple_of"))
@@ -284,6 +284,6 @@ def write_vocab_files(plan, staging: Path) -> None:
         target = doc["text_config"] if "vocab_size" not in doc and isinstance(doc.get("text_config"), dict) else doc
         target["vocab_size"] = vocab["rows"]
         cfg.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    template = (plan.data.get("tokenizer") or {}).get("chat_template")
+    template = plan.chat_template
     if template:
         write_chat_template(staging, template)

@@ -11,6 +11,7 @@ from mergepipe.catalog.db import Catalog
 from mergepipe.errors import PlanError
 from mergepipe.planner.explain import explain_plan
 from mergepipe.planner.extend_format import explain_extend, is_extend
+from mergepipe.planner.settings import params_on
 
 
 PLAN_FORMAT = "mergepipe.plan/1"
@@ -18,7 +19,9 @@ PLAN_FORMAT = "mergepipe.plan/1"
 
 @dataclass
 class Plan:
-    """A content-addressed merge plan. ``data`` is the canonical, JSON-serialisable form."""
+    """A content-addressed merge plan. ``data`` is the canonical, JSON-serialisable form (what the digest and
+    the catalog hold); everything outside the planner reads it through the typed properties below (the
+    engine, the manifest, EXPLAIN, export), so the format's keys are spelled here only."""
 
     data: dict
 
@@ -44,10 +47,245 @@ class Plan:
     def selected_blocks(self) -> int:
         return sum(r[1] - r[0] for tensors in self.data["access"].values() for rs in tensors.values() for r in rs)
 
+    # --- typed reads: the engine, the manifest and EXPLAIN read a plan through these, not its keys ----------
+    @property
+    def operator(self) -> str:
+        return self.data["operator"]
+
+    @property
+    def params(self) -> dict:
+        """The merge-wide operator parameters (a per-tensor one as its setting's plain form)."""
+        return self.data["params"]
+
+    @property
+    def seed(self) -> int:
+        return self.data["seed"]
+
+    @property
+    def strategy(self) -> str:
+        return self.data["strategy"]
+
+    @property
+    def base(self) -> dict:
+        """The base model's record (id, uri, fingerprint, ...)."""
+        return self.data["base"]
+
+    @property
+    def base_id(self) -> str:
+        return self.data["base"]["id"]
+
+    @property
+    def experts(self) -> list[dict]:
+        """The experts' entries in order ([] for an incremental plan: see :attr:`changed`)."""
+        return self.data.get("experts", [])
+
+    @property
+    def expert_ids(self) -> list[str]:
+        return [e["id"] for e in self.experts]
+
+    @property
+    def analyzed_on_the_way(self) -> list[dict]:
+        """The experts a first merge analyzes while it reads them."""
+        return [e for e in self.experts if e.get("analyze")]
+
+    @property
+    def grid(self) -> dict:
+        return self.data["grid"]
+
+    @property
+    def block_bytes(self) -> int:
+        return self.data["grid"]["block_bytes"]
+
+    @property
+    def budget(self) -> dict:
+        """``{"spec", "bytes", "first_merge"?}``."""
+        return self.data["budget"]
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.data["budget"]["bytes"]
+
+    @property
+    def target_bound(self) -> float | None:
+        """The target error bound a budget was chosen for (None: a budget was given)."""
+        return self.data.get("target_bound")
+
+    @property
+    def full_expert_bytes(self) -> int:
+        return self.data["full_expert_bytes"]
+
+    @property
+    def estimated(self) -> dict:
+        """Estimated bytes: base_read, expert_read, compact_read?, output_write."""
+        return self.data["estimate"]
+
+    @property
+    def estimated_by_expert(self) -> dict[str, int]:
+        return self.data["expert_read_by_expert"]
+
+    @property
+    def compact_read_by_expert(self) -> dict[str, int]:
+        return self.data.get("compact_read_by_expert") or {}
+
+    @property
+    def blocks_selected(self) -> dict[str, int]:
+        """expert id -> blocks read exactly."""
+        return self.data["blocks_selected"]
+
+    @property
+    def warnings(self) -> list[str]:
+        return self.data.get("warnings") or []
+
+    @property
+    def compact_note(self) -> str | None:
+        """Why the compact tier was not used, where it was asked for (else None)."""
+        return self.data.get("compact_note")
+
+    @property
+    def error_bound(self) -> dict | None:
+        return self.data["error_bound"]
+
+    @property
+    def access(self) -> dict:
+        """expert id -> tensor -> block ranges read exactly."""
+        return self.data["access"]
+
+    def access_for(self, expert_id: str) -> dict[str, list[list[int]]]:
+        """One expert's block ranges read exactly, per tensor."""
+        return self.data["access"][expert_id]
+
+    @property
+    def thresholds(self) -> dict:
+        """expert id -> tensor -> the operator's per-tensor statistics (ops/core.tensor_statistics)."""
+        return self.data["thresholds"]
+
+    @property
+    def coefficients(self) -> dict:
+        """An interpolation method's per-tensor scalars (an incremental plan: the expert coefficients)."""
+        return self.data.get("coefficients") or {}
+
+    @property
+    def composed_coefficients(self) -> dict:
+        return self.data.get("composed_coefficients") or {}
+
+    @property
+    def omitted(self) -> dict:
+        """tensor -> block ranges not read (interpolation methods)."""
+        return self.data.get("omitted") or {}
+
+    @property
+    def tensor_params(self) -> dict:
+        """tensor -> lambda/normalize/rescale where given per tensor (filters or a gradient)."""
+        return self.data.get("tensor_params") or {}
+
+    def params_for(self, tensor: str) -> dict:
+        """The operator parameters on one tensor (the per-tensor ones over the merge-wide)."""
+        return params_on(self.params, self.data.get("tensor_params"), tensor)
+
+    @property
+    def layout(self) -> dict | None:
+        """A `slices:` plan's output layout (None: the base's tensors in place)."""
+        return self.data.get("layout")
+
+    @property
+    def output_tensor_names(self) -> set[str] | None:
+        """The output tensors a `slices:` layout writes (None without a layout)."""
+        layout = self.data.get("layout")
+        return None if layout is None else {t[0] for t in layout["tensors"]}
+
+    @property
+    def tokenizer(self) -> dict | None:
+        return self.data.get("tokenizer")
+
+    @property
+    def vocab(self) -> dict | None:
+        """A re-ordered vocabulary (the tokenizer's ``vocab``), else None."""
+        return (self.data.get("tokenizer") or {}).get("vocab")
+
+    @property
+    def composed_tensors(self) -> set[str]:
+        """The embedding tensors whose rows a re-ordered vocabulary composes (empty without one)."""
+        return set((self.vocab or {}).get("tensors") or ())
+
+    @property
+    def chat_template(self) -> str | None:
+        return (self.data.get("tokenizer") or {}).get("chat_template")
+
+    @property
+    def base_member(self) -> dict | None:
+        """A model soup's base entry (its weight, position, whether it is the reference), else None."""
+        return self.data.get("base_member")
+
+    @property
+    def compact(self) -> dict | None:
+        """Blocks read from the compact tier (experts -> codec, group, bits), else None."""
+        return self.data.get("compact")
+
+    @property
+    def compact_mode(self) -> str | None:
+        """The compact-tier mode the request asked for (None: none)."""
+        return self.data.get("compact_mode") or (self.data.get("compact") or {}).get("mode")
+
+    @property
+    def compact_files(self) -> dict:
+        return self.data.get("compact_files") or {}
+
+    @property
+    def compact_store(self) -> dict | None:
+        """The compacts a first merge's analysis writes too (codec, group), else None."""
+        return self.data.get("compact_store")
+
+    @property
+    def tiers(self) -> dict | None:
+        return self.data.get("tiers")
+
+    # an incremental plan (planner/extend.py)
+    @property
+    def is_extend(self) -> bool:
+        return is_extend(self.data)
+
+    @property
+    def parent(self) -> dict | None:
+        """The snapshot an incremental plan extends (snapshot_id, model_id, uri, manifest_hash), else None."""
+        return self.data.get("parent")
+
+    @property
+    def changed(self) -> dict | None:
+        """The expert an incremental plan adds, re-weights or replaces."""
+        return self.data.get("changed")
+
+    @property
+    def change(self) -> dict:
+        return self.data["change"]
+
+    @property
+    def reads(self) -> dict:
+        """An incremental plan's block reads: ``{"base": tensor -> ranges, "expert": ...}``."""
+        return self.data["reads"]
+
+    @property
+    def access_bytes(self) -> dict:
+        return self.data["access_bytes"]
+
+    @property
+    def from_scratch_estimate(self) -> dict:
+        return self.data["from_scratch_estimate"]
+
+    def inputs(self) -> list[dict]:
+        """The models the plan reads: the base and the experts (an incremental plan: base, parent, changed)."""
+        if self.is_extend:
+            return [self.base, self.parent, self.changed]
+        return [self.base, *self.experts]
+
     def explain(self) -> str:
         if is_extend(self.data):
             return explain_extend(self.data)
         return explain_plan(self.data)
+
+
+def as_plan(plan) -> Plan:
+    """A :class:`Plan` from a Plan or its data (a worker receives the data)."""
+    return plan if isinstance(plan, Plan) else Plan(plan)
 
 
 def compact_ranges(indices) -> list[list[int]]:
@@ -67,10 +305,10 @@ def expand_ranges(ranges) -> list[int]:
 
 def save_plan(catalog: Catalog, plan: Plan) -> None:
     plans.upsert_plan(catalog, {
-        "id": plan.id, "base_id": plan["base"]["id"], "operator": plan["operator"],
-        "budget_bytes": plan["budget"]["bytes"], "full_expert_bytes": plan["full_expert_bytes"],
-        "expert_read_bytes": plan["estimate"]["expert_read"],
-        "error_bound": (plan["error_bound"] or {}).get("absolute"), "json": plan.to_json(),
+        "id": plan.id, "base_id": plan.base_id, "operator": plan.operator,
+        "budget_bytes": plan.budget_bytes, "full_expert_bytes": plan.full_expert_bytes,
+        "expert_read_bytes": plan.estimated["expert_read"],
+        "error_bound": (plan.error_bound or {}).get("absolute"), "json": plan.to_json(),
     })
 
 
