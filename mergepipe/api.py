@@ -348,22 +348,22 @@ def merge_summary(plan: Plan, manifest) -> dict:
     core = manifest.core
     return {
         "snapshot_id": manifest.snapshot_id, "model_id": manifest.run["model_id"], "out": manifest.run["out"],
-        "plan_id": plan.id, "manifest_hash": manifest.manifest_hash, "operator": plan["operator"],
-        "budget_bytes": plan["budget"]["bytes"], "full_expert_bytes": plan["full_expert_bytes"],
-        "estimated": core["estimated"], "realized": core["realized"], "error_bound": plan["error_bound"],
+        "plan_id": plan.id, "manifest_hash": manifest.manifest_hash, "operator": plan.operator,
+        "budget_bytes": plan.budget_bytes, "full_expert_bytes": plan.full_expert_bytes,
+        "estimated": core["estimated"], "realized": core["realized"], "error_bound": plan.error_bound,
         "seconds": manifest.run["seconds"], "timing": manifest.run["timing"],
-        "budget": plan["budget"]["spec"], "first_merge": bool(plan["budget"].get("first_merge")),
+        "budget": plan.budget["spec"], "first_merge": bool(plan.budget.get("first_merge")),
         # what the merge actually read, in % of the full expert read (a first merge: everything, whatever was asked)
         "budget_used_pct": round(100.0 * (core["realized"]["expert_read"] + core["realized"].get("compact_read", 0))
-                                 / plan["full_expert_bytes"], 2) if plan["full_expert_bytes"] else 100.0,
-        "tiers": plan.data.get("tiers"),
+                                 / plan.full_expert_bytes, 2) if plan.full_expert_bytes else 100.0,
+        "tiers": plan.tiers,
     }
 
 
 def extend_summary(plan: Plan, manifest) -> dict:
     """What `merge --extend` reports: the merge summary plus the parent, the change and the reads."""
-    fs = plan["from_scratch_estimate"]
-    return {**merge_summary(plan, manifest), "extends": plan["parent"]["snapshot_id"], "change": plan["change"],
+    fs = plan.from_scratch_estimate
+    return {**merge_summary(plan, manifest), "extends": plan.parent["snapshot_id"], "change": plan.change,
             "from_scratch_read": fs["base_read"] + fs["expert_read"]}
 
 
