@@ -168,6 +168,7 @@ class MergePipeline:
         return self.inflight.keeps(eid, name, block)
 
     def passthrough_ok(self, name: str) -> bool:
+        # linear without normalize scales the base by sum(w): then no block is a plain copy
         scales_base = self.op.whole_models and not self.params_for(name)["normalize"]
         return not self.base_member and not (scales_base and self.weight_sums[name] != 1.0)
 

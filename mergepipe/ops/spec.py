@@ -4,7 +4,12 @@ they may vary per tensor), plus the registry ``OPERATORS`` that the operator fam
 dare, breadcrumbs, della) add to.
 
 The command line's flags and help, the YAML config's checks and the dashboard's Plan page widgets are
-generated from these declarations: adding an operator touches one module (``ops/<family>.py``).
+generated from these declarations. What adding an operator touches (CONTRIBUTING.md, "add an operator"):
+one module for a new combination within an existing family (its ``OpSpec`` in that family's ``SPECS``);
+two for a new family (``ops/<family>.py``, and ``ops/core.py``: its import and ``FAMILIES``); four with a
+new kind of sparsification (also a :class:`Sparsify` member here and the full-read reference in
+``research/baselines.py``); an interpolation method with statistics of its own also touches ANALYZE, the
+catalog and the planner.
 Nothing here imports torch or numpy (planning, EXPLAIN and ``--help`` read the declarations).
 """
 

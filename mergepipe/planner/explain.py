@@ -54,98 +54,163 @@ _COMPOSED_STATS = {
 }
 
 
-def explain_plan(p: dict) -> str:
-    """EXPLAIN-style text: inputs, budget, estimates, then selection per expert and per tensor."""
-    from mergepipe.planner.budget import human_bytes  # formatting only
+def explain_plan(p) -> str:
+    """EXPLAIN-style text: inputs, budget, estimates, then selection per expert and per tensor (``p``: a
+    :class:`~mergepipe.planner.plan.Plan` or its data), one section after another."""
+    from mergepipe.planner.plan import as_plan
+    plan = as_plan(p)
+    lines = header_lines(plan) + [budget_line(plan.data), estimate_line(plan)]
+    lines += tier_lines(plan) + transfer_lines(plan) + bound_section(plan) + shape_lines(plan)
+    lines += expert_lines(plan) + tensor_lines(plan)
+    return "\n".join(lines)
 
-    lines = [f"PLAN {p['id']}  ({p['digest']})",
-             f"  operator   {p['operator']}  params {json.dumps(_short(p['params']), sort_keys=True)}  "
-             f"seed {p['seed']}  "
-             f"strategy {p['strategy']}",
-             f"  base       {p['base']['id']}  {p['base']['fingerprint'][:19]}",
-             f"  grid       {human_bytes(p['grid']['block_bytes'])} blocks, {p['blocks_total']} per model",
-             budget_line(p),
-             f"  estimate   base read {human_bytes(p['estimate']['base_read'])}, expert read "
-             f"{human_bytes(p['estimate']['expert_read'])}"
-             + (f", compact read {human_bytes(p['estimate']['compact_read'])}" if p['estimate'].get('compact_read')
-                else "") + f", write {human_bytes(p['estimate']['output_write'])}"]
-    if p.get("tiers") and (p.get("compact") or p["tiers"]["compact"]["by_bits"]):
-        lines.append(tiers_line(p["tiers"]))
+
+def header_lines(plan) -> list[str]:
+    """The plan's id and digest, operator, parameters, seed, strategy, base and grid."""
+    from mergepipe.planner.budget import human_bytes
+    p = plan.data
+    return [f"PLAN {plan.id}  ({plan.digest})",
+            f"  operator   {plan.operator}  params {json.dumps(_short(plan.params), sort_keys=True)}  "
+            f"seed {plan.seed}  "
+            f"strategy {plan.strategy}",
+            f"  base       {plan.base_id}  {plan.base['fingerprint'][:19]}",
+            f"  grid       {human_bytes(plan.block_bytes)} blocks, {p['blocks_total']} per model"]
+
+
+def estimate_line(plan) -> str:
+    """The estimated reads and write."""
+    from mergepipe.planner.budget import human_bytes
+    e = plan.estimated
+    return (f"  estimate   base read {human_bytes(e['base_read'])}, expert read {human_bytes(e['expert_read'])}"
+            + (f", compact read {human_bytes(e['compact_read'])}" if e.get('compact_read') else "")
+            + f", write {human_bytes(e['output_write'])}")
+
+
+def tier_lines(plan) -> list[str]:
+    """The exact / compact / omitted split and the compact tier's note."""
+    p = plan.data
+    lines = []
+    if plan.tiers and (plan.compact or plan.tiers["compact"]["by_bits"]):
+        lines.append(tiers_line(plan.tiers))
     if p.get("compact_note"):
         lines.append(f"  compact    {p['compact_note']}")
-    if p.get("transfer"):  # plans saved before the tier cost model lack it
+    return lines
+
+
+def transfer_lines(plan) -> list[str]:
+    """The transfer-time estimate (plans saved before the tier cost model lack it) and coalescing."""
+    p = plan.data
+    lines = []
+    if p.get("transfer"):
         lines.append("  transfer   " + transfer_line(p["transfer"]))
     if p.get("coalesce"):
         lines.append(coalesce_line(p["coalesce"]))
-    if p["error_bound"]:
-        b = p["error_bound"]
-        norm = "n/a" if b["full_delta_norm"] is None else f"{b['full_delta_norm']:.6g}"
-        if b.get("kind") == "sparsified":
-            lines.append(f"  bound      ||M_full - M_A|| <= {b['absolute']:.6g}  (relative {b['relative']:.3e} of the bound "
-                         f"{b['update_bound']:.6g} on ||M_full - base||; sound for {p['operator']}'s sparsification"
-                         f"{' and sign election' if p['operator'] in CONSENSUS_OPS else ''}, but loose: at each position "
-                         f"not read exactly, the norms of both merges' updates there)")
-        elif b.get("kind") == "blockwise":
-            lines += bound_lines(b, norm, bool(p.get("compact")))
-        else:  # plans stored before the blockwise headline
-            lines.append(f"  bound      ||M_full - M_A|| <= {b['absolute']:.6g}  (relative {b['relative']:.3e} "
-                         f"of ||M_full - base|| ~ {norm})")
-        if "blockwise" in b and b.get("kind") != "blockwise":  # plans stored before the blockwise bound lack it
-            lines.append(f"  tighter    ||M_full - M_A|| <= {b['blockwise']:.6g}  (relative "
-                         f"{b['blockwise_relative']:.3e}; blocks at different positions are disjoint)")
-        if p.get("suggested_budget"):
-            lines.append(suggestion_line(p["suggested_budget"]))
-    elif p.get("coefficients") is not None:  # an interpolation method (planner/methods.py)
-        from mergepipe.ops.core import get_op
-        op = get_op(p["operator"])
-        lines.append(f"  bound      {op.bound_note or 'n/a'}")
-        omitted = sum(b - a for rs in p.get("omitted", {}).values() for a, b in rs)
-        lines.append(f"  omitted    {omitted} blocks not read; {op.budget_semantics}")
-        if p.get("composed_coefficients"):  # a re-ordered vocabulary (planner/methods.py, engine/vocab.py)
-            what = _COMPOSED_STATS.get(p["operator"], "their Gram statistics")
-            lines.append(f"  coefficients of {', '.join(sorted(p['composed_coefficients']))}: from the composed rows "
-                         f"at merge time ({what}, computed in memory from the rows read in full for "
-                         f"every model; no extra read)")
-    if p.get("layout"):
-        lines.append(layout_line(p))
-    member = p.get("base_member")
-    if member:  # a model soup (config/soup.py)
-        weight = "per tensor" if member.get("weight") is None else f"{member['weight']:g}"
-        lines.append(f"  soup       {p['base']['id']} is averaged in with weight {weight} (model {member['position'] + 1} "
-                     "of the soup)" + (
-                         f"; it is the reference model: the config names no base_model, so MergePipe took the first "
-                         f"model listed, read it in full and planned the other models as deltas against it (the "
-                         f"average does not depend on that choice; the budget applies to the others)"
-                         if member.get("reference") else "; the config lists its base_model among the models"))
-    tok = p.get("tokenizer")
-    if tok:  # the base's tokenizer files otherwise (no line)
-        template = tok.get("chat_template")
-        vocab = tok.get("vocab")
-        files = (f"{vocab['source']} vocabulary of {vocab['tokens_n']} tokens ({vocab['sha256'][:19]}), written by "
-                 f"the merge" if vocab else f"{tok.get('source', p['base']['id'])}'s files")
-        lines.append(f"  tokenizer  {files}"
-                     + (f", chat template {template[:40]!r}{'...' if len(template) > 40 else ''}" if template else ""))
-        if vocab and vocab.get("copies"):  # passthrough: each copied tensor re-ordered alone (config/vocab.py)
-            zero = {m: sum(1 for e in es if e[0] != "own") for m, es in vocab["sources"].items()}
-            lines.append(f"  vocab rows {', '.join(f'{n} {r} x {w}' for n, (r, w) in sorted(vocab['tensors'].items()))} "
-                         f"re-ordered to it, each alone from the model it copies ("
-                         f"{', '.join(f'{n} of {m}' for n, m in sorted(vocab['copies'].items()))}; rows of tokens it "
-                         f"lacks zero: {', '.join(f'{m} {n}' for m, n in zero.items())})")
-        elif vocab:
-            moved = {m: sum(1 for e in es if e[0] != "own") for m, es in vocab["sources"].items()}
-            lines.append(f"  vocab rows {', '.join(f'{n} {r} x {w}' for n, (r, w) in sorted(vocab['tensors'].items()))} "
-                         f"re-ordered to it (rows not a model's own: "
-                         f"{', '.join(f'{m} {n}' for m, n in moved.items())}); read in full for every model "
-                         f"whatever the budget" + (f"; tokens: {', '.join(t[0] for t in vocab['tokens'])}"
-                                                   if vocab["tokens"] else ""))
-    lines.append("  experts")
-    for e in p["experts"]:
+    return lines
+
+
+def bound_section(plan) -> list[str]:
+    """The error bound and the suggested budget; for an interpolation method what stands for them."""
+    if plan.error_bound:
+        return error_bound_lines(plan)
+    if plan.data.get("coefficients") is not None:  # an interpolation method (planner/methods.py)
+        return method_lines(plan)
+    return []
+
+
+def error_bound_lines(plan) -> list[str]:
+    p, b = plan.data, plan.error_bound
+    lines = []
+    norm = "n/a" if b["full_delta_norm"] is None else f"{b['full_delta_norm']:.6g}"
+    if b.get("kind") == "sparsified":
+        lines.append(f"  bound      ||M_full - M_A|| <= {b['absolute']:.6g}  (relative {b['relative']:.3e} of the bound "
+                     f"{b['update_bound']:.6g} on ||M_full - base||; sound for {plan.operator}'s sparsification"
+                     f"{' and sign election' if plan.operator in CONSENSUS_OPS else ''}, but loose: at each position "
+                     f"not read exactly, the norms of both merges' updates there)")
+    elif b.get("kind") == "blockwise":
+        lines += bound_lines(b, norm, bool(plan.compact))
+    else:  # plans stored before the blockwise headline
+        lines.append(f"  bound      ||M_full - M_A|| <= {b['absolute']:.6g}  (relative {b['relative']:.3e} "
+                     f"of ||M_full - base|| ~ {norm})")
+    if "blockwise" in b and b.get("kind") != "blockwise":  # plans stored before the blockwise bound lack it
+        lines.append(f"  tighter    ||M_full - M_A|| <= {b['blockwise']:.6g}  (relative "
+                     f"{b['blockwise_relative']:.3e}; blocks at different positions are disjoint)")
+    if p.get("suggested_budget"):
+        lines.append(suggestion_line(p["suggested_budget"]))
+    return lines
+
+
+def method_lines(plan) -> list[str]:
+    from mergepipe.ops.core import get_op
+    op = get_op(plan.operator)
+    lines = [f"  bound      {op.bound_note or 'n/a'}"]
+    omitted = sum(b - a for rs in plan.omitted.values() for a, b in rs)
+    lines.append(f"  omitted    {omitted} blocks not read; {op.budget_semantics}")
+    if plan.composed_coefficients:  # a re-ordered vocabulary (planner/methods.py, engine/vocab.py)
+        what = _COMPOSED_STATS.get(plan.operator, "their Gram statistics")
+        lines.append(f"  coefficients of {', '.join(sorted(plan.composed_coefficients))}: from the composed rows "
+                     f"at merge time ({what}, computed in memory from the rows read in full for "
+                     f"every model; no extra read)")
+    return lines
+
+
+def shape_lines(plan) -> list[str]:
+    """What the output is made of besides the merge: a `slices:` layout, a soup's base, the tokenizer."""
+    lines = [layout_line(plan.data)] if plan.layout else []
+    return lines + soup_lines(plan) + tokenizer_lines(plan)
+
+
+def soup_lines(plan) -> list[str]:
+    member = plan.base_member
+    if not member:  # not a model soup (config/soup.py)
+        return []
+    weight = "per tensor" if member.get("weight") is None else f"{member['weight']:g}"
+    return [f"  soup       {plan.base_id} is averaged in with weight {weight} (model {member['position'] + 1} "
+            "of the soup)" + (
+                f"; it is the reference model: the config names no base_model, so MergePipe took the first "
+                f"model listed, read it in full and planned the other models as deltas against it (the "
+                f"average does not depend on that choice; the budget applies to the others)"
+                if member.get("reference") else "; the config lists its base_model among the models")]
+
+
+def tokenizer_lines(plan) -> list[str]:
+    tok = plan.tokenizer
+    if not tok:  # the base's tokenizer files otherwise (no line)
+        return []
+    template = tok.get("chat_template")
+    vocab = tok.get("vocab")
+    files = (f"{vocab['source']} vocabulary of {vocab['tokens_n']} tokens ({vocab['sha256'][:19]}), written by "
+             f"the merge" if vocab else f"{tok.get('source', plan.base_id)}'s files")
+    lines = [f"  tokenizer  {files}"
+             + (f", chat template {template[:40]!r}{'...' if len(template) > 40 else ''}" if template else "")]
+    if vocab and vocab.get("copies"):  # passthrough: each copied tensor re-ordered alone (config/vocab.py)
+        zero = {m: sum(1 for e in es if e[0] != "own") for m, es in vocab["sources"].items()}
+        lines.append(f"  vocab rows {', '.join(f'{n} {r} x {w}' for n, (r, w) in sorted(vocab['tensors'].items()))} "
+                     f"re-ordered to it, each alone from the model it copies ("
+                     f"{', '.join(f'{n} of {m}' for n, m in sorted(vocab['copies'].items()))}; rows of tokens it "
+                     f"lacks zero: {', '.join(f'{m} {n}' for m, n in zero.items())})")
+    elif vocab:
+        moved = {m: sum(1 for e in es if e[0] != "own") for m, es in vocab["sources"].items()}
+        lines.append(f"  vocab rows {', '.join(f'{n} {r} x {w}' for n, (r, w) in sorted(vocab['tensors'].items()))} "
+                     f"re-ordered to it (rows not a model's own: "
+                     f"{', '.join(f'{m} {n}' for m, n in moved.items())}); read in full for every model "
+                     f"whatever the budget" + (f"; tokens: {', '.join(t[0] for t in vocab['tokens'])}"
+                                               if vocab["tokens"] else ""))
+    return lines
+
+
+def expert_lines(plan) -> list[str]:
+    """Per expert: weight, density, blocks selected of the candidates, bytes read (exact and compact), and the
+    plan's warnings."""
+    from mergepipe.planner.budget import human_bytes
+    p = plan.data
+    lines = ["  experts"]
+    for e in plan.experts:
         eid = e["id"]
         extra = f" density {e['density']:g}" if e.get("density") is not None else ""
         weight = "per tensor" if e.get("weight") is None else f"{e['weight']:g}"
-        compact = ((p.get("compact") or {}).get("experts") or {}).get(eid)
+        compact = ((plan.compact or {}).get("experts") or {}).get(eid)
         lines.append(f"    {eid:<20} weight {weight}{extra}  blocks {p['blocks_selected'][eid]}/"
-                     f"{p['blocks_candidate'][eid]}  read {human_bytes(p['expert_read_by_expert'][eid])}"
+                     f"{p['blocks_candidate'][eid]}  read {human_bytes(plan.estimated_by_expert[eid])}"
                      + (f"  compact {sum(b - a for ts in compact['bits'].values() for rs in ts.values() for a, b in rs)}"
                         f" blocks {human_bytes(p['compact_read_by_expert'][eid])} ({compact['codec']}, groups of "
                         f"{compact['group']})" if compact else ""))
@@ -153,21 +218,28 @@ def explain_plan(p: dict) -> str:
             lines.append(f"    {'':<20} {e['analyze']}: read in full and analyzed on the way")
     for w in p.get("warnings", ()):  # e.g. an expert identical to its base (planner/context.py)
         lines.append(f"  warning    {w}")
-    lines.append("  tensors (blocks read per expert" + ("; ~N: from the compact tier at N bits)" if p.get("compact") else ")"))
-    compact = (p.get("compact") or {}).get("experts") or {}
-    tensors = sorted({t for ts in p["access"].values() for t in ts}
+    return lines
+
+
+def tensor_lines(plan) -> list[str]:
+    """Per tensor: the bytes read and each expert's block ranges (exact, and ~N from the compact tier)."""
+    from mergepipe.planner.budget import human_bytes
+    p = plan.data
+    lines = ["  tensors (blocks read per expert" + ("; ~N: from the compact tier at N bits)" if plan.compact else ")")]
+    compact = (plan.compact or {}).get("experts") or {}
+    tensors = sorted({t for ts in plan.access.values() for t in ts}
                      | {t for c in compact.values() for ts in c["bits"].values() for t in ts})
     for t in tensors:
         parts = []
-        for e in p["experts"]:
-            rs = p["access"][e["id"]].get(t, [])
+        for e in plan.experts:
+            rs = plan.access_for(e["id"]).get(t, [])
             if rs:
                 parts.append(f"{e['id']}:" + _ranges(rs))
             for level, ts in sorted((compact.get(e["id"]) or {}).get("bits", {}).items()):
                 if ts.get(t):
                     parts.append(f"{e['id']}~{level}:" + _ranges(ts[t]))
         lines.append(f"    {t:<48} {human_bytes(p['expert_read_by_tensor'].get(t, 0)):>12}  {' '.join(parts)}")
-    return "\n".join(lines)
+    return lines
 
 
 def _ranges(rs) -> str:
