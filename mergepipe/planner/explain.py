@@ -88,12 +88,11 @@ def estimate_line(plan) -> str:
 
 def tier_lines(plan) -> list[str]:
     """The exact / compact / omitted split and the compact tier's note."""
-    p = plan.data
     lines = []
     if plan.tiers and (plan.compact or plan.tiers["compact"]["by_bits"]):
         lines.append(tiers_line(plan.tiers))
-    if p.get("compact_note"):
-        lines.append(f"  compact    {p['compact_note']}")
+    if plan.compact_note:
+        lines.append(f"  compact    {plan.compact_note}")
     return lines
 
 
@@ -134,8 +133,8 @@ def error_bound_lines(plan) -> list[str]:
     if "blockwise" in b and b.get("kind") != "blockwise":  # plans stored before the blockwise bound lack it
         lines.append(f"  tighter    ||M_full - M_A|| <= {b['blockwise']:.6g}  (relative "
                      f"{b['blockwise_relative']:.3e}; blocks at different positions are disjoint)")
-    if p.get("suggested_budget"):
-        lines.append(suggestion_line(p["suggested_budget"]))
+    if plan.suggested_budget:
+        lines.append(suggestion_line(plan.suggested_budget))
     return lines
 
 
@@ -202,21 +201,20 @@ def expert_lines(plan) -> list[str]:
     """Per expert: weight, density, blocks selected of the candidates, bytes read (exact and compact), and the
     plan's warnings."""
     from mergepipe.planner.budget import human_bytes
-    p = plan.data
     lines = ["  experts"]
     for e in plan.experts:
         eid = e["id"]
         extra = f" density {e['density']:g}" if e.get("density") is not None else ""
         weight = "per tensor" if e.get("weight") is None else f"{e['weight']:g}"
         compact = ((plan.compact or {}).get("experts") or {}).get(eid)
-        lines.append(f"    {eid:<20} weight {weight}{extra}  blocks {p['blocks_selected'][eid]}/"
-                     f"{p['blocks_candidate'][eid]}  read {human_bytes(plan.estimated_by_expert[eid])}"
+        lines.append(f"    {eid:<20} weight {weight}{extra}  blocks {plan.blocks_selected[eid]}/"
+                     f"{plan.blocks_candidate[eid]}  read {human_bytes(plan.estimated_by_expert[eid])}"
                      + (f"  compact {sum(b - a for ts in compact['bits'].values() for rs in ts.values() for a, b in rs)}"
-                        f" blocks {human_bytes(p['compact_read_by_expert'][eid])} ({compact['codec']}, groups of "
+                        f" blocks {human_bytes(plan.compact_read_by_expert[eid])} ({compact['codec']}, groups of "
                         f"{compact['group']})" if compact else ""))
         if e.get("analyze"):
             lines.append(f"    {'':<20} {e['analyze']}: read in full and analyzed on the way")
-    for w in p.get("warnings", ()):  # e.g. an expert identical to its base (planner/context.py)
+    for w in plan.warnings:  # e.g. an expert identical to its base (planner/context.py)
         lines.append(f"  warning    {w}")
     return lines
 
@@ -224,7 +222,6 @@ def expert_lines(plan) -> list[str]:
 def tensor_lines(plan) -> list[str]:
     """Per tensor: the bytes read and each expert's block ranges (exact, and ~N from the compact tier)."""
     from mergepipe.planner.budget import human_bytes
-    p = plan.data
     lines = ["  tensors (blocks read per expert" + ("; ~N: from the compact tier at N bits)" if plan.compact else ")")]
     compact = (plan.compact or {}).get("experts") or {}
     tensors = sorted({t for ts in plan.access.values() for t in ts}
@@ -238,7 +235,7 @@ def tensor_lines(plan) -> list[str]:
             for level, ts in sorted((compact.get(e["id"]) or {}).get("bits", {}).items()):
                 if ts.get(t):
                     parts.append(f"{e['id']}~{level}:" + _ranges(ts[t]))
-        lines.append(f"    {t:<48} {human_bytes(p['expert_read_by_tensor'].get(t, 0)):>12}  {' '.join(parts)}")
+        lines.append(f"    {t:<48} {human_bytes(plan.estimated_by_tensor.get(t, 0)):>12}  {' '.join(parts)}")
     return lines
 
 

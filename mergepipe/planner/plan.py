@@ -124,6 +124,21 @@ class Plan:
         return self.data["expert_read_by_expert"]
 
     @property
+    def estimated_by_tensor(self) -> dict[str, int]:
+        """tensor -> estimated expert bytes read."""
+        return self.data.get("expert_read_by_tensor") or {}
+
+    @property
+    def blocks_candidate(self) -> dict[str, int]:
+        """expert id -> blocks that may change the output (the candidates the budget chooses from)."""
+        return self.data["blocks_candidate"]
+
+    @property
+    def suggested_budget(self) -> dict | None:
+        """The budget the planner suggests (planner/bounds.py), outside the digest; None where it has none."""
+        return self.data.get("suggested_budget")
+
+    @property
     def compact_read_by_expert(self) -> dict[str, int]:
         return self.data.get("compact_read_by_expert") or {}
 
