@@ -94,6 +94,21 @@ def _add_analyze(p):
     p.add_argument("--run-id", type=int, help=argparse.SUPPRESS)
 
 
+def _analyze_progress(cb, run, total_models: int):
+    """analyze's progress callback: the bar and, with ``--run-id``, the run's row (blocks_* columns carry
+    bytes for analyze runs: models done + fraction of the current one)."""
+    finished = []
+
+    def progress(label, done, total):
+        cb(label, done, total)
+        if run:
+            if done >= total:
+                finished.append(label)
+            run(int((len(finished) + (0 if done >= total else done / max(total, 1))) * 1000), total_models * 1000,
+                done)
+    return progress
+
+
 @command("analyze", "compute per-block delta statistics of experts against their base", arguments=_add_analyze)
 def cmd_analyze(args):
     cat = open_catalog(args, write=True)
@@ -110,18 +125,8 @@ def cmd_analyze(args):
         kw["compact_group"] = args.compact_group
     prog, cb = progress_bar("analyze")
     total_models = max(1, len(args.model_ids or [m for m in cat.models() if m["base_id"]]))
-    finished = []
-    with api.recorded_run(cat, args.run_id) as run:
-
-        def progress(label, done, total):
-            cb(label, done, total)
-            if run:  # blocks_* columns carry bytes for analyze runs: models done + fraction of the current one
-                if done >= total:
-                    finished.append(label)
-                run(int((len(finished) + (0 if done >= total else done / max(total, 1))) * 1000),
-                    total_models * 1000, done)
-        with prog:
-            results = api.analyze(cat, args.model_ids, progress=progress, **kw)
+    with api.recorded_run(cat, args.run_id) as run, prog:
+        results = api.analyze(cat, args.model_ids, progress=_analyze_progress(cb, run, total_models), **kw)
     out = [r.__dict__ for r in results]
 
     def render(rows):

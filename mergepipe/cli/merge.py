@@ -233,7 +233,7 @@ def cmd_plan(args):
 
 
 def _execute(args, cat, plan, run=None):
-    """Run the plan (``run``: the RunProgress of `execute --run-id`, else None) and print its summary."""
+    """Run the plan; its manifest. ``run``: the RunProgress of `execute --run-id` (else None)."""
     prog, cb = progress_bar("merge")
 
     def progress(done, total, nbytes):
@@ -244,6 +244,10 @@ def _execute(args, cat, plan, run=None):
         _, manifest = api.execute(cat, plan, out=args.out, model_id=args.model_id, out_shard_bytes=args.out_shard_size,
                                   progress=progress, run_id=run.run_id if run else None, executor=args.executor,
                                   address=args.address)
+    return manifest
+
+
+def _print_merge(args, plan, manifest) -> None:
     summary = api.merge_summary(plan, manifest)
     emit(args, summary, lambda s: print(
         f"published {s['snapshot_id']} as model {s['model_id']} at {s['out']}\n"
@@ -280,7 +284,7 @@ def cmd_merge(args):
     plan = _make_plan(args, cat, save=False, reserved_ids=reserved)
     for warning in plan.data.get("warnings", ()):
         print(f"warning: {warning}", file=sys.stderr)
-    _execute(args, cat, plan)
+    _print_merge(args, plan, _execute(args, cat, plan))
 
 
 def _add_execute_args(p):
@@ -292,9 +296,11 @@ def _add_execute_args(p):
 @command("execute", "execute a stored plan", arguments=_add_execute_args)
 def cmd_execute(args):
     cat = open_catalog(args, write=True)
-    # the engine marks the run succeeded when it publishes the snapshot
+    # the engine marks the run succeeded, in the transaction that publishes the snapshot
     with api.recorded_run(cat, args.run_id, finish=False) as run:
-        _execute(args, cat, api.load_plan(cat, args.plan_id), run)
+        plan = api.load_plan(cat, args.plan_id)
+        manifest = _execute(args, cat, plan, run)
+    _print_merge(args, plan, manifest)
 
 
 def _add_explain_args(p):
