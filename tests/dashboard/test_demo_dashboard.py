@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -85,11 +86,18 @@ def idle(page):
     page.wait_for_selector(IDLE, timeout=90_000)
 
 
-def expect_value(page, locator, value: str):
-    """``locator`` (one element once the rerun settles: a rerun may briefly draw a stale twin) holds ``value``."""
-    idle(page)
-    expect(locator).to_have_count(1)
-    expect(locator).to_have_value(value)
+def expect_value(page, locator, value: str, timeout_s: float = 30.0):
+    """``locator`` settles on one element holding ``value``: a rerun may briefly draw a stale twin beside the
+    widget, so both conditions are polled together (checking the count, then the value, races a second rerun)."""
+    deadline = time.monotonic() + timeout_s
+    values: list = []
+    while time.monotonic() < deadline:
+        idle(page)
+        values = locator.evaluate_all("els => els.map(e => e.value)")
+        if values == [value]:
+            return
+        page.wait_for_timeout(200)
+    raise AssertionError(f"expected one element holding {value!r}, found {values!r}")
 
 
 def server_log(demo) -> str:
