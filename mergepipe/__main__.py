@@ -1,0 +1,5 @@
+import sys
+
+from mergepipe.cli.app import main
+
+sys.exit(main())
