@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 
+from mergepipe.catalog.vocab_names import is_vocab_tensor
 from mergepipe.errors import CatalogError
 from mergepipe.storage.safetensors import Checkpoint
 
@@ -63,7 +64,6 @@ def describe(ckpt: Checkpoint) -> str:
 
 def vocab_size(ckpt: Checkpoint) -> int | None:
     """The rows of the input embedding (or of any vocabulary tensor), or None when there is none."""
-    from mergepipe.catalog.models import is_vocab_tensor
     names = sorted(n for n in ckpt.tensors if is_vocab_tensor(n) and len(ckpt.tensors[n].shape) == 2)
     names.sort(key=lambda n: "embed" not in n)
     return ckpt.tensors[names[0]].shape[0] if names else None

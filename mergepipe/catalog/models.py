@@ -16,6 +16,7 @@ from pathlib import Path
 
 from mergepipe.catalog.db import Catalog, now
 from mergepipe.catalog.mismatch import OTHER_VOCAB, mismatch_error
+from mergepipe.catalog.vocab_names import VOCAB_TENSOR_SUFFIXES, is_vocab_tensor  # noqa: F401 (re-exported)
 from mergepipe.errors import CatalogError, MergePipeError
 from mergepipe.storage.lora import base_mismatches
 from mergepipe.storage.registry import canonical_uri, open_adapter, open_checkpoint, scheme_of, storage_for
@@ -93,15 +94,6 @@ def content_hash(ckpt: Checkpoint) -> str:
             for offset in range(0, size, 16 << 20):
                 h.update(reader.read(fname, offset, min(16 << 20, size - offset)))
     return "sha256:" + h.hexdigest()
-
-
-VOCAB_TENSOR_SUFFIXES = ("embed_tokens.weight", "lm_head.weight", "wte.weight", "word_embeddings.weight",
-                         "embed_out.weight", "embed_in.weight", "shared.weight")
-
-
-def is_vocab_tensor(name: str) -> bool:
-    """An embedding or output tensor whose rows are the vocabulary (by name)."""
-    return name.endswith(VOCAB_TENSOR_SUFFIXES)
 
 
 def layout_mismatches(base: Checkpoint, expert: Checkpoint, limit: int | None = 20, any_float: bool = False,

@@ -24,16 +24,26 @@ through it.
 descriptors advised ``POSIX_FADV_RANDOM``). The remote backends (:mod:`mergepipe.storage.remote`:
 ``s3://``, ``http(s)://``, ``hf://``) honour the same contract: byte-exact ranges, a faithful
 ``bytes_read``, and a fingerprint that changes with the content (ETags).
+
+The layout types both sides share -- :class:`TensorInfo` and :class:`Checkpoint` -- live here too (the
+safetensors parser, :mod:`mergepipe.storage.safetensors`, builds and re-exports them).
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from mergepipe.errors import StorageError
+from mergepipe.storage.dtypes import ITEMSIZE, torch_dtype_of
+
 if TYPE_CHECKING:
-    from mergepipe.storage.safetensors import Checkpoint
+    import torch
 
 
 class Reader(Protocol):
@@ -85,3 +95,67 @@ class Storage(ABC):
     def side_files(self, checkpoint: Checkpoint) -> dict[str, bytes] | None:
         """config.json and tokenizer files of a checkpoint that is not a local folder; None: local."""
         return None
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes live. ``offset`` is absolute within ``file``."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+    offset: int
+    nbytes: int
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.dtype]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch_dtype_of(self.dtype)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class Checkpoint:
+    """A parsed checkpoint: a single safetensors file or a (sharded) Hugging Face directory."""
+
+    root: Path
+    files: list[Path]
+    tensors: dict[str, TensorInfo]
+    file_sizes: dict[str, int]
+    config: dict = field(default_factory=dict)
+    # the Storage it was opened with (mergepipe.storage.registry); it reads and fingerprints the files
+    storage: Storage | None = field(default=None, repr=False, compare=False)
+
+    def reader(self, sequential: bool = False) -> Reader:
+        """Exact range reads of this checkpoint's files, through the storage it was opened with."""
+        return self._storage().reader(self, sequential)
+
+    def fingerprint(self) -> str:
+        return self._storage().fingerprint(self)
+
+    def _storage(self) -> Storage:
+        if self.storage is None:
+            raise StorageError(f"{self.root}: opened without a storage backend (use mergepipe.storage.registry)")
+        return self.storage
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def path_of(self, info: TensorInfo) -> Path:
+        return self.root / info.file if self.root.is_dir() else self.root
+
+    def headers_digest_source(self) -> bytes:
+        """Canonical bytes describing the layout: names, dtypes, shapes, offsets and file sizes."""
+        rows = [
+            [t.name, t.dtype, list(t.shape), t.file, t.offset, t.nbytes]
+            for t in sorted(self.tensors.values(), key=lambda t: t.name)
+        ]
+        return json.dumps({"tensors": rows, "files": self.file_sizes}, sort_keys=True).encode()

@@ -1,5 +1,7 @@
-"""The safetensors format: dtype tables, header parsing and validation, checkpoint layouts (a file or a
-sharded Hugging Face directory), row geometry and bytes -> tensor.
+"""The safetensors format: header parsing and validation, checkpoint layouts (a file or a sharded Hugging
+Face directory), row geometry and bytes -> tensor. The dtype tables live in :mod:`mergepipe.storage.dtypes`
+and the layout types (``TensorInfo``, ``Checkpoint``) in :mod:`mergepipe.storage.base`; both are
+re-exported here, as is ``DTYPES``/``TORCH_TO_CODE`` (built on first use).
 
 Headers are parsed by hand (8-byte little-endian length + JSON) so that registering a checkpoint reads
 no tensor bytes. Reading tensor data is the storage backend's job (mergepipe.storage.local).
@@ -13,124 +15,31 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mergepipe.errors import StorageError
+from mergepipe.storage import dtypes as _dtypes
+from mergepipe.storage.base import Checkpoint, TensorInfo  # noqa: F401 (re-exported)
+from mergepipe.storage.dtypes import FLOAT_DTYPES, ITEMSIZE, torch_dtype_of  # noqa: F401 (re-exported)
 from mergepipe.storage.paths import expand_path, open_regular, read_regular  # noqa: F401 (expand_path: re-exported)
 
 if TYPE_CHECKING:
     import torch
 
-    from mergepipe.storage.base import Reader, Storage
-
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_JSON_BYTES = 64 * 1024 * 1024  # config.json, shard indexes, adapter configs
 INDEX_NAME = "model.safetensors.index.json"
 
-# safetensors dtype code -> item size in bytes. Header parsing needs nothing else, so registering a
-# checkpoint never imports torch (an import of ~1-3 s; see the module's __getattr__ for DTYPES).
-ITEMSIZE: dict[str, int] = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-    "F8_E4M3": 1, "F8_E5M2": 1,
-}
-FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
-# safetensors dtype code -> name of the torch dtype
-_TORCH_NAMES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-}
-
-
-def _torch_tables() -> dict:
-    """DTYPES (code -> (torch dtype, item size)) and TORCH_TO_CODE, built on first use."""
-    import torch
-
-    dtypes = {code: (getattr(torch, name), ITEMSIZE[code]) for code, name in _TORCH_NAMES.items()}
-    return {"DTYPES": dtypes, "TORCH_TO_CODE": {v[0]: k for k, v in dtypes.items()}}
-
 
 def __getattr__(name: str):
-    # PEP 562: ``DTYPES`` and ``TORCH_TO_CODE`` hold torch dtypes, so they are made (and torch
-    # imported) only when some module asks for them; they are then cached as ordinary globals.
+    # ``DTYPES`` and ``TORCH_TO_CODE`` are built (and torch imported) on first use by
+    # mergepipe.storage.dtypes; the same objects are then cached here as ordinary globals.
     if name in ("DTYPES", "TORCH_TO_CODE"):
-        tables = _torch_tables()
-        globals().update(tables)
-        return tables[name]
+        value = getattr(_dtypes, name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def torch_dtype_of(code: str) -> torch.dtype:
-    """The torch dtype of a safetensors dtype code (imports torch on first use)."""
-    dtypes = globals().get("DTYPES") or __getattr__("DTYPES")
-    return dtypes[code][0]
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """Where one tensor's bytes live. ``offset`` is absolute within ``file``."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    file: str
-    offset: int
-    nbytes: int
-
-    @property
-    def itemsize(self) -> int:
-        return ITEMSIZE[self.dtype]
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return torch_dtype_of(self.dtype)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-@dataclass
-class Checkpoint:
-    """A parsed checkpoint: a single safetensors file or a (sharded) Hugging Face directory."""
-
-    root: Path
-    files: list[Path]
-    tensors: dict[str, TensorInfo]
-    file_sizes: dict[str, int]
-    config: dict = field(default_factory=dict)
-    # the Storage it was opened with (mergepipe.storage.registry); it reads and fingerprints the files
-    storage: Storage | None = field(default=None, repr=False, compare=False)
-
-    def reader(self, sequential: bool = False) -> Reader:
-        """Exact range reads of this checkpoint's files, through the storage it was opened with."""
-        return self._storage().reader(self, sequential)
-
-    def fingerprint(self) -> str:
-        return self._storage().fingerprint(self)
-
-    def _storage(self) -> Storage:
-        if self.storage is None:
-            raise StorageError(f"{self.root}: opened without a storage backend (use mergepipe.storage.registry)")
-        return self.storage
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
-
-    def path_of(self, info: TensorInfo) -> Path:
-        return self.root / info.file if self.root.is_dir() else self.root
-
-    def headers_digest_source(self) -> bytes:
-        """Canonical bytes describing the layout: names, dtypes, shapes, offsets and file sizes."""
-        rows = [
-            [t.name, t.dtype, list(t.shape), t.file, t.offset, t.nbytes]
-            for t in sorted(self.tensors.values(), key=lambda t: t.name)
-        ]
-        return json.dumps({"tensors": rows, "files": self.file_sizes}, sort_keys=True).encode()
 
 
 def parse_header(path: Path, display_name: str | None = None) -> dict[str, TensorInfo]:
