@@ -8,6 +8,7 @@ import contextlib
 import sqlite3
 import subprocess
 
+import pandas as pd
 import streamlit as st
 
 from mergepipe.dashboard import views
@@ -106,12 +107,12 @@ def reap() -> None:
 
 # --- cached views (keyed by catalog path + statistics version) ----------------------------------------
 @st.cache_data(max_entries=32, show_spinner=False)
-def tensor_stats(db_path: str, version: str, experts: tuple) -> "views.pd.DataFrame":
+def tensor_stats(db_path: str, version: str, experts: tuple) -> pd.DataFrame:
     return with_catalog(views.tensor_stats_df, list(experts))
 
 
 @st.cache_data(max_entries=32, show_spinner=False)
-def block_stats(db_path: str, version: str, experts: tuple, tensors: tuple | None) -> "views.pd.DataFrame":
+def block_stats(db_path: str, version: str, experts: tuple, tensors: tuple | None) -> pd.DataFrame:
     return with_catalog(views.block_stats_df, list(experts), None if tensors is None else list(tensors))
 
 

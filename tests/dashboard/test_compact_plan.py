@@ -18,6 +18,8 @@ from mergepipe.catalog import compacts
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.models import register
 from mergepipe.dashboard import views
+from mergepipe.dashboard import formatting as dash_formatting
+from mergepipe.dashboard import plan as dash_plan
 from mergepipe.planner.tiers import EXACT, OMIT
 from mergepipe.research.family import make_family
 
@@ -77,9 +79,9 @@ def test_mask_has_exactly_the_plans_blocks_in_each_state(cat, mode):
     n_cand = len(ctx.candidates.expert)
     seen_compact = 0
     for pct in (5, 10, 25, 50, 100):
-        plan = views.make_plan(ctx, pct)
-        mask = views.mask_matrix(ctx, plan)
-        counts = views.mask_state_counts(mask)
+        plan = dash_plan.make_plan(ctx, pct)
+        mask = dash_plan.mask_matrix(ctx, plan)
+        counts = dash_plan.mask_state_counts(mask)
         want = expected_counts(plan)
         assert {k: counts[k] for k in ("exact", "omitted", "compact")} == want, (mode, pct)
         assert want["exact"] + sum(want["compact"].values()) + want["omitted"] == n_cand
@@ -89,13 +91,13 @@ def test_mask_has_exactly_the_plans_blocks_in_each_state(cat, mode):
             for bits, tensors in entry["bits"].items():
                 for t, ranges in tensors.items():
                     for a, b in ranges:
-                        assert all(mask.at[e, f"{t}#{i}"] == views.COMPACT_STATES[int(bits)][0] for i in range(a, b))
+                        assert all(mask.at[e, f"{t}#{i}"] == dash_plan.COMPACT_STATES[int(bits)][0] for i in range(a, b))
         for e, tensors in plan["access"].items():
             for t, ranges in tensors.items():
                 assert all(mask.at[e, f"{t}#{i}"] == 1.0 for a, b in ranges for i in range(a, b))
         seen_compact += sum(want["compact"].values())
         # the tier codes the page derives equal the tiers of the plan
-        tier = views.candidate_tiers(ctx, plan)
+        tier = dash_plan.candidate_tiers(ctx, plan)
         assert int((tier == EXACT).sum()) == want["exact"] and int((tier == OMIT).sum()) == want["omitted"]
         if ctx.tiers is not None:  # the compact bytes of those tiers are the plan's estimate
             assert int(ctx.tiers.compact_read(tier).sum()) == plan["estimate"]["compact_read"] \
@@ -105,37 +107,37 @@ def test_mask_has_exactly_the_plans_blocks_in_each_state(cat, mode):
     else:
         assert seen_compact > 0
     if mode == "sign1":
-        assert views.mask_levels(ctx) == (1,)
+        assert dash_plan.mask_levels(ctx) == (1,)
 
 
 def test_mask_legend_names_the_three_states(cat):
     ctx = views.plan_context(cat, "base", E[:2], "linear")
-    plan = views.make_plan(ctx, 25)
-    assert views.mask_levels(ctx, plan) == (1, 2, 4)
-    fig = views.mask_heatmap(views.mask_matrix(ctx, plan), views.mask_levels(ctx, plan))
+    plan = dash_plan.make_plan(ctx, 25)
+    assert dash_plan.mask_levels(ctx, plan) == (1, 2, 4)
+    fig = dash_plan.mask_heatmap(dash_plan.mask_matrix(ctx, plan), dash_plan.mask_levels(ctx, plan))
     legend = [t.name for t in fig.data[1:]]
     assert sorted(legend) == sorted(["no delta (nothing to read)", "omitted (changed, left out by the budget)",
                                      "compact tier, 1 bit per entry", "compact tier, 2 bits per entry",
                                      "compact tier, 4 bits per entry", "read exactly"])
     # the colour scale puts each state's colour at its value: compact states between omitted and exact
     scale = {round(float(v), 6): c for v, c in fig.data[0].colorscale}
-    for bits, (value, _, colour) in views.COMPACT_STATES.items():
+    for bits, (value, _, colour) in dash_plan.COMPACT_STATES.items():
         assert scale[round(value, 6)] == colour
     assert float(fig.data[0].zmin) == 0.0 and float(fig.data[0].zmax) == 1.0
     assert "compact tier" in fig.layout.title.text and fig.layout.legend.y == 0.0  # the legend below the plot
     # an exact-or-omitted context keeps today's three states and title
     off = views.plan_context(cat, "base", E, "linear", compact="off")
-    assert views.mask_levels(off) == ()
-    fig = views.mask_heatmap(views.mask_matrix(off, views.make_plan(off, 25)), views.mask_levels(off))
-    assert [t.name for t in fig.data[1:]] == [label for _, label, _ in reversed(views.MASK_STATES)]
+    assert dash_plan.mask_levels(off) == ()
+    fig = dash_plan.mask_heatmap(dash_plan.mask_matrix(off, dash_plan.make_plan(off, 25)), dash_plan.mask_levels(off))
+    assert [t.name for t in fig.data[1:]] == [label for _, label, _ in reversed(dash_plan.MASK_STATES)]
     assert fig.layout.title.text == "access mask: which blocks each expert reads"
 
 
 def test_tier_summary_is_the_plans_tiers(cat):
     ctx = views.plan_context(cat, "base", E[:2], "linear")
-    plan = views.make_plan(ctx, 25)
+    plan = dash_plan.make_plan(ctx, 25)
     t = plan["tiers"]
-    df = views.tiers_df(plan, ctx).set_index("tier")
+    df = dash_plan.tiers_df(plan, ctx).set_index("tier")
     assert df.at["exact", "blocks"] == t["exact"]["blocks"] and df.at["exact", "bytes"] == t["exact"]["bytes"]
     assert df.at["compact tier (total)", "blocks"] == t["compact"]["blocks"]
     assert df.at["compact tier (total)", "bytes"] == t["compact"]["bytes"] == plan["estimate"]["compact_read"]
@@ -146,22 +148,22 @@ def test_tier_summary_is_the_plans_tiers(cat):
     assert sum(df.at[r, "blocks"] for r in levels) == t["compact"]["blocks"]
     assert sum(df.at[r, "bytes"] for r in levels) == t["compact"]["bytes"]  # bytes per level, from the context
     assert df.at["exact", "estimated"] == views.fmt_bytes(t["exact"]["bytes"])
-    assert df.at["exact", "of full"] == views.fmt_pct(t["exact"]["bytes"] / plan["full_expert_bytes"])
+    assert df.at["exact", "of full"] == dash_formatting.fmt_pct(t["exact"]["bytes"] / plan["full_expert_bytes"])
     # the budget counts exact + compact bytes
     assert t["exact"]["bytes"] + t["compact"]["bytes"] <= plan["budget"]["bytes"]
-    shown = views.tiers_table(plan, ctx)
+    shown = dash_plan.tiers_table(plan, ctx)
     assert list(shown.columns) == ["tier", "blocks", "est. bytes", "% of changed"]
     # without the context the per-level bytes are not known: "-", the totals still are
-    bare = views.tiers_df(json.loads(json.dumps(plan.data))).set_index("tier")
+    bare = dash_plan.tiers_df(json.loads(json.dumps(plan.data))).set_index("tier")
     assert all(bare.at[r, "estimated"] == "-" for r in levels)
     assert bare.at["compact tier (total)", "estimated"] == views.fmt_bytes(t["compact"]["bytes"])
-    text = views.tiers_text(plan)
+    text = dash_plan.tiers_text(plan)
     assert text.startswith(f"exact {t['exact']['blocks']} blocks")
     assert f"omitted {t['omitted']['blocks']} blocks" in text
-    assert views.tiers_df({k: v for k, v in plan.data.items() if k != "tiers"}) is None  # a plan saved before
+    assert dash_plan.tiers_df({k: v for k, v in plan.data.items() if k != "tiers"}) is None  # a plan saved before
     s = views.plan_summary(plan)
     assert s["compact_read_bytes"] == t["compact"]["bytes"]
-    assert s["budget_read_pct"] == views.fmt_pct((t["exact"]["bytes"] + t["compact"]["bytes"])
+    assert s["budget_read_pct"] == dash_formatting.fmt_pct((t["exact"]["bytes"] + t["compact"]["bytes"])
                                                  / plan["full_expert_bytes"])
 
 
@@ -172,7 +174,7 @@ def test_compact_options_and_note(cat):
     assert views.compacts_version(cat) != ""
     # a strategy without a gain per byte: the plan says why the compacts are not used
     ctx = views.plan_context(cat, "base", E, "linear", strategy="random")
-    plan = views.make_plan(ctx, 25)
+    plan = dash_plan.make_plan(ctx, 25)
     assert ctx.tiers is None and plan.data["compact_note"].startswith("compact tier not used")
     assert expected_counts(plan)["compact"] == {"1": 0, "2": 0, "4": 0}
     # a request flows the page's setting into the merge request
@@ -182,7 +184,7 @@ def test_compact_options_and_note(cat):
 
 def test_frontier_uses_the_three_way_greedy(cat):
     ctx = views.plan_context(cat, "base", E[:2], "linear")
-    fr = views.frontier_df(ctx)
+    fr = dash_plan.frontier_df(ctx)
     want = ctx.tiers.frontier(101)
     assert fr["budget_bytes"].tolist() == [b for b, _ in want]
     assert fr["bound_abs"].tolist() == pytest.approx([v for _, v in want])
@@ -191,14 +193,14 @@ def test_frontier_uses_the_three_way_greedy(cat):
     assert (np.diff(fr["bound_abs"]) <= 1e-12).all() and (np.diff(fr["budget_bytes"]) >= 0).all()
     # it differs from the exact-only curve: the compact tier lowers the bound at the same bytes
     off = views.plan_context(cat, "base", E[:2], "linear", compact="off")
-    assert views.frontier_df(off)["budget_bytes"].tolist() == [b for b, _ in off.candidates.frontier(101)]
-    plan = views.make_plan(ctx, 25)
-    x, y = views.current_point(ctx, plan, relative=False)
+    assert dash_plan.frontier_df(off)["budget_bytes"].tolist() == [b for b, _ in off.candidates.frontier(101)]
+    plan = dash_plan.make_plan(ctx, 25)
+    x, y = dash_plan.current_point(ctx, plan, relative=False)
     full = ctx.candidates.full_bytes
     assert x == pytest.approx(100 * (plan["estimate"]["expert_read"] + plan["estimate"]["compact_read"]) / full)
     bound = plan["error_bound"]
     assert y == pytest.approx(bound.get("additive", bound["absolute"]))  # the curve's (additive) bound
-    assert views.current_point(ctx, plan, relative=True)[1] == pytest.approx(y / norm)
+    assert dash_plan.current_point(ctx, plan, relative=True)[1] == pytest.approx(y / norm)
     v = views.plan_view(ctx, budget_pct=25)
     assert v.frontier.data[-1].x[0] == pytest.approx(x) and v.frontier.data[-1].y[0] == pytest.approx(y / norm)
     assert list(v.tiers.columns)[0] == "tier"
@@ -209,30 +211,30 @@ def test_frontier_uses_the_three_way_greedy(cat):
 def test_budget_suggestion(cat):
     for mode in ("auto", "off"):
         ctx = views.plan_context(cat, "base", E, "linear", compact=mode)
-        plan = views.make_plan(ctx, 25)
+        plan = dash_plan.make_plan(ctx, 25)
         s = plan["suggested_budget"]
-        sug = views.budget_suggestion(plan)
+        sug = dash_plan.budget_suggestion(plan)
         assert sug["pct"] == math.ceil(100 * s["fraction_of_full"] - 1e-9) and 1 <= sug["pct"] <= 100
         assert sug["text"].startswith(f"Suggested: {sug['pct']} % ({views.fmt_bytes(s['bytes'])})")
         assert f"<= {s['bound_fraction']:g} x the update's norm" in sug["text"]
         assert "measured" in sug["text"] and "not a guarantee" in sug["text"]
         # the slider's whole percentage keeps the rule: its plan's budget holds the suggested bytes
-        assert views.make_plan(ctx, sug["pct"])["budget"]["bytes"] >= s["bytes"]
-    ties = views.make_plan(views.plan_context(cat, "base", E, "ties", density=0.3), 25)
-    assert (views.budget_suggestion(ties) is None) == (ties.data.get("suggested_budget") is None)
-    assert views.budget_suggestion({"suggested_budget": None}) is None
+        assert dash_plan.make_plan(ctx, sug["pct"])["budget"]["bytes"] >= s["bytes"]
+    ties = dash_plan.make_plan(views.plan_context(cat, "base", E, "ties", density=0.3), 25)
+    assert (dash_plan.budget_suggestion(ties) is None) == (ties.data.get("suggested_budget") is None)
+    assert dash_plan.budget_suggestion({"suggested_budget": None}) is None
 
 
 def test_bound_parts_label_each_key():
-    assert views.bound_parts(None) == []
+    assert dash_formatting.bound_parts(None) == []
     b = {"absolute": 0.5, "relative": 0.25, "additive": 2.0, "additive_relative": 1.0, "blockwise": 0.5,
          "blockwise_relative": 0.25, "full_delta_norm": 2.0}
-    assert views.bound_parts(b) == ["absolute (blockwise) 0.5 (relative 0.25)", "additive 2 (relative 1)"]
-    assert views.bound_parts({**b, "kind": "blockwise"}) == views.bound_parts(b)
-    assert views.bound_parts({**b, "absolute": 2.0, "relative": 1.0, "kind": "additive"}) == [
+    assert dash_formatting.bound_parts(b) == ["absolute (blockwise) 0.5 (relative 0.25)", "additive 2 (relative 1)"]
+    assert dash_formatting.bound_parts({**b, "kind": "blockwise"}) == dash_formatting.bound_parts(b)
+    assert dash_formatting.bound_parts({**b, "absolute": 2.0, "relative": 1.0, "kind": "additive"}) == [
         "absolute (additive) 2 (relative 1)", "blockwise (disjoint blocks) 0.5 (relative 0.25)"]
     old = {"absolute": 2.0, "relative": 1.0, "blockwise": 0.5, "blockwise_relative": 0.25, "full_delta_norm": 2.0}
-    assert views.bound_parts(old) == ["absolute 2 (relative 1)", "blockwise (disjoint blocks) 0.5 (relative 0.25)"]
+    assert dash_formatting.bound_parts(old) == ["absolute 2 (relative 1)", "blockwise (disjoint blocks) 0.5 (relative 0.25)"]
 
 
 # --- the page (AppTest) -------------------------------------------------------------------------------------
@@ -276,20 +278,20 @@ def test_plan_page_shows_the_compact_tier(env):
     cat = Catalog(env["db"])
     try:
         ctx = views.plan_context(cat, "base", E[:2], "linear")
-        plan = views.make_plan(ctx, 25)
-        want_table = views.tiers_table(plan, ctx)
+        plan = dash_plan.make_plan(ctx, 25)
+        want_table = dash_plan.tiers_table(plan, ctx)
     finally:
         cat.close()
     # the mask: a legend naming the third state (by bits), and exactly the plan's blocks in each state
     spec = chart(at, "mask_chart")
     legend = [d.get("name") for d in spec["data"][1:]]
     for bits in (1, 2, 4):
-        assert views.COMPACT_STATES[bits][1] in legend
+        assert dash_plan.COMPACT_STATES[bits][1] in legend
     assert "read exactly" in legend and "omitted (changed, left out by the budget)" in legend
     z = z_of(spec)
     want = expected_counts(plan)
     assert int((z == 1.0).sum()) == want["exact"] and int((z == 0.5).sum()) == want["omitted"]
-    for bits, (value, _, _) in views.COMPACT_STATES.items():
+    for bits, (value, _, _) in dash_plan.COMPACT_STATES.items():
         assert int(np.isclose(z, value, atol=1e-6).sum()) == want["compact"][str(bits)]
     assert sum(want["compact"].values()) > 0
     # the tier summary
@@ -301,12 +303,12 @@ def test_plan_page_shows_the_compact_tier(env):
     at.selectbox(key="compact").set_value("off").run()
     assert not at.exception
     spec = chart(at, "mask_chart")
-    assert [d.get("name") for d in spec["data"][1:]] == [label for _, label, _ in reversed(views.MASK_STATES)]
+    assert [d.get("name") for d in spec["data"][1:]] == [label for _, label, _ in reversed(dash_plan.MASK_STATES)]
     got = tier_table(at).set_index("tier")
     assert got.at["compact tier (total)", "blocks"] == 0
     cat = Catalog(env["db"])
     try:
-        off = views.make_plan(views.plan_context(cat, "base", E[:2], "linear", compact="off"), 25)
+        off = dash_plan.make_plan(views.plan_context(cat, "base", E[:2], "linear", compact="off"), 25)
     finally:
         cat.close()
     assert got.at["exact", "blocks"] == off["tiers"]["exact"]["blocks"]
@@ -328,7 +330,7 @@ def test_plan_page_suggestion_beside_the_slider(env):
     at.multiselect(key="experts").set_value(E[:2]).run()
     cat = Catalog(env["db"])
     try:
-        sug = views.budget_suggestion(views.make_plan(views.plan_context(cat, "base", E[:2], "linear"), 25))
+        sug = dash_plan.budget_suggestion(dash_plan.make_plan(views.plan_context(cat, "base", E[:2], "linear"), 25))
     finally:
         cat.close()
     assert sug is not None
@@ -344,7 +346,7 @@ def test_plan_page_suggestion_beside_the_slider(env):
     assert at.button(key="use_suggested").disabled  # the slider is there now
     cat = Catalog(env["db"])
     try:
-        want = views.plan_summary(views.make_plan(views.plan_context(cat, "base", E[:2], "linear"), sug["pct"]))
+        want = views.plan_summary(dash_plan.make_plan(views.plan_context(cat, "base", E[:2], "linear"), sug["pct"]))
     finally:
         cat.close()
     assert {m.label: m.value for m in at.metric}["Estimated expert read"] == want["expert_read"]

@@ -11,6 +11,8 @@ import pytest
 
 from dashboard_helpers import EXPERTS, open_page, wait_until
 from mergepipe.dashboard import views
+from mergepipe.dashboard import plan as dash_plan
+from mergepipe.dashboard import snapshots as dash_snapshots
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.models import register
 from mergepipe.engine.runs import get_run
@@ -210,18 +212,18 @@ def test_plan_slider_save_and_errors(env):
     c = cat_of(env)
     ctx = views.plan_context(c, "base", E, "linear")
     assert at.slider(key="budget").value == 25
-    s25 = views.plan_summary(views.make_plan(ctx, 25))
+    s25 = views.plan_summary(dash_plan.make_plan(ctx, 25))
     assert metrics(at)["Estimated expert read"] == s25["expert_read"]
     assert metrics(at)["Base read"] == s25["base_read"] and metrics(at)["Error bound"] == f"{s25['bound_abs']:.4g}"
     assert _mask_selected(at) == s25["blocks_selected"]
     at.slider(key="budget").set_value(40).run()
-    s40 = views.plan_summary(views.make_plan(ctx, 40))
+    s40 = views.plan_summary(dash_plan.make_plan(ctx, 40))
     assert metrics(at)["Estimated expert read"] == s40["expert_read"] != s25["expert_read"]
     assert _mask_selected(at) == s40["blocks_selected"] > s25["blocks_selected"]
     frontier = chart_spec(at, "frontier_chart")
     # the frontier and its point draw the additive bound (the headline metric is the blockwise one)
     assert arr(frontier["data"][1]["y"])[0] == pytest.approx(
-        views.make_plan(ctx, 40)["error_bound"]["additive_relative"])
+        dash_plan.make_plan(ctx, 40)["error_bound"]["additive_relative"])
     # budget 0 is a user error: a message, not a traceback
     at.slider(key="budget").set_value(0).run()
     assert any("must be positive" in e for e in errors(at)) and not at.exception
@@ -260,17 +262,17 @@ def test_plan_operator_params_and_target(env):
     c = cat_of(env)
     ties = views.plan_context(c, "base", E, "ties", density=0.5)
     # TIES has a sound, loose bound (planner/bounds.py: kind sparsified)
-    assert metrics(at)["Error bound"] == f"{views.make_plan(ties, 25)['error_bound']['absolute']:.4g}"
-    assert metrics(at)["Estimated expert read"] == views.plan_summary(views.make_plan(ties, 25))["expert_read"]
+    assert metrics(at)["Error bound"] == f"{dash_plan.make_plan(ties, 25)['error_bound']['absolute']:.4g}"
+    assert metrics(at)["Estimated expert read"] == views.plan_summary(dash_plan.make_plan(ties, 25))["expert_read"]
     at.selectbox(key="op").select("linear").run()
     at.radio(key="mode").set_value("target bound").run()
     at.number_input(key="target").set_value(1.0).run()
     ctx = views.plan_context(c, "base", E, "linear")
-    want = views.plan_summary(views.make_plan(ctx, target_rel=1.0))
+    want = views.plan_summary(dash_plan.make_plan(ctx, target_rel=1.0))
     assert [s.value for s in at.success] == [f"Smallest budget for a relative bound <= 1: {want['budget']}"]
     at.number_input(key="w_expert_1").set_value(3.0).run()
     weighted = views.plan_context(c, "base", E, "linear", weights=[3.0, 1.0, 1.0])
-    assert metrics(at)["Estimated expert read"] == views.plan_summary(views.make_plan(weighted, target_rel=1.0))["expert_read"]
+    assert metrics(at)["Estimated expert read"] == views.plan_summary(dash_plan.make_plan(weighted, target_rel=1.0))["expert_read"]
     c.close()
 
 
@@ -285,7 +287,7 @@ def test_plan_non_analyzed_expert_is_a_first_merge(env, built):
     infos = [i.value for i in at.info]
     assert any(i.startswith("First merge: raw (not analyzed)") and "analyzes it on the way" in i for i in infos), infos
     c = cat_of(env)
-    summary = views.plan_summary(views.make_plan(views.plan_context(c, "base", E + ["raw"], "linear"), budget_pct=25))
+    summary = views.plan_summary(dash_plan.make_plan(views.plan_context(c, "base", E + ["raw"], "linear"), budget_pct=25))
     c.close()
     assert summary["expert_read_bytes"] == summary["budget_bytes"]  # every expert read in full
     assert metrics(at)["Estimated expert read"] == summary["expert_read"]
@@ -299,7 +301,7 @@ def test_plan_settings_from_url(env):
     assert at.slider(key="budget").value == 60 and at.number_input(key="lam").value == 0.5
     c = cat_of(env)
     ctx = views.plan_context(c, "base", E, "task_arithmetic", lam=0.5)
-    assert metrics(at)["Error bound"] == f"{views.plan_summary(views.make_plan(ctx, 60))['bound_abs']:.4g}"
+    assert metrics(at)["Error bound"] == f"{views.plan_summary(dash_plan.make_plan(ctx, 60))['bound_abs']:.4g}"
     c.close()
 
 
@@ -355,13 +357,13 @@ def test_snapshots_manifest_and_verify(env, built):
     summary = dict(zip(*table(at, "manifest_summary").T.values))
     assert summary["snapshot"] == built.snapshot_id and summary["model"] == "merged-1"
     c = cat_of(env)
-    man = views.load_manifest(c, built.snapshot_id)
+    man = dash_snapshots.load_manifest(c, built.snapshot_id)
     bars = chart_spec(at, "bytes_expert")
     want = [man.core["realized_by_expert"][e] for e in E]
     assert bars["data"][0]["y"] == E  # horizontal bars: names on the y axis, bytes on x
     assert arr(bars["data"][0]["x"]).tolist() == arr(bars["data"][1]["x"]).tolist() == want
     touched = arr(chart_spec(at, "touched_chart")["data"][0]["z"])
-    assert touched.shape == (3, 109) and int(touched.sum()) == views.manifest_plan(c, man).selected_blocks
+    assert touched.shape == (3, 109) and int(touched.sum()) == dash_snapshots.manifest_plan(c, man).selected_blocks
     assert at.json[0].proto.body and json.loads(at.json[0].proto.body)["manifest_hash"] == man.manifest_hash
     at.button(key="verify").click().run()
     assert [s.value for s in at.success][0].startswith(f"OK: {built.snapshot_id}")
@@ -490,7 +492,7 @@ def test_plan_loads_a_mergekit_yaml(env, built):
     c = cat_of(env)
     ctx = views.plan_context(c, "base", ["expert_1", "expert_3"], "ties", weights=[2.0, 1.0], density=0.3, lam=0.5,
                              seed=2)
-    want = views.plan_summary(views.make_plan(ctx, 40))
+    want = views.plan_summary(dash_plan.make_plan(ctx, 40))
     assert metrics(at)["Estimated expert read"] == want["expert_read"]
     assert _mask_selected(at) == want["blocks_selected"]
     at.button(key="save_plan").click().run()

@@ -12,6 +12,8 @@ from dashboard_helpers import EXPERTS, open_page
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.models import register
 from mergepipe.dashboard import views
+from mergepipe.dashboard import plan as dash_plan
+from mergepipe.dashboard import snapshots as dash_snapshots
 
 E = list(EXPERTS)
 
@@ -112,8 +114,8 @@ def test_plan_yaml_validate_apply_download(env):
 def test_snapshots_tensor_bytes_card_recipe(env, built):
     at = open_page("snapshots")
     c = Catalog(env["db"])
-    man = views.load_manifest(c, built.snapshot_id)
-    n = len(views.bytes_by_tensor_df(man, views.manifest_plan(c, man)))
+    man = dash_snapshots.load_manifest(c, built.snapshot_id)
+    n = len(dash_snapshots.bytes_by_tensor_df(man, dash_snapshots.manifest_plan(c, man)))
     c.close()
     s = spec(at, "bytes_tensor")
     assert s["data"][0]["orientation"] == "h" and len(s["data"][0]["y"]) == min(20, n)
@@ -216,7 +218,7 @@ def test_snapshot_deep_link_with_two_snapshots(env, built):
 def test_run_plan_deep_link_with_two_plans(env, built):
     from mergepipe.api import save_plan
     c = Catalog(env["db"])
-    plan = views.make_plan(views.plan_context(c, "base", E, "ties", density=0.5), 40)
+    plan = dash_plan.make_plan(views.plan_context(c, "base", E, "ties", density=0.5), 40)
     save_plan(c, plan)
     c.close()
     for pid in (built.plan_id, plan.id):

@@ -12,6 +12,11 @@ import pandas as pd
 from dashboard_helpers import EXPERTS, open_page
 from mergepipe.catalog.db import Catalog
 from mergepipe.dashboard import views
+from mergepipe.dashboard import figures as dash_figures
+from mergepipe.dashboard import formatting as dash_formatting
+from mergepipe.dashboard import home as dash_home
+from mergepipe.dashboard import plan as dash_plan
+from mergepipe.dashboard import snapshots as dash_snapshots
 from mergepipe.dashboard.figures import FONT_PX, LEGEND_ROW_PX, TITLE_PX, TICK_SPAN
 
 E = list(EXPERTS)
@@ -29,7 +34,7 @@ def table_with(at, column: str) -> pd.DataFrame:
 def test_target_bound_starts_at_the_plans_bound(env):
     at = open_page("plan")
     cat = Catalog(env["db"])
-    at25 = views.make_plan(views.plan_context(cat, "base", E, "linear"), 25)
+    at25 = dash_plan.make_plan(views.plan_context(cat, "base", E, "linear"), 25)
     rel = at25["error_bound"]["relative"]
     at.radio(key="mode").set_value("target bound").run()
     assert not at.exception
@@ -39,7 +44,7 @@ def test_target_bound_starts_at_the_plans_bound(env):
     assert target.help == views.TARGET_HELP and "Typical: 0.05 to 0.2" in target.help
     assert "relative to the full merge's change from the base" in target.help
     # the plan stays (about) the same: the smallest budget meeting the bound reads no more than 25 %
-    plan = views.make_plan(views.plan_context(cat, "base", E, "linear"), target_rel=target.value)
+    plan = dash_plan.make_plan(views.plan_context(cat, "base", E, "linear"), target_rel=target.value)
     cat.close()
     want = views.plan_summary(plan)
     assert texts(at.success)[-1] == f"Smallest budget for a relative bound <= {target.value:g}: {want['budget']}"
@@ -57,7 +62,7 @@ def test_target_bound_from_a_link_starts_at_a_typical_value(env):
 def test_home_counts_a_merge_without_a_run(env, built):
     cat = Catalog(env["db"])
     assert cat.totals()["runs"] == 0  # the merge (api.merge, as the CLI and the demo) recorded no run
-    assert [s["id"] for s in views.merges_without_run(cat)] == [built.snapshot_id]
+    assert [s["id"] for s in dash_home.merges_without_run(cat)] == [built.snapshot_id]
     assert views.totals(cat)["runs"] == 1
     cat.close()
     at = open_page("home")
@@ -88,7 +93,7 @@ def test_table_formats_missing_values_in_one_place():
     assert out["n"].dtype.kind == "i"  # a column with no missing value keeps its type (numeric sorting)
     assert df["name"].isna().tolist() == [False, True]  # the data is not changed
     assert views.table(df[["n"]]) is not None and views.table(df[["n"]])["n"].tolist() == [1, 2]
-    assert views.fmt_cell(None) == views.fmt_cell(float("nan")) == views.fmt_cell(pd.NaT) == views.MISSING == "-"
+    assert dash_formatting.fmt_cell(None) == dash_formatting.fmt_cell(float("nan")) == dash_formatting.fmt_cell(pd.NaT) == dash_formatting.MISSING == "-"
 
 
 def test_pages_show_no_none_in_tables(env):
@@ -130,7 +135,7 @@ def assert_fonts(fig):
 
 def test_state_figure_title_legend_and_ticks():
     mask = demo_like_mask()
-    fig = views.mask_heatmap(mask)
+    fig = dash_plan.mask_heatmap(mask)
     title_bottom, legend_top, plot_top = title_and_legend_px(fig)
     assert title_bottom <= legend_top and legend_top + LEGEND_ROW_PX <= plot_top  # own lines, above the plot
     assert_fonts(fig) and fig.layout.legend.font.size >= 11
@@ -138,7 +143,7 @@ def test_state_figure_title_legend_and_ticks():
     assert texts_ == ["embed", "layer 0", "layer 1", "layer 2", "layer 3", "other, head"]
     pos = [list(mask.columns).index(v) for v in vals]
     assert min(b - a for a, b in zip(pos, pos[1:])) >= math.ceil(len(mask.columns) / TICK_SPAN)
-    with_tiers = views.mask_heatmap(mask, levels=(4,))  # six states: the legend under the plot
+    with_tiers = dash_plan.mask_heatmap(mask, levels=(4,))  # six states: the legend under the plot
     assert with_tiers.layout.legend.y == 0.0 and with_tiers.layout.margin.b >= 130
     assert with_tiers.layout.margin.t < with_tiers.layout.height * (1 - with_tiers.layout.title.y) + 40
     assert_fonts(with_tiers)
@@ -146,18 +151,18 @@ def test_state_figure_title_legend_and_ticks():
 
 def test_group_ticks_join_named_groups_and_keep_their_distance():
     cols = [f"model.layers.0.x#{i}" for i in range(80)] + ["model.norm.weight#0", "lm_head.weight#0"]
-    assert views.group_ticks(cols) == (["model.layers.0.x#0", "model.norm.weight#0"], ["layer 0", "other, head"])
+    assert dash_figures.group_ticks(cols) == (["model.layers.0.x#0", "model.norm.weight#0"], ["layer 0", "other, head"])
     crowded = [f"model.layers.{n}.x#0" for n in range(40)]  # 40 one-block layers: every other one ticked
-    vals, texts_ = views.group_ticks(crowded)
+    vals, texts_ = dash_figures.group_ticks(crowded)
     assert texts_ == [f"layer {n}" for n in range(0, 40, 2)]
 
 
 def test_bytes_ticks_are_binary():
-    vals, texts_ = views.bytes_ticks(1.19 * 2 ** 20)
+    vals, texts_ = dash_figures.bytes_ticks(1.19 * 2 ** 20)
     assert texts_ == ["0", "0.25 MiB", "0.5 MiB", "0.75 MiB", "1 MiB", "1.25 MiB"]
     assert vals == [i * 2 ** 18 for i in range(6)]
-    assert views.bytes_ticks(350_000)[1] == ["0", "100 KiB", "200 KiB", "300 KiB", "400 KiB"]
-    assert views.bytes_ticks(float("nan")) == ([0.0, 1.0], ["0", "1 B"])
+    assert dash_figures.bytes_ticks(350_000)[1] == ["0", "100 KiB", "200 KiB", "300 KiB", "400 KiB"]
+    assert dash_figures.bytes_ticks(float("nan")) == ([0.0, 1.0], ["0", "1 B"])
 
 
 def test_snapshot_bytes_charts_in_mib_with_readable_labels():
@@ -171,5 +176,5 @@ def test_snapshot_bytes_charts_in_mib_with_readable_labels():
     title_bottom, legend_top, plot_top = title_and_legend_px(bars)
     assert title_bottom <= legend_top and legend_top + LEGEND_ROW_PX <= plot_top
     assert_fonts(bars)
-    fig = views.bytes_figure(df, "expert")
+    fig = dash_snapshots.bytes_figure(df, "expert")
     assert list(fig.layout.yaxis.ticktext)[-1].endswith("MiB") and fig.layout.font.size == FONT_PX

@@ -11,6 +11,9 @@ from dashboard_helpers import EXPERTS, open_page, wait_until
 from mergepipe.catalog.db import Catalog
 from mergepipe.api import evaluations
 from mergepipe.dashboard import views
+from mergepipe.dashboard import compare as dash_compare
+from mergepipe.dashboard import plan as dash_plan
+from mergepipe.dashboard import snapshots as dash_snapshots
 
 E = list(EXPERTS)
 
@@ -67,16 +70,16 @@ def spec(at, key: str) -> dict:
 def test_compare_two_plans_and_a_scored_snapshot(env, built):
     from mergepipe.api import record_evaluation, save_plan
     c = Catalog(env["db"])
-    ties = views.make_plan(views.plan_context(c, "base", E, "ties", density=0.5), 60)
+    ties = dash_plan.make_plan(views.plan_context(c, "base", E, "ties", density=0.5), 60)
     save_plan(c, ties)
     c.close()
     at = open_page("compare", {"cmp_a": built.plan_id, "cmp_b": ties.id})
     assert (at.selectbox(key="cmp_a").value, at.selectbox(key="cmp_b").value) == (built.plan_id, ties.id)
     assert any(x.startswith("saved plan: ties on base, would read ") for x in texts(at.caption))
     settings = [d.value for d in at.dataframe if "same" in d.value.columns][0].set_index("field")
-    assert settings.at["operator", "B"] == "ties" and settings.at["model", "A"] == views.NOT_MERGED
+    assert settings.at["operator", "B"] == "ties" and settings.at["model", "A"] == dash_compare.NOT_MERGED
     numbers = [d.value for d in at.dataframe if "quantity" in d.value.columns][0].set_index("quantity")
-    assert numbers.at["expert read (realized)", "B"] == views.NOT_MERGED
+    assert numbers.at["expert read (realized)", "B"] == dash_compare.NOT_MERGED
     assert any(x.startswith("No stored scores") for x in texts(at.caption))
     bars = spec(at, "cmp_access")["data"]
     assert [t["name"] for t in bars] == ["both", "only A", "only B"]
@@ -88,7 +91,7 @@ def test_compare_two_plans_and_a_scored_snapshot(env, built):
     assert not at.exception
     scores = [d.value for d in at.dataframe if "metric" in d.value.columns][0]
     assert scores.to_dict("records") == [{"metric": "accuracy", "data": "suite.jsonl", "A": "0.625",
-                                          "B": views.NOT_MERGED}]
+                                          "B": dash_compare.NOT_MERGED}]
 
 
 def test_delete_one_of_two_snapshots_shows_the_other(env, built):
@@ -130,7 +133,7 @@ def test_compare_measures_the_realized_deviation_against_the_bound(env, built):
     from mergepipe.engine.runs import get_run
     c = Catalog(env["db"])
     _, full, _ = merge(c, "base", E, env["tmp"] / "full", operator="linear", model_id="merged-full", budget="100%")
-    bound = views.load_manifest(c, built.snapshot_id).core["error_bound"]["absolute"]
+    bound = dash_snapshots.load_manifest(c, built.snapshot_id).core["error_bound"]["absolute"]
     c.close()
     at = open_page("compare", {"cmp_a": built.snapshot_id, "cmp_b": full})
     assert not [i for i in texts(at.info) if i.startswith("Realized")]

@@ -17,6 +17,13 @@ import pytest
 
 from dashboard_helpers import BLOCK_BYTES, EXPERTS, copy_catalog
 from mergepipe.dashboard import server as dashboard, views
+from mergepipe.dashboard import catalog as dash_catalog
+from mergepipe.dashboard import figures as dash_figures
+from mergepipe.dashboard import formatting as dash_formatting
+from mergepipe.dashboard import paths as dash_paths
+from mergepipe.dashboard import plan as dash_plan
+from mergepipe.dashboard import runs as dash_runs
+from mergepipe.dashboard import snapshots as dash_snapshots
 from mergepipe.api import plan_merge
 from mergepipe.catalog.db import Catalog
 from mergepipe.errors import CatalogError, MergePipeError, PlanError
@@ -54,14 +61,14 @@ def test_formatting():
     assert views.fmt_bytes(1536) == "1.50 KiB"
     assert views.fmt_bytes(3 << 20) == "3.00 MiB"
     assert views.fmt_bytes(None) == "-"
-    assert views.fmt_pct(0.253) == "25.3%"
-    assert views.fmt_pct(None) == "-"
-    assert views.fmt_bound(None) == "n/a (not an additive operator)"
-    assert views.fmt_bound({"absolute": 0.5, "relative": 0.25, "full_delta_norm": 2.0}) == "0.5 (relative 0.25)"
-    assert views.fmt_seconds(12.4) == "12 s"
-    assert views.fmt_seconds(75) == "1 min 15 s"
-    assert views.fmt_seconds(3 * 3600 + 125) == "3 h 02 min"
-    assert views.fmt_seconds(None) == "-"
+    assert dash_formatting.fmt_pct(0.253) == "25.3%"
+    assert dash_formatting.fmt_pct(None) == "-"
+    assert dash_formatting.fmt_bound(None) == "n/a (not an additive operator)"
+    assert dash_formatting.fmt_bound({"absolute": 0.5, "relative": 0.25, "full_delta_norm": 2.0}) == "0.5 (relative 0.25)"
+    assert dash_formatting.fmt_seconds(12.4) == "12 s"
+    assert dash_formatting.fmt_seconds(75) == "1 min 15 s"
+    assert dash_formatting.fmt_seconds(3 * 3600 + 125) == "3 h 02 min"
+    assert dash_formatting.fmt_seconds(None) == "-"
     assert views.short_fp("sha256:0123456789abcdef") == "0123456789ab"
     assert views.short_fp(None) == "-"
 
@@ -118,7 +125,7 @@ def test_check_out_path(tmp_path):
 
 def test_log_dir_and_default_out(tmp_path):
     assert views.log_dir(tmp_path / "cat.sqlite") == tmp_path / "cat-logs"
-    assert views.default_out(tmp_path / "cat.sqlite", "plan-0123456789abcdef", 3) == tmp_path / "merged" / "merge-01234567-3"
+    assert dash_paths.default_out(tmp_path / "cat.sqlite", "plan-0123456789abcdef", 3) == tmp_path / "merged" / "merge-01234567-3"
 
 
 # --- models ---------------------------------------------------------------------------------------------
@@ -185,7 +192,7 @@ def _run(**kw):
 
 
 def test_run_progress():
-    t0 = views._parse_ts("2026-01-01T00:00:00Z")
+    t0 = dash_runs._parse_ts("2026-01-01T00:00:00Z")
     p = views.run_progress(_run(), now_ts=t0 + 65)
     assert p["status"] == "running" and p["running"]
     assert p["fraction"] == 0.25
@@ -223,14 +230,14 @@ def test_runs_df(cat_copy):
 
 # --- layout, groups, aggregation ---------------------------------------------------------------------------
 def test_groups_and_order():
-    assert views.layer_of("model.layers.12.mlp.up_proj.weight") == 12
-    assert views.layer_of("model.embed_tokens.weight") is None
-    assert views.group_of("model.layers.3.self_attn.q_proj.weight") == "layer 3"
-    assert views.group_of("model.embed_tokens.weight") == "embed"
-    assert views.group_of("lm_head.weight") == "head"
-    assert views.group_of("model.norm.weight") == "other"
+    assert dash_figures.layer_of("model.layers.12.mlp.up_proj.weight") == 12
+    assert dash_figures.layer_of("model.embed_tokens.weight") is None
+    assert dash_figures.group_of("model.layers.3.self_attn.q_proj.weight") == "layer 3"
+    assert dash_figures.group_of("model.embed_tokens.weight") == "embed"
+    assert dash_figures.group_of("lm_head.weight") == "head"
+    assert dash_figures.group_of("model.norm.weight") == "other"
     names = ["lm_head.weight", "model.layers.10.x", "model.norm.weight", "model.layers.2.x", "model.embed_tokens.weight"]
-    assert sorted(names, key=views.tensor_sort_key) == ["model.embed_tokens.weight", "model.layers.2.x",
+    assert sorted(names, key=dash_figures.tensor_sort_key) == ["model.embed_tokens.weight", "model.layers.2.x",
                                                        "model.layers.10.x", "model.norm.weight", "lm_head.weight"]
 
 
@@ -251,19 +258,19 @@ def test_block_layout(cat, built):
 
 def test_aggregate():
     m = pd.DataFrame(np.arange(12, dtype=float).reshape(2, 6), index=["a", "b"], columns=list("uvwxyz"))
-    assert views.aggregate(m, 12) is m
-    assert views.aggregate(m, 6, axis=1).columns.tolist() == ["u..v", "w..x", "y..z"]
-    mean = views.aggregate(m, 4, axis=1, how="mean")
+    assert dash_figures.aggregate(m, 12) is m
+    assert dash_figures.aggregate(m, 6, axis=1).columns.tolist() == ["u..v", "w..x", "y..z"]
+    mean = dash_figures.aggregate(m, 4, axis=1, how="mean")
     assert mean.columns.tolist() == ["u..w", "x..z"]
     assert mean.to_numpy().tolist() == [[1.0, 4.0], [7.0, 10.0]]
-    assert views.aggregate(m, 4, axis=1, how="max").to_numpy().tolist() == [[2.0, 5.0], [8.0, 11.0]]
-    assert views.aggregate(m, 4, axis=1, how="sum").to_numpy().tolist() == [[3.0, 12.0], [21.0, 30.0]]
-    l2 = views.aggregate(m, 4, axis=1, how="l2")
+    assert dash_figures.aggregate(m, 4, axis=1, how="max").to_numpy().tolist() == [[2.0, 5.0], [8.0, 11.0]]
+    assert dash_figures.aggregate(m, 4, axis=1, how="sum").to_numpy().tolist() == [[3.0, 12.0], [21.0, 30.0]]
+    l2 = dash_figures.aggregate(m, 4, axis=1, how="l2")
     assert l2.iloc[0, 0] == pytest.approx(math.sqrt(0 + 1 + 4))
-    rows = views.aggregate(m.T, 4, axis=0, how="mean")
+    rows = dash_figures.aggregate(m.T, 4, axis=0, how="mean")
     assert rows.index.tolist() == ["u..w", "x..z"] and rows.columns.tolist() == ["a", "b"]
     with pytest.raises(ValueError):
-        views.aggregate(m, 2, how="median")
+        dash_figures.aggregate(m, 2, how="median")
 
 
 def test_heatmap_figure_clickable():
@@ -334,7 +341,7 @@ def test_norm_matrix(cat):
 
 def test_sketches_and_conflicts(cat):
     tensors = views.tensors_in_group(views.block_layout(cat, "base"), "layer 0")
-    mat = views.sketch_matrix(cat, E, tensors)
+    mat = dash_catalog.sketch_matrix(cat, E, tensors)
     n_blocks = sum(len(cat.blocks("expert_1", t)) for t in tensors)
     size = cat.analysis("expert_1")["sketch_size"]
     # 4 KiB fp32 blocks hold 1024 elements: every element is sampled
@@ -349,10 +356,10 @@ def test_sketches_and_conflicts(cat):
     assert conflict.equals(conflict.T)
     assert ((conflict.to_numpy() >= 0) & (conflict.to_numpy() <= 1)).all()
     assert 0.1 < conflict.at["expert_1", "expert_2"] < 0.9
-    assert views.sketch_matrix(cat, E, []).shape == (3, 0)
-    assert views.pairwise(np.zeros((2, 4)), "conflict").tolist() == [[0, 0], [0, 0]]
+    assert dash_catalog.sketch_matrix(cat, E, []).shape == (3, 0)
+    assert dash_catalog.pairwise(np.zeros((2, 4)), "conflict").tolist() == [[0, 0], [0, 0]]
     with pytest.raises(ValueError):
-        views.pairwise(mat, "jaccard")
+        dash_catalog.pairwise(mat, "jaccard")
     fig = views.conflict_heatmap(conflict, "conflict", "layer 0")
     assert fig.data[0].zmin == 0 and fig.data[0].zmax == 1
     assert views.conflict_heatmap(cos, "cosine", "layer 0").data[0].zmin == -1
@@ -370,17 +377,17 @@ def test_op_info():
 
 
 def test_make_plan_matches_planner(cat, ctx):
-    plan = views.make_plan(ctx, budget_pct=25)
+    plan = dash_plan.make_plan(ctx, budget_pct=25)
     ref = plan_merge(cat, "base", E, "linear", budget="25%", save=False)
     assert plan.id == ref.id
     assert plan["estimate"]["expert_read"] <= plan["budget"]["bytes"] == int(0.25 * ctx.candidates.full_bytes)
-    more = views.make_plan(ctx, budget_pct=26)
+    more = dash_plan.make_plan(ctx, budget_pct=26)
     assert more["estimate"]["expert_read"] > plan["estimate"]["expert_read"]
     with pytest.raises(PlanError, match="must be positive"):
-        views.make_plan(ctx, budget_pct=0)
+        dash_plan.make_plan(ctx, budget_pct=0)
     with pytest.raises(PlanError, match="give a budget"):
-        views.make_plan(ctx)
-    tgt = views.make_plan(ctx, target_rel=1.0)
+        dash_plan.make_plan(ctx)
+    tgt = dash_plan.make_plan(ctx, target_rel=1.0)
     # the target is met by the headline (blockwise) bound, the smallest greedy budget that meets it
     assert tgt["budget"]["bytes"] == ctx.smallest_budget_for(1.0 * ctx.full_norm_estimate())
     assert tgt["error_bound"]["relative"] <= 1.0
@@ -391,34 +398,34 @@ def test_plan_context_errors(cat_copy, built):
         views.plan_context(cat_copy, "base", [], "linear")
     register(cat_copy, "raw", str(built.family / "expert_3"), base_id="base")
     # not an error any more: a first merge, which analyzes "raw" on the way
-    plan = views.make_plan(views.plan_context(cat_copy, "base", ["expert_1", "raw"], "linear"), budget_pct=25)
+    plan = dash_plan.make_plan(views.plan_context(cat_copy, "base", ["expert_1", "raw"], "linear"), budget_pct=25)
     note = views.plan_summary(plan)["first_merge"]
     assert note.startswith("First merge: raw (not analyzed).") and "the 25% budget applies from the next merge" in note
-    assert views.plan_summary(views.make_plan(views.plan_context(cat_copy, "base", ["expert_1"], "linear"),
+    assert views.plan_summary(dash_plan.make_plan(views.plan_context(cat_copy, "base", ["expert_1"], "linear"),
                                               budget_pct=25))["first_merge"] is None
 
 
 def test_plan_summary(ctx):
-    plan = views.make_plan(ctx, budget_pct=25)
+    plan = dash_plan.make_plan(ctx, budget_pct=25)
     s = views.plan_summary(plan)
     p = plan.data
     assert s["expert_read"] == views.fmt_bytes(p["estimate"]["expert_read"])
     assert s["base_read"] == s["write"] == "417.25 KiB"
     assert s["budget"] == f"{views.fmt_bytes(p['budget']['bytes'])} (25%)"
-    assert s["expert_read_pct"] == views.fmt_pct(p["estimate"]["expert_read"] / p["full_expert_bytes"])
+    assert s["expert_read_pct"] == dash_formatting.fmt_pct(p["estimate"]["expert_read"] / p["full_expert_bytes"])
     assert s["blocks_selected"] == plan.selected_blocks
     assert s["blocks_candidate"] == len(ctx.candidates.expert)
     assert s["blocks"] == f"{plan.selected_blocks} of {len(ctx.candidates.expert)} candidate blocks (109 per model)"
     assert s["bound_abs"] == p["error_bound"]["absolute"]
-    assert s["bound"] == views.fmt_bound(p["error_bound"])
-    df = views.plan_experts_df(plan)
+    assert s["bound"] == dash_formatting.fmt_bound(p["error_bound"])
+    df = dash_plan.plan_experts_df(plan)
     assert df["expert"].tolist() == E
     assert df["read"].sum() == p["estimate"]["expert_read"] and df["blocks"].sum() == plan.selected_blocks
 
 
 def test_mask_matrix(ctx):
-    plan = views.make_plan(ctx, budget_pct=25)
-    mask = views.mask_matrix(ctx, plan)
+    plan = dash_plan.make_plan(ctx, budget_pct=25)
+    mask = dash_plan.mask_matrix(ctx, plan)
     assert mask.shape == (3, 109) and mask.index.tolist() == E
     v = mask.to_numpy()
     assert int((v == 1).sum()) == plan.selected_blocks
@@ -427,47 +434,47 @@ def test_mask_matrix(ctx):
     assert (mask.loc["expert_1", [c for c in mask.columns if c.startswith("model.embed_tokens")]] == 0).all()
     t, b = next((t, rs[0][0]) for t, rs in plan["access"]["expert_2"].items())
     assert mask.at["expert_2", f"{t}#{b}"] == 1
-    more = views.mask_matrix(ctx, views.make_plan(ctx, budget_pct=60))
+    more = dash_plan.mask_matrix(ctx, dash_plan.make_plan(ctx, budget_pct=60))
     assert int((more.to_numpy() == 1).sum()) > plan.selected_blocks
-    agg = views.mask_matrix(ctx, plan, max_cells=30)
+    agg = dash_plan.mask_matrix(ctx, plan, max_cells=30)
     assert agg.shape == (3, 10)
     assert agg.to_numpy().mean(axis=1) == pytest.approx(v[:, :110].mean(axis=1), rel=0.2)
-    fig = views.mask_heatmap(mask)
+    fig = dash_plan.mask_heatmap(mask)
     assert np.asarray(fig.data[0].z).shape == (3, 109)
 
 
 def test_frontier(ctx):
-    fr = views.frontier_df(ctx)
+    fr = dash_plan.frontier_df(ctx)
     total = float(ctx.candidates.bound_term.sum())
     norm = ctx.full_norm_estimate()
     assert fr["budget_bytes"].iloc[0] == 0 and fr["bound_abs"].iloc[0] == pytest.approx(total)
     assert fr["budget_pct"].iloc[-1] == pytest.approx(100) and fr["bound_abs"].iloc[-1] == pytest.approx(0, abs=1e-9)
     assert (np.diff(fr["bound_abs"]) <= 1e-12).all() and (np.diff(fr["budget_bytes"]) >= 0).all()
     assert fr["bound_rel"].tolist() == pytest.approx((fr["bound_abs"] / norm).tolist())
-    plan = views.make_plan(ctx, budget_pct=25)
+    plan = dash_plan.make_plan(ctx, budget_pct=25)
     # the frontier draws the additive bound (the sum of the left-out terms); the headline is the blockwise one
-    assert views.omitted_term(ctx, plan) == pytest.approx(plan["error_bound"]["additive"])
+    assert dash_plan.omitted_term(ctx, plan) == pytest.approx(plan["error_bound"]["additive"])
     assert plan["error_bound"]["absolute"] == plan["error_bound"]["blockwise"] <= plan["error_bound"]["additive"]
-    x, y = views.current_point(ctx, plan, relative=True)
+    x, y = dash_plan.current_point(ctx, plan, relative=True)
     assert x == pytest.approx(100 * plan["estimate"]["expert_read"] / ctx.candidates.full_bytes)
     assert y == pytest.approx(plan["error_bound"]["additive_relative"])
-    assert views.current_point(ctx, plan, relative=False)[1] == pytest.approx(plan["error_bound"]["additive"])
-    fig = views.frontier_figure(fr, x, y, True, "linear")
+    assert dash_plan.current_point(ctx, plan, relative=False)[1] == pytest.approx(plan["error_bound"]["additive"])
+    fig = dash_plan.frontier_figure(fr, x, y, True, "linear")
     assert len(fig.data) == 2 and list(fig.data[1].x) == [x] and list(fig.data[1].y) == [y]
     assert fig.layout.yaxis.title.text == "relative error bound"
 
 
 def test_frontier_non_additive(cat):
     ties = views.plan_context(cat, "base", E, "ties", density=0.3)
-    fr = views.frontier_df(ties)
+    fr = dash_plan.frontier_df(ties)
     assert fr["bound_rel"].isna().all()
-    plan = views.make_plan(ties, budget_pct=50)
+    plan = dash_plan.make_plan(ties, budget_pct=50)
     assert plan["error_bound"]["kind"] == "sparsified"  # sound but loose (planner/bounds.py); not on the frontier
-    x, y = views.current_point(ties, plan, relative=True)
-    assert y == pytest.approx(views.omitted_term(ties, plan))
-    fig = views.frontier_figure(fr, x, y, False, "ties")
+    x, y = dash_plan.current_point(ties, plan, relative=True)
+    assert y == pytest.approx(dash_plan.omitted_term(ties, plan))
+    fig = dash_plan.frontier_figure(fr, x, y, False, "ties")
     assert "not a bound for ties" in fig.layout.yaxis.title.text
-    assert views.plan_summary(plan)["bound"] == views.fmt_bound(plan["error_bound"], "ties")
+    assert views.plan_summary(plan)["bound"] == dash_formatting.fmt_bound(plan["error_bound"], "ties")
 
 
 def test_plans_df(cat, built):
@@ -483,32 +490,32 @@ def test_plans_df(cat, built):
 def test_snapshots_and_manifest(cat, built):
     df = views.snapshots_df(cat)
     assert df["snapshot"].tolist() == [built.snapshot_id] and df["model"].tolist() == ["merged-1"]
-    man = views.load_manifest(cat, built.snapshot_id)
-    s = dict(zip(*views.manifest_summary(man).T.values))
+    man = dash_snapshots.load_manifest(cat, built.snapshot_id)
+    s = dict(zip(*dash_snapshots.manifest_summary(man).T.values))
     assert s["snapshot"] == built.snapshot_id and s["plan"] == built.plan_id and s["operator"] == "linear"
     assert s["manifest hash"] == man.manifest_hash
     assert s["experts"] == "expert_1 (w=1), expert_2 (w=1), expert_3 (w=1)"
     assert s["grid"] == "4.00 KiB blocks"
     real = man.core["realized"]["expert_read"]
     assert s["expert read"].startswith(f"{views.fmt_bytes(real)} realized / {views.fmt_bytes(real)} estimated")
-    by_e = views.bytes_by_expert_df(man)
+    by_e = dash_snapshots.bytes_by_expert_df(man)
     assert by_e["expert"].tolist() == E
     assert by_e["realized"].tolist() == [man.core["realized_by_expert"][e] for e in E]
     assert (by_e["estimated"] == by_e["realized"]).all()  # budget-sound: realized == planned
-    plan = views.manifest_plan(cat, man)
-    by_t = views.bytes_by_tensor_df(man, plan)
+    plan = dash_snapshots.manifest_plan(cat, man)
+    by_t = dash_snapshots.bytes_by_tensor_df(man, plan)
     assert by_t["realized"].sum() == real and (by_t["estimated"] == by_t["realized"]).all()
-    assert views.bytes_by_tensor_df(man)["estimated"].isna().all()
-    fig = views.bytes_figure(by_e, "expert")
+    assert dash_snapshots.bytes_by_tensor_df(man)["estimated"].isna().all()
+    fig = dash_snapshots.bytes_figure(by_e, "expert")
     assert [t.name for t in fig.data] == ["estimated", "realized"]
-    assert len(views.bytes_figure(views.bytes_by_tensor_df(man), "tensor").data) == 1
-    touched = views.touched_matrix(cat, man)
+    assert len(dash_snapshots.bytes_figure(dash_snapshots.bytes_by_tensor_df(man), "tensor").data) == 1
+    touched = dash_snapshots.touched_matrix(cat, man)
     assert touched.shape == (3, 109) and int(touched.to_numpy().sum()) == plan.selected_blocks
-    assert views.touched_matrix(cat, man, max_cells=30).shape == (3, 10)
-    assert np.asarray(views.touched_heatmap(touched).data[0].z).shape == (3, 109)
-    assert views.load_manifest(cat, "merged-1").snapshot_id == built.snapshot_id
+    assert dash_snapshots.touched_matrix(cat, man, max_cells=30).shape == (3, 10)
+    assert np.asarray(dash_snapshots.touched_heatmap(touched).data[0].z).shape == (3, 109)
+    assert dash_snapshots.load_manifest(cat, "merged-1").snapshot_id == built.snapshot_id
     with pytest.raises(MergePipeError, match="unknown snapshot"):
-        views.load_manifest(cat, "snap-nope")
+        dash_snapshots.load_manifest(cat, "snap-nope")
 
 
 def test_verify_text(cat, built):

@@ -12,6 +12,10 @@ from dashboard_helpers import EXPERTS, copy_catalog
 from mergepipe.catalog import analyses
 from mergepipe.catalog.db import Catalog
 from mergepipe.dashboard import views
+from mergepipe.dashboard import figures as dash_figures
+from mergepipe.dashboard import formatting as dash_formatting
+from mergepipe.dashboard import plan as dash_plan
+from mergepipe.dashboard import snapshots as dash_snapshots
 
 E = list(EXPERTS)
 
@@ -60,10 +64,10 @@ def test_outlier_expert_warning_from_stored_statistics(cat):
     assert len(w) == 1 and "'expert_2'" in w[0] and "different base" in w[0]
     assert analyses.outlier_warnings(cat, "base", ["expert_1"]) == []  # only the experts asked about
     # the plan carries it (EXPLAIN prints plan warnings)
-    plan = views.make_plan(views.plan_context(cat, "base", E, "linear"), 25)
+    plan = dash_plan.make_plan(views.plan_context(cat, "base", E, "linear"), 25)
     assert any("expert_2" in x and "different base" in x for x in plan.data["warnings"])
     assert "warning    expert 'expert_2'" in plan.explain()
-    plan = views.make_plan(views.plan_context(cat, "base", ["expert_1", "expert_3"], "linear"), 25)
+    plan = dash_plan.make_plan(views.plan_context(cat, "base", ["expert_1", "expert_3"], "linear"), 25)
     assert not plan.data.get("warnings")
     assert analyses.outlier_experts({"a": 1.0}) == {}  # no sibling: nothing to compare with
     assert analyses.outlier_experts({"a": 1.0, "b": 0.0, "c": 150.0}) == {"c": 150.0}
@@ -73,21 +77,21 @@ def test_mask_heatmap_is_discrete_with_axis_labels(built):
     c = Catalog(built.db)
     try:
         ctx = views.plan_context(c, "base", E, "linear")
-        mask = views.mask_matrix(ctx, views.make_plan(ctx, 25))
+        mask = dash_plan.mask_matrix(ctx, dash_plan.make_plan(ctx, 25))
     finally:
         c.close()
-    fig = views.mask_heatmap(mask)
+    fig = dash_plan.mask_heatmap(mask)
     heat = fig.data[0]
     assert heat.type == "heatmap" and heat.showscale is False
     legend = [t.name for t in fig.data[1:]]
-    assert sorted(legend) == sorted(label for _, label, _ in views.MASK_STATES) and len(legend) == 3
+    assert sorted(legend) == sorted(label for _, label, _ in dash_plan.MASK_STATES) and len(legend) == 3
     assert fig.layout.xaxis.title.text.startswith("blocks in model order")
     assert fig.layout.yaxis.title.text == "expert" and list(heat.y) == E
     texts = list(fig.layout.xaxis.ticktext)
     assert texts[0] == "embed" and "layer 0" in texts and "layer 1" in texts
     vals = list(fig.layout.xaxis.tickvals)
     assert vals[0] == mask.columns[0] and all(v in set(mask.columns) for v in vals)
-    assert views.group_ticks(["model.layers.2.x#0..model.layers.3.y#1", "model.layers.3.y#2..lm_head.weight#0"]) == (
+    assert dash_figures.group_ticks(["model.layers.2.x#0..model.layers.3.y#1", "model.layers.3.y#2..lm_head.weight#0"]) == (
         ["model.layers.2.x#0..model.layers.3.y#1", "model.layers.3.y#2..lm_head.weight#0"], ["layer 2", "layer 3"])
 
 
@@ -105,7 +109,7 @@ def test_top_tensors_and_difference():
     assert views.top_tensors(df, 10, "bytes", "nothing")[1] == 0
     with pytest.raises(ValueError):
         views.top_tensors(df, 5, "name")
-    d = views.with_difference(df)
+    d = dash_snapshots.with_difference(df)
     assert np.isnan(d.loc[3, "ratio"]) and d.loc[3, "difference"] == 20  # nothing estimated: no ratio
     table = views.bytes_table(d)
     assert table.loc[0].tolist() == ["model.layers.0.mlp.up_proj.weight", "100 B", "150 B", "+50 B", "1.500x"]
@@ -113,7 +117,7 @@ def test_top_tensors_and_difference():
     fig = views.bytes_bars(d, "tensor")
     assert [t.orientation for t in fig.data] == ["h", "h"] and list(fig.data[1].y) == d["tensor"].tolist()
     assert fig.data[1].text[0] == "+50 B (1.50x)" and fig.layout.height >= 90 + 34 * 4
-    assert views.signed_bytes(-1536) == "-1.50 KiB" and views.signed_bytes(0) == "0 B"
+    assert dash_snapshots.signed_bytes(-1536) == "-1.50 KiB" and dash_snapshots.signed_bytes(0) == "0 B"
 
 
 def test_url_replacements():
@@ -132,7 +136,7 @@ def test_url_replacements():
 def test_plan_wording_and_experts_table(built):
     c = Catalog(built.db)
     try:
-        plan = views.make_plan(views.plan_context(c, "base", E, "ties", density=0.3), 50)
+        plan = dash_plan.make_plan(views.plan_context(c, "base", E, "ties", density=0.3), 50)
         size = sum(c.model(e)["bytes"] for e in E)
     finally:
         c.close()
@@ -140,19 +144,19 @@ def test_plan_wording_and_experts_table(built):
     assert s["full_text"] == (f"{views.fmt_bytes(plan['full_expert_bytes'])} changed (delta != 0) expert bytes of "
                               f"{views.fmt_bytes(size)} expert size")
     assert s["bound_why"] is None and plan["error_bound"]["kind"] == "sparsified"  # TIES has a (loose) bound now
-    assert views.fmt_bound(None, "ties").startswith("n/a: ties is not additive")
+    assert dash_formatting.fmt_bound(None, "ties").startswith("n/a: ties is not additive")
     t = views.plan_experts_table(plan)
     assert "read_text" not in t.columns and t["read"].tolist() == [
         views.fmt_bytes(plan["expert_read_by_expert"][e]) for e in E]
-    fig = views.frontier_figure(views.frontier_df(views.plan_context(Catalog(built.db), "base", E, "linear")),
+    fig = dash_plan.frontier_figure(dash_plan.frontier_df(views.plan_context(Catalog(built.db), "base", E, "linear")),
                                 10, 0.5, True, "linear")
     assert fig.layout.margin.t >= 60 and fig.layout.title.yanchor == "top"
 
 
 def test_group_ticks_skip_crowded_groups():
     cols = [f"model.layers.0.x#{i}" for i in range(80)] + ["model.norm.weight#0", "lm_head.weight#0"]
-    assert views.group_ticks(cols)[1] == ["layer 0", "other, head"]  # head starts 1 column after other: one tick
-    assert views.group_ticks(cols, min_gap=1)[1] == ["layer 0", "other", "head"]
+    assert dash_figures.group_ticks(cols)[1] == ["layer 0", "other, head"]  # head starts 1 column after other: one tick
+    assert dash_figures.group_ticks(cols, min_gap=1)[1] == ["layer 0", "other", "head"]
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +178,7 @@ def test_compare_two_snapshots(two):
     db, s1, s2 = two
     c = Catalog(db)
     try:
-        a, b = views.load_manifest(c, s1), views.load_manifest(c, s2)
+        a, b = dash_snapshots.load_manifest(c, s1), dash_snapshots.load_manifest(c, s2)
     finally:
         c.close()
     d = views.settings_diff(a, b)
