@@ -130,11 +130,11 @@ def check_compact_inputs(catalog: Catalog, plan) -> None:
     """The compact files a plan reads are still the catalog's current ones (same file and sha256, made for the
     plan's expert fingerprint and grid, the codec and group size it planned with)."""
     from mergepipe.errors import ExecutionError
-    core = plan.data.get("compact") or {}
-    files = plan.data.get("compact_files") or {}
-    fingerprints = {e["id"]: e["fingerprint"] for e in plan["experts"]}
+    core = plan.compact or {}
+    files = plan.compact_files
+    fingerprints = {e["id"]: e["fingerprint"] for e in plan.experts}
     for eid, entry in (core.get("experts") or {}).items():
-        row = current_compact(catalog, eid, fingerprints.get(eid, ""), plan["grid"]["block_bytes"])
+        row = current_compact(catalog, eid, fingerprints.get(eid, ""), plan.block_bytes)
         f = files.get(eid)
         if (row is None or f is None or row["sha256"] != f["sha256"] or row["codec"] != entry["codec"]
                 or row["group_size"] != entry["group"] or Path(f["path"]).name != row["file"]):

@@ -207,12 +207,12 @@ def _config_plan(args, cat, save, reserved_ids):
 
 
 def _plan_summary(plan) -> dict:
-    return {"plan_id": plan.id, "digest": plan.digest, "operator": plan["operator"],
-            "budget_bytes": plan["budget"]["bytes"], "full_expert_bytes": plan["full_expert_bytes"],
-            "estimated": plan["estimate"], "blocks_selected": plan["blocks_selected"],
-            "expert_read_by_expert": plan["expert_read_by_expert"], "error_bound": plan["error_bound"],
-            "tiers": plan["tiers"], **({"compact_note": plan["compact_note"]} if plan.data.get("compact_note") else {}),
-            **({"warnings": plan.data["warnings"]} if plan.data.get("warnings") else {})}
+    return {"plan_id": plan.id, "digest": plan.digest, "operator": plan.operator,
+            "budget_bytes": plan.budget_bytes, "full_expert_bytes": plan.full_expert_bytes,
+            "estimated": plan.estimated, "blocks_selected": plan.blocks_selected,
+            "expert_read_by_expert": plan.estimated_by_expert, "error_bound": plan.error_bound,
+            "tiers": plan.tiers, **({"compact_note": plan.compact_note} if plan.compact_note else {}),
+            **({"warnings": plan.warnings} if plan.warnings else {})}
 
 
 def _open_for_plan(args):
@@ -282,7 +282,7 @@ def cmd_merge(args):
         _, model_id = api.check_target(cat, args.out, args.model_id)
         reserved = (model_id,)
     plan = _make_plan(args, cat, save=False, reserved_ids=reserved)
-    for warning in plan.data.get("warnings", ()):
+    for warning in plan.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     _print_merge(args, plan, _execute(args, cat, plan))
 

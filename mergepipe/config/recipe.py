@@ -192,13 +192,13 @@ def recipe_options(catalog: Catalog, name: str) -> dict:
     scratch = Planner(catalog).plan(scratch_req, save=False)
     options = {"recipe": recipe, "version": version, "experts": experts, "out": out,
                "scratch": {"plan": scratch, "request": scratch_req,
-                           "reads": scratch["estimate"]["base_read"] + scratch["estimate"]["expert_read"]}}
+                           "reads": scratch.estimated["base_read"] + scratch.estimated["expert_read"]}}
     ext_req, why = _incremental(catalog, recipe, experts, out)
     incremental = {"why_not": why}
     if ext_req is not None:
         try:
             p = plan_extend(catalog, ext_req)
-            e = p["estimate"]
+            e = p.estimated
             incremental = {"plan": p, "request": ext_req, "reads": e["snapshot_read"] + e["base_read"] + e["expert_read"],
                            "why_not": None}
         except MergePipeError as exc:

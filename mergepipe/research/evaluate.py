@@ -165,7 +165,7 @@ def bound_check(plan, dev: dict, rtol: float = 1e-5) -> dict:
     """Realized ||M_A - M_full|| against the plan's bound (additive operators); ``None`` when no bound.
 
     ``holds`` allows float32 rounding of the written weights (``rtol`` of the reference norm)."""
-    bound = (plan["error_bound"] if not isinstance(plan, dict) else plan.get("error_bound"))
+    bound = (plan.error_bound if not isinstance(plan, dict) else plan.get("error_bound"))
     if not bound:
         return None
     slack = rtol * dev.get("reference_norm", 0.0)
