@@ -639,3 +639,9 @@ def decode_sketch(blob: bytes | None):
     which `mergepipe --help` does, stays fast)."""
     from mergepipe.catalog.sketch import decode
     return decode(blob)
+
+
+def as_plan(plan) -> Plan:
+    """A Plan from a Plan or its data (planner/plan.py as_plan): the dashboard reads either through its accessors."""
+    from mergepipe.planner.plan import as_plan as _as_plan
+    return _as_plan(plan)

@@ -171,7 +171,7 @@ with ui.user_errors(), ui.catalog() as cat:
         ctx = ui.plan_context(ui.db(), version, key, request)
         view = ui.plan_view(ui.db(), version, key, budget, target, ctx)
         plan = view.plan
-        st.session_state["_plan_bound"] = plan.data.get("error_bound")  # where a switch to the target bound starts
+        st.session_state["_plan_bound"] = plan.error_bound  # where a switch to the target bound starts
         size = sum(models[e]["bytes"] or 0 for e in experts if e in models)
         s = views.plan_summary(plan, size)
         sug = view.suggestion
@@ -184,7 +184,7 @@ with ui.user_errors(), ui.catalog() as cat:
                           + (" (it is there)" if at_it else ""))
         if s["first_merge"]:
             st.info(s["first_merge"])
-        for w in plan.data.get("warnings", ()):
+        for w in plan.warnings:
             st.warning(w, icon=":material/warning:")
         c = st.columns(2)
         c[0].metric("Estimated expert read", s["expert_read"], help=f"{s['expert_read_pct']} of {s['full_text']}")
@@ -208,8 +208,8 @@ with ui.user_errors(), ui.catalog() as cat:
             st.caption(f"Error bound n/a: {s['bound_why']}.")
         if target is not None:
             st.success(f"Smallest budget for a relative bound <= {target:g}: {s['budget']}")
-        if plan.data.get("compact_note"):
-            st.info(plan.data["compact_note"], icon=":material/info:")
+        if plan.compact_note:
+            st.info(plan.compact_note, icon=":material/info:")
         if compact_modes and view.tiers is not None:
             st.caption("Per tier: blocks and estimated bytes (exact and compact bytes count against the budget; "
                        "omitted bytes are the exact bytes left unread)")

@@ -22,12 +22,11 @@ NOT_MERGED = "- (a plan)"
 def plan_side(plan: Plan) -> Manifest:
     """A plan seen as a manifest of the merge it describes: its estimates, no realized numbers, its access
     set as the touched blocks, its base and experts as parents."""
-    p = plan.data
-    core = {"plan_id": plan.id, "operator": p["operator"], "params": p["params"], "seed": p["seed"],
-            "strategy": p["strategy"], "inputs": {"base": p["base"], "experts": p["experts"]}, "grid": p["grid"],
-            "budget": p["budget"], "estimated": p["estimate"], "realized": None,
-            "full_expert_bytes": p["full_expert_bytes"], "error_bound": p["error_bound"], "touched": p["access"],
-            "parents": [{"id": p["base"]["id"]}] + [{"id": e["id"]} for e in p["experts"]]}
+    core = {"plan_id": plan.id, "operator": plan.operator, "params": plan.params, "seed": plan.seed,
+            "strategy": plan.strategy, "inputs": {"base": plan.base, "experts": plan.experts}, "grid": plan.grid,
+            "budget": plan.budget, "estimated": plan.estimated, "realized": None,
+            "full_expert_bytes": plan.full_expert_bytes, "error_bound": plan.error_bound, "touched": plan.access,
+            "parents": [{"id": plan.base_id}] + [{"id": eid} for eid in plan.expert_ids]}
     return Manifest(core=core, run={"model_id": None, "kind": "plan"})
 
 

@@ -109,7 +109,7 @@ def plan_view(ctx: PlanContext, budget_pct: float | None = None, target_rel: flo
     plan = make_plan(ctx, budget_pct=budget_pct, target_rel=target_rel)
     relative = ctx.op.additive
     x, y = current_point(ctx, plan, relative)
-    bound = plan.data.get("error_bound") or {}
+    bound = plan.error_bound or {}
     additive = bound.get("additive") is not None and bound.get("additive") != bound.get("absolute")
     return PlanView(plan=plan, mask=mask_heatmap(mask_matrix(ctx, plan), mask_levels(ctx, plan)),
                     frontier=frontier_figure(frontier_df(ctx), x, y, relative, ctx.op.name, additive_label=additive),
@@ -151,20 +151,20 @@ TIER_ORDER = ("exact", "compact", "omitted")
 
 
 def tiers_df(plan: Plan | dict, ctx: PlanContext | None = None) -> pd.DataFrame | None:
-    """Blocks and estimated bytes per tier of a plan (plan["tiers"]): exact, the compact tier by bits per entry
+    """Blocks and estimated bytes per tier of a plan (plan.tiers): exact, the compact tier by bits per entry
     (one row per level in its ``by_bits``; their bytes need the plan's context, else "-") and in total, omitted.
     Exact and compact bytes are what the budget counts; omitted bytes are the exact bytes left unread. None for
     a plan without tiers (plans saved before issue 27)."""
-    p = plan.data if isinstance(plan, Plan) else plan
-    t = p.get("tiers")
+    plan = api.as_plan(plan)
+    t = plan.tiers
     if not t:
         return None
-    full = p.get("full_expert_bytes") or 0
+    full = plan.full_expert_bytes or 0
     ex, co, om = (t.get(k) or {} for k in TIER_ORDER)
     by_bits = {int(b): int(n) for b, n in (co.get("by_bits") or {}).items()}
     level_bytes = {}
     if by_bits and ctx is not None and getattr(ctx, "tiers", None) is not None:
-        tier = candidate_tiers(ctx, p)
+        tier = candidate_tiers(ctx, plan)
         read = ctx.tiers.compact_read(tier)
         level_bytes = {b: int(read[tier == b].sum()) for b in by_bits}
     rows = []
@@ -193,8 +193,7 @@ def tiers_table(plan: Plan | dict, ctx: PlanContext | None = None) -> pd.DataFra
 def tiers_text(plan: Plan | dict) -> str | None:
     """One line: 'exact 39 blocks (152 KiB) · compact 189 blocks (97.9 KiB: 4 at 1 bit, 185 at 4 bits) ·
     omitted 25 blocks (100 KiB)'."""
-    p = plan.data if isinstance(plan, Plan) else plan
-    t = p.get("tiers")
+    t = api.as_plan(plan).tiers
     if not t:
         return None
     ex, co, om = (t.get(k) or {} for k in TIER_ORDER)
@@ -206,11 +205,10 @@ def tiers_text(plan: Plan | dict) -> str | None:
 
 
 def budget_suggestion(plan: Plan | dict) -> dict | None:
-    """The planner's suggested budget (plan["suggested_budget"], additive operators) as the Plan page shows it
+    """The planner's suggested budget (plan.suggested_budget, additive operators) as the Plan page shows it
     beside the slider: ``pct`` (the whole percentage the slider takes: rounded up, so its bound stays within the
     rule), ``text`` (one line) and ``help`` (what the rule is and where it was measured). None without one."""
-    p = plan.data if isinstance(plan, Plan) else plan
-    s = p.get("suggested_budget")
+    s = api.as_plan(plan).suggested_budget
     if not s or s.get("fraction_of_full") is None:
         return None
     frac = float(s["fraction_of_full"])
@@ -314,15 +312,16 @@ def plan_summary(plan: Plan | dict, experts_bytes: int | None = None) -> dict:
     """Formatted estimates of a plan (strings) plus the raw numbers they come from. ``full_expert`` is
     the experts' changed (delta != 0) bytes, what a budget percentage is a share of; ``experts_size``
     their size on disk (``experts_bytes``, when given)."""
-    p = plan.data if isinstance(plan, Plan) else plan
-    full = p["full_expert_bytes"]
-    est = p["estimate"]
-    selected = sum(p["blocks_selected"].values())
-    candidates = sum(p["blocks_candidate"].values())
+    plan = api.as_plan(plan)
+    full = plan.full_expert_bytes
+    est = plan.estimated
+    selected = sum(plan.blocks_selected.values())
+    candidates = sum(plan.blocks_candidate.values())
+    bound = plan.error_bound
     return {
-        "plan_id": p["id"], "operator": p["operator"],
-        "budget": f"{fmt_bytes(p['budget']['bytes'])} ({p['budget']['spec']})",
-        "budget_bytes": p["budget"]["bytes"],
+        "plan_id": plan.id, "operator": plan.operator,
+        "budget": f"{fmt_bytes(plan.budget_bytes)} ({plan.budget['spec']})",
+        "budget_bytes": plan.budget_bytes,
         "expert_read": fmt_bytes(est["expert_read"]), "expert_read_bytes": est["expert_read"],
         "expert_read_pct": fmt_pct(est["expert_read"] / full) if full else "-",
         "base_read": fmt_bytes(est["base_read"]), "write": fmt_bytes(est["output_write"]),
@@ -332,35 +331,36 @@ def plan_summary(plan: Plan | dict, experts_bytes: int | None = None) -> dict:
         "experts_size": fmt_bytes(experts_bytes) if experts_bytes else None,
         "compact_read": fmt_bytes(est.get("compact_read") or 0), "compact_read_bytes": est.get("compact_read") or 0,
         "budget_read_pct": fmt_pct((est["expert_read"] + (est.get("compact_read") or 0)) / full) if full else "-",
-        "bound": fmt_bound(p["error_bound"]),
-        "bounds": bound_parts(p["error_bound"]),
-        "bound_why": None if p["error_bound"] else no_bound_reason(p["operator"]),
-        "bound_abs": p["error_bound"].get("absolute") if p["error_bound"] else None,
-        "bound_rel": p["error_bound"].get("relative") if p["error_bound"] else None,
-        "blocks": f"{selected} of {candidates} candidate blocks ({p['blocks_total']} per model)",
-        "blocks_selected": selected, "blocks_candidate": candidates, "blocks_total": p["blocks_total"],
-        "first_merge": first_merge_note(p),
+        "bound": fmt_bound(bound),
+        "bounds": bound_parts(bound),
+        "bound_why": None if bound else no_bound_reason(plan.operator),
+        "bound_abs": bound.get("absolute") if bound else None,
+        "bound_rel": bound.get("relative") if bound else None,
+        "blocks": f"{selected} of {candidates} candidate blocks ({plan['blocks_total']} per model)",
+        "blocks_selected": selected, "blocks_candidate": candidates, "blocks_total": plan["blocks_total"],
+        "first_merge": first_merge_note(plan),
     }
 
 
-def first_merge_note(p: dict) -> str | None:
+def first_merge_note(plan: Plan | dict) -> str | None:
     """What a first merge does, when some experts have no current statistics (None otherwise)."""
-    pending = [f"{e['id']} ({e['analyze']})" for e in p["experts"] if e.get("analyze")]
+    plan = api.as_plan(plan)
+    pending = [f"{e['id']} ({e['analyze']})" for e in plan.analyzed_on_the_way]
     if not pending:
         return None
     return (f"First merge: {', '.join(pending)}. This merge reads every expert in full and analyzes "
             f"{'it' if len(pending) == 1 else 'them'} on the way (no separate analyze needed); the "
-            f"{p['budget']['spec']} budget applies from the next merge.")
+            f"{plan.budget['spec']} budget applies from the next merge.")
 
 
 def plan_experts_df(plan: Plan | dict) -> pd.DataFrame:
-    p = plan.data if isinstance(plan, Plan) else plan
+    plan = api.as_plan(plan)
     rows = []
-    for e in p["experts"]:
+    for e in plan.experts:
         eid = e["id"]
         rows.append({"expert": eid, "weight": e["weight"], "density": e.get("density"),
-                     "blocks": p["blocks_selected"][eid], "candidates": p["blocks_candidate"][eid],
-                     "read": p["expert_read_by_expert"][eid]})
+                     "blocks": plan.blocks_selected[eid], "candidates": plan.blocks_candidate[eid],
+                     "read": plan.estimated_by_expert[eid]})
     return pd.DataFrame(rows, columns=["expert", "weight", "density", "blocks", "candidates", "read"])
 
 
@@ -386,10 +386,10 @@ def _mask_array(layout: pd.DataFrame, experts: list[str], access: dict, value: f
     return m
 
 
-def _state_array(layout: pd.DataFrame, experts: list[str], p: dict) -> np.ndarray:
+def _state_array(layout: pd.DataFrame, experts: list[str], plan: Plan) -> np.ndarray:
     """Experts x blocks: 1 = read exactly, COMPACT_VALUE[bits] = read from the compact tier, 0 = neither."""
-    m = _mask_array(layout, experts, p["access"])
-    for e, entry in ((p.get("compact") or {}).get("experts") or {}).items():
+    m = _mask_array(layout, experts, plan.access)
+    for e, entry in ((plan.compact or {}).get("experts") or {}).items():
         if e not in experts:
             continue
         for bits, ranges in (entry.get("bits") or {}).items():
@@ -407,10 +407,9 @@ def mask_matrix(ctx: PlanContext, plan: Plan | dict, max_cells: int = MAX_CELLS)
     """Experts x blocks (all tensors, display order): 1 = read exactly, 0.6 / 0.7 / 0.8 = read from the compact
     tier at 1 / 2 / 4 bits per entry, 0.5 = candidate left out (omitted), 0 = no delta (or not useful to the
     operator). Aggregated to the mean over column bins above ``max_cells``."""
-    p = plan.data if isinstance(plan, Plan) else plan
     layout = ctx.layout
     experts = [e["id"] for e in ctx.experts]
-    sel = _state_array(layout, experts, p)
+    sel = _state_array(layout, experts, api.as_plan(plan))
     first = np.zeros(len(ctx.tensors), dtype=np.int64)
     pos = dict(zip(layout["tensor"], layout["first"]))
     for i, t in enumerate(ctx.tensors):
@@ -451,8 +450,7 @@ def mask_levels(ctx: PlanContext, plan: Plan | dict | None = None) -> tuple[int,
     reads (empty for an exact-or-omitted context)."""
     levels = set(getattr(ctx.tiers, "levels", ()) or ()) if getattr(ctx, "tiers", None) is not None else set()
     if plan is not None:
-        p = plan.data if isinstance(plan, Plan) else plan
-        for entry in ((p.get("compact") or {}).get("experts") or {}).values():
+        for entry in ((api.as_plan(plan).compact or {}).get("experts") or {}).values():
             levels |= {int(b) for b in entry.get("bits") or {}}
     return tuple(sorted(levels))
 
@@ -477,9 +475,8 @@ def mask_state_counts(mask: pd.DataFrame) -> dict[str, int]:
 
 def omitted_term(ctx: PlanContext, plan: Plan | dict) -> float:
     """Sum over the candidates the plan leaves out of |c_i| * ||delta|| (the bound for additive operators)."""
-    p = plan.data if isinstance(plan, Plan) else plan
     experts = [e["id"] for e in ctx.experts]
-    sel = _mask_array(ctx.layout, experts, p["access"])
+    sel = _mask_array(ctx.layout, experts, api.as_plan(plan).access)
     pos = dict(zip(ctx.layout["tensor"], ctx.layout["first"]))
     first = np.array([pos[t["name"]] for t in ctx.tensors], dtype=np.int64)
     c = ctx.candidates
@@ -529,9 +526,8 @@ def frontier_figure(frontier: pd.DataFrame, current_pct: float, current_bound: f
 
 def candidate_tiers(ctx: PlanContext, plan: Plan | dict) -> np.ndarray:
     """The tier code of each candidate in a plan (planner/tiers.py: 0 omitted, 1/2/4 compact bits, 8 exact)."""
-    p = plan.data if isinstance(plan, Plan) else plan
     experts = [e["id"] for e in ctx.experts]
-    states = _state_array(ctx.layout, experts, p)
+    states = _state_array(ctx.layout, experts, api.as_plan(plan))
     pos = dict(zip(ctx.layout["tensor"], ctx.layout["first"]))
     first = np.array([pos[t["name"]] for t in ctx.tensors], dtype=np.int64)
     c = ctx.candidates
@@ -553,11 +549,11 @@ def plan_residual(ctx: PlanContext, plan: Plan | dict) -> float:
 
 def current_point(ctx: PlanContext, plan: Plan | dict, relative: bool) -> tuple[float, float]:
     """(expert-derived bytes read, exact + compact, in % of full; bound) of a plan, for the frontier chart."""
-    p = plan.data if isinstance(plan, Plan) else plan
+    plan = api.as_plan(plan)
     full = ctx.candidates.full_bytes
-    read = p["estimate"]["expert_read"] + (p["estimate"].get("compact_read") or 0)
+    read = plan.estimated["expert_read"] + (plan.estimated.get("compact_read") or 0)
     x = 100.0 * read / full if full else 0.0
-    omitted = plan_residual(ctx, p)
+    omitted = plan_residual(ctx, plan)
     if relative and ctx.op.additive:
         norm = ctx.full_norm_estimate()
         return x, (omitted / norm if norm else 0.0)
@@ -567,9 +563,9 @@ def current_point(ctx: PlanContext, plan: Plan | dict, relative: bool) -> tuple[
 def plans_df(cat: Catalog) -> pd.DataFrame:
     rows = []
     for r in api.plan_rows(cat):
-        p = json.loads(r["json"])
+        p = Plan.from_json(r["json"])
         rows.append({"plan": r["id"], "created": r["created_at"], "base": r["base_id"], "operator": r["operator"],
-                     "experts": ", ".join(e["id"] for e in p["experts"]), "budget": p["budget"]["spec"],
+                     "experts": ", ".join(p.expert_ids), "budget": p.budget["spec"],
                      "expert_read": fmt_bytes(r["expert_read_bytes"]),
                      "of_full": fmt_pct(r["expert_read_bytes"] / r["full_expert_bytes"]) if r["full_expert_bytes"] else "-",
                      "bound": "-" if r["error_bound"] is None else f"{r['error_bound']:.4g}"})

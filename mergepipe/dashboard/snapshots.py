@@ -89,7 +89,7 @@ def bytes_by_tensor_df(manifest: Manifest, plan: Plan | dict | None = None) -> p
     c = manifest.core
     est = {}
     if plan is not None:
-        est = (plan.data if isinstance(plan, Plan) else plan).get("expert_read_by_tensor", {})
+        est = api.as_plan(plan).estimated_by_tensor
     names = sorted(set(c["realized_by_tensor"]) | set(est), key=tensor_sort_key)
     rows = [{"tensor": t, "estimated": int(est.get(t, 0)) if plan is not None else None,
              "realized": int(c["realized_by_tensor"].get(t, 0))} for t in names]
