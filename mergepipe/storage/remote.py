@@ -31,12 +31,12 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Callable
 
 from mergepipe.errors import CatalogError, StorageError
 from mergepipe.storage.base import Storage
 from mergepipe.storage.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraAdapter, adapter_of, checked_config
+from mergepipe.storage.remote_cache import cache_path, identity_of, store
 from mergepipe.storage.safetensors import (
     INDEX_NAME, MAX_JSON_BYTES, Checkpoint, check_index, checked_config, header_length, header_tensors,
     index_weight_map, json_object,
@@ -434,34 +434,6 @@ class _RangeRaw(io.RawIOBase):
         buf[:len(data)] = data
         self.pos += len(data)
         return len(data)
-
-
-# --- the optional block cache ------------------------------------------------------------------------
-def identity_of(transport, name: str) -> str:
-    """The full identity of a remote file (its URL; a transport without ``identity``: its shown URI)."""
-    identity = getattr(transport, "identity", None)
-    return identity(name) if identity is not None else transport.where(name)
-
-
-def cache_path(identity: str, etag: str | None, size: int, start: int, end: int) -> Path | None:
-    """The cache entry of bytes [start, end) of one version of one file: keyed by the file's identity (its
-    URL) as well as its ETag and size, never by the ETag alone."""
-    root = os.environ.get("MERGEPIPE_REMOTE_CACHE")
-    if not root or not etag:
-        return None
-    digest = hashlib.sha256(f"{identity}\0{etag}\0{size}\0{start}\0{end}".encode()).hexdigest()
-    return Path(root).expanduser() / digest[:2] / digest
-
-
-def store(path: Path, data: bytes) -> None:
-    """Write a cache entry atomically (a reader sees a whole entry or none); failures are ignored."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except OSError:
-        pass
 
 
 # --- the built-in backends ------------------------------------------------------------------------------
