@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from mergepipe.catalog import plans
 from mergepipe.catalog.db import Catalog
 from mergepipe.errors import PlanError
-from mergepipe.planner.explain import explain_plan
+from mergepipe.planner.explain_sections import explain_text
 from mergepipe.planner.extend_format import explain_extend, is_extend
 from mergepipe.planner.settings import params_on
 
@@ -127,6 +127,11 @@ class Plan:
     def estimated_by_tensor(self) -> dict[str, int]:
         """tensor -> estimated expert bytes read."""
         return self.data.get("expert_read_by_tensor") or {}
+
+    @property
+    def blocks_total(self) -> int:
+        """Blocks per model on the plan's grid (a from-scratch plan)."""
+        return self.data["blocks_total"]
 
     @property
     def blocks_candidate(self) -> dict[str, int]:
@@ -295,7 +300,7 @@ class Plan:
     def explain(self) -> str:
         if is_extend(self.data):
             return explain_extend(self.data)
-        return explain_plan(self.data)
+        return explain_text(self)
 
 
 def as_plan(plan) -> Plan:
