@@ -173,7 +173,6 @@ def tensor_statistics(spec: OpSpec, density: float, params: dict, thresholds_jso
       k + 1 (:func:`kth_statistics`; f = 1 for k = n - 1).
     Density >= 1: ``[0.0]`` / ``[0.0, 0.0]`` (the delta is kept as it is)."""
     import json
-    import math
 
     fractions = threshold_fractions(spec, density, params)
     table = json.loads(thresholds_json or "{}")
@@ -181,32 +180,47 @@ def tensor_statistics(spec: OpSpec, density: float, params: dict, thresholds_jso
     if vals is None or not spec.thresholded or density >= 1.0:
         return vals
     topk = json.loads(topk_json) if topk_json else None
-
-    def cut_of(fraction: float, value: float, at: int = 3):
-        if math.isinf(value) or value == 0.0:  # keep nothing / every non-zero entry: no tie to break
-            return list(NO_CUT)
-        entry = _lookup(topk, fraction) if topk is not None else None
-        return None if entry is None else [entry[at], entry[at + 1]]
-
     if spec.sparsify is Sparsify.MAGNITUDE:
-        thr = vals[0]
-        kept = None
-        if math.isinf(thr):  # k = int(density * n) = 0: mergekit keeps the largest entry
-            thr = kept = float(max_abs)
-            cut = list(NO_CUT)
-        else:
-            cut = cut_of(fractions[0], thr)
-            if thr == 0.0:  # fewer non-zeros than k: all of them are kept
-                kept = float(delta_l1)
-        if cut is None:
-            return None
-        ratio = 1.0
-        if params.get("rescale"):
-            if kept is None:
-                kept = float(_lookup(topk, fractions[0])[2])
-            ratio = float(delta_l1) / kept if delta_l1 >= 1e-7 and kept >= 1e-7 else 1.0
-        return [thr, ratio, *cut]
-    # breadcrumbs: mergekit's magnitude_outliers sorts the n entries by |delta| ascending and keeps positions
+        return _magnitude_statistics(vals[0], fractions[0], topk, params, delta_l1, max_abs)
+    return _outlier_statistics(table, topk, density, params, numel)
+
+
+def _tie_cut(topk: dict | None, fraction: float, value: float, at: int = 3) -> list | None:
+    """The exact-k cut (cut_block, cut_rank) stored for ``fraction``; None when ``topk`` lacks it."""
+    import math
+    if math.isinf(value) or value == 0.0:  # keep nothing / every non-zero entry: no tie to break
+        return list(NO_CUT)
+    entry = _lookup(topk, fraction) if topk is not None else None
+    return None if entry is None else [entry[at], entry[at + 1]]
+
+
+def _magnitude_statistics(thr: float, fraction: float, topk: dict | None, params: dict, delta_l1: float,
+                          max_abs: float) -> list[float] | None:
+    """TIES' ``[thr, ratio, cut_block, cut_rank]`` (:func:`tensor_statistics`)."""
+    import math
+    kept = None
+    if math.isinf(thr):  # k = int(density * n) = 0: mergekit keeps the largest entry
+        thr = kept = float(max_abs)
+        cut = list(NO_CUT)
+    else:
+        cut = _tie_cut(topk, fraction, thr)
+        if thr == 0.0:  # fewer non-zeros than k: all of them are kept
+            kept = float(delta_l1)
+    if cut is None:
+        return None
+    ratio = 1.0
+    if params.get("rescale"):
+        if kept is None:
+            kept = float(_lookup(topk, fraction)[2])
+        ratio = float(delta_l1) / kept if delta_l1 >= 1e-7 and kept >= 1e-7 else 1.0
+    return [thr, ratio, *cut]
+
+
+def _outlier_statistics(table: dict, topk: dict | None, density: float, params: dict,
+                        numel: int) -> list[float] | None:
+    """breadcrumbs' ``[thr_hi, thr_lo, cut_block_hi, cut_rank_hi, cut_block_lo, cut_rank_lo]``
+    (:func:`tensor_statistics`)."""
+    # mergekit's magnitude_outliers sorts the n entries by |delta| ascending and keeps positions
     # [n_bot, n_bot + target), target = int(density n), n_bot = max(0, n - target - int(gamma n)): in descending
     # order the top k_lo = n - n_bot less the top k_hi = k_lo - target (k_hi = int(gamma n) unless that leaves
     # fewer than target entries); k_lo < n where int(gamma n) + int(density n) < n, gamma + density = 1 too

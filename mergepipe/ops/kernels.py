@@ -16,114 +16,24 @@ contract without fastmath), so the output is bit-identical to ``ops.sparsify`` +
 Two pieces are shared with the torch path and the full-read reference rather than duplicated:
 ``uniform`` (the counter-based random stream of DARE/DELLA: a hash of (block seed, element index))
 and ``abs_sum64`` (the float64 L1 norm of DARE's per-block rescale, summed in a fixed lane order).
+
+This module holds the Python entry points; the compiled loops are in ``ops/kernel_loops.py`` and the
+output guard (NaN/Inf counts of a block) in ``ops/nonfinite.py``, whose names it re-exports.
 """
 
 from __future__ import annotations
 
-import numba
 import numpy as np
-from numba import njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
-from llvmlite import ir
 
+from mergepipe.ops.kernel_loops import (  # noqa: F401
+    BF16, CHUNK, CODES, F32, KEEP_ALL, LANES, MAGNITUDE, RANDOM, _abs_sum64, _affine_bf16, _fill_uniform,
+    merge_block, random_l1, seed_keys,
+)
+from mergepipe.ops.nonfinite import FLOAT_BITS, nonfinite_count, nonfinite_kinds  # noqa: F401
 from mergepipe.ops.spec import Sparsify
 
-CHUNK = 2048  # elements per chunk; divides 2**32
-LANES = 256  # float64 partial sums of abs_sum64: element i goes to lane i % LANES; divides CHUNK
-
-# element codes of the raw buffers the kernel reads and writes
-BF16, F32 = 0, 1
-CODES = {"BF16": BF16, "F32": F32}
-# per-expert sparsification
-KEEP_ALL, MAGNITUDE, RANDOM = 0, 1, 2
-
-_INV24 = np.float32(1.0 / (1 << 24))
-
-
-@intrinsic
-def _voidptr(typingctx, addr):
-    sig = types.voidptr(addr)
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], cgutils.voidptr_t)
-
-    return sig, codegen
-
-
-# --- the counter-based random stream ---------------------------------------------------------------
-# 32-bit integer arithmetic written in LLVM IR: numba types uint32 * uint32 as uint64, which keeps
-# LLVM from using 8-lane 32-bit vector multiplies (measured 3x slower).
-def _c32(n: int):
-    return ir.Constant(ir.IntType(32), n)
-
-
-@intrinsic
-def _mix32(typingctx, x):
-    """Chris Wellons' two-multiply 32-bit integer hash ("lowbias32", improved constants)."""
-    sig = types.uint32(types.uint32)
-
-    def codegen(context, builder, signature, args):
-        v = args[0]
-        v = builder.xor(v, builder.lshr(v, _c32(16)))
-        v = builder.mul(v, _c32(0x21F0AAAD))
-        v = builder.xor(v, builder.lshr(v, _c32(15)))
-        v = builder.mul(v, _c32(0x735A2D97))
-        return builder.xor(v, builder.lshr(v, _c32(15)))
-
-    return sig, codegen
-
-
-@intrinsic
-def _add32(typingctx, a, b):
-    sig = types.uint32(types.uint32, types.uint32)
-
-    def codegen(context, builder, signature, args):
-        return builder.add(args[0], args[1])
-
-    return sig, codegen
-
-
-@intrinsic
-def _mul32(typingctx, a, b):
-    sig = types.uint32(types.uint32, types.uint32)
-
-    def codegen(context, builder, signature, args):
-        return builder.mul(args[0], args[1])
-
-    return sig, codegen
-
-
-@njit(inline="always")
-def _stream_hi(start, k2):
-    """The per-run part of element ``start``'s key: k2 + (start >> 32) * golden (mod 2**32)."""
-    return _add32(k2, np.uint32((np.uint64(start) >> np.uint64(32)) * np.uint64(0x9E3779B9) & np.uint64(0xFFFFFFFF)))
-
-
-@njit(inline="always")
-def _u01(lo, k1, hi):
-    """float32 in [0, 1), a multiple of 2**-24, for the element whose index has low 32 bits ``lo``
-    (and high bits folded into ``hi`` by _stream_hi): mix32(lo * k1 + hi) >> 8, scaled, with k1 odd:
-    the block's 63-bit seed picks one of 2**62 affine progressions, hashed."""
-    x = _mix32(_add32(_mul32(lo, k1), hi))
-    return np.float32(np.int32(x >> np.uint32(8))) * _INV24
-
-
-def seed_keys(seed: int) -> tuple[np.uint32, np.uint32]:
-    seed = int(seed) & ((1 << 64) - 1)
-    return np.uint32((seed & 0xFFFFFFFF) | 1), np.uint32(seed >> 32)
-
-
-@njit(nogil=True, cache=True, error_model="numpy")
-def _fill_uniform(out, k1, k2):
-    n = out.size
-    for start in range(0, n, CHUNK):
-        m = min(CHUNK, n - start)
-        hi = _stream_hi(start, k2)
-        lo0 = np.uint32(np.uint64(start) & np.uint64(0xFFFFFFFF))
-        o = out[start:start + m]
-        for j in range(m):
-            o[j] = _u01(_add32(lo0, np.uint32(j)), k1, hi)
+FUSED_SPARSIFY = (None, Sparsify.MAGNITUDE, Sparsify.RANDOM)
+_ITEMSIZE = {BF16: 2, F32: 4}
 
 
 def uniform_array(seed: int, n: int) -> np.ndarray:
@@ -134,256 +44,10 @@ def uniform_array(seed: int, n: int) -> np.ndarray:
     return out
 
 
-# --- float64 L1 norm in a fixed order ----------------------------------------------------------------
-@njit(inline="always")
-def _reduce_lanes(lanes):
-    s = 0.0
-    for j in range(LANES):
-        s += lanes[j]
-    return s
-
-
-@njit(inline="always")
-def _add_abs(lanes, a, m):
-    """lanes[i % LANES] += |a[i]| for i < m, a chunk that starts at a multiple of LANES (an elementwise
-    float64 accumulation vectorizes; a reduction in a fixed order would not)."""
-    for j0 in range(0, m, LANES):
-        aa = a[j0:min(m, j0 + LANES)]
-        for j in range(aa.size):
-            lanes[j] = lanes[j] + np.float64(abs(aa[j]))
-
-
-@njit(nogil=True, cache=True, error_model="numpy")
-def _abs_sum64(a):
-    lanes = np.zeros(LANES, np.float64)
-    n = a.size
-    for start in range(0, n, CHUNK):
-        m = min(CHUNK, n - start)
-        _add_abs(lanes, a[start:start + m], m)
-    return _reduce_lanes(lanes)
-
-
 def abs_sum64(a: np.ndarray) -> float:
     """sum(|a|) of a float32 array in float64: element i into lane i % LANES, then the lanes in order.
     The order is fixed, so the fused kernel (which sums chunk by chunk) gets the same bits."""
     return float(_abs_sum64(np.ascontiguousarray(a, dtype=np.float32).reshape(-1)))
-
-
-# --- loading and storing raw elements ------------------------------------------------------------------
-@njit(inline="always")
-def _load(addr, code, n, start, m, out):
-    """out[:m] = float32 elements [start, start + m) of the raw buffer at ``addr``."""
-    if code == BF16:
-        src = numba.carray(_voidptr(addr), (n,), np.uint16)[start:start + m]
-        bits = out.view(np.uint32)[:m]
-        for j in range(m):
-            bits[j] = np.uint32(src[j]) << np.uint32(16)
-    else:
-        src32 = numba.carray(_voidptr(addr), (n,), np.float32)[start:start + m]
-        o = out[:m]
-        for j in range(m):
-            o[j] = src32[j]
-
-
-@njit(inline="always")
-def _store(addr, code, n, start, m, vals):
-    if code == BF16:
-        dst = numba.carray(_voidptr(addr), (n,), np.uint16)[start:start + m]
-        bits = vals.view(np.uint32)[:m]
-        for j in range(m):
-            b = bits[j]
-            # round to nearest even; NaN -> quiet NaN as torch's scalar conversion
-            r = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-            dst[j] = np.uint16(0x7FC0) if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else r
-    else:
-        dst32 = numba.carray(_voidptr(addr), (n,), np.float32)[start:start + m]
-        v = vals[:m]
-        for j in range(m):
-            dst32[j] = v[j]
-
-
-@njit(inline="always")
-def _weighted_delta(addr, code, n, start, m, sub, kind, w, thr, ties, k, dens, ratio, use_ratio, k1, k2, wd, acc):
-    """wd[:m] = w * sparsify(delta) for elements [start, start + m) of one expert, and acc += wd, with
-    the operations of ops.sparsify then ``w * d`` (float32, same order). delta = x - sub, where ``sub``
-    is the base chunk for a full checkpoint and zeros for a stored delta (x - (+0.0) == x exactly)."""
-    _load(addr, code, n, start, m, wd)
-    one = np.float32(1.0)
-    zero = np.float32(0.0)
-    v = wd[:m]
-    a = acc[:m]
-    bs = sub[:m]
-    if kind == MAGNITUDE:
-        for j in range(m):
-            d = v[j] - bs[j]
-            ad = abs(d)
-            keep = ad > thr
-            if ad == thr:  # exact k: the block's first ties[k] tied entries (C order) are in the top k
-                keep = ties[k] > 0
-                ties[k] -= 1
-            x = w * (d * (one if keep else zero))  # delta * mask: -0.0 where a negative is dropped
-            v[j] = x
-            a[j] = a[j] + x
-    elif kind == RANDOM:
-        hi = _stream_hi(start, k2)
-        lo0 = np.uint32(np.uint64(start) & np.uint64(0xFFFFFFFF))  # start: a multiple of CHUNK, no carry
-        if use_ratio:
-            for j in range(m):
-                d = v[j] - bs[j]
-                x = w * ((d * (one if _u01(_add32(lo0, np.uint32(j)), k1, hi) < dens else zero)) * ratio)
-                v[j] = x
-                a[j] = a[j] + x
-        else:
-            for j in range(m):
-                d = v[j] - bs[j]
-                x = w * (d * (one if _u01(_add32(lo0, np.uint32(j)), k1, hi) < dens else zero))
-                v[j] = x
-                a[j] = a[j] + x
-    else:
-        for j in range(m):
-            x = w * (v[j] - bs[j])
-            v[j] = x
-            a[j] = a[j] + x
-
-
-@njit(nogil=True, cache=True, error_model="numpy")
-def random_l1(base_addr, base_code, n, addrs, codes, is_delta, kinds, denss, k1s, k2s):
-    """Per expert with kinds[k] == RANDOM: (sum |delta|, sum |kept delta|) of the block under DARE's
-    random mask, in float64 in the lane order of abs_sum64 (ops.l1_ratio's two sums, bit for bit).
-    One pass over the block: the base chunk is loaded once for all experts."""
-    K = addrs.size
-    org = np.zeros((K, LANES), np.float64)
-    new = np.zeros((K, LANES), np.float64)
-    b = np.empty(CHUNK, np.float32)
-    zeros = np.zeros(CHUNK, np.float32)
-    d = np.empty(CHUNK, np.float32)
-    kept = np.empty(CHUNK, np.float32)
-    one = np.float32(1.0)
-    zero = np.float32(0.0)
-    for start in range(0, n, CHUNK):
-        m = min(CHUNK, n - start)
-        _load(base_addr, base_code, n, start, m, b)
-        hi0 = np.uint32(np.uint64(start) & np.uint64(0xFFFFFFFF))
-        for k in range(K):
-            if kinds[k] != RANDOM:
-                continue
-            _load(addrs[k], codes[k], n, start, m, d)
-            hi = _stream_hi(start, k2s[k])
-            k1 = k1s[k]
-            dens = denss[k]
-            sub = zeros[:m] if is_delta[k] else b[:m]
-            dd = d[:m]
-            kk = kept[:m]
-            for j in range(m):
-                x = dd[j] - sub[j]
-                dd[j] = x
-                kk[j] = x * (one if _u01(_add32(hi0, np.uint32(j)), k1, hi) < dens else zero)
-            _add_abs(org[k], d, m)
-            _add_abs(new[k], kept, m)
-    orgs = np.empty(K, np.float64)
-    news = np.empty(K, np.float64)
-    for k in range(K):
-        orgs[k] = _reduce_lanes(org[k])
-        news[k] = _reduce_lanes(new[k])
-    return orgs, news
-
-
-@njit(nogil=True, cache=True, error_model="numpy")
-def merge_block(base_addr, base_code, out_addr, out_code, n, addrs, codes, is_delta, kinds, weights, thrs, ties,
-                denss, ratios, use_ratio, k1s, k2s, consensus, normalize, lam, lam_is_one, divisor, scale_base,
-                base_scale):
-    """Merge one block of ``n`` elements into the raw output buffer at ``out_addr``.
-
-    Per expert k (in contribution order): raw buffer ``addrs[k]`` of element code ``codes[k]``, delta
-    (``is_delta[k]``) or full checkpoint, sparsification ``kinds[k]`` with threshold ``thrs[k]`` or keep
-    density ``denss[k]`` and rescale ``ratios[k]`` (when ``use_ratio[k]``), weight ``weights[k]``, random
-    stream keys ``k1s[k], k2s[k]``. ``consensus``: TIES sign election and disjoint merge (divisor of
-    agreeing weights when ``normalize``); else a weighted sum divided by ``divisor`` when ``normalize``,
-    with the base scaled by ``base_scale`` when ``scale_base`` (linear without normalize).
-    Scratch: a few chunks, plus K chunks of weighted deltas with consensus (K * 8 KiB)."""
-    K = addrs.size
-    base = np.empty(CHUNK, np.float32)
-    zeros = np.zeros(CHUNK, np.float32)
-    acc = np.empty(CHUNK, np.float32)
-    sign = np.empty(CHUNK, np.float32)
-    div = np.empty(CHUNK, np.float32)
-    res = np.empty(CHUNK, np.float32)
-    wds = np.empty((K if consensus else 1, CHUNK), np.float32)
-    zero = np.float32(0.0)
-    one = np.float32(1.0)
-    for start in range(0, n, CHUNK):
-        m = min(CHUNK, n - start)
-        _load(base_addr, base_code, n, start, m, base)
-        a = acc[:m]
-        for j in range(m):
-            a[j] = zero
-        for k in range(K):
-            _weighted_delta(addrs[k], codes[k], n, start, m, zeros if is_delta[k] else base, kinds[k], weights[k],
-                            thrs[k], ties, k, denss[k], ratios[k], use_ratio[k], k1s[k], k2s[k],
-                            wds[k if consensus else 0], acc)
-        bb = base[:m]
-        r = res[:m]
-        if consensus:
-            sg = sign[:m]
-            dv = div[:m]
-            for j in range(m):
-                sg[j] = one if a[j] >= zero else -one  # a zero sum elects +
-                a[j] = zero  # from here on: the magnitude of the agreeing entries
-                dv[j] = zero
-            for k in range(K):
-                v = wds[k][:m]
-                w = weights[k]
-                for j in range(m):
-                    x = v[j] * sg[j]
-                    agree = x > zero
-                    a[j] = a[j] + (x if agree else zero)
-                    dv[j] = dv[j] + (w if agree else zero)
-            for j in range(m):
-                r[j] = a[j] * sg[j]
-            if normalize:
-                for j in range(m):
-                    r[j] = r[j] / (one if dv[j] == zero else dv[j])
-        else:
-            for j in range(m):
-                r[j] = a[j]
-            if scale_base:
-                for j in range(m):
-                    bb[j] = bb[j] * base_scale
-            if normalize:
-                for j in range(m):
-                    r[j] = r[j] / divisor
-        if lam_is_one:
-            for j in range(m):
-                r[j] = bb[j] + r[j]
-        else:
-            for j in range(m):
-                r[j] = bb[j] + r[j] * lam
-        _store(out_addr, out_code, n, start, m, res)
-
-
-@njit(nogil=True, cache=True, error_model="numpy")
-def _affine_bf16(out_addr, n, s_addr, a, scale_s, x_addr, x_code, b, has_x, base_addr, g, has_base):
-    """out = bf16(a*s + b*x + g*base) over ``n`` bf16 elements, in float32, operation by operation as
-    the torch path (each product and sum rounded to float32, no fused multiply-add)."""
-    r = np.empty(CHUNK, np.float32)
-    t = np.empty(CHUNK, np.float32)
-    for start in range(0, n, CHUNK):
-        m = min(CHUNK, n - start)
-        _load(s_addr, BF16, n, start, m, r)
-        rr = r[:m]
-        tt = t[:m]
-        if scale_s:
-            for j in range(m):
-                rr[j] = rr[j] * a
-        if has_x:
-            _load(x_addr, x_code, n, start, m, t)
-            for j in range(m):
-                rr[j] = rr[j] + tt[j] * b
-        if has_base:
-            _load(base_addr, BF16, n, start, m, t)
-            for j in range(m):
-                rr[j] = rr[j] + tt[j] * g
-        _store(out_addr, BF16, n, start, m, r)
 
 
 def affine_bf16(snap_raw, a: float, x_raw, x_dtype: str, b: float, base_raw, g: float) -> np.ndarray | None:
@@ -406,17 +70,81 @@ def affine_bf16(snap_raw, a: float, x_raw, x_dtype: str, b: float, base_raw, g: 
     return out
 
 
-# --- the Python entry point ------------------------------------------------------------------------------
-FUSED_SPARSIFY = (None, Sparsify.MAGNITUDE, Sparsify.RANDOM)
-_ITEMSIZE = {BF16: 2, F32: 4}
-
-
 def _address(raw, itemsize: int, keep: list) -> int:
     arr = np.frombuffer(raw, dtype=np.uint8)
     if arr.ctypes.data % itemsize:
         arr = arr.copy()  # an unaligned view (never seen in practice): copy rather than misread
     keep.append(arr)
     return arr.ctypes.data
+
+
+# --- the fused merge -------------------------------------------------------------------------------------
+class _ExpertArrays:
+    """merge_block's per-expert arguments, one array each."""
+
+    def __init__(self, K: int, n: int):
+        self.addrs = np.empty(K, np.int64)
+        self.codes = np.empty(K, np.int64)
+        self.is_delta = np.zeros(K, np.bool_)
+        self.kinds = np.zeros(K, np.int64)
+        self.weights = np.empty(K, np.float32)
+        self.thrs = np.zeros(K, np.float32)
+        self.ties = np.full(K, n, np.int64)  # entries tied at the threshold this block keeps (exact k; all: n)
+        self.denss = np.ones(K, np.float32)
+        self.ratios = np.ones(K, np.float32)
+        self.use_ratio = np.zeros(K, np.bool_)
+        self.k1s = np.zeros(K, np.uint32)
+        self.k2s = np.zeros(K, np.uint32)
+
+
+def _expert_arrays(spec, n: int, contributions: list, block: int, keep: list) -> _ExpertArrays | None:
+    """The experts' arguments of merge_block from ``contributions`` (see :func:`fused_merge`), or None when
+    one does not fit the kernel."""
+    ex = _ExpertArrays(len(contributions), n)
+    for k, (raw, dtype, delta_kind, weight, density, thresholds, seed) in enumerate(contributions):
+        if dtype not in CODES or weight is None:
+            return None
+        code = CODES[dtype]
+        if len(raw) != n * _ITEMSIZE[code]:
+            return None
+        ex.addrs[k] = _address(raw, _ITEMSIZE[code], keep)
+        ex.codes[k] = code
+        ex.is_delta[k] = bool(delta_kind)
+        ex.weights[k] = np.float32(weight)  # torch rounds a Python scalar to the tensor's dtype
+        if not _set_sparsify(ex, k, spec, n, density, thresholds, seed, block):
+            return None
+    return ex
+
+
+def _set_sparsify(ex: _ExpertArrays, k: int, spec, n: int, density: float, thresholds, seed: int,
+                  block: int) -> bool:
+    """Expert k's sparsification arguments; False when the kernel does not cover it."""
+    if spec.sparsify is None or density >= 1.0:
+        ex.kinds[k] = KEEP_ALL
+    elif spec.sparsify is Sparsify.MAGNITUDE:
+        if not thresholds or (len(thresholds) > 1 and thresholds[1] != 1.0):
+            return False  # TIES with its per-tensor L1 rescale: the torch path
+        ex.kinds[k] = MAGNITUDE
+        ex.thrs[k] = np.float32(thresholds[0])
+        if len(thresholds) > 3:  # the exact-k cut (cut_block, cut_rank): ops.ties.top_mask
+            cut_block, cut_rank = int(thresholds[2]), int(thresholds[3])
+            ex.ties[k] = n if block < cut_block else (cut_rank if block == cut_block else 0)
+    else:
+        ex.kinds[k] = RANDOM
+        ex.denss[k] = np.float32(density)
+        ex.k1s[k], ex.k2s[k] = seed_keys(seed)
+    return True
+
+
+def _set_random_rescale(ex: _ExpertArrays, base_addr: int, base_code: int, n: int) -> None:
+    """DARE's per-block L1 rescale of each randomly sparsified expert, as ops.l1_ratio."""
+    orgs, news = random_l1(base_addr, base_code, n, ex.addrs, ex.codes, ex.is_delta, ex.kinds, ex.denss, ex.k1s,
+                           ex.k2s)
+    for k in range(len(ex.addrs)):
+        org, new = float(orgs[k]), float(news[k])
+        if ex.kinds[k] == RANDOM and org >= 1e-8 and new >= 1e-8:  # as ops.l1_ratio
+            ex.ratios[k] = np.float32(org / new)
+            ex.use_ratio[k] = True
 
 
 def fused_merge(spec, params: dict, base_raw, base_dtype: str, n: int, contributions: list, weight_sum: float,
@@ -435,107 +163,26 @@ def fused_merge(spec, params: dict, base_raw, base_dtype: str, n: int, contribut
     base_code = CODES[base_dtype]
     if len(base_raw) != n * _ITEMSIZE[base_code]:
         return None
-    K = len(contributions)
     keep: list = []
     base_addr = _address(base_raw, _ITEMSIZE[base_code], keep)
-    addrs = np.empty(K, np.int64)
-    codes = np.empty(K, np.int64)
-    is_delta = np.zeros(K, np.bool_)
-    kinds = np.zeros(K, np.int64)
-    weights = np.empty(K, np.float32)
-    thrs = np.zeros(K, np.float32)
-    ties = np.full(K, n, np.int64)  # entries tied at the threshold this block keeps (exact k; all: n)
-    denss = np.ones(K, np.float32)
-    ratios = np.ones(K, np.float32)
-    use_ratio = np.zeros(K, np.bool_)
-    k1s = np.zeros(K, np.uint32)
-    k2s = np.zeros(K, np.uint32)
-    for k, (raw, dtype, delta_kind, weight, density, thresholds, seed) in enumerate(contributions):
-        if dtype not in CODES or weight is None:
-            return None
-        code = CODES[dtype]
-        if len(raw) != n * _ITEMSIZE[code]:
-            return None
-        addrs[k] = _address(raw, _ITEMSIZE[code], keep)
-        codes[k] = code
-        is_delta[k] = bool(delta_kind)
-        weights[k] = np.float32(weight)  # torch rounds a Python scalar to the tensor's dtype
-        if spec.sparsify is None or density >= 1.0:
-            kinds[k] = KEEP_ALL
-        elif spec.sparsify is Sparsify.MAGNITUDE:
-            if not thresholds or (len(thresholds) > 1 and thresholds[1] != 1.0):
-                return None  # TIES with its per-tensor L1 rescale: the torch path
-            kinds[k] = MAGNITUDE
-            thrs[k] = np.float32(thresholds[0])
-            if len(thresholds) > 3:  # the exact-k cut (cut_block, cut_rank): ops.ties.top_mask
-                cut_block, cut_rank = int(thresholds[2]), int(thresholds[3])
-                ties[k] = n if block < cut_block else (cut_rank if block == cut_block else 0)
-        else:
-            kinds[k] = RANDOM
-            denss[k] = np.float32(density)
-            k1s[k], k2s[k] = seed_keys(seed)
-    if spec.sparsify is Sparsify.RANDOM and params["rescale"] and (kinds == RANDOM).any():
-        orgs, news = random_l1(base_addr, base_code, n, addrs, codes, is_delta, kinds, denss, k1s, k2s)
-        for k in range(K):
-            org, new = float(orgs[k]), float(news[k])
-            if kinds[k] == RANDOM and org >= 1e-8 and new >= 1e-8:  # as ops.l1_ratio
-                ratios[k] = np.float32(org / new)
-                use_ratio[k] = True
+    ex = _expert_arrays(spec, n, contributions, block, keep)
+    if ex is None:
+        return None
+    if spec.sparsify is Sparsify.RANDOM and params["rescale"] and (ex.kinds == RANDOM).any():
+        _set_random_rescale(ex, base_addr, base_code, n)
     lam = float(params["lambda"])
     normalize = bool(params["normalize"])
     divisor = weight_sum if abs(weight_sum) >= 1e-8 else 1.0
     scale_base = bool(spec.whole_models and not normalize)
     out = np.empty(n * _ITEMSIZE[base_code], np.uint8)
-    merge_block(base_addr, base_code, out.ctypes.data, base_code, n, addrs, codes, is_delta, kinds, weights, thrs, ties,
-                denss, ratios, use_ratio, k1s, k2s, bool(spec.consensus), normalize, np.float32(lam), lam == 1,
-                np.float32(divisor), scale_base, np.float32(weight_sum))
+    merge_block(base_addr, base_code, out.ctypes.data, base_code, n, ex.addrs, ex.codes, ex.is_delta, ex.kinds,
+                ex.weights, ex.thrs, ex.ties, ex.denss, ex.ratios, ex.use_ratio, ex.k1s, ex.k2s, bool(spec.consensus),
+                normalize, np.float32(lam), lam == 1, np.float32(divisor), scale_base, np.float32(weight_sum))
     del keep
     return out
 
 
-# --- the output guard -------------------------------------------------------------------------------------
-# (unsigned view, exponent mask, largest finite value) per output dtype: an element is Inf or NaN exactly
-# when its exponent bits are all ones
-_FLOAT_BITS = {"BF16": (np.uint16, 0x7F80, 3.3895313892515355e38), "F16": (np.uint16, 0x7C00, 65504.0),
-               "F32": (np.uint32, 0x7F800000, 3.4028234663852886e38),
-               "F64": (np.uint64, 0x7FF0000000000000, 1.7976931348623157e308)}
-
-
-@njit(nogil=True, cache=True)
-def _count_exp_all_ones(bits, mask):
-    n = 0
-    for i in range(bits.size):
-        n += (bits[i] & mask) == mask
-    return n
-
-
-def _bits(raw, dtype: str) -> np.ndarray:
-    view, _, _ = _FLOAT_BITS[dtype]
-    arr = np.frombuffer(raw, dtype=np.uint8)
-    if arr.ctypes.data % np.dtype(view).itemsize:
-        arr = arr.copy()
-    return arr.view(view)
-
-
-def nonfinite_count(raw, dtype: str) -> int:
-    """NaN and Inf elements of a raw block in safetensors dtype ``dtype`` (0 for non-float dtypes): one
-    compiled pass over the block's output bytes, so it also sees a finite float32 result that overflowed
-    to Inf when it was rounded to bf16 or fp16."""
-    spec = _FLOAT_BITS.get(dtype)
-    if spec is None:
-        return 0
-    return int(_count_exp_all_ones(_bits(raw, dtype), spec[0](spec[1])))
-
-
-def nonfinite_kinds(raw, dtype: str) -> tuple[int, int, float]:
-    """(NaN count, Inf count, largest finite value of the dtype) of a raw block (for error messages)."""
-    view, mask, largest = _FLOAT_BITS[dtype]
-    bits = _bits(raw, dtype)
-    sign = view(1) << view(8 * np.dtype(view).itemsize - 1)
-    mag = bits & ~sign
-    return int((mag > view(mask)).sum()), int((mag == view(mask)).sum()), largest
-
-
+# --- start-up ------------------------------------------------------------------------------------------
 def warm_up() -> None:
     """Load (or compile, on a cold cache) the kernels the engine calls, on a tiny block."""
     from types import SimpleNamespace
@@ -546,6 +193,6 @@ def warm_up() -> None:
         fused_merge(spec, params, raw, "BF16", LANES, [(raw, "BF16", False, 1.0, 0.5, [0.0], 1)], 1.0)
     uniform_array(1, LANES)
     affine_bf16(raw, 2.0, raw, "BF16", 1.0, raw, -1.0)
-    for dtype in _FLOAT_BITS:
+    for dtype in FLOAT_BITS:
         nonfinite_count(raw, dtype)
     abs_sum64(np.zeros(LANES, np.float32))

@@ -58,7 +58,7 @@ def block_seed(seed: int, expert: str, tensor: str, block: int) -> int:
 
 def uniform(seed: int, shape) -> torch.Tensor:
     """The random stream of one block: float32 in [0, 1), element i (C order) a hash of (seed, i)
-    (counter-based, see kernels._u01), so any part of it can be drawn without the rest: the fused
+    (counter-based, see kernel_loops._u01), so any part of it can be drawn without the rest: the fused
     kernel draws it element by element, the torch path and the reference as whole blocks."""
     import torch
 
