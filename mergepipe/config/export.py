@@ -155,8 +155,8 @@ def _to_yaml(cat: Catalog | None, r: dict) -> str:
     layout = r.get("layout")
     if not layout and any(is_view(e["uri"]) for e in r["experts"]):  # experts merged at other layers
         layout = _in_place_layout(cat, base)
-    if layout:  # a `slices:` merge: its layers as slices (config/slices.py)
-        from mergepipe.config.slices import export_slices
+    if layout:  # a `slices:` merge: its layers as slices (config/slice_export.py)
+        from mergepipe.config.slice_export import export_slices
         slices, changes = export_slices(layout, base, r["experts"], params, op.copies)
         params.update(changes)
         params = {k: v for k, v in params.items() if v is not None}

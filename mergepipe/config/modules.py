@@ -28,6 +28,8 @@ models or the same models in another order (MergePipe merges one set of experts)
 module's layers in place (every source the same ``layer_range``, the slices covering the module's layers in
 order), ``passthrough``, and parameters other than weight, density and the gradient ones (t) per module,
 slice or model.
+
+A single-module model's ``modules: {default: ...}`` is the equivalent top-level config (:func:`lift_modules`).
 """
 
 from __future__ import annotations
@@ -37,8 +39,10 @@ from dataclasses import dataclass
 
 from mergepipe.config.architectures import MERGEKIT_VERSION, MODULAR
 from mergepipe.config.model import ConfigError, ConfigModel, GRADIENT_PARAMS
+from mergepipe.config.per_tensor import _exact, _resolve
+from mergepipe.config.slice_expand import Expansion
+from mergepipe.config.slices import OutputSlice, _params, _slice
 from mergepipe.errors import brief
-from mergepipe.config.slices import Expansion, MODULE_KEYS, OutputSlice, _exact, _params, _resolve, _slice
 from mergepipe.ops.core import get_op
 
 
@@ -69,6 +73,46 @@ class Module:
 
 
 # --- parse time -----------------------------------------------------------------------------------------
+MODULE_KEYS = ("slices", "models", "parameters")
+
+
+def lift_modules(doc: dict, fallback) -> dict:
+    """mergekit's ``modules:`` for a single-module model (its module is named ``default``) as the
+    equivalent top-level config (other module names are a multi-module architecture's: config/modules.py): the module's ``slices`` or ``models``, its ``parameters`` taking
+    precedence over the merge-wide ones (a module condition list falls back to the merge-wide value, as
+    mergekit resolves them: ``fallback(own, merge_wide)``)."""
+    if "modules" not in doc:
+        return doc
+    modules = doc["modules"]
+    if "models" in doc or "slices" in doc:
+        raise ConfigError("give one of `models:`, `slices:` or `modules:` (mergekit takes exactly one)")
+    if not isinstance(modules, dict) or not modules:
+        raise ConfigError("`modules:` must map a module name to its `slices:` or `models:`")
+    names = list(modules)
+    if names != ["default"]:
+        return doc  # a multi-module architecture's modules (config/modules.py)
+    module = modules["default"]
+    if not isinstance(module, dict):
+        raise ConfigError("modules.default must be a mapping with `slices:` or `models:` and optional `parameters`")
+    for key in module:
+        if key not in MODULE_KEYS:
+            raise ConfigError(f"unsupported key `{key}` in modules.default (a module has {', '.join(MODULE_KEYS)})")
+    if ("slices" in module) == ("models" in module):
+        raise ConfigError("modules.default needs exactly one of `slices:` or `models:`")
+    out = {k: v for k, v in doc.items() if k != "modules"}
+    body = "slices" if "slices" in module else "models"
+    out[body] = module[body]
+    own = module.get("parameters") or {}
+    if not isinstance(own, dict):
+        raise ConfigError("modules.default.parameters must be a mapping of parameter names to values")
+    merged = dict(doc.get("parameters") or {})
+    for name, value in own.items():
+        merged[name] = fallback(value, merged.get(name)) if name in merged else value
+    if merged:
+        out["parameters"] = merged
+    return out
+
+
 def read_modules(doc: dict, method: str, globals_: dict, ref_of) -> tuple[str, list[ConfigModel], tuple, bool]:
     """(base reference, the other models, the modules, whether the base is a reference chosen among the
     models: linear without ``base_model``) of a multi-module ``modules:`` config."""
@@ -227,6 +271,19 @@ def expand_modules(cfg, ids: dict[str, str], base_id: str, tensors: dict[str, di
     module by module (``tensors``: model id -> {name: shape}; ``config``: the base's config.json)."""
     arch, definition = architecture(config, cfg.source)
     known = definition["modules"]
+    _check_listed(cfg, arch, known)
+    base_names = tensors[base_id]
+    entries = _plannings(cfg, arch, known, config, base_names)
+    outside = [name for name in base_names if name not in entries]
+    if outside:
+        raise ConfigError(f"{cfg.source}: modules: {len(outside)} tensor(s) of the base are in no module of mergekit "
+                          f"{MERGEKIT_VERSION}'s {arch} (first: {outside[0]}): mergekit would not write them")
+    settings = _expert_settings(cfg, ids, base_id, entries)
+    return Expansion(None, settings, _gradient_params(cfg, entries))
+
+
+def _check_listed(cfg, arch: str, known: dict) -> None:
+    """The config lists every module of the architecture, and no other."""
     for m in cfg.modules:
         if m.name not in known:
             raise ConfigError(f"{cfg.source}: {m.where}: {arch} has no module {m.name} (mergekit {MERGEKIT_VERSION}'s "
@@ -235,8 +292,11 @@ def expand_modules(cfg, ids: dict[str, str], base_id: str, tensors: dict[str, di
     if missing:
         raise ConfigError(f"{cfg.source}: modules: {', '.join(missing)} of {arch} not listed: mergekit writes no "
                           f"tensor of a module the config omits; list every module ({', '.join(known)})")
-    base_names = tensors[base_id]
-    entries: dict[str, list] = {}  # output name -> [(module, slice, t), ...]: each time mergekit plans it
+
+
+def _plannings(cfg, arch: str, known: dict, config: dict, base_names) -> dict[str, list]:
+    """Output name -> [(module, slice, t), ...]: each time mergekit plans it, module by module."""
+    entries: dict[str, list] = {}
     for m in cfg.modules:
         spec = known[m.name]
         n = _layer_count(spec["layers"], config)
@@ -269,10 +329,11 @@ def expand_modules(cfg, ids: dict[str, str], base_id: str, tensors: dict[str, di
                 layer += 1
         for template in spec["post"]:
             add(template, m.slices[-1], 0.0)
-    outside = [name for name in base_names if name not in entries]
-    if outside:
-        raise ConfigError(f"{cfg.source}: modules: {len(outside)} tensor(s) of the base are in no module of mergekit "
-                          f"{MERGEKIT_VERSION}'s {arch} (first: {outside[0]}): mergekit would not write them")
+    return entries
+
+
+def _expert_settings(cfg, ids: dict[str, str], base_id: str, entries: dict[str, list]) -> dict:
+    """Expert id -> its weight and density per tensor."""
     settings = {}
     whole = get_op(cfg.method).whole_models
     globals_ = {p: getattr(cfg.models[0], p, None) if cfg.models else None for p in ("weight", "density")}
@@ -286,6 +347,11 @@ def expand_modules(cfg, ids: dict[str, str], base_id: str, tensors: dict[str, di
                           m.params.get(p), globals_[p]], name, t) for m, sl, t in plannings], plannings)
                 for name, plannings in entries.items()}
             settings[mid][p] = _exact(per, 1.0)
+    return settings
+
+
+def _gradient_params(cfg, entries: dict[str, list]) -> dict:
+    """The method's parameters with each merge-wide gradient (t) resolved per tensor."""
     method_params = dict(cfg.method_params)
     for p in GRADIENT_PARAMS:
         if p == "scale":
@@ -298,7 +364,7 @@ def expand_modules(cfg, ids: dict[str, str], base_id: str, tensors: dict[str, di
         value = _exact(per, None)
         if value is not None:
             method_params[p] = value
-    return Expansion(None, settings, method_params)
+    return method_params
 
 
 def _once(cfg, name: str, p: str, ref: str | None, values: list, plannings: list):

@@ -18,7 +18,7 @@ from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.models import check_unchanged, is_vocab_tensor, model_ids, models_at, register
 from mergepipe.config.model import ConfigError, ConfigModel, MERGEKIT_DTYPE, MergekitConfig
 from mergepipe.config import soup
-from mergepipe.config.parse import _exists
+from mergepipe.config.parse_values import _exists
 from mergepipe.config.templates import CHAT_TEMPLATES
 from mergepipe.config.vocab import VocabRefusal, needs_vocab, row_model_order, vocab_setting
 from mergepipe.errors import MergePipeError, brief
@@ -272,7 +272,7 @@ def prepare(cat: Catalog, cfg: MergekitConfig, register_paths: bool = True, chec
 
 def _expand_slices(r: _Resolver, base_id: str) -> None:
     """A `slices:` config's layout and per-tensor settings (config/slices.py), from the models' tensors."""
-    from mergepipe.config.slices import expand, model_layers, read_config
+    from mergepipe.config.slice_expand import expand, model_layers, read_config
     uris = {kw["model_id"]: kw["uri"] for kw in r.out.to_register}
     tensors, layers, configs = {}, {}, {}
     for mid in set(r.out.ids.values()):

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergepipe.config.model import MAX_CONFIG_BYTES, ConfigError
-from mergepipe.config.parse import _cut, load_yaml
+from mergepipe.config.parse import _cut
+from mergepipe.config.yaml_loader import load_yaml
 from mergepipe.errors import StorageError, brief
 from mergepipe.storage.paths import allowed_roots, check_allowed, read_regular
 
