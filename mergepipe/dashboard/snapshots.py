@@ -16,7 +16,7 @@ from mergepipe.dashboard.figures import (
 )
 from mergepipe.dashboard.paths import check_path
 from mergepipe.dashboard.formatting import fmt_bound, fmt_bytes, fmt_pct, short_fp
-from mergepipe.dashboard.plan import _mask_array, block_labels
+from mergepipe.dashboard.plan_masks import _mask_array, block_labels
 from mergepipe.errors import MergePipeError
 
 

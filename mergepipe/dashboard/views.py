@@ -28,10 +28,12 @@ here. The surface, by defining module:
     block_stats_df, conflict_heatmap, conflict_matrix, norm_heatmap, norm_matrix, NORM_MODES, NORM_SCALES,
     norm_transform, tensor_stats_df
 ``plan``
-    check_plan_yaml, compact_mode_help, compact_options, compacts_version, mergekit_plan_settings, op_info,
-    operators, plan_context, plan_experts_table, plan_request, plan_summary, plan_view, plan_yaml, plans_df,
-    read_config_source, request_key, request_key_digest, target_default, TARGET_HELP, TARGET_TYPICAL,
-    url_replacements
+    op_info, operators, plan_context, plan_experts_table, plan_request, plan_summary, plan_view, plans_df,
+    request_key, request_key_digest, target_default, TARGET_HELP, TARGET_TYPICAL, url_replacements
+``plan_tiers``
+    compact_mode_help, compact_options, compacts_version
+``plan_config``
+    check_plan_yaml, mergekit_plan_settings, plan_yaml, read_config_source
 ``snapshots``
     budget_quality, bytes_bars, bytes_table, delete_preview, evaluation_df, evaluation_inputs,
     evaluation_models, labels_of, model_card, parse_tags, snapshot_view, snapshots_df, TENSOR_SORTS,
@@ -63,10 +65,12 @@ from mergepipe.dashboard.catalog import (  # noqa: F401
     norm_transform, tensor_stats_df,
 )
 from mergepipe.dashboard.plan import (  # noqa: F401
-    check_plan_yaml, compact_mode_help, compact_options, compacts_version, mergekit_plan_settings, op_info,
-    operators, plan_context, plan_experts_table, plan_request, plan_summary, plan_view, plan_yaml, plans_df,
-    read_config_source, request_key, request_key_digest, target_default, TARGET_HELP, TARGET_TYPICAL,
-    url_replacements,
+    op_info, operators, plan_context, plan_experts_table, plan_request, plan_summary, plan_view, plans_df,
+    request_key, request_key_digest, target_default, TARGET_HELP, TARGET_TYPICAL, url_replacements,
+)
+from mergepipe.dashboard.plan_tiers import compact_mode_help, compact_options, compacts_version  # noqa: F401
+from mergepipe.dashboard.plan_config import (  # noqa: F401
+    check_plan_yaml, mergekit_plan_settings, plan_yaml, read_config_source,
 )
 from mergepipe.dashboard.snapshots import (  # noqa: F401
     budget_quality, bytes_bars, bytes_table, delete_preview, evaluation_df, evaluation_inputs, evaluation_models,
