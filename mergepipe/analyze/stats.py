@@ -20,8 +20,9 @@ pass's histogram, so healthy data costs no extra pass) and the planner refuses t
 delta has any (``planner/context.py``); a first merge refuses them as its analysis on the way finds
 them (``engine/inflight.py``).
 
-This module holds one expert's analysis and the per-tensor passes; thresholds.py the radix select,
-runner.py what ANALYZE runs (preparing jobs, the task pool, storing the results).
+This module holds one expert's analysis and the per-tensor passes; second_pass.py the select's low
+bits and the exact-k cuts, thresholds.py the radix select, runner.py what ANALYZE runs (preparing jobs,
+the task pool, storing the results).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ import numpy as np
 from mergepipe.analyze import kernels
 from mergepipe.analyze.compact_store import CompactWriter
 from mergepipe.analyze.gram import GramAccumulator
-from mergepipe.analyze.thresholds import (NO_CUT, DenseSelection, HIST_BINS, KeySelection, block_cut,
-                                          kth_largest_thresholds, tie_cut_queries)
+from mergepipe.analyze.second_pass import NO_KEYS, SecondPass
+from mergepipe.analyze.thresholds import HIST_BINS, kth_largest_thresholds
 from mergepipe.catalog.db import now
 from mergepipe.catalog.sketch import DEFAULT_SKETCH_SIZE, sample_positions, sketch_bytes
 from mergepipe.storage.grid import BlockSpan, tensor_grid
@@ -53,7 +54,6 @@ from mergepipe.storage.sources import open_source
 DEFAULT_DENSITIES = (0.001, 0.005) + tuple(round(i / 100, 2) for i in range(1, 100)) + (1.0,)
 IN_MEMORY_TENSOR_BYTES = 64 << 20
 KEY_CAP = 4 << 20  # most |d| patterns kept per (expert, tensor) for the select (16 MiB)
-_NO_KEYS = np.empty(0, dtype=np.uint32)  # the first pass ran out of room: the select reads again
 PREFETCH_BLOCKS = 8  # blocks read ahead of the one being analyzed, per file
 KEEP_TASK_BYTES = 512 << 20  # base and expert bytes of one tensor kept for the second pass, all experts
 # numpy views of raw bytes the kernels accept (bf16 and fp16 need distinct 16-bit types)
@@ -235,8 +235,9 @@ def _first_pass(passes: list["_TensorPass"], binfo: TensorInfo) -> None:
         gram.finish()
 
 
-class _TensorPass:
-    """The block statistics and both radix-select passes of one (expert, tensor)."""
+class _TensorPass(SecondPass):
+    """The block statistics and both radix-select passes of one (expert, tensor) (the second, and the
+    exact-k cuts: :class:`~mergepipe.analyze.second_pass.SecondPass`)."""
 
     def __init__(self, job: ExpertAnalysis, binfo: TensorInfo):
         self.job, self.binfo = job, binfo
@@ -264,8 +265,8 @@ class _TensorPass:
         """The key buffer was too small for this block: grow it (doubling, up to the cap) and collect
         the block's keys again; past the cap, give up on keys (the select then reads a second time)."""
         need = before + low
-        if self.keys is _NO_KEYS or need > self.key_cap:
-            self.keys, self.nkeys = _NO_KEYS, 0
+        if self.keys is NO_KEYS or need > self.key_cap:
+            self.keys, self.nkeys = NO_KEYS, 0
             return
         grown = np.empty(min(self.key_cap, max(2 * self.keys.size, need, 1 << 16)), dtype=np.uint32)
         grown[:before] = self.keys[:before]
@@ -342,86 +343,18 @@ class _TensorPass:
         thresholds = (kth_largest_thresholds(hist[:HIST_BINS], binfo.numel, self.nnz, job.densities, self.select,
                                              self.l1hist, topk)
                       if self.nnz else {})
-        self._tie_cuts(topk, thresholds)
+        self.tie_cuts(topk, thresholds)
         stats = {"model_id": job.expert_id, "tensor": binfo.name, "numel": binfo.numel, "delta_l2": self.l2sq ** 0.5,
                  "delta_l1": self.l1, "delta_max_abs": self.mx, "delta_nnz": self.nnz,
                  "thresholds": json.dumps({str(k): v for k, v in thresholds.items()}),
                  "topk": json.dumps({str(k): v for k, v in topk.items()}),
                  "fixed_bytes": self.fixed_bytes if self.nnz else 0,
                  "nonfinite": self.nonfinite, "base_nonfinite": self.base_nonfinite}
-        self.cached, self.keys, self.block_bins, self._hist_before = [], _NO_KEYS, [], None
+        self.cached, self.keys, self.block_bins, self._hist_before = [], NO_KEYS, [], None
         if job.compact is not None and self.compacts:
             job.compact.append(binfo.name, self.compacts)
             self.compacts = []
         return self.rows, stats
-
-    def _tie_cuts(self, topk: dict, thresholds: dict) -> None:
-        """Fill the exact-k cuts of ``topk`` (analyze/thresholds.tie_cut_queries), only where entries tied
-        at a threshold straddle the top k, from the count of tied entries in each block, taken from what
-        the first pass recorded (each block's histogram counts and its collected low-bit keys: no second
-        pass); only when the first pass ran out of room for keys (the select then re-reads as well), by a
-        pass over the kept blocks or a re-read."""
-        for entry in topk.values():
-            entry[3], entry[4], entry[8], entry[9] = NO_CUT, 0, NO_CUT, 0
-        # A threshold that is NaN or Inf (an expert or base holding non-finite values, which the planner
-        # refuses) needs no cut, and NaN ties cannot be counted per block: a block's max |d| ignores NaN,
-        # so its recorded bins stop below NaN's and the blocks' tied counts fall short of m (the cut ran
-        # past the last block: IndexError). Such cuts stay (NO_CUT, 0).
-        queries = [q for q in tie_cut_queries(topk, thresholds, self.binfo.numel)
-                   if (q[0] >> 23) & 0xFF != 0xFF]
-        if not queries:
-            return
-        pats = np.array(sorted({q[0] for q in queries}), dtype=np.uint32)
-        per_block = np.zeros((len(self.spans), pats.size), dtype=np.int64)
-        first = np.full(1 << 16, -1, dtype=np.int32)
-        tops, at = np.unique(pats >> 16, return_index=True)  # pats sorted: the first pattern of each top
-        first[tops] = at
-        if self.keys is not _NO_KEYS and len(self.block_bins) == len(self.spans):
-            low = (pats & 0xFFFF) != 0
-            eq, same_top = np.zeros(pats.size, np.int64), np.zeros(pats.size, np.int64)
-            for i, (bins, counts, k0, k1) in enumerate(self.block_bins):
-                eq[:], same_top[:] = 0, 0
-                kernels.count_keys(self.keys[k0:k1], pats, first, eq, same_top)
-                # a pattern with low bits 0 is never a key: its bin's count less the bin's listed keys
-                where = np.searchsorted(bins, pats >> 16).clip(max=max(bins.size - 1, 0))
-                in_bin = np.where((bins.size > 0) & (bins[where] == (pats >> 16)), counts[where], 0) \
-                    if bins.size else np.zeros(pats.size, np.int64)
-                per_block[i] = np.where(low, eq, in_bin - same_top)
-        else:
-            blocks = self.cached if self.keep else (self.reread(s) for s in self.spans)
-            for i, (e, b) in enumerate(blocks):
-                kernels.count_patterns(e, b, pats, first, per_block[i])
-        column = {int(p): j for j, p in enumerate(pats.tolist())}
-        for pat, m, d, at in queries:
-            b, r = block_cut(per_block[:, column[pat]], m)
-            topk[d][at], topk[d][at + 1] = self.spans[b].index, r
-
-    def select(self, bins: list[int]):
-        """Second pass: the low 16 bits of the entries in ``bins`` (from memory or re-read).
-
-        Entries whose low 16 bits are all zero need no second look: the first pass counted them (their
-        bin's count minus the others). bf16 deltas almost only have such entries, so when few entries
-        have low bits set, only those are collected; otherwise every entry of the bins is counted."""
-        slot_of = np.full(1 << 16, len(bins), dtype=np.int32)  # unselected bins map past the last slot
-        slot_of[np.array(bins)] = np.arange(len(bins), dtype=np.int32)
-        if self.keys is not _NO_KEYS:  # all collected by the first pass
-            bits = self.keys[:self.nkeys]
-            slots = slot_of[bits >> 16]
-            chosen = slots < len(bins)
-            keys = (slots[chosen].astype(np.int64) << 16) | (bits[chosen] & 0xFFFF).astype(np.int64)
-            return KeySelection(np.sort(keys))
-        blocks = self.cached if self.keep else (self.reread(s) for s in self.spans)
-        if self.nonzero_low * 8 < self.binfo.numel:
-            keys = np.empty(self.nonzero_low, dtype=np.int64)
-            pos = 0
-            if self.nonzero_low:
-                for e, b in blocks:
-                    pos = kernels.collect_nonzero_low_keys(e, b, slot_of, len(bins), keys, pos)
-            return KeySelection(np.sort(keys[:pos]))
-        dense = np.zeros((len(bins) + 1, 1 << 16), dtype=np.int64 if self.binfo.numel >= 2**31 else np.int32)
-        for e, b in blocks:
-            kernels.count_low_bits(e, b, slot_of, dense)
-        return DenseSelection(dense[:-1])
 
 
 def _row(expert_id: str, tensor: str, span: BlockSpan, rng, **stats) -> dict:
