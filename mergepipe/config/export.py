@@ -117,9 +117,40 @@ def export_plan_data(cat: Catalog | None, plan_data: dict) -> str:
 def _to_yaml(cat: Catalog | None, r: dict) -> str:
     op = get_op(r["operator"])
     base = r["base"]
+    models, notes = _expert_models(op, base, r["experts"])
+    params = _merge_params(op, r)
+    if op.common is not None and op.max_experts == 1:  # slerp, nearswap: mergekit lists the base among two models
+        models.insert(0, {"model": base["uri"]})
+    member = r.get("base_member")
+    if member:  # a model soup: the base is one of the models (config/soup.py)
+        weight, _ = _expert_setting(member, "weight")
+        takes_weight = op.common is None or "weight" in op.common
+        models.insert(member["position"], {"model": base["uri"], "parameters": {"weight": weight}} if takes_weight
+                      else {"model": base["uri"]})
+    doc: dict = {"merge_method": op.name, "base_model": base["uri"], "models": models, "parameters": params,
+                 "dtype": "float32"}
+    layout = r.get("layout")
+    if not layout and any(is_view(e["uri"]) for e in r["experts"]):  # experts merged at other layers
+        layout = _in_place_layout(cat, base)
+    if layout:  # a `slices:` merge: its layers as slices (config/slice_export.py)
+        doc = _slices_doc(op, base, r["experts"], params, layout)
+    if member and member.get("reference"):  # no base_model: MergePipe chose the first model as the reference
+        del doc["base_model"]
+    base_dtype = _base_dtype(cat, base)
+    if base_dtype in MERGEKIT_DTYPE:
+        doc["out_dtype"] = MERGEKIT_DTYPE[base_dtype]
+    _add_tokenizer_keys(doc, r["tokenizer"] or {})
+    doc["mergepipe"] = _extension(r)
+    header = _header(r, notes)
+    body = yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, allow_unicode=True)
+    return "\n".join(header) + "\n" + body
+
+
+def _expert_models(op, base: dict, experts: list[dict]) -> tuple[list[dict], list[str]]:
+    """(the ``models:`` entries of the experts, the notes on what mergekit would read otherwise)."""
     models = []
     notes = []
-    for e in r["experts"]:
+    for e in experts:
         path = f"{base['uri']}+{e['uri']}" if e["kind"] == "lora" else e["uri"]
         if e["kind"] == "delta":
             notes.append(f"# NOTE: {e['id']} is a MergePipe delta checkpoint: mergekit would read it as a full model.")
@@ -136,38 +167,31 @@ def _to_yaml(cat: Catalog | None, r: dict) -> str:
             if e.get(key) is not None:
                 params[key] = e[key]
         models.append({"model": path, "parameters": params})
+    return models, notes
+
+
+def _merge_params(op, r: dict) -> dict:
+    """The merge-wide ``parameters``."""
     params = {"normalize": _flag_out(r["params"]["normalize"]), "rescale": _flag_out(r["params"]["rescale"]),
               "lambda": r["params"]["lambda"]}
     if op.common is not None:  # the interpolation methods take only their own parameters
         params = {k: v for k, v in params.items() if k in op.common}
-        if op.max_experts == 1:  # slerp, nearswap: mergekit lists the base among exactly two models
-            models.insert(0, {"model": base["uri"]})
     for key in op.params:
         params[key] = r["params"][key]
-    member = r.get("base_member")
-    if member:  # a model soup: the base is one of the models (config/soup.py)
-        weight, _ = _expert_setting(member, "weight")
-        takes_weight = op.common is None or "weight" in op.common
-        models.insert(member["position"], {"model": base["uri"], "parameters": {"weight": weight}} if takes_weight
-                      else {"model": base["uri"]})
-    doc: dict = {"merge_method": op.name, "base_model": base["uri"], "models": models, "parameters": params,
-                 "dtype": "float32"}
-    layout = r.get("layout")
-    if not layout and any(is_view(e["uri"]) for e in r["experts"]):  # experts merged at other layers
-        layout = _in_place_layout(cat, base)
-    if layout:  # a `slices:` merge: its layers as slices (config/slice_export.py)
-        from mergepipe.config.slice_export import export_slices
-        slices, changes = export_slices(layout, base, r["experts"], params, op.copies)
-        params.update(changes)
-        params = {k: v for k, v in params.items() if v is not None}
-        doc = {"merge_method": op.name, "base_model": base["uri"], "slices": slices, "parameters": params,
-               "dtype": "float32"}
-    if member and member.get("reference"):  # no base_model: MergePipe chose the first model as the reference
-        del doc["base_model"]
-    base_dtype = _base_dtype(cat, base)
-    if base_dtype in MERGEKIT_DTYPE:
-        doc["out_dtype"] = MERGEKIT_DTYPE[base_dtype]
-    tok = r["tokenizer"] or {}
+    return params
+
+
+def _slices_doc(op, base: dict, experts: list[dict], params: dict, layout: dict) -> dict:
+    """The document of a merge with a layout: its layers as ``slices:``."""
+    from mergepipe.config.slice_export import export_slices
+    slices, changes = export_slices(layout, base, experts, params, op.copies)
+    params.update(changes)
+    params = {k: v for k, v in params.items() if v is not None}
+    return {"merge_method": op.name, "base_model": base["uri"], "slices": slices, "parameters": params,
+            "dtype": "float32"}
+
+
+def _add_tokenizer_keys(doc: dict, tok: dict) -> None:
     vocab = tok.get("vocab")
     if vocab:  # re-ordered rows: the tokenizer settings that made them
         doc.update(_vocab_settings(vocab, tok, {m: uri for m, uri in vocab["models"]}))
@@ -175,6 +199,10 @@ def _to_yaml(cat: Catalog | None, r: dict) -> str:
         doc["tokenizer_source"] = tok.get("source_uri", "base")
     if tok.get("chat_template"):
         doc["chat_template"] = tok["chat_template"]
+
+
+def _extension(r: dict) -> dict:
+    """The ``mergepipe:`` key: what mergekit has no key for (budget or target bound, strategy, seed, plan id)."""
     ext: dict = {}
     if r["target_bound"] is not None:
         ext["target_bound"] = r["target_bound"]
@@ -183,16 +211,17 @@ def _to_yaml(cat: Catalog | None, r: dict) -> str:
     ext.update({"strategy": r["strategy"], "seed": r["seed"], "plan": r["plan_id"]})
     if r.get("compact") not in (None, "auto"):  # the compact tier as the request set it (planner/tiers.py)
         ext["compact"] = r["compact"]
-    doc["mergepipe"] = ext
+    return ext
+
+
+def _header(r: dict, notes: list[str]) -> list[str]:
     source = f"snapshot {r['snapshot_id']} " if r["snapshot_id"] else ""
-    header = [f"# mergekit config exported by MergePipe from {source}plan {r['plan_id']} ({r['digest']})",
-              (f"# budget {r['budget']['spec']} = {human_bytes(r['budget']['bytes'])} of "
-               f"{human_bytes(r['full_expert_bytes'])} changed (delta != 0) expert bytes, "
-               f"strategy {r['strategy']}, seed {r['seed']}"),
-              ("# MergePipe computes in float32 and writes the base's dtype. The `mergepipe:` key holds what mergekit "
-              "has no key for; mergekit ignores it."), *notes]
-    body = yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, allow_unicode=True)
-    return "\n".join(header) + "\n" + body
+    return [f"# mergekit config exported by MergePipe from {source}plan {r['plan_id']} ({r['digest']})",
+            (f"# budget {r['budget']['spec']} = {human_bytes(r['budget']['bytes'])} of "
+             f"{human_bytes(r['full_expert_bytes'])} changed (delta != 0) expert bytes, "
+             f"strategy {r['strategy']}, seed {r['seed']}"),
+            ("# MergePipe computes in float32 and writes the base's dtype. The `mergepipe:` key holds what mergekit "
+             "has no key for; mergekit ignores it."), *notes]
 
 
 def _vocab_settings(vocab: dict, tok: dict, uris: dict[str, str]) -> dict:

@@ -84,28 +84,12 @@ def vocab_setting(cat, cfg, base_id: str, models: list[tuple[str, Path]], source
                                                "another from run to run); name the model (`tokenizer_source: "
                                                "<model>`) or use `union`")
     op = get_op(cfg.method)
-    if op.copies and cfg.tokenizer_tokens:
-        raise VocabRefusal("tokenizer.tokens", "passthrough re-orders each copied embedding tensor alone (mergekit "
-                                               "0.1.5: its model's own rows, zero rows for the tokens it lacks); a "
-                                               "`tokens:` block with passthrough is not done by MergePipe")
-    if op.nonlinear and not op.copies and op.name not in VOCAB_METHODS:
-        raise VocabRefusal("tokenizer_source", f"re-ordering embedding rows to another vocabulary is done for the "
-                                               f"task-vector methods (linear, task_arithmetic, ties, dare, ...) and "
-                                               f"{', '.join(VOCAB_METHODS)}, not {op.name}")
-    for mid, kind in kinds.items():
-        if kind != "full":
-            raise VocabRefusal("tokenizer_source", f"{mid} is a {kind} checkpoint: re-ordering embedding rows to "
-                                                   f"another vocabulary needs every model's own rows (full checkpoints)")
+    _refuse_unsupported(cfg, op, kinds)
     roots = dict(models)
     tokens = _token_settings(cfg, resolve_ref)
     # without a base_model the reference (config/soup.py) is named by its id: `base` would not plan back
     label = "union" if source == "union" else ("base" if source == base_id and row_base is not None else source)
-    try:
-        vocab = build_vocabulary(base_id, roots, label, tuple(tokens), cfg.pad_to_multiple_of)
-        sources = row_sources(vocab, row_order, row_base, tokens)
-    except MergePipeError as exc:
-        where = "tokenizer.tokens" if str(exc).startswith("tokenizer.tokens") else "tokenizer_source"
-        raise VocabRefusal(where, str(exc).removeprefix("tokenizer.tokens: ")) from None
+    vocab, sources = _vocabulary_and_rows(cfg, base_id, roots, label, tokens, row_order, row_base)
     base_t = vocab_tensors(cat, base_id, roots[base_id])
     if not base_t:
         raise VocabRefusal("tokenizer_source", f"{base_id} has no embedding tensor (embed_tokens, lm_head, ...) "
@@ -119,19 +103,7 @@ def vocab_setting(cat, cfg, base_id: str, models: list[tuple[str, Path]], source
         sources = {m: row_sources(vocab, [m], None, tokens)[m] for m in row_order}
     else:
         _check_mean_order(cfg, row_order, sources, resolve_ref)
-    for mid in row_order:
-        have = vocab_tensors(cat, mid, roots[mid])
-        size = config_vocab_size(roots[mid])
-        for name, (shape, dtype) in base_t.items():
-            got = have.get(name)
-            if got is None or got[0][1] != shape[1] or got[1] != dtype:
-                raise VocabRefusal("tokenizer_source", f"{mid}'s {name} is {list(got[0]) if got else 'missing'} "
-                                                       f"{got[1] if got else ''}, the base's {list(shape)} {dtype}: "
-                                                       f"rows are re-ordered between tensors of one width and dtype")
-            need = max(vocab.permutations[mid], default=-1) + 1
-            if got[0][0] < need:
-                raise VocabRefusal("tokenizer_source", f"{mid}'s {name} has {got[0][0]} rows, its tokenizer "
-                                                       f"{need} tokens (config.json vocab_size {size})")
+    _check_row_tensors(cat, vocab, row_order, roots, base_t)
     n = len(vocab.vocab)
     return {
         "source": label,
@@ -145,6 +117,52 @@ def vocab_setting(cat, cfg, base_id: str, models: list[tuple[str, Path]], source
         "sources": {mid: encode_sources(sources[mid]) for mid in row_order},
         **({"copies": copies} if copies else {}),
     }
+
+
+def _refuse_unsupported(cfg, op, kinds: dict[str, str]) -> None:
+    """Refuse what MergePipe does not re-order rows for: passthrough's `tokens:`, the other nonlinear methods,
+    a model that is not a full checkpoint."""
+    if op.copies and cfg.tokenizer_tokens:
+        raise VocabRefusal("tokenizer.tokens", "passthrough re-orders each copied embedding tensor alone (mergekit "
+                                               "0.1.5: its model's own rows, zero rows for the tokens it lacks); a "
+                                               "`tokens:` block with passthrough is not done by MergePipe")
+    if op.nonlinear and not op.copies and op.name not in VOCAB_METHODS:
+        raise VocabRefusal("tokenizer_source", f"re-ordering embedding rows to another vocabulary is done for the "
+                                               f"task-vector methods (linear, task_arithmetic, ties, dare, ...) and "
+                                               f"{', '.join(VOCAB_METHODS)}, not {op.name}")
+    for mid, kind in kinds.items():
+        if kind != "full":
+            raise VocabRefusal("tokenizer_source", f"{mid} is a {kind} checkpoint: re-ordering embedding rows to "
+                                                   f"another vocabulary needs every model's own rows (full checkpoints)")
+
+
+def _vocabulary_and_rows(cfg, base_id: str, roots: dict, label: str, tokens: dict, row_order: list[str],
+                         row_base: str | None) -> tuple:
+    """(the output vocabulary, every model's row sources), a refusal as a VocabRefusal."""
+    try:
+        vocab = build_vocabulary(base_id, roots, label, tuple(tokens), cfg.pad_to_multiple_of)
+        sources = row_sources(vocab, row_order, row_base, tokens)
+    except MergePipeError as exc:
+        where = "tokenizer.tokens" if str(exc).startswith("tokenizer.tokens") else "tokenizer_source"
+        raise VocabRefusal(where, str(exc).removeprefix("tokenizer.tokens: ")) from None
+    return vocab, sources
+
+
+def _check_row_tensors(cat, vocab, row_order: list[str], roots: dict, base_t: dict) -> None:
+    """Each model's embedding tensors have the base's width and dtype, and a row for each of its tokens."""
+    for mid in row_order:
+        have = vocab_tensors(cat, mid, roots[mid])
+        size = config_vocab_size(roots[mid])
+        for name, (shape, dtype) in base_t.items():
+            got = have.get(name)
+            if got is None or got[0][1] != shape[1] or got[1] != dtype:
+                raise VocabRefusal("tokenizer_source", f"{mid}'s {name} is {list(got[0]) if got else 'missing'} "
+                                                       f"{got[1] if got else ''}, the base's {list(shape)} {dtype}: "
+                                                       f"rows are re-ordered between tensors of one width and dtype")
+            need = max(vocab.permutations[mid], default=-1) + 1
+            if got[0][0] < need:
+                raise VocabRefusal("tokenizer_source", f"{mid}'s {name} has {got[0][0]} rows, its tokenizer "
+                                                       f"{need} tokens (config.json vocab_size {size})")
 
 
 def _check_mean_order(cfg, row_order: list[str], sources: dict, resolve_ref) -> None:
