@@ -20,8 +20,7 @@ from mergepipe.catalog import runs as runs_table
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.snapshots import snapshot_at
 from mergepipe.errors import ExecutionError, StorageError
-from mergepipe.storage.publish import RemoteOutput, is_remote
-from mergepipe.storage.publish import leftovers as remote_leftovers
+from mergepipe.storage.publish import is_remote, publisher_for
 from mergepipe.storage.writers import write_failure
 from mergepipe.storage.procs import pid_alive  # noqa: F401  (re-exported: recovery and the dashboard use it here)
 
@@ -132,10 +131,10 @@ def _stale_txns(catalog: Catalog) -> list[dict]:
 
 def _leftovers(catalog: Catalog, t: dict) -> list:
     """What recovering txn ``t`` removes: its staging directory, or its renamed but uncommitted output
-    (for an s3:// output: the URIs of its staging objects, and of every object at the prefix when no
-    snapshot there is in the catalog; a manifest object without a catalog record goes too)."""
+    (for a remote output: the URIs of its publisher's leftovers -- its staging objects, and every object at
+    the output when no snapshot there is in the catalog; a manifest object without a catalog record goes too)."""
     if is_remote(t["out"]):
-        names = remote_leftovers(t["out"], t["id"], committed=bool(snapshot_at(catalog, t["out"])))
+        names = publisher_for(t["out"], t["id"]).leftovers(committed=bool(snapshot_at(catalog, t["out"])))
         return [f"{t['out']}/{n}" for n in names]
     staging, out = Path(t["staging"]), Path(t["out"])
     paths = [staging] if staging.exists() else []
@@ -150,7 +149,7 @@ def recover(catalog: Catalog) -> dict:
     for t in _stale_txns(catalog):
         paths = _leftovers(catalog, t)
         if is_remote(t["out"]):
-            RemoteOutput(t["out"], t["id"]).remove([p[len(t["out"]) + 1:] for p in paths])
+            publisher_for(t["out"], t["id"]).remove([p[len(t["out"]) + 1:] for p in paths])
         else:
             for path in paths:
                 shutil.rmtree(path)
@@ -194,22 +193,22 @@ def recovery_findings(catalog: Catalog) -> list[str]:
 
 
 class RemoteTransaction(Transaction):
-    """A snapshot published to an ``s3://`` prefix (mergepipe.storage.publish): files are written to a
-    local temporary directory as for a local merge, uploaded under a staging prefix (in parallel, each
-    shard as soon as it is complete), copied to their final keys (in parallel), and the manifest
-    object is written last; the catalog commit follows. An abort removes
+    """A snapshot published to a remote URI by the publisher registered for its scheme
+    (mergepipe.storage.publish; for ``s3://``: storage/s3_publisher.py): files are written to a local
+    temporary directory as for a local merge, staged (each shard as soon as it is complete), moved to
+    their final names, and the manifest is written last; the catalog commit follows. An abort removes
     the local files and every object this publish created (the manifest first)."""
 
     def __init__(self, catalog: Catalog, out: str):
         self.catalog = catalog
         self.id = "txn-" + uuid.uuid4().hex[:16]
-        self.remote = RemoteOutput(out, self.id)
+        self.remote = publisher_for(out, self.id)
         self.out = self.remote.uri
         self.tmp = self.staging = None
         self.state = "new"
 
     def check(self) -> None:
-        """The bucket exists and nothing is published at the prefix yet (before anything is recorded)."""
+        """The output can be written and nothing is published there yet (before anything is recorded)."""
         self.remote.check()
 
     def begin(self) -> Path:

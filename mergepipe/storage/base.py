@@ -27,6 +27,9 @@ descriptors advised ``POSIX_FADV_RANDOM``). The remote backends (:mod:`mergepipe
 
 The layout types both sides share -- :class:`TensorInfo` and :class:`Checkpoint` -- live here too (the
 safetensors parser, :mod:`mergepipe.storage.safetensors`, builds and re-exports them).
+
+The write side is a seam too: a merge whose output is a URI ``scheme://...`` is published through the
+:class:`Publisher` registered for that scheme (:mod:`mergepipe.storage.publish`; ``s3://`` is built in).
 """
 
 from __future__ import annotations
@@ -95,6 +98,55 @@ class Storage(ABC):
     def side_files(self, checkpoint: Checkpoint) -> dict[str, bytes] | None:
         """config.json and tokenizer files of a checkpoint that is not a local folder; None: local."""
         return None
+
+
+# --- the write side ---------------------------------------------------------------------------------------
+MANIFEST_NAME = "mergepipe_manifest.json"  # its presence at the output is what makes a snapshot visible
+STAGING_PREFIX = ".mergepipe-staging-"  # a publish stages its objects under <output>/<STAGING_PREFIX><txn id>
+
+
+class Publisher(Protocol):
+    """One snapshot's remote output, published for transaction ``txn_id``: made by the factory registered
+    for the output's scheme, ``factory(uri, txn_id)`` (:func:`mergepipe.storage.publish.register_publisher`).
+
+    The engine writes the snapshot into a local folder, then: ``check`` before anything is recorded;
+    ``upload_soon`` for each file as soon as it is complete; ``stage`` once all are written; ``publish``;
+    then the catalog commit. On any failure it calls ``abort``. After a crash, ``mergepipe recover`` makes
+    a fresh publisher for the same URI and transaction and removes its ``leftovers``. Object names are
+    relative to ``uri``; the contract every publisher keeps:
+
+    * a published snapshot is never overwritten (``check`` refuses an output that holds anything);
+    * nothing is visible before the manifest: ``publish`` writes ``MANIFEST_NAME`` LAST, after every other
+      file is in place, and removes the staged objects afterwards;
+    * ``abort`` and ``remove`` delete the manifest first, so a half-removed snapshot is never visible.
+    """
+
+    uri: str  # the canonical output URI
+    staging: str  # where staged objects go, relative to ``uri`` (recorded in the transaction's row)
+
+    def check(self) -> None:
+        """Refuse (StorageError) an output that cannot be written or already holds objects."""
+
+    def upload_soon(self, local: Path, path: Path) -> None:
+        """``path``, a finished file of the snapshot folder ``local``, may be staged now (the manifest is
+        never staged); may do nothing until :meth:`stage`."""
+
+    def stage(self, local: Path) -> None:
+        """Stage every file of ``local`` except the manifest under ``staging`` (waiting for those
+        :meth:`upload_soon` started)."""
+
+    def publish(self, local: Path) -> None:
+        """Move the staged files to their final names, then write the manifest (from ``local``) last."""
+
+    def abort(self) -> None:
+        """Remove every object this publish wrote (the manifest first); never raises."""
+
+    def leftovers(self, committed: bool) -> list[str]:
+        """What a crashed publish of this transaction left: its staged objects, and every object at the
+        output when the catalog holds no snapshot there (``committed`` False)."""
+
+    def remove(self, names: list[str]) -> None:
+        """Delete these objects (the manifest first); a missing one is no error."""
 
 
 @dataclass(frozen=True)

@@ -1,32 +1,53 @@
-"""Publishing a merged snapshot to an ``s3://`` prefix: files staged under the prefix, the manifest last.
+"""Which :class:`~mergepipe.storage.base.Publisher` publishes a merge whose output is a URI (the write side
+of the storage seam; :mod:`mergepipe.storage.registry` is the read side).
 
-Sequence (:class:`RemoteOutput`): (1) ``check``: the bucket exists and the prefix holds no object (a
-published snapshot is never overwritten); (2) ``stage``: every file except the manifest is uploaded to
-``prefix/.mergepipe-staging-<txn>/<name>`` (in parallel; a shard's upload may start while the merge
-writes the next ones: ``upload_soon``); (3) ``publish``: the staged objects are copied server-side to
-``prefix/<name>`` (in parallel), then, every copy done, the manifest object
-``prefix/mergepipe_manifest.json`` is written LAST, then the staging objects are deleted. The manifest object's presence is what makes the snapshot visible:
-a reader (``register``, ``verify``, a merge input) that finds no manifest at the prefix sees no snapshot.
-A crash before the manifest leaves, at most, staging objects and manifest-less data objects: ``abort``
-(or, after a crash, ``leftovers`` + ``remove``) deletes them. http(s):// and hf:// are read-only.
+A plain path is published by the engine itself (engine/txn.py: staged, fsynced, renamed). A URI
+``scheme://...`` is published by the publisher registered for its scheme (:func:`register_publisher`):
+``factory(uri, txn_id)`` makes one per transaction, and the optional ``check_uri(uri)`` refuses an
+unusable output URI before anything is recorded. ``s3://`` (:mod:`mergepipe.storage.s3_publisher`) is
+the one built-in registration, made here (s3fs is imported by its first publish only). A scheme with no
+publisher (``http(s)://``, ``hf://``) is read-only and refused with one clear error.
 """
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from pathlib import Path
+import os
+from dataclasses import dataclass
+from typing import Callable
 
 from mergepipe.errors import StorageError
+from mergepipe.storage.base import MANIFEST_NAME, STAGING_PREFIX, Publisher  # noqa: F401 (re-exported)
 from mergepipe.storage.registry import scheme_of
+from mergepipe.storage.s3_publisher import (  # noqa: F401 (re-exported: the names this module had)
+    MAX_PARTS, PART_BYTES, PUT_CHUNK_BYTES, UPLOAD_WORKERS, S3Publisher, check_s3_output, object_sha256,
+    read_object,
+)
 from mergepipe.storage.uris import canonical_remote
 
-STAGING_PREFIX = ".mergepipe-staging-"
-MANIFEST_NAME = "mergepipe_manifest.json"
-PART_BYTES = 8 << 20
-UPLOAD_WORKERS = 8  # objects uploaded (or copied) at once
-PUT_CHUNK_BYTES = 32 << 20  # part size of a multipart upload (files of twice that or more)
-MAX_PARTS = 10_000  # S3's limit on the parts of one upload
+RemoteOutput = S3Publisher  # its former name (benchmarks/remote_upload.py)
+
+
+@dataclass(frozen=True)
+class Registration:
+    factory: Callable[[str, str], Publisher]  # (canonical output URI, txn id) -> the txn's publisher
+    check_uri: Callable[[str], object] | None = None  # raises StorageError for an unusable output URI
+
+
+_PUBLISHERS: dict[str, Registration] = {}
+
+
+def register_publisher(scheme: str, factory: Callable[[str, str], Publisher],
+                       check_uri: Callable[[str], object] | None = None) -> None:
+    """Publish merge outputs ``scheme://...`` with ``factory(uri, txn_id)`` (replacing any publisher
+    registered for it); ``check_uri(uri)``, given the canonical URI, refuses one that cannot be an output."""
+    _PUBLISHERS[scheme.lower()] = Registration(factory, check_uri)
+
+
+def unregister_publisher(scheme: str) -> None:
+    _PUBLISHERS.pop(scheme.lower(), None)
+
+
+register_publisher("s3", S3Publisher, check_uri=check_s3_output)  # the one built-in publisher
 
 
 def is_remote(out) -> bool:
@@ -34,172 +55,25 @@ def is_remote(out) -> bool:
 
 
 def check_remote_output(uri: str) -> str:
-    """The canonical ``s3://`` output URI; any other scheme is refused with one clear error."""
+    """The canonical output URI of a scheme with a publisher; any other scheme is refused with one clear error."""
     scheme = scheme_of(uri)
     canonical = canonical_remote(str(uri))
-    if scheme != "s3":
+    registration = _PUBLISHERS.get(scheme)
+    if registration is None:
         raise StorageError(f"{canonical}: {scheme}:// is read-only for MergePipe; merge output goes to a "
                            "local directory or an s3:// prefix")
-    if "/" not in canonical[len("s3://"):].strip("/"):
-        raise StorageError(f"{canonical}: give a prefix inside the bucket (s3://bucket/prefix)")
+    if registration.check_uri is not None:
+        registration.check_uri(canonical)
     return canonical
 
 
-class RemoteOutput:
-    """One snapshot's output prefix on S3 (see the module docstring for the publish sequence).
-
-    Uploads and copies run on a pool of up to UPLOAD_WORKERS threads; :meth:`upload_soon` starts a
-    finished file's upload while the merge goes on. ``written`` names every object a request was sent
-    for (appended, under a lock, before the request goes out), so that ``abort`` removes all of them."""
-
-    def __init__(self, uri: str, txn_id: str):
-        from mergepipe.storage.transports import S3Transport
-
-        self.uri = check_remote_output(uri)
-        self.t = S3Transport(self.uri)
-        self.staging = f"{STAGING_PREFIX}{txn_id}"
-        self.written: list[str] = []  # object names (relative to the prefix) this publish created
-        self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-        self._uploads: dict[str, Future] = {}  # staged name -> its upload
-
-    def _call(self, name: str, fn, *args, **kwargs):
-        from mergepipe.storage.transports import Transient, describe
-        try:
-            return self.t._call(name, fn, *args, **kwargs)
-        except FileNotFoundError:
-            raise StorageError(f"{self.t.where(name)}: the bucket {self.t.bucket!r} does not exist") from None
-        except Transient as exc:
-            raise StorageError(describe(exc, self.t.where(name), 1)) from None
-
-    def check(self) -> None:
-        if not self._call("", self.t.fs.exists, self.t.bucket):
-            raise StorageError(f"{self.uri}: the bucket {self.t.bucket!r} does not exist")
-        if self.names():
-            raise StorageError(f"{self.uri}: output prefix already holds objects; published snapshots are "
-                               "never overwritten")
-
-    def names(self) -> list[str]:
-        """Every object under the prefix, relative to it (staging objects included)."""
-        root = self.t.key("")
-        found = self._call("", self.t.fs.find, root)
-        return sorted(p[len(root) + 1:] for p in found if p.startswith(root + "/"))
-
-    # --- requests on the pool --------------------------------------------------------------------------
-    def _submit(self, name: str, fn, *args, **kwargs) -> Future:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=UPLOAD_WORKERS, thread_name_prefix="mergepipe-upload")
-            return self._pool.submit(self._write, name, fn, *args, **kwargs)
-
-    def _write(self, name: str, fn, *args, **kwargs) -> None:
-        """One request that creates object ``name``, recorded before it is sent."""
-        with self._lock:
-            self.written.append(name)
-        self._call(name, fn, *args, **kwargs)
-
-    def _upload(self, local: Path, path: Path) -> Future:
-        name = f"{self.staging}/{path.relative_to(local).as_posix()}"
-        # one part at a time per file (the files are the parallelism): at most 2 * PUT_CHUNK_BYTES in
-        # memory per worker, 512 MiB for all; s3fs alone reads up to 10 parts of 50 MiB of one file at once
-        part = max(PUT_CHUNK_BYTES, -(-path.stat().st_size // MAX_PARTS))
-        return self._submit(name, self.t.fs.put_file, str(path), self.t.key(name), chunksize=part, max_concurrency=1)
-
-    def _copy_to_final(self, staged: str) -> Future:
-        final = staged[len(self.staging) + 1:]
-        return self._submit(final, self.t.fs.copy, self.t.key(staged), self.t.key(final))
-
-    def _wait(self, futures: list[Future]) -> None:
-        """Wait for every request; on the first failure, cancel those not started, wait for those in
-        flight (so that ``written`` is complete) and raise it."""
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        failed = [f for f in futures if f in done and f.exception() is not None]
-        if failed:
-            self._drain()
-            raise failed[0].exception()
-
-    def _drain(self) -> None:
-        """Cancel the requests not started and wait for the ones in flight."""
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
-
-    # --- the publish sequence --------------------------------------------------------------------------
-    def upload_soon(self, local: Path, path: Path) -> None:
-        """Start uploading ``path`` (a finished file of the snapshot at ``local``) to the staging prefix."""
-        failed = [f for f in self._uploads.values() if f.done() and f.exception() is not None]
-        if failed:  # end the merge now rather than after it
-            self._wait(failed)
-        if path.name != MANIFEST_NAME:
-            self._uploads[path.relative_to(local).as_posix()] = self._upload(local, path)
-
-    def stage(self, local: Path) -> None:
-        """Upload every file of ``local`` except the manifest under the staging prefix (those
-        :meth:`upload_soon` started are waited for)."""
-        for f in sorted(p for p in local.rglob("*") if p.is_file() and p.name != MANIFEST_NAME):
-            rel = f.relative_to(local).as_posix()
-            if rel not in self._uploads:
-                self._uploads[rel] = self._upload(local, f)
-        self._wait(list(self._uploads.values()))
-
-    def publish(self, local: Path) -> None:
-        """Copy the staged objects to their final keys, then (every copy done) write the manifest object,
-        then tidy up."""
-        staged = [f"{self.staging}/{rel}" for rel in sorted(self._uploads)]
-        self._wait([self._copy_to_final(name) for name in staged])
-        self._drain()
-        self._write(MANIFEST_NAME, self.t.fs.put_file, str(local / MANIFEST_NAME), self.t.key(MANIFEST_NAME))
-        self.remove(staged)
-        with self._lock:
-            self.written = [n for n in self.written if n not in staged]
-
-    def remove(self, names: list[str]) -> None:
-        """Delete objects (the manifest first, so a half-removed snapshot is never visible)."""
-        for name in sorted(names, key=lambda n: n != MANIFEST_NAME):
-            try:
-                self.t._call(name, self.t.fs.rm_file, self.t.key(name))
-            except FileNotFoundError:
-                pass
-
-    def abort(self) -> None:
-        """Remove what this publish created, once its requests in flight are done; never raises (the
-        error being propagated is the one to report)."""
-        try:
-            self._drain()
-            self.remove(list(self.written))
-        except Exception:  # noqa: BLE001
-            pass
+def publisher_for(uri: str | os.PathLike, txn_id: str) -> Publisher:
+    """The publisher of transaction ``txn_id`` writing to ``uri`` (checked as :func:`check_remote_output` does)."""
+    canonical = check_remote_output(os.fspath(uri))
+    return _PUBLISHERS[scheme_of(canonical)].factory(canonical, txn_id)
 
 
 def leftovers(uri: str, txn_id: str, committed: bool) -> list[str]:
-    """What a crashed publish of txn ``txn_id`` left at ``uri`` (names relative to it): its staging
-    objects; and, when the catalog holds no snapshot there (``committed`` False), every object at the
-    prefix: data objects copied before the crash, or a manifest written just before it."""
-    out = RemoteOutput(uri, txn_id)
-    names = out.names()
-    if not committed:
-        return names
-    return [n for n in names if n.startswith(out.staging + "/")]
-
-
-def read_object(uri: str, name: str, limit: int | None = None) -> bytes | None:
-    """A whole object under an s3:// prefix (None when missing)."""
-    from mergepipe.storage.transports import S3Transport
-    t = S3Transport(canonical_remote(uri))
-    got = t.fetch_all(name, limit or (1 << 62))
-    return None if got is None else got[0]
-
-
-def object_sha256(uri: str, name: str) -> tuple[str, int] | None:
-    """sha256 hex digest and size of one object, read by range requests of PART_BYTES (None when missing)."""
-    import hashlib
-    from mergepipe.storage.transports import S3Transport
-    t = S3Transport(canonical_remote(uri))
-    probe = t.probe(name, 0)
-    if probe is None:
-        return None
-    h = hashlib.sha256()
-    for start in range(0, probe.size, PART_BYTES):
-        h.update(t.get(name, start, min(probe.size, start + PART_BYTES), probe.etag))
-    return "sha256:" + h.hexdigest(), probe.size
+    """What a crashed publish of txn ``txn_id`` left at ``uri`` (names relative to it; see
+    :meth:`Publisher.leftovers`)."""
+    return publisher_for(uri, txn_id).leftovers(committed)
