@@ -7,14 +7,15 @@ Writes go through short transactions so that a reader (the dashboard) never sees
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from urllib.parse import quote
 
+# catalog_fault and integrity_findings are re-exported (their importers know them from here)
+from mergepipe.catalog.connection import catalog_fault, connect, read_only_reason  # noqa: F401
+from mergepipe.catalog.integrity import integrity_findings  # noqa: F401
 from mergepipe.catalog.schema import MIGRATIONS, SCHEMA, SCHEMA_VERSION
 from mergepipe.errors import CatalogError
 
@@ -55,144 +56,6 @@ def now() -> str:
 # Bigger catalogs are checked in full by `mergepipe doctor` (PRAGMA integrity_check).
 QUICK_CHECK_MAX_BYTES = 32 << 20
 _CHECKED: set[tuple] = set()  # (path, device, inode, size, mtime) of the files that passed, in this process
-
-# SQLite primary result codes that are faults of the catalog file or its disk, not of the request.
-_SQLITE_FAULTS = {
-    13: ("SQLITE_FULL", "database or disk is full",
-         "free space on its filesystem and retry (the change was rolled back)"),
-    8: ("SQLITE_READONLY", "attempt to write a readonly database",
-        "make the file and its directory writable, or work on a writable copy (--db)"),
-    14: ("SQLITE_CANTOPEN", "unable to open database file",
-         "check that the file and its directory exist and are readable and writable"),
-    11: ("SQLITE_CORRUPT", "database disk image is malformed",
-         "it is corrupted: run `mergepipe doctor --db {path}` and restore it from a backup"),
-    26: ("SQLITE_NOTADB", "file is not a database",
-         "it is not a MergePipe catalog, or is corrupted: check --db, or restore it from a backup"),
-    10: ("SQLITE_IOERR", "disk I/O error", "check the disk and its free space, then retry"),
-}
-
-
-def catalog_fault(path, exc: BaseException) -> CatalogError | None:
-    """The CatalogError for an SQLite error caused by the catalog file or its disk, else None."""
-    if not isinstance(exc, sqlite3.Error):
-        return None
-    code = getattr(exc, "sqlite_errorcode", None)
-    text = str(exc)
-    if code is not None:
-        fault = _SQLITE_FAULTS.get(code & 0xFF)
-    else:  # Python < 3.11: match SQLite's message
-        fault = next((f for f in _SQLITE_FAULTS.values() if text.startswith(f[1])), None)
-    if fault is None:
-        return None
-    name, _, todo = fault
-    return CatalogError(f"catalog {path}: {text} ({name}): {todo.format(path=path)}")
-
-
-class _Cursor(sqlite3.Cursor):
-    """Every statement of the catalog runs through here: file and disk faults become CatalogErrors."""
-
-    def _fault(self, exc):
-        err = catalog_fault(self.connection.path, exc)
-        if err is None:
-            raise exc
-        raise err from exc
-
-    def execute(self, *args):
-        try:
-            return super().execute(*args)
-        except sqlite3.Error as exc:
-            self._fault(exc)
-
-    def executemany(self, *args):
-        try:
-            return super().executemany(*args)
-        except sqlite3.Error as exc:
-            self._fault(exc)
-
-    def executescript(self, *args):
-        try:
-            return super().executescript(*args)
-        except sqlite3.Error as exc:
-            self._fault(exc)
-
-    def __next__(self):
-        try:
-            return super().__next__()
-        except sqlite3.Error as exc:
-            self._fault(exc)
-
-    def fetchone(self):
-        try:
-            return super().fetchone()
-        except sqlite3.Error as exc:
-            self._fault(exc)
-
-    def fetchmany(self, *args):
-        try:
-            return super().fetchmany(*args)
-        except sqlite3.Error as exc:
-            self._fault(exc)
-
-    def fetchall(self):
-        try:
-            return super().fetchall()
-        except sqlite3.Error as exc:
-            self._fault(exc)
-
-
-class _Connection(sqlite3.Connection):
-    """The catalog's connection: statements run on :class:`_Cursor` (sqlite_utils uses these methods)."""
-
-    path = "?"
-
-    def cursor(self, factory=_Cursor):
-        return super().cursor(factory)
-
-    def execute(self, sql, parameters=()):
-        return self.cursor().execute(sql, parameters)
-
-    def executemany(self, sql, parameters):
-        return self.cursor().executemany(sql, parameters)
-
-    def executescript(self, script):
-        return self.cursor().executescript(script)
-
-
-def read_only_reason(path: Path) -> str | None:
-    """Why the catalog at ``path`` cannot be written (a read-only file, directory or filesystem), or None.
-    (os.access reports a read-only filesystem even to root; root ignores permission bits.)"""
-    directory = path.parent if str(path.parent) else Path(".")
-    try:
-        if directory.exists() and os.statvfs(directory).f_flag & os.ST_RDONLY:
-            return f"{directory} is on a read-only filesystem"
-    except OSError:
-        pass
-    if path.exists() and not os.access(path, os.W_OK):
-        return "the file is read-only"
-    if directory.exists() and not os.access(directory, os.W_OK):
-        return f"its directory {directory} is read-only"
-    return None
-
-
-def connect(path: Path, read_only: bool = False) -> _Connection:
-    """A connection to the catalog file (read-only: opened ``mode=ro``, ``immutable`` when SQLite could
-    not create the WAL's -shm file next to it); open failures are CatalogErrors."""
-    try:
-        if read_only:
-            uri = f"file:{quote(str(path.absolute()))}?mode=ro"
-            wal, shm = Path(f"{path}-wal"), Path(f"{path}-shm")
-            if not os.access(path.parent if str(path.parent) else ".", os.W_OK) and not shm.exists():
-                if not wal.exists() or wal.stat().st_size == 0:
-                    uri += "&immutable=1"  # nothing can write it, and no WAL holds more than the file
-            conn = sqlite3.connect(uri, uri=True, timeout=30, check_same_thread=False, isolation_level=None,
-                                   factory=_Connection)
-        else:
-            conn = sqlite3.connect(str(path), timeout=30, check_same_thread=False, isolation_level=None,
-                                   factory=_Connection)
-    except sqlite3.Error as exc:
-        raise (catalog_fault(path, exc) or CatalogError(f"catalog {path}: {exc}")) from exc
-    conn.path = str(path)
-    return conn
 
 
 class Catalog:
@@ -426,41 +289,3 @@ class Catalog:
             "snapshots": q("SELECT COUNT(*) FROM snapshots"),
             "runs": q("SELECT COUNT(*) FROM runs"),
         }
-
-
-# --- doctor ---------------------------------------------------------------------------------------
-def integrity_findings(path: str | Path, max_errors: int = 20) -> list[str]:
-    """The full checks of the catalog file at ``path``, read through a read-only connection (nothing is
-    written): ``PRAGMA integrity_check``, ``PRAGMA foreign_key_check`` and the schema version. One line
-    per finding; none when the file is healthy."""
-    path = Path(path)
-    try:
-        conn = connect(path, read_only=True)
-    except CatalogError as exc:
-        return [str(exc)]
-    try:
-        try:
-            rows = [r[0] for r in conn.execute(f"PRAGMA integrity_check({int(max_errors)})").fetchall()]
-        except CatalogError as exc:
-            cause = exc.__cause__ or exc
-            return [f"catalog {path} is corrupted or unreadable (integrity_check: {cause}): restore it from a backup"]
-        if rows != ["ok"]:
-            lines = [" ".join(r.replace("*** in database main ***", "").split()) for r in rows]
-            return [f"catalog {path} is corrupted (integrity_check): {line}" for line in lines if line]
-        findings = [f"catalog {path}: foreign key violation: {table} row {rowid} refers to a missing {parent} row"
-                    for table, rowid, parent, _ in conn.execute("PRAGMA foreign_key_check").fetchall()]
-        try:
-            row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-        except sqlite3.OperationalError:
-            row = None
-        version = int(row[0]) if row else None
-        if version is None:
-            findings.append(f"catalog {path}: no schema version (not a MergePipe catalog, or never initialized)")
-        elif version > SCHEMA_VERSION:
-            findings.append(f"catalog {path}: schema v{version} is newer than this MergePipe (v{SCHEMA_VERSION})")
-        elif version < SCHEMA_VERSION:
-            findings.append(f"catalog {path}: schema v{version} is older than v{SCHEMA_VERSION} "
-                            "(any writing command, e.g. `mergepipe init-db`, migrates it)")
-        return findings
-    finally:
-        conn.close()
