@@ -12,7 +12,6 @@ merged and written), so it does not grow with K.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -20,19 +19,20 @@ from dataclasses import replace
 from pathlib import Path
 
 from mergepipe.engine.blocks import merge_block, warm_kernels
+from mergepipe.engine.compact_inputs import CompactInputs
+# check_realized is re-exported (its importers know it from here)
+from mergepipe.engine.finish import check_realized, finish_snapshot  # noqa: F401
 from mergepipe.engine.inflight import InflightAnalysis
-from mergepipe.engine.vocab import VocabRows, vocab_setting, write_vocab_files
+from mergepipe.engine.vocab import VocabRows, vocab_setting
 from mergepipe.errors import ExecutionError
-from mergepipe.manifest.build import file_sha256
 from mergepipe.ops.core import get_op
-from mergepipe.planner.plan import Plan, compact_ranges, expand_ranges
+from mergepipe.planner.plan import Plan, expand_ranges
 from mergepipe.planner.settings import tensor_weight
 from mergepipe.storage.grid import BlockSpan, tensor_grid
 from mergepipe.storage.registry import open_checkpoint
 from mergepipe.storage.safetensors import FLOAT_DTYPES, TensorInfo
-from mergepipe.storage.compact import CompactBlock, CompactReader, level_bytes
 from mergepipe.storage.sources import open_source
-from mergepipe.storage.writers import ShardWriter, finish_files, plan_shards, write_layout_config
+from mergepipe.storage.writers import ShardWriter, plan_shards
 
 REMOTE_READAHEAD = 8  # groups fetched at once from remote inputs (still within the in-flight byte budget)
 
@@ -106,17 +106,7 @@ class MergePipeline:
         self.work = self.select_work(block_groups(order, plan.block_bytes, engine.group_bytes,
                                                   self.span_cost, engine.group_read_bytes))
         self.total_blocks = sum(len(g) for _, g in self.work)
-        self.readers = [src.checkpoint.reader() for src in self.sources]
-        self.fixed_cache: list[tuple[str, list] | None] = [None] * len(experts)  # LoRA A of the current tensor
-        self.base_reader = base_ck.reader(sequential=True)
-        self.input_readers = {m: (self.base_reader if ck is base_ck else ck.reader(sequential=True))
-                              for m, ck in self.inputs.items()}
-        # remote inputs: several groups are fetched at once, so that request latency overlaps (LoRA
-        # sources read their A once per tensor through fixed_cache, which needs groups read in order)
-        self.parallel_reads = (any(getattr(r, "concurrent", False)
-                                   for r in [self.base_reader, *self.input_readers.values(), *self.readers])
-                               and all(src.kind != "lora" for src in self.sources))
-        self.readahead = max(engine.readahead, REMOTE_READAHEAD) if self.parallel_reads else engine.readahead
+        self.open_readers()
         self.writers = self.open_writers()
         self.by_tensor: dict[str, int] = {}
         self.touched: dict[str, dict[str, list[int]]] = {e["id"]: {} for e in experts}
@@ -126,6 +116,21 @@ class MergePipeline:
         self.pending: deque = deque()  # (writer, offset, future-or-bytes, span count, bytes released) in output order
         self.queued = deque((item, sum(self.span_cost(item[0], s) for s in item[1])) for item in self.work)
         self.held_bytes = 0  # cost of the groups submitted for reading whose blocks are not all written yet
+
+    def open_readers(self) -> None:
+        """The readers of the experts, the base and the layout's other inputs, and how far ahead to read."""
+        engine, base_ck = self.engine, self.base_ck
+        self.readers = [src.checkpoint.reader() for src in self.sources]
+        self.fixed_cache: list[tuple[str, list] | None] = [None] * len(self.experts)  # LoRA A of the current tensor
+        self.base_reader = base_ck.reader(sequential=True)
+        self.input_readers = {m: (self.base_reader if ck is base_ck else ck.reader(sequential=True))
+                              for m, ck in self.inputs.items()}
+        # remote inputs: several groups are fetched at once, so that request latency overlaps (LoRA
+        # sources read their A once per tensor through fixed_cache, which needs groups read in order)
+        self.parallel_reads = (any(getattr(r, "concurrent", False)
+                                   for r in [self.base_reader, *self.input_readers.values(), *self.readers])
+                               and all(src.kind != "lora" for src in self.sources))
+        self.readahead = max(engine.readahead, REMOTE_READAHEAD) if self.parallel_reads else engine.readahead
 
     def _output_tensors(self) -> list[TensorInfo]:
         """The output tensors in output order (each an input tensor's info under its output name), with
@@ -375,89 +380,3 @@ class MergePipeline:
     def input_bytes_read(self) -> int:
         """Bytes read from the base (and, for a `slices:` layout, the other models it copies from)."""
         return sum(r.bytes_read for r in self.input_readers.values())
-
-
-def finish_snapshot(plan: Plan, base_ck, staging: Path, shards, outputs: dict, realized_by_expert: dict,
-                    counters: dict) -> dict:
-    """Complete the snapshot's files around its written ``shards`` (``outputs``: name -> sha256 and
-    bytes), check the realized expert reads against the plan, and return what the manifest needs
-    (``counters``: realized_by_tensor, touched, base_read, timing, inflight, analysis_read)."""
-    finish_files(base_ck, staging, shards, plan.tokenizer)
-    if vocab_setting(plan):
-        write_vocab_files(plan, staging)
-    if plan.layout is not None:
-        write_layout_config(staging, plan.layout)
-    for extra in sorted(p for p in staging.rglob("*") if p.is_file()):  # config, index, tokenizer files
-        name = extra.relative_to(staging).as_posix()
-        if name not in outputs:
-            outputs[name] = {"sha256": file_sha256(extra), "bytes": extra.stat().st_size}
-    check_realized(plan, realized_by_expert, counters.get("compact_read_by_expert"))
-    touched = counters["touched"]
-    return {**counters, "outputs": outputs, "realized_by_expert": realized_by_expert,
-            "touched": {e: {t: compact_ranges(b) for t, b in sorted(ts.items())} for e, ts in touched.items()},
-            "output_write": sum(o["bytes"] for o in outputs.values())}
-
-
-def check_realized(plan: Plan, realized_by_expert: dict, compact_by_expert: dict | None = None) -> None:
-    """Refuse to publish when the bytes read from an expert (exactly, or from the compact tier) differ from the
-    plan, or exceed the budget."""
-    compact_by_expert = compact_by_expert or {}
-    planned_compact = plan.compact_read_by_expert
-    for e in plan.experts:
-        planned = plan.estimated_by_expert[e["id"]]
-        if realized_by_expert[e["id"]] != planned:
-            raise ExecutionError(f"realized expert read of {e['id']} ({realized_by_expert[e['id']]} B) "
-                                 f"differs from the plan ({planned} B); nothing was published")
-        got, want = compact_by_expert.get(e["id"], 0), planned_compact.get(e["id"], 0)
-        if got != want:
-            raise ExecutionError(f"realized compact read of {e['id']} ({got} B) differs from the plan ({want} B); "
-                                 f"nothing was published")
-    total = sum(realized_by_expert.values()) + sum(compact_by_expert.values())
-    if total > plan.budget_bytes and plan.full_expert_bytes:
-        raise ExecutionError("realized expert read exceeds the budget; nothing was published")
-
-
-class CompactInputs:
-    """The compact records a plan reads: per expert its file (opened at the first read), and per (tensor, block)
-    the record's offset, entries and the level read."""
-
-    def __init__(self, plan: Plan):
-        core = plan.compact or {}
-        files = plan.compact_files
-        self.blocks: dict[str, dict] = {}
-        self.files = files
-        self.readers: dict[str, CompactReader] = {}
-        self._lock = threading.Lock()
-        for eid, entry in (core.get("experts") or {}).items():
-            if eid not in files:
-                raise ExecutionError(f"plan {plan.id} reads compact deltas of {eid} but names no compact file; "
-                                     f"plan again")
-            where = {(t, b): (off, n) for t, bs in files[eid]["blocks"].items() for b, off, n in bs}
-            per = self.blocks.setdefault(eid, {})
-            for level, tensors in entry["bits"].items():
-                for tensor, ranges in tensors.items():
-                    for b in expand_ranges(ranges):
-                        off, n = where[(tensor, b)]
-                        per[(tensor, b)] = (off, n, entry["group"], int(level))
-
-    def nbytes(self, eid: str, tensor: str, block: int) -> int:
-        got = self.blocks.get(eid, {}).get((tensor, block))
-        return 0 if got is None else level_bytes(got[1], got[2], got[3])
-
-    def read(self, eid: str, tensor: str, block: int) -> CompactBlock | None:
-        got = self.blocks.get(eid, {}).get((tensor, block))
-        if got is None:
-            return None
-        off, n, group, level = got
-        with self._lock:
-            reader = self.readers.get(eid)
-            if reader is None:
-                reader = self.readers[eid] = CompactReader(self.files[eid]["path"], self.files[eid]["nbytes"])
-        return CompactBlock(reader.read(off, level_bytes(n, group, level)), n, group, level)
-
-    def bytes_read(self) -> dict[str, int]:
-        return {eid: r.bytes_read for eid, r in self.readers.items()}
-
-    def close(self) -> None:
-        for r in self.readers.values():
-            r.close()
