@@ -1,6 +1,7 @@
 """The package layout keeps its shape: import-linter's contracts (pyproject.toml) hold, every SQL
 statement lives in mergepipe/catalog/ (none in pages/ or app.py), app.py and the pages import only the
-dashboard's public doors, and the dashboard reaches the library through mergepipe.api only."""
+dashboard's public doors, the dashboard reaches the library through mergepipe.api only, no module imports
+itself back through others, and modules and functions stay within 400 and 60 lines."""
 
 from __future__ import annotations
 
@@ -262,3 +263,73 @@ def test_import_cycle_check_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _import_cycles(graph) == [["a", "b", "c"]]
     assert _cycle_path(graph, ["a", "b", "c"]) == "a -> b -> c -> a"
+
+
+# --- size limits: a module reads in one sitting, a function on one screen --------------------------------
+MODULE_LINE_LIMIT = 400
+FUNCTION_LINE_LIMIT = 60
+# A generated data table says so on its first line and is not counted against the module limit.
+DATA_TABLE_MARK = "exempt from the 400-line module limit"
+# Modules and functions still over the limits, each with the reason; empty them as they are split (an entry
+# that is no longer over fails the tests, so the lists only shrink). Keys: a path from the repository root;
+# a function's key is "path::qualified name".
+LONG_MODULES_ALLOWED: dict[str, str] = {}
+LONG_FUNCTIONS_ALLOWED: dict[str, str] = {}
+
+
+def _sized_files() -> list[Path]:
+    """The files the limits apply to: the library, the dashboard's pages and app.py."""
+    return [*sorted(PACKAGE.rglob("*.py")), *sorted((ROOT / "pages").glob("*.py")), ROOT / "app.py"]
+
+
+def _function_lengths(path: Path) -> dict[str, int]:
+    """Qualified name (``Class.method``, ``outer.inner``) -> lines, from ``def`` to the last line of its body."""
+    lengths: dict[str, int] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = prefix + child.name
+                if not isinstance(child, ast.ClassDef):
+                    lengths[name] = child.end_lineno - child.lineno + 1
+                visit(child, name + ".")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(path.read_text(), filename=str(path)), "")
+    return lengths
+
+
+def _over_limits(found: dict[str, int], allowed: dict[str, str], limit: int) -> tuple[list[str], list[str]]:
+    """(entries over the limit and not allowed, allowed entries no longer over it)."""
+    over = [f"{key}: {n} lines" for key, n in sorted(found.items()) if n > limit and key not in allowed]
+    stale = [key for key in sorted(allowed) if found.get(key, 0) <= limit]
+    return over, stale
+
+
+def test_no_module_over_400_lines():
+    found = {}
+    for path in _sized_files():
+        text = path.read_text()
+        if DATA_TABLE_MARK not in text.partition("\n")[0]:
+            found[str(path.relative_to(ROOT))] = len(text.splitlines())
+    over, stale = _over_limits(found, LONG_MODULES_ALLOWED, MODULE_LINE_LIMIT)
+    assert not over, f"modules over {MODULE_LINE_LIMIT} lines (split them by responsibility):\n" + "\n".join(over)
+    assert not stale, f"no longer over {MODULE_LINE_LIMIT} lines, remove from LONG_MODULES_ALLOWED: {stale}"
+
+
+def test_no_function_over_60_lines():
+    found = {f"{path.relative_to(ROOT)}::{name}": n for path in _sized_files()
+             for name, n in _function_lengths(path).items()}
+    over, stale = _over_limits(found, LONG_FUNCTIONS_ALLOWED, FUNCTION_LINE_LIMIT)
+    assert not over, f"functions over {FUNCTION_LINE_LIMIT} lines (split them into helpers):\n" + "\n".join(over)
+    assert not stale, f"no longer over {FUNCTION_LINE_LIMIT} lines, remove from LONG_FUNCTIONS_ALLOWED: {stale}"
+
+
+def test_size_limits_count_what_they_say(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("class A:\n    def f(self):\n        def g():\n            pass\n        return g\n\n\n"
+                      "async def h():\n    pass\n")
+    assert _function_lengths(source) == {"A.f": 4, "A.f.g": 2, "h": 2}
+    assert _over_limits({"a": 5, "b": 2, "c": 9}, {"c": "being split", "d": "being split"}, 4) == (
+        ["a: 5 lines"], ["d"])
