@@ -1,7 +1,8 @@
 """The safetensors format: header parsing and validation, checkpoint layouts (a file or a sharded Hugging
 Face directory), row geometry and bytes -> tensor. The dtype tables live in :mod:`mergepipe.storage.dtypes`
 and the layout types (``TensorInfo``, ``Checkpoint``) in :mod:`mergepipe.storage.base`; both are
-re-exported here, as is ``DTYPES``/``TORCH_TO_CODE`` (built on first use).
+re-exported here, as is ``DTYPES``/``TORCH_TO_CODE`` (built on first use). The strict JSON reading and the
+kind-only descriptions of values that errors use live in :mod:`mergepipe.storage.json_checks`.
 
 Headers are parsed by hand (8-byte little-endian length + JSON) so that registering a checkpoint reads
 no tensor bytes. Reading tensor data is the storage backend's job (mergepipe.storage.local).
@@ -12,7 +13,6 @@ tensor (``bytes_to_tensor``, ``TensorInfo.torch_dtype``, ``DTYPES``).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -22,6 +22,10 @@ from mergepipe.errors import StorageError
 from mergepipe.storage import dtypes as _dtypes
 from mergepipe.storage.base import Checkpoint, TensorInfo  # noqa: F401 (re-exported)
 from mergepipe.storage.dtypes import FLOAT_DTYPES, ITEMSIZE, torch_dtype_of  # noqa: F401 (re-exported)
+from mergepipe.storage.json_checks import (  # under the private names the validators below use
+    MAX_JSON_DEPTH, is_int as _is_int, is_text as _is_text, kind as _kind, loads as _loads, short as _short,
+    too_deep as _too_deep,
+)
 from mergepipe.storage.paths import expand_path, open_regular, read_regular  # noqa: F401 (expand_path: re-exported)
 
 if TYPE_CHECKING:
@@ -105,95 +109,8 @@ def header_tensors(path, raw: bytes, size: int, label: str) -> dict[str, TensorI
 
 
 # --- validation helpers: errors name the file and the field, and describe values by kind only -----------
-MAX_JSON_DEPTH = 64  # config/index/manifest nesting; a real one is a few levels deep
 _MAX_DIM = 2**63 - 1
 _MAX_BYTES = 2**64
-
-
-class _DuplicateKey(Exception):
-    def __init__(self, key: str):
-        self.key = key
-
-
-def _unique_object(pairs: list) -> dict:
-    """object_pairs_hook: json.loads silently keeps the last of two equal keys; refuse them instead."""
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen: set = set()
-        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
-    return obj
-
-
-def _loads(raw: bytes, path, prefix: str = ""):
-    """Strict UTF-8 JSON with unique keys; every failure a StorageError naming ``path`` (``prefix``:
-    what is read, e.g. "header is ")."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise StorageError(f"{path}: {prefix}not valid JSON (not UTF-8 text: invalid byte at position {exc.start})") from None
-    try:
-        return json.loads(text, object_pairs_hook=_unique_object)
-    except _DuplicateKey as exc:
-        raise StorageError(f"{path}: {prefix}not valid (the key {_short(exc.key)} appears more than once)") from None
-    except json.JSONDecodeError as exc:
-        raise StorageError(f"{path}: {prefix}not valid JSON ({exc.msg} at line {exc.lineno}, "
-                           f"column {exc.colno})") from None
-    except RecursionError:
-        raise StorageError(f"{path}: {prefix}not valid JSON (nested too deeply)") from None
-    except ValueError:  # Python's int-string limit: an integer of thousands of digits
-        raise StorageError(f"{path}: {prefix}not valid (holds a number too large to read)") from None
-
-
-def _too_deep(value, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Whether a parsed JSON value nests deeper than ``limit`` (iteratively: no recursion)."""
-    stack = [(value, 1)]
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, (dict, list)):
-            if depth > limit:
-                return True
-            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
-    return False
-
-
-def _kind(value) -> str:
-    """What a JSON value is, without quoting it."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
-
-
-def _short(text, limit: int = 60) -> str:
-    """A name from a file, quoted and cut short (ASCII only, so printable anywhere)."""
-    text = str(text)
-    return ascii(text if len(text) <= limit else text[:limit] + "...")
-
-
-def _is_text(value) -> bool:
-    """A string that can be stored and printed (no lone surrogates from JSON \\u escapes, no NUL)."""
-    if not isinstance(value, str) or "\x00" in value:
-        return False
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_metadata(path, metadata) -> None:
