@@ -50,6 +50,10 @@ from mergepipe.api.configs import (  # noqa: F401
 )
 from mergepipe.api.recipes import recipe_save, recipe_show, recipe_list, recipe_explain, recipe_run, watch  # noqa: F401
 from mergepipe.api.sweeps import load_sweep, run_sweep  # noqa: F401
+from mergepipe.api.searches import (  # noqa: F401
+    load_search, load_into_model, merge_in_memory, parse_search, search, search_parameter_importance,
+    search_publish, search_resume, search_show, searches,
+)
 from mergepipe.api.health import doctor  # noqa: F401
 from mergepipe.api.catalog_reads import (  # noqa: F401
     snapshots, runs, run_alive, output_number, compact_rows, tensor_stats_rows, block_stats_rows, sketch_rows,

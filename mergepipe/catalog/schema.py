@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 
 # ANALYZE's per-tensor Gram statistics (catalog/gram.py): a = b = '' is ||base||^2, a = '' <base, delta_b>,
 # else <delta_a, delta_b> (a <= b), for the experts analyzed together.
@@ -38,6 +38,23 @@ RECIPE_TABLES = [
 
 # compact deltas (v10, issue 27): one compact file per expert beside the catalog (storage/compact.py), keyed
 # by the expert's fingerprint and the grid, and per block its entries and the exact error norm of each level
+# a recipe search (v11): its space and settings, one row per trial (parameters, state, best score) and one
+# per merge a trial ran (its fidelity: budget, score, bound, bytes, seconds)
+SEARCH_TABLES = [
+    """CREATE TABLE IF NOT EXISTS searches (
+        id TEXT PRIMARY KEY, name TEXT NOT NULL, source TEXT NOT NULL, settings TEXT NOT NULL,
+        status TEXT NOT NULL, pid INTEGER, started_at TEXT, finished_at TEXT, report TEXT)""",
+    """CREATE TABLE IF NOT EXISTS search_trials (
+        search_id TEXT NOT NULL, number INTEGER NOT NULL, params TEXT NOT NULL, status TEXT NOT NULL,
+        fidelity TEXT, score REAL, expert_read INTEGER, seconds REAL, error TEXT, holdout REAL,
+        snapshot_id TEXT, started_at TEXT, finished_at TEXT,
+        PRIMARY KEY (search_id, number))""",
+    """CREATE TABLE IF NOT EXISTS search_steps (
+        search_id TEXT NOT NULL, number INTEGER NOT NULL, step INTEGER NOT NULL, budget TEXT NOT NULL,
+        plan_id TEXT, score REAL, error_bound REAL, expert_read INTEGER, full_expert_bytes INTEGER,
+        seconds REAL, PRIMARY KEY (search_id, number, step))""",
+]
+
 COMPACT_TABLES = [
     """CREATE TABLE IF NOT EXISTS compacts (
         model_id TEXT PRIMARY KEY, base_id TEXT NOT NULL, fingerprint TEXT NOT NULL, block_bytes INTEGER NOT NULL,
@@ -111,6 +128,7 @@ SCHEMA = [
     """CREATE INDEX IF NOT EXISTS models_base ON models (base_id)""",
     *SWEEP_TABLES,
     *COMPACT_TABLES,
+    *SEARCH_TABLES,
 ]
 
 # Ordered migrations: version -> statements taking the schema from version-1 to version.
@@ -140,5 +158,6 @@ MIGRATIONS: dict[int, list[str]] = {
         PRIMARY KEY (model_id, fingerprint, dataset, metric))"""],
     8: list(RECIPE_TABLES),  # recipes and the watcher (issue 17)
     9: SWEEP_TABLES,  # merge sweeps and their points (issue 20)
-    10: COMPACT_TABLES,  # compact deltas (issue 27)
+    10: COMPACT_TABLES,  # compact deltas
+    11: SEARCH_TABLES,  # recipe searches, their trials and each trial's merges
 }

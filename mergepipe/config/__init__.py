@@ -13,8 +13,9 @@ lets them keep doing so:
   the base's float dtype, tokenizer settings that would move embedding rows); nothing is silently
   approximated. Tokenizer settings are resolved against the models' vocabularies by resolve.py. The compute ``dtype`` may be any float type: MergePipe
   computes in float32 whatever it says, which is at least as precise.
-* ``slices:`` and ``modules:`` (slices.py): layer ranges, frankenmerges and per-slice parameters are
-  expanded into the plan's ``layout`` and per-tensor settings (see that module for what is refused).
+* ``slices:`` and ``modules:`` (slices.py reads them, slice_expand.py expands them, slice_export.py writes them
+  back; modules.py for multi-module architectures): layer ranges, frankenmerges and per-slice parameters are
+  expanded into the plan's ``layout`` and per-tensor settings (see those modules for what is refused).
 * :func:`prepare` (resolve.py) maps each model reference to a catalog model: a registered id is used as is; a path
   is matched to a registered model by uri and fingerprint, or else registered under an id derived
   from its folder name (the merge analyzes it on the way); ``BASE+ADAPTER`` registers a PEFT LoRA adapter against the base.

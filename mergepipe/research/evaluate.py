@@ -28,9 +28,10 @@ transformers is imported lazily (optional extra ``[eval]``). Every file it loads
 comes from a checked copy of the model folder (:func:`~mergepipe.storage.tokenizer_files.checked_folder`), and
 held-out texts and task suites are read through the same path checks ($MERGEPIPE_ALLOWED_ROOTS).
 
-The measurements live in research/deviation.py (weight space), research/scoring.py (behaviour) and
-research/model_loading.py (model and tokenizer); this module re-exports them and adds the inputs'
-checks (held-out texts, task suites) and the CLI.
+The measurements live in research/deviation.py (weight space) and, because recipe searches score with
+them too, in the product package mergepipe.evaluation: scoring.py (behaviour), model_loading.py (model and
+tokenizer) and inputs.py (held-out texts and task suites read through the path checks); this module
+re-exports them and adds the CLI.
 
 CLI::
 
@@ -44,60 +45,23 @@ CLI::
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
-from pathlib import Path
 
 from mergepipe.config.task_suite import (  # noqa: F401  (the format lives in config)
     TaskExample, parse_task_suite, read_task_suite,
 )
 from mergepipe.errors import MergePipeError
 from mergepipe.research.deviation import bound_check, deviation, load_tensors  # noqa: F401  (re-exported)
-from mergepipe.research.model_loading import (  # noqa: F401  (re-exported)
+from mergepipe.evaluation.inputs import (  # noqa: F401  (re-exported)
+    MAX_TEXT_BYTES, read_eval_file, suite_job, text_job,
+)
+from mergepipe.evaluation.model_loading import (  # noqa: F401  (re-exported)
     BOS, EOS, INSTALL_HINT, PAD, CharTokenizer, import_transformers, load_model, load_tokenizer,
 )
-from mergepipe.research.scoring import (  # noqa: F401  (re-exported)
+from mergepipe.evaluation.scoring import (  # noqa: F401  (re-exported)
     accuracy, check_scoring, choice_loglik, greedy_answers, perplexity, score_task_suite,
 )
-from mergepipe.storage.paths import check_allowed, read_regular
-
-MAX_TEXT_BYTES = 256 << 20  # a held-out text or task suite
-
-
-def read_eval_file(path, label: str = "") -> bytes:
-    """The bytes of a held-out text or task suite: inside the allowed roots (symlinks followed), a regular
-    file, at most MAX_TEXT_BYTES; ``label`` prefixes the errors (``evaluate.text: ``)."""
-    try:
-        check_allowed(path)
-        if not Path(path).is_file():
-            raise MergePipeError(f"{path} is not a file")
-        return read_regular(path, MAX_TEXT_BYTES)
-    except MergePipeError as exc:
-        raise MergePipeError(f"{label}{exc}") from None
-
-
-def text_job(path, window: int, max_tokens: int) -> dict:
-    """A held-out text to score by perplexity (``mergepipe evaluate --text``), read through the path checks.
-    ``dataset`` keys a stored result: the text's sha256 with the window and token limit, which change it."""
-    check_scoring(window, max_tokens)
-    data = read_eval_file(path)
-    return {"metric": "perplexity", "dataset": f"{_digest(data)};window={window};max_tokens={max_tokens}",
-            "name": Path(path).name, "text": data.decode("utf-8", errors="replace"), "window": window,
-            "max_tokens": max_tokens}
-
-
-def suite_job(path) -> dict:
-    """A task suite to score (``mergepipe evaluate --tasks``): read once through the path checks, parsed
-    before any model is loaded; ``dataset``: the file's sha256."""
-    data = read_eval_file(path)
-    return {"metric": "accuracy", "dataset": _digest(data), "name": Path(path).name,
-            "suite": parse_task_suite(data, path)}
-
-
-def _digest(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
 
 def read_suite(path) -> dict[str, list[tuple[str, str]]]:
     """A task suite as (prompt, answer) pairs per task (the format: :func:`read_task_suite`)."""

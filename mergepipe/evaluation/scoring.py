@@ -10,7 +10,7 @@ import torch
 
 from mergepipe.config.task_suite import TaskExample
 from mergepipe.errors import MergePipeError
-from mergepipe.research.model_loading import load_model, load_tokenizer
+from mergepipe.evaluation.model_loading import load_model, load_tokenizer
 
 
 def check_scoring(window: int, max_tokens: int, names: tuple[str, str] = ("--window", "--max-tokens")) -> None:
