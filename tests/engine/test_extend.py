@@ -357,7 +357,7 @@ def test_cli_extend_records_an_extends_edge_and_refuses_in_one_line(fams, tmp_pa
     import shutil
     db = tmp_path / "c.sqlite"
     shutil.copy(fams["fp32"][0], db)
-    env = {**os.environ, "PYTHONPATH": str(Path(api.__file__).parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(api.__file__).resolve().parents[2])}
 
     def cli(*args):
         return subprocess.run([sys.executable, "-m", "mergepipe.cli", "--db", str(db), *args],

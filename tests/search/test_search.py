@@ -362,3 +362,18 @@ def test_resume_after_sigkill_loses_no_trial_and_runs_none_twice(tmp_path, cat):
     calls_after = calls.read_text().splitlines()
     assert len(calls_after) - len(calls_before) == 6 - len(finished)
     assert len(calls_after) in (6, 7)  # 7 when the killed trial had already been scored
+
+
+def test_a_v10_catalog_gets_the_search_tables(tmp_path, cat):
+    for t in ("searches", "search_trials", "search_steps"):
+        cat.conn.execute(f"DROP TABLE {t}")
+    cat.conn.execute("UPDATE meta SET value = '10' WHERE key = 'schema_version'")
+    cat.conn.commit()
+    path = Path(cat.path)
+    cat.close()
+    again = Catalog(path)
+    try:
+        assert again.query("SELECT value FROM meta WHERE key='schema_version'")[0]["value"] == "11"
+        assert api.searches(again) == []
+    finally:
+        again.close()
