@@ -155,3 +155,24 @@ def test_compact_smoke(tmp_path):
     dev = res["deviations"]["linear|10%|progressive"]
     assert dev["same_names"] and dev["deviation"] >= 0
     assert not (tmp_path / "work" / "compact-smoke").exists()  # the run cleans up after itself
+
+
+def test_search_report_judges_each_goal_from_the_numbers():
+    from benchmarks.search_report import goals, render
+    k = {"k": 4, "tasks": ["a", "b", "c", "d"], "expert_bytes": 4 << 30,
+         "defaults": {"linear": {"validation": 70.0, "heldout": 69.0},
+                      "ties": {"validation": 72.0, "heldout": 68.0}},  # picked on validation, not held-out
+         "cmaes": {"trials": 20, "expert_read": 80 << 30, "seconds": 400.0, "best_validation": 80.0,
+                   "best_heldout": 78.0, "best_params": {}},
+         "mergepipe_same_trials": {"trials": 20, "pruned": 12, "expert_read": 19 << 30, "seconds": 150.0,
+                                   "best_validation": 79.0, "best_heldout": 77.6, "best_params": {}, "steps": [
+                                       {"budget": "10%", "score": 70.0, "expert_read": 1, "bound": 0.5}]},
+         "mergepipe_same_time": {"trials": 50, "pruned": 30, "expert_read": 45 << 30, "seconds": 399.0,
+                                 "best_validation": 81.0, "best_heldout": 77.0, "best_params": {}, "steps": []}}
+    judged = goals(k)
+    assert [ok for _, _, ok in judged] == [True, True, True, False, True, True]
+    assert judged[0][1] == "77.6 vs 68.0 (+9.6 points)"  # the default chosen on validation (ties)
+    assert judged[3][1] == "77.0 vs 78.0 (-1.0)"
+    assert judged[4][1].endswith("(0.24x)")
+    text = render({"run": "now", "cpus": 2, "torch": "x", "seconds": 60, "family_a": [k]})
+    assert "| K=4 search (same trials) takes <= 1/2 of CMA-ES's wall time | 150 s vs 400 s (0.38x) | yes |" in text

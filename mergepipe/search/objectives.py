@@ -79,6 +79,8 @@ def load_into_model(tensors: dict, base_dir, auto_class: str = "AutoModelForCaus
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or ())  # loaded through the input embedding
     missing = [m for m in missing if m not in tied]
+    buffers = {name for name, _ in model.named_buffers()}  # e.g. position_ids, kept out of the state dict
+    unexpected = [u for u in unexpected if u not in buffers]
     if missing or unexpected:
         raise MergePipeError(f"the merged tensors do not fit {config.model_type}: "
                              f"missing {missing[:3]}, unexpected {unexpected[:3]}")
