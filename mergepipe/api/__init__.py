@@ -55,6 +55,9 @@ from mergepipe.api.searches import (  # noqa: F401
     search_publish, search_resume, search_show, searches,
 )
 from mergepipe.api.health import doctor  # noqa: F401
+from mergepipe.api.hub import (  # noqa: F401
+    hub_location, hub_origin, preflight, preflight_dict, preflight_gate, preflight_table,
+)
 from mergepipe.api.catalog_reads import (  # noqa: F401
     snapshots, runs, run_alive, output_number, compact_rows, tensor_stats_rows, block_stats_rows, sketch_rows,
     stats_version_row, decode_sketch, parents_of, children_of, snapshot_row, snapshot_dependents,

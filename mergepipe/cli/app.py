@@ -18,6 +18,7 @@ import mergepipe.cli.merge  # noqa: F401
 import mergepipe.cli.snapshots  # noqa: F401
 import mergepipe.cli.recipes  # noqa: F401
 import mergepipe.cli.search  # noqa: F401
+import mergepipe.cli.hub  # noqa: F401
 from mergepipe.cli.common import COMMANDS, add_commands, default_db
 from mergepipe.errors import MergePipeError
 

@@ -1,0 +1,121 @@
+"""The Hugging Face Hub side of the API: preflight (what merging a config will meet, from headers only, before
+any weight byte moves) and where a bare repo id (``org/name[@revision][/subfolder]``) is read from.
+
+Nothing here imports torch until a call needs it (``mergepipe --help`` stays light)."""
+
+from __future__ import annotations
+
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+from mergepipe.catalog.db import Catalog
+from mergepipe.errors import MergePipeError
+
+
+class PreflightError(MergePipeError):
+    """A merge refused by its preflight: ``details`` holds one line per problem (as `mergepipe preflight`
+    prints them)."""
+
+
+def _config(config, source: str | None):
+    """A MergekitConfig from one, from YAML text/bytes (with ``source``), or from a YAML file's path."""
+    from mergepipe.config.model import MergekitConfig
+    from mergepipe.config.parse import load_config, parse_config
+    if isinstance(config, MergekitConfig):
+        return config
+    if isinstance(config, bytes) or source is not None:
+        return parse_config(config, source or "the config")
+    return load_config(config)
+
+
+@contextmanager
+def _catalog(catalog: Catalog | str | Path | None):
+    """The catalog preflight reads: the one given, one at a path (read-only), or an empty one (no catalog:
+    every reference is a path, a URI or a repo id)."""
+    if isinstance(catalog, Catalog):
+        yield catalog
+        return
+    if catalog is not None and Path(catalog).exists():
+        cat = Catalog(catalog, create=False, read_only=True)
+        try:
+            yield cat
+        finally:
+            cat.close()
+        return
+    with tempfile.TemporaryDirectory(prefix="mergepipe-preflight-") as folder:
+        cat = Catalog(Path(folder) / "empty.sqlite")
+        try:
+            yield cat
+        finally:
+            cat.close()
+
+
+def preflight(config, catalog: Catalog | str | Path | None = None, source: str | None = None, budget=None,
+              check_path=None):
+    """What merging ``config`` will meet, from every model's index, headers and config.json only (a
+    :class:`mergepipe.config.preflight.Preflight`: ``ok``, ``problems`` one line each, ``inputs``,
+    ``output``, ``estimate``, ``transferred``; :func:`preflight_table` gives its rows, :func:`preflight_dict`
+    all of it).
+
+    ``config``: a MergekitConfig, YAML text or bytes (name it with ``source``), or a YAML file's path;
+    ``catalog``: a Catalog or a catalog path (read only; none: an empty one); ``budget`` replaces the
+    config's; ``check_path`` vets a local path before it is read (the dashboard's allowed folders).
+    Changes nothing stored."""
+    from mergepipe.config.preflight import preflight as run
+    cfg = _config(config, source)
+    if budget is not None:
+        cfg = cfg.with_overrides(budget=budget)
+    with _catalog(catalog) as cat:
+        return run(cat, cfg, check_path=check_path)
+
+
+def preflight_table(result) -> list[dict]:
+    """The preflight table: one row per model (model, role, from, tensors, params, dtype, vocab, lm_head,
+    vs base, bytes, fetched)."""
+    from mergepipe.config.preflight_estimate import table_rows
+    return table_rows(result)
+
+
+def preflight_dict(result) -> dict:
+    """A preflight's outcome as plain data (what `mergepipe --json preflight` prints)."""
+    return {"source": result.source, "method": result.method, "ok": result.ok, "problems": result.problems,
+            "notes": result.notes, "models": preflight_table(result), "output": result.output,
+            "estimate": result.estimate, "transferred": result.transferred}
+
+
+def preflight_gate(config, catalog: Catalog | str | Path | None = None) -> None:
+    """The preflight at the start of `plan`/`merge --config`: a PreflightError (``details``: one line per
+    problem) when the merge would meet a problem. A model that cannot be found or opened is left to the merge
+    itself, which reports it as it always has."""
+    try:
+        result = preflight(config, catalog)
+    except MergePipeError:
+        return
+    if result.ok or not result.resolved:
+        return
+    n = len(result.problems)
+    err = PreflightError(f"preflight found {n} problem{'s' if n > 1 else ''} the merge would meet, nothing was "
+                         f"registered or read beyond headers; the first: {result.problems[0]}")
+    err.details = list(result.problems)
+    raise err
+
+
+def hub_location(text: str) -> dict | None:
+    """Where a bare Hub repo id is read from: ``{repo, revision, subfolder, uri, commit, cached}``
+    (cached: a snapshot in the local Hugging Face cache, read locally; else ``hf://`` range reads); None
+    when ``text`` is no repo id. Raises with HF_HUB_OFFLINE set and nothing cached."""
+    from mergepipe.storage.hub_ids import locate
+    found = locate(text)
+    if found is None:
+        return None
+    return {"repo": found.hub.repo, "revision": found.hub.rev, "subfolder": found.hub.subfolder, "uri": found.uri,
+            "commit": found.commit, "cached": found.cached}
+
+
+def hub_origin(uri: str) -> dict | None:
+    """``{repo, revision, subfolder}`` of a registered location that came from the Hub (an ``hf://`` URI or
+    a Hugging Face cache snapshot folder, whose revision is its commit); None otherwise."""
+    from mergepipe.storage.hub_ids import hub_origin as origin
+    found = origin(uri)
+    return None if found is None else {"repo": found.repo, "revision": found.rev, "subfolder": found.subfolder}
