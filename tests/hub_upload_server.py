@@ -357,3 +357,46 @@ class HubServer(RangeServer):
                     self.wfile.write(data[start:end])
 
         return Handler
+
+
+# --- the tests' setting -----------------------------------------------------------------------------------
+TOKEN = "hf_mergepipe_test_secret_0123456789"
+
+
+def point_hub_at(mp, server: HubServer, home) -> None:
+    """Point huggingface_hub and MergePipe's hf:// reads at ``server`` (``mp``: a pytest MonkeyPatch): its
+    endpoint, Xet off, HF_TOKEN the server's token, an empty HF_HOME (no stored token of the machine's)."""
+    import huggingface_hub.constants as constants
+
+    from mergepipe.storage import registry
+    mp.setenv("HF_ENDPOINT", server.url)
+    mp.setenv("HF_HUB_DISABLE_XET", "1")
+    mp.setattr(constants, "HF_HUB_DISABLE_XET", True)  # read when huggingface_hub was imported
+    mp.setenv("HF_HOME", str(home))
+    mp.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    mp.setenv("MERGEPIPE_REMOTE_BACKOFF", "0.01")
+    mp.delenv("MERGEPIPE_REMOTE_CACHE", raising=False)
+    if server.token:
+        mp.setenv("HF_TOKEN", server.token)
+    else:
+        mp.delenv("HF_TOKEN", raising=False)
+    registry._BACKENDS.pop("hf", None)  # a backend made for another endpoint or token keeps its transports
+
+
+def hub_snapshot(root, db, out, budget: str = "30%", seed: int = 5):
+    """A family served as hf://org/{base,expert_1,expert_2} (files under ``root/org``), registered in the
+    catalog ``db`` by those URIs, analyzed, and merged (ties, density 0.5, ``budget``) into ``out``.
+    Returns (catalog, snapshot id)."""
+    from mergepipe.analyze.runner import analyze
+    from mergepipe.api import merge
+    from mergepipe.catalog.db import Catalog
+    from mergepipe.catalog.models import register, register_many
+    from mergepipe.research.family import make_family
+
+    make_family(root / "org", experts=2, size="tiny", dtype="bf16", shard_bytes=64 << 10, seed=seed)
+    cat = Catalog(db)
+    register(cat, "base", "hf://org/base")
+    register_many(cat, [("e1", "hf://org/expert_1"), ("e2", "hf://org/expert_2")], base_id="base")
+    analyze(cat, block_bytes=16 << 10, densities=(0.5,))
+    _, sid, _ = merge(cat, "base", ["e1", "e2"], out, "ties", model_id="merged", budget=budget, density=0.5)
+    return cat, sid

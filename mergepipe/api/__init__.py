@@ -57,6 +57,7 @@ from mergepipe.api.searches import (  # noqa: F401
 from mergepipe.api.health import doctor  # noqa: F401
 from mergepipe.api.hub import (  # noqa: F401
     hub_location, hub_origin, preflight, preflight_dict, preflight_gate, preflight_table,
+    publish_to_hub, hub_card_text, reproduce,
 )
 from mergepipe.api.catalog_reads import (  # noqa: F401
     snapshots, runs, run_alive, output_number, compact_rows, tensor_stats_rows, block_stats_rows, sketch_rows,

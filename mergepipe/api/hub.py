@@ -119,3 +119,27 @@ def hub_origin(uri: str) -> dict | None:
     from mergepipe.storage.hub_ids import hub_origin as origin
     found = origin(uri)
     return None if found is None else {"repo": found.repo, "revision": found.rev, "subfolder": found.subfolder}
+
+
+# --- publishing a snapshot to the Hub, and reproducing one (api/publishing.py, api/reproduction.py) -----------
+def publish_to_hub(catalog: Catalog | None, ref: str, target: str, private: bool = False, create_pr: bool = False,
+                   progress=None) -> dict:
+    """Publish snapshot ``ref`` (snapshot id, model id or folder) to ``hf://org/name[@branch]``: the files that
+    differ from the branch's in one commit (or a pull request), a Hub model card as README.md, then every file
+    re-hashed by range requests against the manifest. See :func:`mergepipe.api.publishing.publish_to_hub`."""
+    from mergepipe.api.publishing import publish_to_hub as publish
+    return publish(catalog, ref, target, private=private, create_pr=create_pr, progress=progress)
+
+
+def hub_card_text(catalog: Catalog | None, ref: str, target: str) -> str:
+    """The README.md :func:`publish_to_hub` would publish snapshot ``ref`` to ``target`` with."""
+    from mergepipe.api.publishing import hub_card_text as card
+    return card(catalog, ref, target)
+
+
+def reproduce(catalog: Catalog | None, source: str, progress=None, work_dir=None) -> dict:
+    """Re-run a published snapshot (a folder or ``hf://org/name[@revision]``) from its card and manifest and
+    compare: ``ok`` (bit for bit), else ``first_difference`` names the first differing tensor and why. The
+    catalog is only read (inputs found by fingerprint). See :func:`mergepipe.api.reproduction.reproduce`."""
+    from mergepipe.api.reproduction import reproduce as run
+    return run(catalog, source, progress=progress, work_dir=work_dir)

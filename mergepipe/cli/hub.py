@@ -3,7 +3,10 @@
 ``mergepipe preflight --config merge.yml`` prints one table (a row per model) and what the merge will meet:
 the output's contents, the tokenizer, bytes to read and transfer, peak memory and time; then one
 ``problem:`` line per problem. Exit 0 when the merge will run, 1 otherwise. `plan --config` and
-`merge --config` run the same checks first (:func:`preflight_gate`) and refuse with the same lines."""
+`merge --config` run the same checks first (:func:`preflight_gate`) and refuse with the same lines.
+
+``mergepipe publish SNAP hf://org/name[@branch]`` commits a snapshot to the Hub (api/publishing.py);
+``mergepipe reproduce DIR|hf://org/name[@rev]`` re-runs a published one and compares (api/reproduction.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import sys
 from pathlib import Path
 
 from mergepipe import api
-from mergepipe.cli.common import command, emit, table
+from mergepipe.cli.common import command, emit, progress_bar, table
 from mergepipe.errors import MergePipeError
 
 COLUMNS = ["model", "role", "from", "tensors", "params", "dtype", "vocab", "lm_head", "vs base", "bytes", "fetched"]
@@ -86,3 +89,76 @@ def preflight_gate(cfg, db: str | Path) -> None:
     except MergePipeError as exc:
         print_problems(getattr(exc, "details", None) or (), sys.stderr)
         raise
+
+
+# --- publish and reproduce ------------------------------------------------------------------------------------
+def _add_publish(p):
+    p.add_argument("snapshot", help="snapshot id, merged model id or snapshot folder")
+    p.add_argument("target", metavar="hf://org/name[@branch]", help="the Hub repository (and branch; default main)")
+    p.add_argument("--private", action="store_true", help="create the repository private (when it does not exist)")
+    p.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing to the branch")
+
+
+def _read_catalog(args):
+    """The catalog at --db, read only, or None when there is none."""
+    return api.Catalog(args.db, create=False, read_only=True) if Path(args.db).exists() else None
+
+
+def publish_text(r: dict) -> str:
+    where = r["pr_url"] or f"{r['uri']} at commit {r['commit'][:12]}"
+    sent = (f"uploaded {len(r['uploaded'])} files ({api.human_bytes(r['uploaded_bytes'])})" if r["created_commit"]
+            else "nothing changed, no commit")
+    return (f"published {r['snapshot_id']} to {where}: {sent}, {len(r['unchanged'])} unchanged"
+            + (f", {len(r['deleted'])} stale weight files deleted" if r["deleted"] else "")
+            + f"; {r['verified']} files verified by range reads")
+
+
+@command("publish", "publish a snapshot to the Hugging Face Hub (changed files only, a model card, verified by "
+                    "range reads)", arguments=_add_publish)
+def cmd_publish(args):
+    cat = _read_catalog(args)
+    if cat is None and not Path(args.snapshot).is_dir():
+        raise MergePipeError(f"no catalog at {args.db}: name the snapshot by its folder, or give --db")
+    prog, cb = progress_bar("publish")
+    with prog:
+        res = api.publish_to_hub(cat, args.snapshot, args.target, private=args.private, create_pr=args.create_pr,
+                                 progress=cb)
+    emit(args, res, lambda r: print(publish_text(r)))
+
+
+def _add_reproduce(p):
+    p.add_argument("source", metavar="DIR|hf://org/name[@rev]", help="a snapshot folder or a published repository")
+    p.add_argument("--work-dir", help="folder for the reproduction's temporary merge (default: the system's)")
+
+
+@command("reproduce", "re-run a published snapshot's recipe: reproduced bit for bit, or the first differing "
+                      "tensor and why (exit 1)", arguments=_add_reproduce)
+def cmd_reproduce(args):
+    cat = _read_catalog(args)
+    prog, cb = progress_bar("reproduce")
+    with prog:
+        res = api.reproduce(cat, args.source, progress=cb, work_dir=args.work_dir)
+    emit(args, res, lambda r: print("\n".join([r["message"], *(f"  {i['role']} {i['id']}: {i['uri']} ({i['found']})"
+                                                                 for i in r["inputs"])])))
+    return 0 if res["ok"] else 1
+
+
+def spelled_config(args):
+    """The config `plan`/`merge --base B --experts E ...` spell when a model they name is not a catalog id but a
+    Hub repo id, a path or a remote URI (resolved and registered as a config's are); None when every name is
+    registered (or some name is none of these: the plan then says it is unknown, as before)."""
+    if args.config is not None or not args.base or not args.experts:
+        return None
+    refs = [args.base, *args.experts]
+    db = Path(args.db)
+    if db.exists():
+        cat = api.Catalog(db, create=False, read_only=True)
+        try:
+            refs = [r for r in refs if not cat.has_model(r)]
+        finally:
+            cat.close()
+    if not refs or not all(api.names_a_model(r) for r in refs):
+        return None
+    text = json.dumps({"merge_method": args.op or "linear", "base_model": args.base,
+                       "models": [{"model": e} for e in args.experts]})
+    return api.parse_config(text, "--base/--experts")
