@@ -7,6 +7,7 @@ can be shared as a link."""
 import streamlit as st
 
 from mergepipe.dashboard import views
+from mergepipe.dashboard import preflight as dash_preflight
 from mergepipe.api import STRATEGIES, save_plan
 from mergepipe.errors import MergePipeError
 from pages import _nav, _ui as ui
@@ -30,9 +31,12 @@ def load_mergekit():
 
     def fn(cat):
         upload = s.get("mk_upload")
+        s.pop("_preflight", None)
         data, source = views.read_config_source(upload.getvalue() if upload is not None else None,
                                                 s.get("mk_path"), ui.roots(),
                                                 upload.name if upload is not None else None)
+        # what the merge will meet (headers only), shown whether or not the page can take the settings
+        s["_preflight"] = dash_preflight.config_preflight(cat, data, source, ui.roots())
         return source, views.mergekit_plan_settings(cat, data, source, ui.roots())
 
     res = ui.action(ui.with_catalog, fn)
@@ -71,6 +75,17 @@ def apply_yaml(key: str):
         ui.flash("success", f"Applied the YAML: {what}.")
 
 
+def show_preflight(pf):
+    """The loaded config's preflight: its table, what the merge will meet, one error per problem."""
+    if not pf:
+        return
+    with st.expander(dash_preflight.preflight_verdict(pf), expanded=True, key="preflight_expander"):
+        ui.table(dash_preflight.preflight_frame(pf), hide_index=True, key="preflight_table")
+        st.code("\n".join(pf["summary"] + [f"note: {n}" for n in pf["notes"]]), language=None)
+        for problem in pf["problems"]:
+            st.error(problem, icon=":material/block:")
+
+
 ui.show_flash()
 # What the URL asked for when the page loaded: a value the widgets cannot take is replaced (and said so).
 if not st.session_state.get("_plan_url_seen"):
@@ -84,6 +99,7 @@ with ui.user_errors(), ui.catalog() as cat:
         st.info("Nothing to plan yet: register a base and its experts on the **Models** page and analyze them.")
         st.stop()
     models = {m["id"]: m for m in cat.models()}
+    show_preflight(st.session_state.get("_preflight"))
     settings, result = st.columns([1, 2], gap="large")
     with settings:
         base = st.selectbox("Base", bases, key="base", bind="query-params", on_change=reset_experts)

@@ -56,7 +56,8 @@ from mergepipe.api.searches import (  # noqa: F401
 )
 from mergepipe.api.health import doctor  # noqa: F401
 from mergepipe.api.hub import (  # noqa: F401
-    hub_location, hub_origin, preflight, preflight_dict, preflight_gate, preflight_table,
+    hub_location, hub_origin, names_a_model, preflight, preflight_dict, preflight_gate, preflight_summary,
+    preflight_table,
     publish_to_hub, hub_card_text, reproduce,
 )
 from mergepipe.api.catalog_reads import (  # noqa: F401

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from mergepipe.catalog.db import Catalog
 from mergepipe.errors import MergePipeError
+from mergepipe.units import human_bytes
 
 
 class PreflightError(MergePipeError):
@@ -84,6 +85,36 @@ def preflight_dict(result) -> dict:
             "estimate": result.estimate, "transferred": result.transferred}
 
 
+def _seconds(s: float) -> str:
+    return f"~{s:.3g} s" if s < 100 else f"~{s / 60:.3g} min"
+
+
+def preflight_summary(result) -> list[str]:
+    """What the merge will meet, in lines below the preflight table (the CLI's and the Plan page's): the output,
+    the tokenizer, bytes to read and transfer with the time they take, peak memory, and the bytes preflight moved."""
+    o, e = result.output, result.estimate
+    lines = []
+    if o:
+        grow = f", +{o['growth']:,} over the base's" if o["growth"] else " (the base's)"
+        lines.append(f"output     {o['tensors']} tensors, {o['params']:,} parameters{grow}; head: {o['head']}")
+        lines.append(f"tokenizer  {o['tokenizer']}")
+    if e:
+        full = e["full"]
+        lines.append(f"read       full merge {human_bytes(full['read'])} (base {human_bytes(full['read'] - full['expert'])}"
+                     f", experts {human_bytes(full['expert'])}), transfer {human_bytes(full['transfer'])}, "
+                     f"{_seconds(full['seconds'])}")
+        if e.get("budgeted") and e["budgeted"]["expert"] < e["full_expert_bytes"]:
+            b = e["budgeted"]
+            lines.append(f"budget     {e['budget']}: read <= {human_bytes(b['read'])} (experts "
+                         f"{human_bytes(b['expert'])}), transfer <= {human_bytes(b['transfer'])}, "
+                         f"{_seconds(b['seconds'])}")
+        elif e.get("budget") is None:
+            lines.append("budget     a target bound: the bytes it reads depend on the statistics ANALYZE stores")
+        lines.append(f"memory     peak ~{human_bytes(e['peak_memory'])} of merge buffers (plus the process)")
+    lines.append(f"preflight transferred {result.transferred:,} bytes (indexes, headers and configs only)")
+    return lines
+
+
 def preflight_gate(config, catalog: Catalog | str | Path | None = None) -> None:
     """The preflight at the start of `plan`/`merge --config`: a PreflightError (``details``: one line per
     problem) when the merge would meet a problem. A model that cannot be found or opened is left to the merge
@@ -99,6 +130,13 @@ def preflight_gate(config, catalog: Catalog | str | Path | None = None) -> None:
                          f"registered or read beyond headers; the first: {result.problems[0]}")
     err.details = list(result.problems)
     raise err
+
+
+def names_a_model(text: str) -> bool:
+    """Whether ``text`` names a model outside the catalog: an existing path, a remote URI or a Hub repo id."""
+    from mergepipe.storage.hub_ids import exists_locally, parse_hub_id
+    from mergepipe.storage.registry import scheme_of
+    return scheme_of(text) is not None or exists_locally(text) or parse_hub_id(text) is not None
 
 
 def hub_location(text: str) -> dict | None:

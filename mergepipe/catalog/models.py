@@ -20,6 +20,7 @@ from mergepipe.catalog.vocab_names import VOCAB_TENSOR_SUFFIXES, is_vocab_tensor
 from mergepipe.errors import CatalogError, MergePipeError
 from mergepipe.storage.lora import base_mismatches
 from mergepipe.storage.registry import canonical_uri, open_adapter, open_checkpoint, scheme_of, storage_for
+from mergepipe.storage.hub_ids import exists_locally, parse_hub_id, resolve_text
 from mergepipe.storage.uris import remote_model_name
 from mergepipe.storage.views import split_view
 from mergepipe.storage.dtypes import dtype_label
@@ -193,8 +194,9 @@ def register_many(
 
     All or nothing: every checkpoint is parsed and checked (against ``base_id``, whose headers are
     parsed once for the whole batch) before anything is written, so any error leaves the catalog
-    as it was. Returns one result per item, as :func:`register` does."""
-    items = [(model_id, str(uri)) for model_id, uri in items]
+    as it was. Returns one result per item, as :func:`register` does. A Hub repo id that is no local path
+    (``org/name[@rev]``) is registered from its cached snapshot, else ``hf://org/name@<commit>`` (hub_ids.py)."""
+    items = [(model_id, resolve_text(str(uri))) for model_id, uri in items]
     _check_request(items, base_id, kind)
     base_ckpt = _open_base(catalog, base_id)
     checked = [_check_one(catalog, model_id, uri, kind, base_id, base_ckpt, replace) for model_id, uri in items]
@@ -236,8 +238,9 @@ def named_by_path(uris) -> list[tuple[str, str]]:
     Two checkpoints that would get the same name are refused."""
     items, seen = [], {}
     for uri in map(str, uris):
-        if scheme_of(uri) is not None:
-            model_id = remote_model_name(uri)
+        hub = None if scheme_of(uri) is not None or exists_locally(uri) else parse_hub_id(uri)  # org/name
+        if scheme_of(uri) is not None or hub is not None:
+            model_id = hub.name if hub is not None else remote_model_name(uri)
             if model_id in seen:
                 raise CatalogError(f"{seen[model_id]} and {uri} would both be named {model_id!r}; "
                                    f"register them one at a time with --model-id ID --uri URI")

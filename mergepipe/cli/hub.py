@@ -10,6 +10,7 @@ the output's contents, the tokenizer, bytes to read and transfer, peak memory an
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -27,35 +28,6 @@ def _add_preflight(p):
     p.add_argument("--wide", action="store_true", help="show every column at its full width")
 
 
-def _seconds(s: float) -> str:
-    return f"~{s:.3g} s" if s < 100 else f"~{s / 60:.3g} min"
-
-
-def summary_lines(result) -> list[str]:
-    """What the merge will meet, below the table (the CLI's and the dashboard's caption)."""
-    o, e = result.output, result.estimate
-    lines = []
-    if o:
-        grow = f", +{o['growth']:,} over the base's" if o["growth"] else " (the base's)"
-        lines.append(f"output     {o['tensors']} tensors, {o['params']:,} parameters{grow}; head: {o['head']}")
-        lines.append(f"tokenizer  {o['tokenizer']}")
-    if e:
-        full = e["full"]
-        lines.append(f"read       full merge {api.human_bytes(full['read'])} (base + experts "
-                     f"{api.human_bytes(full['expert'])}), transfer {api.human_bytes(full['transfer'])}, "
-                     f"{_seconds(full['seconds'])}")
-        if e.get("budgeted"):
-            b = e["budgeted"]
-            lines.append(f"budget     {e['budget']}: read <= {api.human_bytes(b['read'])} (experts "
-                         f"{api.human_bytes(b['expert'])}), transfer <= {api.human_bytes(b['transfer'])}, "
-                         f"{_seconds(b['seconds'])}")
-        elif e.get("budget") is None:
-            lines.append("budget     a target bound: the bytes it reads depend on the statistics ANALYZE stores")
-        lines.append(f"memory     peak ~{api.human_bytes(e['peak_memory'])} of merge buffers (plus the process)")
-    lines.append(f"preflight transferred {result.transferred:,} bytes (indexes, headers and configs only)")
-    return lines
-
-
 def print_problems(problems: list[str], stream=None) -> None:
     for p in problems:
         print(f"problem: {p}", file=stream or sys.stdout)
@@ -71,7 +43,7 @@ def cmd_preflight(args):
         return 0 if result.ok else 1
     print(f"preflight of {result.source}: {result.method}")
     table(api.preflight_table(result), COLUMNS, keep=("model",), show_all=args.wide)
-    for line in summary_lines(result):
+    for line in api.preflight_summary(result):
         print(line)
     for note in result.notes:
         print(f"note: {note}")

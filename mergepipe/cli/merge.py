@@ -8,6 +8,7 @@ from pathlib import Path
 
 from mergepipe import api
 from mergepipe.cli.common import command, emit, open_catalog, progress_bar
+from mergepipe.cli.hub import preflight_gate, spelled_config
 from mergepipe.errors import MergePipeError
 
 
@@ -185,15 +186,16 @@ def _make_plan(args, cat, save=True, reserved_ids=()):
     return api.plan(cat, _request(args), save=save)
 
 
-def _load_config(args):
-    """The --config file, parsed and validated, with the command line's flags applied over it."""
+def _load_config(args, spelled=None):
+    """The --config file (or the config --base/--experts spell), parsed and validated, with the command line's
+    flags applied over it."""
     budget = _budget(args)
-    if args.base or args.experts:
+    if spelled is None and (args.base or args.experts):
         raise MergePipeError("--base/--experts cannot be combined with --config (the config names the models)")
     if args.coalesce is not None or args.coalesce_tolerance is not None:
         raise MergePipeError("--coalesce and --coalesce-tolerance go with --base/--experts; a config's plan coalesces automatically "
                              "when an expert is remote")
-    return api.load_config(args.config).with_overrides(
+    return (spelled or api.load_config(args.config)).with_overrides(
         operator=args.op, budget=None if budget is None or budget.is_target else budget,
         target_bound=args.target_bound, strategy=args.strategy, seed=args.seed, compact=args.compact,
         **_settings(args))
@@ -216,10 +218,16 @@ def _plan_summary(plan) -> dict:
 
 
 def _open_for_plan(args):
-    """The catalog for plan/merge; with --config the YAML is read first (a bad file creates nothing)
-    and a missing catalog is created, since the config's paths get registered into it."""
+    """The catalog for plan/merge; with --config the YAML is read first (a bad file creates nothing), its
+    preflight runs (cli/hub.py: problems refuse the merge before anything is registered) and a missing catalog
+    is created, since the config's paths get registered into it. --base/--experts naming models that are not
+    registered (Hub repo ids, paths, URIs) are merged as the config they spell."""
+    spelled = spelled_config(args)
+    if spelled is not None:
+        args.config = spelled.source
     if args.config is not None:
-        args.config_parsed = _load_config(args)
+        args.config_parsed = _load_config(args, spelled)
+        preflight_gate(args.config_parsed, args.db)
         return open_catalog(args, create=True, write=True)
     return open_catalog(args, write=True)
 

@@ -96,11 +96,9 @@ def _memo_open(r: _Resolver, opened: dict):
 
 def _source(r: _Resolver, text: str, uri: str, registered: bool) -> str:
     hub = r.hubs.get(text)
-    if hub is not None:
-        return hub.how
     scheme = scheme_of(uri)
-    how = f"{scheme}:// range reads" if scheme else "local"
-    return f"catalog ({how})" if registered else how
+    how = hub.how if hub is not None else f"{scheme}://" if scheme else "local"
+    return f"catalog, {how}" if registered else how
 
 
 def _locate(r: _Resolver, inp: Input, mid: str | None, base_uri: str | None) -> None:
@@ -157,6 +155,11 @@ def heads(ckpt) -> list[str]:
     return [n for n in ckpt.tensors if n.endswith(HEADS)]
 
 
+def _tie_setting(ckpt) -> str:
+    tie = (ckpt.config or {}).get("tie_word_embeddings")
+    return "" if tie is None else f"; tie_word_embeddings: {str(tie).lower()}"
+
+
 def tied_text(ckpt) -> str:
     """'own lm_head' or 'tied (tie_word_embeddings: true)': what a checkpoint does with its output head."""
     tie = (ckpt.config or {}).get("tie_word_embeddings")
@@ -172,12 +175,13 @@ def _head_problem(inp: Input, base: Input) -> str | None:
         n = 1
         for d in t.shape:
             n *= d
-        return (f"{inp.label}: has its own {mine[0]} {list(t.shape)} but the base ties its embeddings "
-                f"({tied_text(base.ckpt)}): an output with it would gain {n:,} parameters; MergePipe keeps the base's "
-                f"tensors and refuses the extra one (merge onto a base with an untied {mine[0]}, or drop it)")
+        return (f"{inp.label}: has its own {mine[0]} {list(t.shape)} but the base ties its embeddings (no "
+                f"{mine[0]}{_tie_setting(base.ckpt)}): an output with it would gain {n:,} parameters; MergePipe keeps "
+                f"the base's tensors and refuses the extra one (merge onto a base with an untied {mine[0]}, or "
+                f"drop it)")
     if theirs and not mine:
-        return (f"{inp.label}: ties its embeddings ({tied_text(inp.ckpt)}) but the base has {theirs[0]}: the "
-                f"model has no {theirs[0]} to merge (MergePipe refuses a missing tensor); untie it (save "
+        return (f"{inp.label}: ties its embeddings (no {theirs[0]}{_tie_setting(inp.ckpt)}) but the base has one: "
+                f"there is no {theirs[0]} of this model to merge (MergePipe refuses a missing tensor); untie it (save "
                 f"{theirs[0]} as a copy of the embedding) or use a tied base")
     return None
 

@@ -101,7 +101,7 @@ def _reads(base, experts: list, fraction: float | None) -> list[tuple[str, int, 
     """(uri, bytes, requests) per input: the base whole; each expert whole (None) or its budgeted share."""
     out = [(base.uri, base.ckpt.nbytes, len(base.ckpt.file_sizes))]
     for e, nbytes in experts:
-        if fraction is None:
+        if fraction is None or fraction >= 1.0:
             out.append((e.uri, nbytes, len(e.ckpt.file_sizes)))
         else:
             share = int(nbytes * fraction)
@@ -151,7 +151,7 @@ def estimate(cfg: MergekitConfig, inputs: list) -> dict:
 
 def table_rows(result) -> list[dict]:
     """One row per model: the preflight table (CLI, dashboard)."""
-    from mergepipe.config.preflight import tied_text
+    from mergepipe.config.preflight import heads
     rows = []
     for i in result.inputs:
         c = i.ckpt
@@ -161,7 +161,7 @@ def table_rows(result) -> list[dict]:
             "params": params_of(c) if c is not None else None,
             "dtype": ",".join(sorted({t.dtype for t in c.tensors.values()})) if c is not None else None,
             "vocab": vocab_size(c) if c is not None and i.kind != "lora" else None,
-            "lm_head": (tied_text(c) if c is not None and i.kind != "lora" else None),
+            "lm_head": ("own" if heads(c) else "tied") if c is not None and i.kind != "lora" else None,
             "vs base": ("error" if i.error else "-" if i.role.startswith("base") else
                         f"{len(i.differences)} differ" if i.differences else "same layout"),
             "bytes": c.nbytes if c is not None else None,

@@ -1,7 +1,12 @@
 """Map a config's model references to catalog models, changing nothing (:class:`_Resolver`, for
 resolve.prepare): a registered id is used as is; a path (or a remote URI) is matched to a registered model
 by uri and fingerprint, or else noted for registration under an id derived from its name; ``BASE+ADAPTER``
-names a PEFT LoRA adapter on the base. :class:`Resolved` holds the outcome."""
+names a PEFT LoRA adapter on the base. :class:`Resolved` holds the outcome.
+
+A reference is, in this order: a catalog id, a local path, then a bare Hugging Face repo id (``org/name``,
+``org/name@revision``, ``org/name/subfolder``): its snapshot in the local Hugging Face cache, else
+``hf://org/name@<commit>`` read by range requests (:func:`mergepipe.storage.hub_ids.locate`, called from
+``_Resolver._path`` only)."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from mergepipe.config.model import ConfigError, ConfigModel, MergekitConfig
 from mergepipe.config.parse_values import _exists
 from mergepipe.errors import MergePipeError, brief
 from mergepipe.planner.request import MergeRequest
+from mergepipe.storage.hub_ids import HubLocation, hub_origin, locate, parse_hub_id
 from mergepipe.storage.registry import canonical_uri, open_checkpoint, scheme_of
 from mergepipe.storage.uris import RemoteRoot, remote_model_name
 
@@ -66,8 +72,8 @@ def _location(uri: str) -> Path | RemoteRoot:
 
 
 def _known(text: str) -> bool:
-    """An existing local path, or a remote URI (whether it exists is found when it is opened)."""
-    return scheme_of(text) is not None or _exists(text)
+    """An existing local path, a remote URI or a Hub repo id (whether it exists is found when it is opened)."""
+    return scheme_of(text) is not None or _exists(text) or parse_hub_id(text) is not None
 
 
 class _Resolver:
@@ -79,6 +85,8 @@ class _Resolver:
         self.out = Resolved(cfg, "", [])
         self.views: dict[str, dict[int, int]] = {}  # expert id -> its layer map (sources at other layers)
         self.base_path: Path | None = None
+        self.open = open_checkpoint  # how a checkpoint is opened (preflight counts and keeps what it reads)
+        self.hubs: dict[str, HubLocation | None] = {}  # reference -> where its repo id was found (None: no id)
         # a model soup without base_model plans against a reference model (config/soup.py)
         self.base_text, self.base_where = (cfg.base, "base_model") if cfg.base is not None else \
             (cfg.models[0].ref, cfg.models[0].where + ".model")
@@ -95,13 +103,38 @@ class _Resolver:
             except MergePipeError as exc:
                 self.fail(where, str(exc))
         if not _exists(text):
-            return None
+            return self._hub(text, where)
         p = self.check(text)
         return Path(p).resolve()
 
+    def _hub(self, text: str, where: str) -> Path | RemoteRoot | None:
+        """Where a Hub repo id is read from: its snapshot in the local Hugging Face cache (a local folder), else
+        its ``hf://`` URI at the revision's commit; None when ``text`` is no repo id (storage/hub_ids.py)."""
+        if text not in self.hubs:
+            try:
+                self.hubs[text] = locate(text)
+            except MergePipeError as exc:
+                self.fail(where, str(exc))
+        found = self.hubs[text]
+        if found is None:
+            return None
+        return Path(found.uri).resolve() if found.cached else RemoteRoot(canonical_uri(found.uri))
+
+    def _open(self, path: Path | RemoteRoot, text: str, where: str):
+        """Open the checkpoint a reference names: a clear error now if it is not one (a repo id's says so)."""
+        try:
+            return self.open(path)
+        except MergePipeError as exc:
+            if self.hubs.get(text) is None:
+                raise
+            self.fail(where, f"{text} is not a local path; as a Hugging Face repo id ({path}): {exc}")
+
     def _derive_id(self, path: Path | RemoteRoot) -> str:
+        origin = hub_origin(str(path))
         if isinstance(path, RemoteRoot):
             name = remote_model_name(path)
+        elif origin is not None:  # a snapshot in the Hugging Face cache: the repo's name, as for hf://
+            name = origin.name
         else:
             name = path.name if path.is_dir() else path.stem
         name = name or "model"
@@ -136,7 +169,7 @@ class _Resolver:
             return row["id"], path
         if not self.register_paths:
             self._unregistered(where, text)
-        open_checkpoint(path)  # a clear error now if it is not a checkpoint
+        self._open(path, text, where)  # a clear error now if it is not a checkpoint
         mid = self._derive_id(path)
         self.out.to_register.append({"model_id": mid, "uri": str(path), "base_id": None, "kind": "full"})
         return mid, path
@@ -186,7 +219,7 @@ class _Resolver:
             if not self.register_paths:
                 self._unregistered(where, text)
             if not lora:
-                open_checkpoint(path)  # a clear error now if it is not a checkpoint
+                self._open(path, text, where)  # a clear error now if it is not a checkpoint
             mid = self._derive_id(path)
             self.out.to_register.append({"model_id": mid, "uri": str(path), "base_id": base_id, "kind": kind})
         return mid

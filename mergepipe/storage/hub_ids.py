@@ -80,8 +80,8 @@ class HubLocation:
 
     @property
     def how(self) -> str:
-        short = self.commit[:12] if self.commit else self.hub.rev
-        return f"Hugging Face cache @{short}" if self.cached else f"Hub range reads @{short}"
+        short = self.commit[:7] if self.commit else self.hub.rev
+        return f"HF cache @{short}" if self.cached else f"Hub @{short}"
 
 
 def parse_hub_id(text: str) -> HubId | None:
