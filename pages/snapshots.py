@@ -1,10 +1,10 @@
 """Snapshots: the published merges, each one's manifest (summary and raw JSON), estimated vs realized
-bytes per expert and per tensor, the touched blocks, and a verify button."""
+bytes per expert and per tensor, the touched blocks, a verify button, and publishing to the Hugging Face Hub."""
 
 import streamlit as st
 
-from mergepipe.dashboard import views
-from mergepipe.api import delete_snapshot, launch_evaluate, set_snapshot_labels, verify
+from mergepipe.dashboard import snapshots as snaps, views
+from mergepipe.api import delete_snapshot, launch_evaluate, publish_to_hub, set_snapshot_labels, verify
 from pages import _nav, _ui as ui
 
 _nav.through_app()
@@ -23,6 +23,24 @@ def do_verify(snapshot_id: str):
     res = ui.action(ui.with_catalog, verify, snapshot_id)
     if res is not None:
         ui.flash("success" if res["ok"] else "error", views.verify_text(res))
+
+
+def do_publish(snapshot_id: str):
+    """Publish to the Hub now, with a progress bar; a refusal or failure is one error line."""
+    s = st.session_state
+    bar = st.progress(0.0, text=f"publishing {snapshot_id}")
+
+    def progress(stage, done, total):
+        bar.progress(*snaps.publish_progress(stage, done, total))
+
+    with ui.user_errors():
+        target = snaps.hub_target(s.get("hub_repo", ""))
+        res = ui.with_catalog(publish_to_hub, snapshot_id, target, private=bool(s.get("hub_private")),
+                              create_pr=bool(s.get("hub_pr")), progress=progress)
+        bar.progress(1.0, text="published and verified")
+        st.success(snaps.publish_summary(res))
+        return
+    bar.empty()
 
 
 def do_save_labels(snapshot_id: str):
@@ -96,6 +114,17 @@ with ui.user_errors(), ui.catalog() as cat:
                                file_name=f"{sid}.yml", mime="application/x-yaml", key="download_recipe",
                                help="The same as `mergepipe explain SNAPSHOT --as-mergekit`: merging from it "
                                     "gives the same plan.")
+
+    with st.expander("Publish to the Hub", key="hub_expander"):
+        st.caption("Commits the files that differ from the branch's (weights as LFS), with a model card "
+                   "(base models, evaluations, the mergekit recipe, the manifest hash), then re-reads each file by "
+                   "range requests. The token comes from HF_TOKEN or `hf auth login`.")
+        st.text_input("Repository", key="hub_repo", placeholder="org/name or org/name@branch")
+        c1, c2 = st.columns(2)
+        c1.checkbox("Private (when it is created)", key="hub_private")
+        c2.checkbox("Open a pull request", key="hub_pr")
+        if st.button("Publish", key="hub_publish"):
+            do_publish(sid)
 
     with st.expander("Tags and note", key="labels_expander"):
         if st.session_state.get("_labels_for") != sid:  # load the stored labels when the snapshot changes

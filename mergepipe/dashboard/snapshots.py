@@ -361,3 +361,31 @@ def snapshot_view(cat: Catalog, snapshot_id: str) -> SnapshotView:
                         manifest_json=manifest.to_json(), recipe=recipe, recipe_error=recipe_error,
                         by_expert=bytes_bars(bytes_by_expert_df(manifest), "expert"),
                         by_tensor=bytes_by_tensor_df(manifest, plan), touched=touched_heatmap(touched_matrix(cat, manifest)))
+
+
+# --- publishing to the Hub ---------------------------------------------------------------------------------
+# stage -> (progress at its start, at its end, what the bar says)
+PUBLISH_STAGES = {"check": (0.0, 0.1, "checking the files against the manifest"),
+                  "compare": (0.1, 0.15, "comparing with the repository"), "upload": (0.15, 0.7, "uploading"),
+                  "verify": (0.7, 1.0, "re-reading the committed files by range requests")}
+
+
+def hub_target(repo: str) -> str:
+    """The hf:// URI of a repository typed as ``org/name[@branch]`` (or as the URI itself)."""
+    text = (repo or "").strip()
+    if not text:
+        raise MergePipeError("name the Hub repository to publish to: org/name or org/name@branch")
+    return text if text.lower().startswith("hf://") else f"hf://{text}"
+
+
+def publish_progress(stage: str, done: int, total: int) -> tuple[float, str]:
+    lo, hi, text = PUBLISH_STAGES.get(stage, (0.0, 1.0, stage))
+    return min(1.0, lo + (hi - lo) * (done / total if total else 1.0)), f"{text} ({done} of {total})"
+
+
+def publish_summary(r: dict) -> str:
+    where = r["pr_url"] or f"{r['uri']} (commit {r['commit'][:12]})"
+    sent = (f"{len(r['uploaded'])} files uploaded ({fmt_bytes(r['uploaded_bytes'])})" if r["created_commit"]
+            else "nothing changed, no commit")
+    return f"Published {r['snapshot_id']} to {where}: {sent}, {len(r['unchanged'])} unchanged, " \
+           f"{r['verified']} verified by range reads."

@@ -30,6 +30,9 @@ from mergepipe.manifest.verify import verify
 from hub_upload_server import TOKEN, HubServer, hub_snapshot, point_hub_at
 from merge_helpers import run_cli
 
+# huggingface_hub's own upload call (httpx's data= for raw bytes), not MergePipe's
+pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
+
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
