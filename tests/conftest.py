@@ -221,6 +221,7 @@ MARKER_RULES: dict[str, tuple[str, ...]] = {
     "remote": ("tests/storage/test_remote_*.py", "tests/storage/test_serve.py",
                "tests/storage/test_hub_publish.py", "tests/cli/test_reproduce.py",
                "tests/dashboard/test_snapshots_publish.py",
+               "tests/storage/test_hub_ids.py", "tests/cli/test_preflight.py",
                "tests/planner/test_coalesce.py::test_a_coalescing_plan_*",
                "tests/planner/test_coalesce.py::test_coalesce_flags_on_the_command_line",
                "tests/test_benchmarks.py::test_remote_*"),

@@ -40,6 +40,11 @@ class HubServer(RangeServer):
         self.api_bytes = 0
         super().__init__(root, revisions=("main", *self.commits.values()), **kw)
 
+    def reset(self) -> None:
+        super().reset()
+        with self.lock:
+            self.api_bytes = 0
+
     def repo_files(self, repo: str) -> list[Path]:
         folder = self.root / repo
         return sorted(p for p in folder.rglob("*") if p.is_file())
