@@ -77,10 +77,21 @@ def _resolve_inputs(catalog: Catalog | None, core: dict) -> list[dict]:
     out = []
     for role, inp in [("base", core["inputs"]["base"]), *(("expert", e) for e in core["inputs"]["experts"])]:
         found = known.get(inp["fingerprint"])
+        uri, how = (found, "found in the catalog by fingerprint") if found else _recorded(inp["uri"])
         out.append({"id": inp["id"], "role": role, "recorded_uri": inp["uri"], "fingerprint": inp["fingerprint"],
-                    "kind": inp.get("kind", "full"), "uri": found or inp["uri"],
-                    "found": "found in the catalog by fingerprint" if found else "as recorded"})
+                    "kind": inp.get("kind", "full"), "uri": uri, "found": how})
     return out
+
+
+def _recorded(uri: str) -> tuple[str, str]:
+    """Where a recorded input is read now: its URI, or, for a folder of another machine's Hugging Face cache,
+    its repo at the recorded commit on the Hub."""
+    from mergepipe.storage.hub_ids import hub_origin
+    from mergepipe.storage.registry import scheme_of
+    origin = hub_origin(uri) if scheme_of(uri) is None and not Path(uri).exists() else None
+    if origin is not None:
+        return origin.uri(), "from the Hub at the recorded commit (the cached folder is not here)"
+    return uri, "as recorded"
 
 
 def _register(cat: Catalog, inputs: list[dict]) -> list[dict]:
@@ -93,8 +104,8 @@ def _register(cat: Catalog, inputs: list[dict]) -> list[dict]:
     changed = []
     for inp in inputs:
         now = cat.model(inp["id"])["fingerprint"]
-        if now != inp["fingerprint"]:
-            changed.append({**inp, "now": now})
+        if now != inp["fingerprint"]:  # read from elsewhere (another storage): fingerprints do not compare
+            changed.append({**inp, "now": now, "moved": inp["uri"] != inp["recorded_uri"]})
     return changed
 
 
@@ -218,15 +229,21 @@ def _digest(reader, t) -> str:
 
 
 def _why(old: dict, new: dict, changed: list[dict], tensor: str | None) -> str:
-    if changed:
-        touching = [c for c in changed if c["role"] == "base" or tensor is None
-                    or tensor in (old.get("touched") or {}).get(c["id"], {})] or changed
+    same_place = [c for c in changed if not c["moved"]]
+    if same_place:
+        touching = [c for c in same_place if c["role"] == "base" or tensor is None
+                    or tensor in (old.get("touched") or {}).get(c["id"], {})] or same_place
         return "; ".join(f"input {c['id']} changed since the merge ({c['uri']}: fingerprint {c['fingerprint'][:19]}... "
                          f"is now {c['now'][:19]}...)" for c in touching)
     if old.get("software") != new.get("software"):
         was = ", ".join(f"{k} {v}" for k, v in sorted((old.get("software") or {}).items()))
         now = ", ".join(f"{k} {v}" for k, v in sorted((new.get("software") or {}).items()))
         return f"another version: merged with {was}, reproduced with {now}"
+    if old.get("compact_inputs"):
+        return "the merge read compact deltas (the compact tier), which a reproduction from the inputs does not have"
+    if changed:
+        where = ", ".join(f"{c['id']}: {c['uri']}" for c in changed)
+        return f"inputs read from another place than the merge's ({where}): their content differs from what was merged"
     if old["plan_digest"] != new["plan_digest"]:
         return f"another plan: {new['plan_digest'][:19]}... (the merge's was {old['plan_digest'][:19]}...)"
     return "same inputs, plan and software: the output differs without a cause MergePipe can name"
@@ -245,4 +262,4 @@ def _result(pub: Published, new, inputs: list[dict], changed: list[dict], diff: 
     return {"ok": diff is None, "source": pub.shown, "manifest_hash": pub.manifest.manifest_hash,
             "reproduced_manifest_hash": new.manifest_hash, "files_compared": len(set(old["outputs"]) - {README}),
             "inputs": [{k: i[k] for k in ("id", "role", "uri", "found")} for i in inputs],
-            "changed_inputs": [c["id"] for c in changed], "first_difference": diff, "message": msg}
+            "changed_inputs": [c["id"] for c in changed if not c["moved"]], "first_difference": diff, "message": msg}

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -29,7 +28,6 @@ from mergepipe.errors import StorageError
 from mergepipe.storage.uris import check_no_secrets, hf_endpoint, hf_token, parse_hf, redact
 
 PART_BYTES = 8 << 20  # one ranged GET of a re-hash
-_CACHE_PATH = re.compile(r"(?:^|/)models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<sha>[0-9a-f]{40})(?:/|$)")
 _WEIGHTS = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
 
 
@@ -84,12 +82,9 @@ def parse_target(uri: str) -> HubTarget:
 def hub_repo_of(uri: str) -> tuple[str, str] | None:
     """(repo id, revision) of a model read from the Hub: ``hf://org/name[@rev]`` or a folder of the local
     Hugging Face cache (``.../models--org--name/snapshots/<commit>``); None for anything else."""
-    text = str(uri)
-    if text.lower().startswith("hf://"):
-        ref = parse_hf(text.split("+", 1)[0])
-        return ref.repo, ref.revision
-    m = _CACHE_PATH.search(text.replace("\\", "/"))
-    return (f"{m['org']}/{m['name']}", m["sha"]) if m else None
+    from mergepipe.storage.hub_ids import hub_origin
+    found = hub_origin(str(uri).split("+", 1)[0] if str(uri).lower().startswith("hf://") else uri)
+    return (found.repo, found.rev) if found else None
 
 
 # --- the Hub client ---------------------------------------------------------------------------------------
@@ -204,7 +199,7 @@ def publish_files(files: list[UploadFile], target: HubTarget, message: str, desc
                       "commit": head, "created_commit": False}
             if not changed and not stale:
                 return result
-            ops = [CommitOperationAdd(f.name, f.data if f.data is not None else str(f.path)) for f in changed]
+            ops = [_addition(CommitOperationAdd, f) for f in changed]
             ops += [CommitOperationDelete(n) for n in stale]
             say("upload", 0, len(changed))
             info = api.create_commit(target.repo, ops, commit_message=message, commit_description=description,
@@ -216,6 +211,15 @@ def publish_files(files: list[UploadFile], target: HubTarget, message: str, desc
             raise _nothing_committed(target, exc) from None
     say("upload", len(changed), len(changed))
     return {**result, "commit": info.oid, "pr_url": info.pr_url, "created_commit": True}
+
+
+def _addition(add, f: UploadFile):
+    """The commit operation of one file, its sha256 given (the caller hashed the file: no second read)."""
+    op = add(f.name, f.data if f.data is not None else str(f.path))
+    info = getattr(op, "upload_info", None)
+    if info is not None and not getattr(info, "is_hashed", True):
+        info.sha256 = bytes.fromhex(f.sha256)
+    return op
 
 
 def _nothing_committed(target: HubTarget, exc: BaseException) -> StorageError:

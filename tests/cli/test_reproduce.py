@@ -114,3 +114,43 @@ def test_bad_sources_are_one_error_line(published, tmp_path, source, says):
     res = run_cli(["reproduce", "--db", tmp_path / "none.sqlite", source.format(tmp=tmp_path)])
     assert res.returncode == 2 and res.stdout == ""
     assert res.stderr.startswith("error: ") and res.stderr.count("\n") == 1 and says in res.stderr, res.stderr
+
+
+def test_inputs_read_from_the_hugging_face_cache_are_found_on_the_hub_at_their_commit(tmp_path, monkeypatch):
+    """Inputs registered from huggingface_hub's cache (.../models--org--name/snapshots/<commit>) are the card's
+    base_model; on a machine without that cache, reproduce reads each from the Hub at the recorded commit."""
+    import shutil
+
+    from huggingface_hub import HfApi, snapshot_download
+
+    from mergepipe.analyze.runner import analyze
+    from mergepipe.api import merge
+    from mergepipe.catalog.db import Catalog
+    from mergepipe.catalog.models import register, register_many
+    from mergepipe.research.family import make_family
+    with HubServer(tmp_path / "served", token=TOKEN) as server:
+        point_hub_at(monkeypatch, server, tmp_path / "hf-home")
+        fam = make_family(tmp_path / "fam", experts=2, size="tiny", dtype="bf16", shard_bytes=64 << 10, seed=9)
+        hf, cache, folders, commits = HfApi(endpoint=server.url, token=TOKEN), tmp_path / "cache", {}, {}
+        for name, path in [("base", fam["base"]), *((Path(e).name, e) for e in fam["experts"])]:
+            hf.create_repo(f"org/{name}")
+            commits[name] = hf.upload_folder(repo_id=f"org/{name}", folder_path=path).oid
+            folders[name] = snapshot_download(f"org/{name}", endpoint=server.url, cache_dir=cache, token=TOKEN)
+        cat = Catalog(tmp_path / "c.sqlite")
+        register(cat, "base", folders["base"])
+        register_many(cat, [("e1", folders["expert_1"]), ("e2", folders["expert_2"])], base_id="base")
+        analyze(cat, block_bytes=16 << 10, densities=(0.5,))
+        _, sid, _ = merge(cat, "base", ["e1", "e2"], tmp_path / "out", "ties", budget="30%", density=0.5)
+        publish_to_hub(cat, sid, "hf://me/from-cache")
+        cat.close()
+        card = server.files("me/from-cache")["README.md"].decode()
+        assert "base_model:\n- org/base\n- org/expert_1\n- org/expert_2\n" in card
+        shutil.rmtree(cache)
+        res = run_cli(["--json", "reproduce", "--db", tmp_path / "none.sqlite", "hf://me/from-cache"])
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["ok"], out["message"]
+    assert [i["uri"] for i in out["inputs"]] == [f"hf://org/{n}@{commits[n]}" for n in ("base", "expert_1", "expert_2")]
+    assert {i["found"] for i in out["inputs"]} == {
+        "from the Hub at the recorded commit (the cached folder is not here)"}
+    assert out["changed_inputs"] == []  # read from another place: their fingerprints do not compare
