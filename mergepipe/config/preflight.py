@@ -26,6 +26,7 @@ from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.mismatch import vocab_size
 from mergepipe.catalog.models import layout_mismatches
 from mergepipe.config.model import ConfigModel, MergekitConfig
+from mergepipe.config.preflight_estimate import HEADS, tie_setting, estimate, heads, output_of
 from mergepipe.config.references import PathCheck, _Resolver
 from mergepipe.errors import MergePipeError
 from mergepipe.storage.hub_ids import transferred
@@ -33,7 +34,6 @@ from mergepipe.storage.lora import base_mismatches
 from mergepipe.storage.registry import open_adapter, scheme_of
 from mergepipe.storage.tokenizer_files import has_tokenizer
 
-HEADS = ("lm_head.weight", "embed_out.weight")  # output heads: absent where the embeddings are tied
 LIST_AT_MOST = 3  # layout differences named per model (the count says how many in all)
 
 
@@ -151,22 +151,6 @@ def _resolve_model(r: _Resolver, m: ConfigModel, base_id: str, base_path, base_u
 
 
 # --- comparisons with the base ---------------------------------------------------------------------------
-def heads(ckpt) -> list[str]:
-    return [n for n in ckpt.tensors if n.endswith(HEADS)]
-
-
-def _tie_setting(ckpt) -> str:
-    tie = (ckpt.config or {}).get("tie_word_embeddings")
-    return "" if tie is None else f"; tie_word_embeddings: {str(tie).lower()}"
-
-
-def tied_text(ckpt) -> str:
-    """'own lm_head' or 'tied (tie_word_embeddings: true)': what a checkpoint does with its output head."""
-    tie = (ckpt.config or {}).get("tie_word_embeddings")
-    setting = "" if tie is None else f" (tie_word_embeddings: {str(tie).lower()})"
-    return f"own {heads(ckpt)[0].split('.')[0]}{setting}" if heads(ckpt) else f"tied to the embedding{setting}"
-
-
 def _head_problem(inp: Input, base: Input) -> str | None:
     """An output head present in this model and not in the base, or the other way round."""
     mine, theirs = heads(inp.ckpt), heads(base.ckpt)
@@ -176,11 +160,11 @@ def _head_problem(inp: Input, base: Input) -> str | None:
         for d in t.shape:
             n *= d
         return (f"{inp.label}: has its own {mine[0]} {list(t.shape)} but the base ties its embeddings (no "
-                f"{mine[0]}{_tie_setting(base.ckpt)}): an output with it would gain {n:,} parameters; MergePipe keeps "
+                f"{mine[0]}{tie_setting(base.ckpt)}): an output with it would gain {n:,} parameters; MergePipe keeps "
                 f"the base's tensors and refuses the extra one (merge onto a base with an untied {mine[0]}, or "
                 f"drop it)")
     if theirs and not mine:
-        return (f"{inp.label}: ties its embeddings (no {theirs[0]}{_tie_setting(inp.ckpt)}) but the base has one: "
+        return (f"{inp.label}: ties its embeddings (no {theirs[0]}{tie_setting(inp.ckpt)}) but the base has one: "
                 f"there is no {theirs[0]} of this model to merge (MergePipe refuses a missing tensor); untie it (save "
                 f"{theirs[0]} as a copy of the embedding) or use a tied base")
     return None
@@ -244,7 +228,6 @@ def compare(cfg: MergekitConfig, inputs: list[Input]) -> tuple[list[str], list[s
 def preflight(cat: Catalog, cfg: MergekitConfig, check_path: PathCheck | None = None) -> Preflight:
     """Resolve and open every model of ``cfg`` (headers only) and say what its merge will meet; changes nothing
     stored (the catalog is only read)."""
-    from mergepipe.config.preflight_estimate import estimate, output_of
     start = transferred()
     r = _Resolver(cat, cfg, True, check_path, ())
     r.open = _memo_open(r, {})

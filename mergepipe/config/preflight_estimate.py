@@ -28,6 +28,25 @@ from mergepipe.planner.budget import Budget
 from mergepipe.storage.grid import DEFAULT_BLOCK_BYTES
 from mergepipe.storage.tiers import tier_name, transfer_estimate
 
+HEADS = ("lm_head.weight", "embed_out.weight")  # output heads: absent where the embeddings are tied
+
+
+def heads(ckpt) -> list[str]:
+    """The output heads a checkpoint holds (none: its embeddings are tied)."""
+    return [n for n in ckpt.tensors if n.endswith(HEADS)]
+
+
+def tie_setting(ckpt) -> str:
+    tie = (ckpt.config or {}).get("tie_word_embeddings")
+    return "" if tie is None else f"; tie_word_embeddings: {str(tie).lower()}"
+
+
+def tied_text(ckpt) -> str:
+    """'own lm_head' or 'tied (tie_word_embeddings: true)': what a checkpoint does with its output head."""
+    tie = (ckpt.config or {}).get("tie_word_embeddings")
+    setting = "" if tie is None else f" (tie_word_embeddings: {str(tie).lower()})"
+    return f"own {heads(ckpt)[0].split('.')[0]}{setting}" if heads(ckpt) else f"tied to the embedding{setting}"
+
 
 def _numel(info) -> int:
     return math.prod(info.shape)
@@ -73,7 +92,6 @@ def _out_vocab(cfg: MergekitConfig, inputs: list) -> tuple[int | None, str]:
 
 def output_of(cfg: MergekitConfig, inputs: list, notes: list[str]) -> dict:
     """What the output will contain: tensors, parameters (vs the base's), output head, vocabulary."""
-    from mergepipe.config.preflight import tied_text
     base = inputs[0].ckpt
     base_params = params_of(base)
     rows, how = _out_vocab(cfg, inputs)
@@ -151,7 +169,6 @@ def estimate(cfg: MergekitConfig, inputs: list) -> dict:
 
 def table_rows(result) -> list[dict]:
     """One row per model: the preflight table (CLI, dashboard)."""
-    from mergepipe.config.preflight import heads
     rows = []
     for i in result.inputs:
         c = i.ckpt
