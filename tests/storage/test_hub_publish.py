@@ -3,7 +3,7 @@ a Hub-shaped server on 127.0.0.1 (tests/hub_upload_server.py: create_repo, preup
 commit; Xet off), whose inputs it merged from are served by the same server as hf://org/... .
 
 Asserted: a round trip (publish, download with huggingface_hub, every file equal, ``mergepipe verify`` of the
-download, the remote files re-hashed by range requests); publishing again uploads no unchanged file and a
+download, the remote files re-hashed by range requests, the download reproduced bit for bit); publishing again uploads no unchanged file and a
 new evaluation uploads README.md alone (requests counted server-side); a 500 on the commit leaves the
 repository without a commit and the command one error line; the card's front matter parses with
 huggingface_hub's ModelCard and carries base_model, base_model_relation, tags, library_name and a
@@ -72,6 +72,8 @@ def test_publish_round_trip(hub, tmp_path):
     checked = verify(None, str(down), check_inputs=False)  # the Hub card stands in for the snapshot's own card
     assert checked["ok"], checked["problems"]
     assert checked["files_checked"] == len(json.loads((out / MANIFEST_NAME).read_text())["core"]["outputs"])
+    again = api.reproduce(None, str(down))  # the download, merged again from its card's recipe
+    assert again["ok"] and again["message"].startswith("reproduced bit for bit"), again["message"]
 
 
 def test_publishing_again_uploads_no_unchanged_file(hub):
