@@ -377,3 +377,12 @@ def test_a_v10_catalog_gets_the_search_tables(tmp_path, cat):
         assert api.searches(again) == []
     finally:
         again.close()
+
+
+@pytest.mark.parametrize("sampler", ["random", "cmaes"])
+def test_every_sampler_runs_seeded(tmp_path, cat, sampler):
+    path = space_file(tmp_path, {"trials": 4, "sampler": sampler}, method="task_arithmetic")
+    first, second = run(cat, path), run(cat, path)
+    assert [t["params"] for t in first["trials"]] == [t["params"] for t in second["trials"]]
+    assert all(t["status"] == "complete" for t in first["trials"])
+    assert len({t["params"]["expert_1.weight"] for t in first["trials"]}) == 4
