@@ -29,6 +29,7 @@ def app_pages() -> list:
         st.Page("pages/compare.py", title="Compare", icon=":material/compare_arrows:", url_path="compare"),
         st.Page("pages/lineage.py", title="Lineage", icon=":material/account_tree:", url_path="lineage"),
         st.Page("pages/sweeps.py", title="Sweeps", icon=":material/scatter_plot:", url_path="sweeps"),
+        st.Page("pages/search.py", title="Search", icon=":material/travel_explore:", url_path="search"),
     ]
 
 

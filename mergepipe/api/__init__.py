@@ -51,8 +51,8 @@ from mergepipe.api.configs import (  # noqa: F401
 from mergepipe.api.recipes import recipe_save, recipe_show, recipe_list, recipe_explain, recipe_run, watch  # noqa: F401
 from mergepipe.api.sweeps import load_sweep, run_sweep  # noqa: F401
 from mergepipe.api.searches import (  # noqa: F401
-    load_search, load_into_model, merge_in_memory, parse_search, search, search_parameter_importance,
-    search_publish, search_resume, search_show, searches,
+    launch_search, launch_search_publish, load_search, load_into_model, merge_in_memory, parse_search, search,
+    search_parameter_importance, search_publish, search_resume, search_show, searches,
 )
 from mergepipe.api.health import doctor  # noqa: F401
 from mergepipe.api.hub import (  # noqa: F401

@@ -19,6 +19,23 @@ def parse_search(doc, name: str = "search", root="."):
     return parse(doc, default_name=name, root=Path(root))
 
 
+def launch_search(db_path, catalog: Catalog, yaml_text: str, work_dir):
+    """Check a search document (as :func:`parse_search`, objective files found in ``work_dir``), write it to a
+    new ``search-N.yml`` in ``work_dir`` and start ``mergepipe --db DB search`` on it in its own process
+    session (the dashboard's Search page). The search records its own row, with that process's pid, once its
+    checks against the catalog pass; until then its output (``search-N.log``) says why it stopped. Returns
+    (the search file, its Popen)."""
+    from pathlib import Path
+
+    from mergepipe.config.model import MAX_CONFIG_BYTES, ConfigError
+    from mergepipe.config.parse import load_yaml
+    from mergepipe.engine.runs import launch_search as launch
+    if len(yaml_text.encode("utf-8")) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"the search file is larger than {MAX_CONFIG_BYTES} bytes")
+    parse_search(load_yaml(yaml_text), "search", Path(work_dir))
+    return launch(db_path, catalog, yaml_text, work_dir)
+
+
 def search(catalog: Catalog, space, on_trial=None) -> dict:
     """Run a search (``space``: :func:`load_search`'s result): its recipes checked against the catalog, then
     its trials merged in memory at rising budgets and scored; ``on_trial(row)`` after each trial. Returns
@@ -50,6 +67,14 @@ def search_publish(catalog: Catalog, search_id: str, out, top: int = 1) -> list[
     from mergepipe.api.configs import merge_config
     from mergepipe.search.flow import publish
     return publish(catalog, search_id, out, top, merge_config)
+
+
+def launch_search_publish(db_path, catalog: Catalog, search_id: str, out, log_dir):
+    """:func:`search_publish` of the best recipe in a separate ``mergepipe search publish`` process (the
+    dashboard's "Publish the best": a merge cannot run on a Streamlit script thread). Returns (its log, its
+    Popen); the snapshot id lands on the best trial (:func:`search_show`)."""
+    from mergepipe.engine.runs import launch_search_publish as launch
+    return launch(db_path, catalog, search_id, out, log_dir)
 
 
 def search_parameter_importance(catalog: Catalog, search_id: str) -> dict[str, float]:

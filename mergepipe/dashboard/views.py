@@ -45,6 +45,10 @@ here. The surface, by defining module:
     changes_since
 ``lineage``
     lineage_dot, lineage_nodes_df, node_target
+``search``
+    best_recipe, check_search_yaml, example_search_yaml, importance_figure, importance_note, launch_outcome,
+    OBJECTIVE_HELP, publish_outcome, published_snapshot, search_labels, search_publish_dir, search_score_figure,
+    search_status, search_steps_df, search_trials_df, search_work_dir
 """
 
 from __future__ import annotations
@@ -82,3 +86,8 @@ from mergepipe.dashboard.compare import (  # noqa: F401
 )
 from mergepipe.dashboard.changes import changes_since  # noqa: F401
 from mergepipe.dashboard.lineage import lineage_dot, lineage_nodes_df, node_target  # noqa: F401
+from mergepipe.dashboard.search import (  # noqa: F401
+    best_recipe, check_search_yaml, example_search_yaml, importance_figure, importance_note, launch_outcome,
+    OBJECTIVE_HELP, publish_outcome, published_snapshot, search_labels, search_publish_dir, search_score_figure,
+    search_status, search_steps_df, search_trials_df, search_work_dir,
+)

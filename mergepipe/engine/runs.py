@@ -55,14 +55,65 @@ def launch_run(db_path: str | Path, catalog: Catalog, plan_id: str, out: str, mo
 
 
 def _spawn(catalog: Catalog, db_path, args: list[str], run_id: int, log_path: Path) -> subprocess.Popen:
-    """Start ``mergepipe ARGS`` detached (own session, no shell, output to the log) and record its pid."""
-    cmd = [sys.executable, "-m", "mergepipe.cli", "--db", str(db_path), *args]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    """Start ``mergepipe ARGS`` detached and record its pid in the run's row."""
+    proc = _detached(db_path, args, log_path)
     with catalog.transaction():
         runs_table.set_run_process(catalog, run_id, proc.pid, str(log_path))
     return proc
+
+
+def _detached(db_path, args: list[str], log_path: Path) -> subprocess.Popen:
+    """Start ``mergepipe --db DB ARGS`` detached (own session, no shell, output to the log)."""
+    cmd = [sys.executable, "-m", "mergepipe.cli", "--db", str(db_path), *args]
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def launch_search(db_path: str | Path, catalog: Catalog, yaml_text: str,
+                  work_dir: str | Path) -> tuple[Path, subprocess.Popen]:
+    """Write a search document to a new file ``search-N.yml`` in ``work_dir`` (its objective files are found
+    beside it) and start ``mergepipe search FILE`` on it detached, its output in ``search-N.log``. The search
+    records its own row (``searches``, with this process's pid) once its checks pass; ``catalog`` is where it
+    will: it must be the one at ``db_path``. Returns (the search file, its Popen)."""
+    if Path(catalog.path).resolve() != Path(db_path).resolve():
+        raise ExecutionError(f"{db_path} is not the open catalog {catalog.path}")
+    work_dir = Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    path = _new_file(work_dir, "search-{}.yml", yaml_text)
+    proc = _detached(db_path, ["search", str(path)], path.with_suffix(".log"))
+    return path, proc
+
+
+def launch_search_publish(db_path: str | Path, catalog: Catalog, search_id: str, out_dir: str | Path,
+                          log_dir: str | Path) -> tuple[Path, subprocess.Popen]:
+    """Start ``mergepipe search publish ID --out DIR`` detached: the best recipe merged and published in its
+    own process, never in the caller's (a merge takes SIGTERM over, which only a main thread may, and the
+    dashboard's scripts run on other threads). Returns (its log, its Popen); the published snapshot lands on
+    the best trial's row."""
+    from mergepipe.catalog.searches import search_row
+    row = search_row(catalog, search_id)
+    if row is None:
+        raise ExecutionError(f"no search {search_id!r} in the catalog")
+    if row["status"] != "finished":
+        raise ExecutionError(f"search {search_id} is {row['status']}: publish it once it has finished")
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{search_id}-publish.log"
+    return log_path, _detached(db_path, ["search", "publish", search_id, "--out", str(out_dir)], log_path)
+
+
+def _new_file(folder: Path, pattern: str, text: str) -> Path:
+    """``text`` in the first ``pattern.format(n)`` (n = 1, 2, ...) that does not exist yet (created exclusively)."""
+    n = 1
+    while True:
+        path = folder / pattern.format(n)
+        try:
+            with open(path, "x", encoding="utf-8") as fh:
+                fh.write(text)
+            return path
+        except FileExistsError:
+            n += 1
 
 
 def launch_analyze(db_path: str | Path, catalog: Catalog, model_ids: list[str], log_dir: str | Path,

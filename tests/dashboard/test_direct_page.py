@@ -21,7 +21,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 IDLE = "[data-testid='stApp'][data-test-script-state='notRunning']"
-NAV = ["Home", "Models", "Catalog", "Plan", "Run", "Snapshots", "Compare", "Lineage", "Sweeps"]
+NAV = ["Home", "Models", "Catalog", "Plan", "Run", "Snapshots", "Compare", "Lineage", "Sweeps", "Search"]
 
 import playwright.sync_api as playwright_sync  # noqa: E402
 
