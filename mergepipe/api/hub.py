@@ -139,6 +139,24 @@ def names_a_model(text: str) -> bool:
     return scheme_of(text) is not None or exists_locally(text) or parse_hub_id(text) is not None
 
 
+def register_references(catalog: Catalog, base: str, experts) -> tuple[str, list[str]]:
+    """Catalog ids for a base and experts named by catalog id, path, remote URI or Hub repo id (a sweep's): the
+    names not registered yet are resolved as a config's models are (config/references.py: the local Hugging Face
+    cache, then ``hf://`` at the revision's commit) and registered. Call inside the catalog transaction that also
+    plans, so that a refusal keeps none of them."""
+    import json
+    names = [base, *experts]
+    if all(not isinstance(n, str) or catalog.has_model(n) for n in names):
+        return base, list(experts)
+    from mergepipe.config.parse import parse_config
+    from mergepipe.config.resolve import apply, prepare
+    cfg = parse_config(json.dumps({"merge_method": "linear", "base_model": base,
+                                   "models": [{"model": e} for e in experts]}), "the base and experts")
+    resolved = prepare(catalog, cfg)
+    apply(catalog, resolved)
+    return resolved.base, [resolved.ids[e] for e in experts]
+
+
 def hub_location(text: str) -> dict | None:
     """Where a bare Hub repo id is read from: ``{repo, revision, subfolder, uri, commit, cached}``
     (cached: a snapshot in the local Hugging Face cache, read locally; else ``hf://`` range reads); None

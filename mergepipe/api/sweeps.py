@@ -26,7 +26,12 @@ def run_sweep(catalog: Catalog, config, evaluate=None, on_point=None) -> dict:
     except OSError as exc:
         raise ExecutionError(f"{config.out}: cannot create the sweep's output directory ({exc.strerror})") from None
     try:
-        points = _plan_points(catalog, config)
+        if all(not isinstance(n, str) or catalog.has_model(n) for n in (config.base, *config.experts)):
+            points = _plan_points(catalog, config)
+        else:  # models named by Hub repo id, path or URI: registered only if every point plans
+            with catalog.transaction():
+                config = _registered(catalog, config)
+                points = _plan_points(catalog, config)
     except BaseException:
         if created:
             config.out.rmdir()
@@ -34,6 +39,14 @@ def run_sweep(catalog: Catalog, config, evaluate=None, on_point=None) -> dict:
     sweep_id = start_sweep(catalog, config.name, config.source, config.executor, config.points)
     rows = run(catalog, sweep_id, points, config.executor, config.address, config.concurrency, evaluate, on_point)
     return {"sweep_id": sweep_id, "name": config.name, "points": rows}
+
+
+def _registered(catalog: Catalog, config):
+    """The config with its base and experts as catalog ids (Hub repo ids, paths and URIs registered: api/hub.py)."""
+    import dataclasses
+    from mergepipe.api.hub import register_references
+    base, experts = register_references(catalog, config.base, config.experts)
+    return dataclasses.replace(config, base=base, experts=experts)
 
 
 def _plan_points(catalog: Catalog, config) -> list:

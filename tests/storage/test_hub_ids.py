@@ -180,3 +180,17 @@ def test_a_folder_that_exists_wins_over_a_repo_id(hub, tmp_path, monkeypatch):
     assert res.returncode == 0, res.stderr
     assert registered(res) == [f"registered base (full) from hf://org/base@{commit_of('org/base')}",
                                f"registered expert_1 (full) from {(tmp_path / 'org' / 'expert_1').resolve()}"]
+
+
+def test_a_sweep_names_its_models_by_repo_id(hub, tmp_path):
+    db = tmp_path / "c.sqlite"
+    assert run_cli(["init-db", "--db", db]).returncode == 0
+    (tmp_path / "sweep.yml").write_text(f"name: s\nbase: org/base\nexperts: [{', '.join(EXPERTS)}]\n"
+                                        f"out: {tmp_path / 'points'}\npoints:\n  - {{operator: linear}}\n")
+    res = run_cli(["sweep", "--db", db, "--config", tmp_path / "sweep.yml"])
+    assert res.returncode == 0, res.stderr
+    models = {row[0]: row[1] for row in dump_db(db)["models"]}
+    assert models["expert_1"] == f"hf://org/expert_1@{commit_of('org/expert_1')}"
+    res = merge(tmp_path, "cfg", config("hf://org/base", [f"hf://{e}" for e in EXPERTS], "linear"))
+    assert res.returncode == 0, res.stderr
+    assert dir_hashes(tmp_path / "points" / "s-0", "*.safetensors") == dir_hashes(tmp_path / "cfg", "*.safetensors")
