@@ -122,9 +122,11 @@ def spelled_config(args):
     if args.config is not None or not args.base or not args.experts:
         return None
     refs = [args.base, *args.experts]
+    if not any(api.names_a_model(r) for r in refs):  # catalog ids only: the catalog is not even opened here
+        return None
     db = Path(args.db)
     if db.exists():
-        cat = api.Catalog(db, create=False, read_only=True)
+        cat = api.Catalog(db, create=False)
         try:
             refs = [r for r in refs if not cat.has_model(r)]
         finally:
