@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import resource
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -133,8 +134,8 @@ class Engine:
         from mergepipe.planner.plan import save_plan
         if not has_plan(self.catalog, plan.id):
             save_plan(self.catalog, plan)
-        previous = signal.getsignal(signal.SIGTERM)
-        if previous in (signal.SIG_DFL, None):
+        previous = _own_sigterm()
+        if previous is not _NOT_OURS and previous in (signal.SIG_DFL, None):
             signal.signal(signal.SIGTERM, _raise_interrupt)
         saved_threads = torch.get_num_threads()
         torch.set_num_threads(self.threads)
@@ -157,7 +158,7 @@ class Engine:
             raise
         finally:
             torch.set_num_threads(saved_threads)
-            if previous in (signal.SIG_DFL, None):
+            if previous is not _NOT_OURS and previous in (signal.SIG_DFL, None):
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
         return manifest.snapshot_id, manifest
 
@@ -251,6 +252,16 @@ class Engine:
         if run_id is not None:
             mark_run_published(self.catalog, run_id, manifest.snapshot_id)
 
+
+
+_NOT_OURS = object()  # not the main thread (a dashboard's page run): signal handlers cannot be set there
+
+
+def _own_sigterm():
+    """The SIGTERM handler in place, when this thread may replace it (only the main thread may)."""
+    if threading.current_thread() is not threading.main_thread():
+        return _NOT_OURS
+    return signal.getsignal(signal.SIGTERM)
 
 
 def _raise_interrupt(signum, frame):

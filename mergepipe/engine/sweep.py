@@ -20,7 +20,7 @@ from pathlib import Path
 
 from mergepipe.catalog import sweeps as table
 from mergepipe.catalog.db import Catalog
-from mergepipe.engine.engine import Engine, _raise_interrupt
+from mergepipe.engine.engine import _NOT_OURS, Engine, _own_sigterm, _raise_interrupt
 from mergepipe.errors import MergePipeError
 from mergepipe.planner.plan import Plan
 
@@ -47,8 +47,8 @@ def run_sweep(catalog: Catalog, sweep_id: str, points: list[SweepPoint], executo
         from mergepipe.engine.ray_executor import RayExecutor
         range_executor = RayExecutor(address)
     # Engines set a SIGTERM handler only when none is set, and only the main thread may: set it here.
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous in (signal.SIG_DFL, None):
+    previous = _own_sigterm()
+    if previous is not _NOT_OURS and previous in (signal.SIG_DFL, None):
         signal.signal(signal.SIGTERM, _raise_interrupt)
     status = "cancelled"
     try:
@@ -66,7 +66,7 @@ def run_sweep(catalog: Catalog, sweep_id: str, points: list[SweepPoint], executo
         return rows
     finally:
         table.finish_sweep(catalog, sweep_id, status)
-        if previous in (signal.SIG_DFL, None):
+        if previous is not _NOT_OURS and previous in (signal.SIG_DFL, None):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 

@@ -122,7 +122,7 @@ def publish(catalog: Catalog, search_id: str, out_dir, top: int = 1, merge_confi
     search (role ``search``). Returns [{trial, snapshot_id, model_id, out}]."""
     from pathlib import Path
     shown = show(catalog, search_id)
-    sf = parse_search(shown["source"], shown["name"])
+    sf = parse_search(shown["source"], shown["name"], check_files=False)
     complete = sorted((t for t in shown["trials"] if t["status"] == "complete"), key=lambda t: (-t["score"], t["number"]))
     best = [{"trial": t["number"], "recipe": recipe_yaml(sf, t["params"])} for t in complete[:top]]
     if not best:

@@ -13,7 +13,7 @@ def importances(catalog: Catalog, search_id: str) -> dict[str, float]:
     complete trials or nothing that varied."""
     optuna = import_optuna()
     row = table.search_row(catalog, search_id)
-    space = parse_search(row["source"], row["name"]).space
+    space = parse_search(row["source"], row["name"], check_files=False).space
     study = optuna.create_study(direction="maximize")
     complete = [r for r in table.trials(catalog, search_id) if r["status"] == "complete"]
     for r in complete:

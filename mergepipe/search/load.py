@@ -53,23 +53,25 @@ def load_search(path) -> SearchFile:
         raise ConfigError(_cut(msg if msg.startswith(f"{path}: ") else f"{path}: {msg}")) from None
 
 
-def parse_search(doc, default_name: str = "search", root: Path = Path(".")) -> SearchFile:
-    """A search document (already loaded): space, settings, objective files beside it."""
+def parse_search(doc, default_name: str = "search", root: Path = Path("."), check_files: bool = True) -> SearchFile:
+    """A search document (already loaded): space, settings, objective files beside it (``check_files``
+    False: not looked for, e.g. to publish or show a finished search whose files have moved since)."""
     try:
-        return _parse(doc, default_name, Path(root))
+        return _parse(doc, default_name, Path(root), check_files)
     except RecursionError:
         raise ConfigError("the search file is nested too deeply") from None
     except ConfigError as exc:
         raise ConfigError(_cut(str(exc))) from None
 
 
-def _parse(doc, default_name: str, root: Path) -> SearchFile:
+def _parse(doc, default_name: str, root: Path, check_files: bool = True) -> SearchFile:
     if not isinstance(doc, dict):
         raise ConfigError("a search file is a mergekit config (a mapping) with a `search:` block")
     config = {k: v for k, v in doc.items() if k != "search"}
     settings = parse_settings(doc.get("search"), default_name)
-    settings = replace(settings, objective=_beside(settings.objective, root, "objective"),
-                       holdout=_beside(settings.holdout, root, "holdout") if settings.holdout else None)
+    if check_files:
+        settings = replace(settings, objective=_beside(settings.objective, root, "objective"),
+                           holdout=_beside(settings.holdout, root, "holdout") if settings.holdout else None)
     space = parse_space(config)
     for method in space.methods():
         check_recipe(space, sample_values(space, method))

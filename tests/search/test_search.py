@@ -386,3 +386,13 @@ def test_every_sampler_runs_seeded(tmp_path, cat, sampler):
     assert [t["params"] for t in first["trials"]] == [t["params"] for t in second["trials"]]
     assert all(t["status"] == "complete" for t in first["trials"])
     assert len({t["params"]["expert_1.weight"] for t in first["trials"]}) == 4
+
+
+def test_a_finished_search_publishes_and_shows_after_its_objective_file_is_gone(tmp_path, cat):
+    path = space_file(tmp_path, {"trials": 2}, method="task_arithmetic")
+    res = run(cat, path)
+    (tmp_path / "objective.py").unlink()
+    published = api.search_publish(cat, res["id"], tmp_path / "out")
+    assert published[0]["trial"] == res["best"]["trial"]
+    assert api.search_show(cat, res["id"])["trials"][res["best"]["trial"]]["snapshot_id"] == published[0]["snapshot_id"]
+    assert set(api.search_parameter_importance(cat, res["id"])) <= {"expert_1.weight", "expert_2.weight"}
