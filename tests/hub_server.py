@@ -141,6 +141,7 @@ def hub_repos(root: Path) -> dict:
     """Repos under ``root/org``: the tiny fp32 family (base, expert_1, expert_2; sharded, with an index), ``vocab``
     (expert_1 with 4 more vocabulary rows), ``shape`` (expert_1 with one tensor of another shape), ``tied`` (the
     base without lm_head, tie_word_embeddings: true) and ``adapter`` (a LoRA adapter on the base)."""
+    import shutil
     import torch
     from mergepipe.research.family import make_family
     org = Path(root) / "org"
@@ -154,4 +155,5 @@ def hub_repos(root: Path) -> dict:
     _variant(org / "base", org / "tied", lambda t: {k: v for k, v in t.items() if k != "lm_head.weight"},
              lambda c: c.update(tie_word_embeddings=True))
     _adapter(org / "adapter")
+    shutil.copytree(org / "expert_1", org / "multi" / "text")  # a repo with the model in a subfolder
     return fam

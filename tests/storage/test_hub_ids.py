@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from mergepipe.storage import registry
+from mergepipe.api import hub_location
 from mergepipe.storage.hub_ids import HubId, hub_origin, parse_hub_id, transferred
 
 from hub_server import HubServer, commit_of, download, hub_repos
@@ -194,3 +195,18 @@ def test_a_sweep_names_its_models_by_repo_id(hub, tmp_path):
     res = merge(tmp_path, "cfg", config("hf://org/base", [f"hf://{e}" for e in EXPERTS], "linear"))
     assert res.returncode == 0, res.stderr
     assert dir_hashes(tmp_path / "points" / "s-0", "*.safetensors") == dir_hashes(tmp_path / "cfg", "*.safetensors")
+
+
+def test_a_model_in_a_subfolder_of_a_repo(hub, tmp_path, monkeypatch):
+    _, _, root = hub
+    res = merge(tmp_path, "sub", config("org/base", ["org/multi/text"]))
+    assert res.returncode == 0, res.stderr
+    assert f"registered multi (full) from hf://org/multi@{commit_of('org/multi')}/text" in registered(res)
+    assert merge(tmp_path, "plain", config("org/base", ["org/expert_1"])).returncode == 0
+    assert dir_hashes(tmp_path / "sub", "*.safetensors") == dir_hashes(tmp_path / "plain", "*.safetensors")
+    cache = tmp_path / "hf-cache"
+    with HubServer(root) as own:
+        download(own, "org/multi", cache)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    found = hub_location("org/multi/text")
+    assert found["cached"] and found["uri"].endswith(f"models--org--multi/snapshots/{commit_of('org/multi')}/text")
