@@ -14,6 +14,7 @@ import hashlib
 import ipaddress
 import re
 import socket
+import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -85,6 +86,15 @@ def _check_root(root) -> Path:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that goes away mid-answer is normal (a reader cancelled, a retry): not a traceback on
+        stderr for each one, which could also fill a pipe nobody reads and stall the server; anything else
+        is one line."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            return
+        print(f"mergepipe serve: {client_address[0]}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
 
 class _Server6(_Server):
