@@ -14,6 +14,7 @@ from mergepipe.config.model import (
     BASELESS_LATER, MERGEKIT_ONLY_METHODS, METHOD_PARAMS, MODEL_PARAMS, MergekitConfig,
     REFUSED_TOP_KEYS, SHARED_PARAMS, TOP_KEYS,
 )
+from mergepipe.config.ignored import drop_ignored
 from mergepipe.config.modules import lift_modules, read_modules
 from mergepipe.config.parse_tokenizer import _tokenizer
 from mergepipe.config.parse_values import (
@@ -76,6 +77,7 @@ def _cut(msg: str) -> str:
 def _parse(text, source: str) -> MergekitConfig:
     doc = lift_modules(_load(text), _raw_fallback)
     method = _method(doc)
+    doc = drop_ignored(doc, OPERATORS[method].name)  # what mergekit ignores, named on stderr (config/ignored.py)
     globals_ = _global_params(doc)
     lam_setting = globals_.pop("lambda") if isinstance(globals_.get("lambda"), list) else None
     slices = modules = None
