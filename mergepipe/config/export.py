@@ -37,7 +37,7 @@ def _record(cat: Catalog | None, ref: str) -> dict:
             "experts": c["inputs"]["experts"], "operator": c["operator"], "params": c["params"], "seed": c["seed"],
             "strategy": c["strategy"], "budget": c["budget"], "target_bound": target,
             "snapshot_id": m.snapshot_id, "full_expert_bytes": c["full_expert_bytes"], "tokenizer": c.get("tokenizer"),
-            "layout": c.get("layout"), "base_member": c["inputs"].get("base_member"),
+            "layout": c.get("layout"), "base_member": c["inputs"].get("base_member"), "out_dtype": c.get("out_dtype"),
             "compact": (c.get("compact") or {}).get("mode")}
 
 
@@ -47,6 +47,7 @@ def _plan_record(data: dict) -> dict:
             "operator": p.operator, "params": p.params, "seed": p.seed, "strategy": p.strategy,
             "budget": p.budget, "target_bound": p.target_bound, "snapshot_id": None,
             "full_expert_bytes": p.full_expert_bytes, "tokenizer": p.tokenizer, "layout": p.layout,
+            "out_dtype": p.out_dtype,
             "base_member": p.base_member, "compact": p.compact_mode}
 
 
@@ -103,8 +104,9 @@ def export_mergekit(cat: Catalog | None, ref: str) -> str:
     """The mergekit YAML equivalent to a stored plan or a published snapshot.
 
     Paths are the registered uris; a LoRA expert is written as ``BASE+ADAPTER``. ``dtype: float32`` and
-    ``out_dtype`` (the base's dtype) say what MergePipe does. The budget, strategy, seed and plan id go
-    in the ``mergepipe:`` key (and in a comment), so merging from this YAML reproduces the plan digest."""
+    ``out_dtype`` (the plan's output dtype, else the base's) say what MergePipe does. The budget, strategy,
+    seed and plan id go in the ``mergepipe:`` key (and in a comment), so merging from this YAML reproduces the
+    plan digest."""
     return _to_yaml(cat, _record(cat, ref))
 
 
@@ -136,7 +138,7 @@ def _to_yaml(cat: Catalog | None, r: dict) -> str:
         doc = _slices_doc(op, base, r["experts"], params, layout)
     if member and member.get("reference"):  # no base_model: MergePipe chose the first model as the reference
         del doc["base_model"]
-    base_dtype = _base_dtype(cat, base)
+    base_dtype = r.get("out_dtype") or _base_dtype(cat, base)  # a converted output's dtype, else the base's
     if base_dtype in MERGEKIT_DTYPE:
         doc["out_dtype"] = MERGEKIT_DTYPE[base_dtype]
     _add_tokenizer_keys(doc, r["tokenizer"] or {})
@@ -220,7 +222,7 @@ def _header(r: dict, notes: list[str]) -> list[str]:
             (f"# budget {r['budget']['spec']} = {human_bytes(r['budget']['bytes'])} of "
              f"{human_bytes(r['full_expert_bytes'])} changed (delta != 0) expert bytes, "
              f"strategy {r['strategy']}, seed {r['seed']}"),
-            ("# MergePipe computes in float32 and writes the base's dtype. The `mergepipe:` key holds what mergekit "
+            ("# MergePipe computes in float32 and writes out_dtype. The `mergepipe:` key holds what mergekit "
              "has no key for; mergekit ignores it."), *notes]
 
 

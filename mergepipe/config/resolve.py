@@ -165,11 +165,12 @@ def _use_views(r: _Resolver, base_id: str) -> None:
 
 
 def _check_out_dtype(cat: Catalog, cfg: MergekitConfig, base_id: str, base_path: Path | None) -> None:
-    """mergekit writes out_dtype, or else dtype; MergePipe writes each tensor in the base's own dtype.
+    """mergekit writes out_dtype, or else dtype; so does MergePipe (the request's ``out_dtype``: each float
+    output block is rounded once from float32 to it, planner/assembly.py records the conversion).
 
     The dtypes asked for apply to the float tensors: non-float buffers (a BERT's int64 ``position_ids``)
-    are copied from the base as they are, by mergekit as by MergePipe, so ``dtype: float32`` on an fp32
-    base with int64 buffers is honoured."""
+    are copied from the base as they are, by mergekit as by MergePipe; a base without a float tensor is
+    refused (there is nothing to merge)."""
     want = cfg.out_dtype or cfg.dtype
     if want is None:
         return
@@ -177,21 +178,12 @@ def _check_out_dtype(cat: Catalog, cfg: MergekitConfig, base_id: str, base_path:
         codes = [t["dtype"] for t in cat.tensors(base_id)]
     else:
         codes = [t.dtype for t in open_checkpoint(base_path).tensors.values()]
-    floats, others = split_dtypes(codes)
-    if floats == [want]:
+    floats, _ = split_dtypes(codes)
+    if floats:
         return
     key = "out_dtype" if cfg.out_dtype else "dtype (which mergekit also uses as the output dtype)"
-    label = dtype_label(codes)
-    buffers = f"; its {','.join(others)} buffers are copied as they are" if others else ""
-    if len(floats) == 1:
-        fix = f"set `out_dtype: {MERGEKIT_DTYPE[floats[0]]}`{buffers}"
-    elif floats:
-        fix = (f"remove `out_dtype` and `dtype` (the base's float tensors mix {', '.join(floats)}, and MergePipe "
-               f"keeps each tensor's dtype)")
-    else:
-        fix = "the base holds no float tensor to merge"
-    raise ConfigError(f"{cfg.source}: {key}: {MERGEKIT_DTYPE.get(want, want)} cannot be honoured: MergePipe "
-                      f"writes the base's dtype ({label}); {fix}")
+    raise ConfigError(f"{cfg.source}: {key}: {MERGEKIT_DTYPE.get(want, want)} cannot be honoured: the base "
+                      f"({dtype_label(codes)}) holds no float tensor to merge")
 
 
 def apply(cat: Catalog, resolved: Resolved) -> None:

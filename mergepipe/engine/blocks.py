@@ -1,10 +1,11 @@
 """Merging one block: the fused numba kernels where they apply, else the torch path of the operators
 (sparsify each contributing expert's delta, then combine). Both give bit-identical bytes.
 
-Every merged block is checked for NaN/Inf in its final bytes (after the rounding to the base's dtype, so
-a finite float32 value that overflows bf16 or fp16 is caught as well): one fails the merge with an
+Every merged block is checked for NaN/Inf in its final bytes (after the rounding to the output dtype, the
+base's unless the plan converts, so a finite float32 value that overflows bf16 or fp16 is caught as well): one fails the merge with an
 ExecutionError naming the tensor and block, and nothing is published. Blocks copied from the base
-unmerged are not checked (a merge never adds what its inputs did not have there).
+unmerged are not checked (a merge never adds what its inputs did not have there), unless they are converted
+to another dtype (a bf16 value beyond fp16's range).
 """
 
 from __future__ import annotations
@@ -26,28 +27,40 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def merge_block(fused, op, params, seed, experts, sources, weight_sum, info, span, raw, contributors, thresholds,
-                method=None, soup=None):
+                method=None, soup=None, out_dtype=None):
     """The merged bytes of one block (``raw``: its base bytes; ``contributors``: (expert index, buffers)),
     refused when they hold NaN or Inf. ``method``: the tensor's scalars of an interpolation method;
-    ``soup``: a model soup's (weights in config order, the base's position)."""
+    ``soup``: a model soup's (weights in config order, the base's position); ``out_dtype``: the dtype the
+    float32 result is rounded to (None: the base tensor's, ``info.dtype``)."""
+    out = out_dtype or info.dtype
     if soup is not None:
-        data = soup_block(params, sources, info, span, raw, contributors, len(experts), *soup)
+        data = soup_block(params, sources, info, span, raw, contributors, len(experts), *soup, out=out)
     elif op.nonlinear:
-        data = method_block(op, params, sources, info, span, raw, contributors, method, len(experts))
+        data = method_block(op, params, sources, info, span, raw, contributors, method, len(experts), out=out)
     else:
         data = _merged_bytes(fused, op, params, seed, experts, sources, weight_sum, info, span, raw, contributors,
-                             thresholds)
-    check_finite(data, info, span)
+                             thresholds, out)
+    check_finite(data, info, span, out)
     return data
 
 
-def check_finite(data, info, span) -> None:
-    """Raise ExecutionError when a merged block's bytes hold NaN or Inf."""
+def converted_block(info, span, raw, out_dtype: str):
+    """A block copied from the base, in the output dtype (torch's rounding, as mergekit's ``.to``),
+    refused when the conversion overflows it (a bf16 value beyond fp16's range)."""
+    shape = rows_shape(info, span.row_end - span.row_start)
+    data = tensor_bytes(bytes_to_tensor(raw, info.dtype, shape).to(DTYPES[out_dtype][0]))
+    check_finite(data, info, span, out_dtype)
+    return data
+
+
+def check_finite(data, info, span, out_dtype=None) -> None:
+    """Raise ExecutionError when a merged block's bytes (in ``out_dtype``, default the tensor's) hold NaN or Inf."""
     from mergepipe.ops import kernels
-    if not kernels.nonfinite_count(data, info.dtype):
+    code = out_dtype or info.dtype
+    if not kernels.nonfinite_count(data, code):
         return
-    nan, inf, largest = kernels.nonfinite_kinds(data, info.dtype)
-    dtype = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64"}.get(info.dtype, info.dtype.lower())
+    nan, inf, largest = kernels.nonfinite_kinds(data, code)
+    dtype = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64"}.get(code, code.lower())
     why = (f"merged values beyond the largest {dtype} number ({largest:.6g}) overflow to Inf: lower the weights "
            f"or lambda, or merge into a wider dtype" if inf and not nan else
            "an input or a parameter made them (check the experts' and the base's values, the weights and lambda)")
@@ -55,11 +68,12 @@ def check_finite(data, info, span) -> None:
                          f"values ({nan} NaN, {inf} Inf) in {dtype}; {why}; nothing was published")
 
 
-def _merged_bytes(fused, op, params, seed, experts, sources, weight_sum, info, span, raw, contributors, thresholds):
+def _merged_bytes(fused, op, params, seed, experts, sources, weight_sum, info, span, raw, contributors, thresholds,
+                  out):
     shape = rows_shape(info, span.row_end - span.row_start)
     if fused:
         data = fused_block(op, params, seed, experts, sources, weight_sum, info, span, shape, raw,
-                           contributors, thresholds)
+                           contributors, thresholds, out)
         if data is not None:
             return data
     base = bytes_to_tensor(raw, info.dtype, shape).float()
@@ -76,15 +90,15 @@ def _merged_bytes(fused, op, params, seed, experts, sources, weight_sum, info, s
         d = sparsify(op, delta, density, expert_params(params, e, info.name), thr, bseed, span.index)
         deltas.append((tensor_weight(e, info.name), d))
     merged = combine(op, base, deltas, weight_sum, params)
-    return tensor_bytes(merged.to(DTYPES[info.dtype][0]))
+    return tensor_bytes(merged.to(DTYPES[out][0]))
 
 
-def soup_block(params, sources, info, span, raw, contributors, n_experts, weights, position):
+def soup_block(params, sources, info, span, raw, contributors, n_experts, weights, position, out=None):
     """One block of a model soup: mergekit's linear over the base and every expert's values (an expert not
     read for this block is the base's values there: its delta is omitted, as in any additive merge)."""
     from mergepipe.ops.linear import soup_block as kernel
     shape, base, xs = _values(sources, info, span, raw, contributors, n_experts)
-    return tensor_bytes(kernel(base, xs, weights, position, params).reshape(shape).to(DTYPES[info.dtype][0]))
+    return tensor_bytes(kernel(base, xs, weights, position, params).reshape(shape).to(DTYPES[out or info.dtype][0]))
 
 
 def _values(sources, info, span, raw, contributors, n_experts):
@@ -102,7 +116,7 @@ def _values(sources, info, span, raw, contributors, n_experts):
     return shape, base, xs
 
 
-def method_block(op, params, sources, info, span, raw, contributors, scalars, n_experts):
+def method_block(op, params, sources, info, span, raw, contributors, scalars, n_experts, out=None):
     """One block of an interpolation method (ops/interp.py): every expert's values in float32 (a full
     checkpoint's own values; else base + delta; an expert not read for this block changed nothing here,
     so its values are the base's), then the method's block kernel with the tensor's scalars."""
@@ -110,14 +124,16 @@ def method_block(op, params, sources, info, span, raw, contributors, scalars, n_
     shape, base, xs = _values(sources, info, span, raw, contributors, n_experts)
     # the block's index in the tensor's grid: sce's exact-k cut among tied entries is by block (ops/topk.py)
     merged = METHODS[op.name][1](op, base, xs, scalars, {**params, "block_index": span.index}, len(info.shape))
-    return tensor_bytes(merged.reshape(shape).to(DTYPES[info.dtype][0]))
+    return tensor_bytes(merged.reshape(shape).to(DTYPES[out or info.dtype][0]))
 
 
-def fused_block(op, params, seed, experts, sources, weight_sum, info, span, shape, raw, contributors, thresholds):
+def fused_block(op, params, seed, experts, sources, weight_sum, info, span, shape, raw, contributors, thresholds,
+                out=None):
     """The fused kernel (kernels.fused_merge) for full or delta checkpoints with linear, task
-    arithmetic, TIES or DARE; None where it does not apply (LoRA, other operators, fp16/fp64)."""
+    arithmetic, TIES or DARE; None where it does not apply (LoRA, other operators, fp16/fp64 in or out)."""
     from mergepipe.ops import kernels
-    if op.sparsify not in kernels.FUSED_SPARSIFY or info.dtype not in kernels.CODES:
+    if op.sparsify not in kernels.FUSED_SPARSIFY or info.dtype not in kernels.CODES or \
+            (out or info.dtype) not in kernels.CODES:
         return None
     contributions = []
     for ei, (bufs, _fixed) in contributors:
@@ -132,9 +148,9 @@ def fused_block(op, params, seed, experts, sources, weight_sum, info, span, shap
                                  (bufs[0], src.checkpoint.tensors[info.name].dtype, src.kind == "delta"))
         contributions.append((data, dtype, is_delta, tensor_weight(e, info.name), density,
                               thresholds.get(e["id"], {}).get(info.name, []), bseed))
-    out = kernels.fused_merge(op, params, raw, info.dtype, math.prod(shape), contributions, weight_sum,
-                              span.index)
-    return None if out is None else memoryview(out)
+    data = kernels.fused_merge(op, params, raw, info.dtype, math.prod(shape), contributions, weight_sum,
+                               span.index, out_dtype=out)
+    return None if data is None else memoryview(data)
 
 
 def decoded(block: CompactBlock):

@@ -204,10 +204,11 @@ class Engine:
                                       for e, f in sorted(plan.compact_files.items())}
         if plan.base_member:  # a model soup: the base (reference) is averaged in
             core["inputs"]["base_member"] = plan.base_member
-        if plan.tokenizer:
-            core["tokenizer"] = plan.tokenizer
-        if plan.layout:  # a `slices:` merge: which input tensor each output tensor is made of
-            core["layout"] = plan.layout
+        # the tokenizer, a `slices:` merge's layout (which input tensor each output tensor is made of), the
+        # dtype the float tensors were converted to
+        for key in ("tokenizer", "layout", "out_dtype"):
+            if getattr(plan, key):
+                core[key] = getattr(plan, key)
         if plan.is_extend:
             core["realized"]["snapshot_read"] = result["snapshot_read"]
             core["extends"] = {k: plan.parent[k] for k in ("snapshot_id", "model_id", "manifest_hash")}
@@ -234,8 +235,10 @@ class Engine:
 
     def _output_base(self, plan: Plan) -> str | None:
         """The merged model is registered against the base, unless a `slices:` layout gave it other tensors
-        (a frankenmerge's extra or fewer layers): then it is a model of its own (no base)."""
+        (a frankenmerge's extra or fewer layers) or another dtype: then it is a model of its own (no base)."""
         outputs = plan.output_tensor_names
+        if plan.out_dtype:
+            return None
         if outputs is None:
             return plan.base_id
         names = {t["name"] for t in self.catalog.tensors(plan.base_id)}

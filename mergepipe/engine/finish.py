@@ -10,7 +10,7 @@ from mergepipe.engine.vocab import vocab_setting, write_vocab_files
 from mergepipe.errors import ExecutionError
 from mergepipe.manifest.build import file_sha256
 from mergepipe.planner.plan import Plan, compact_ranges
-from mergepipe.storage.writers import finish_files, write_layout_config
+from mergepipe.storage.writers import finish_files, write_dtype_config, write_layout_config
 
 
 def finish_snapshot(plan: Plan, base_ck, staging: Path, shards, outputs: dict, realized_by_expert: dict,
@@ -23,6 +23,8 @@ def finish_snapshot(plan: Plan, base_ck, staging: Path, shards, outputs: dict, r
         write_vocab_files(plan, staging)
     if plan.layout is not None:
         write_layout_config(staging, plan.layout)
+    if plan.out_dtype:  # its float tensors converted: config.json says so, as mergekit's does
+        write_dtype_config(staging, plan.out_dtype)
     for extra in sorted(p for p in staging.rglob("*") if p.is_file()):  # config, index, tokenizer files
         name = extra.relative_to(staging).as_posix()
         if name not in outputs:

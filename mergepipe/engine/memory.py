@@ -19,6 +19,7 @@ from mergepipe.engine.pipeline import MergePipeline, check_realized
 from mergepipe.errors import ExecutionError
 from mergepipe.planner.plan import Plan
 from mergepipe.storage.dtypes import ITEMSIZE
+from mergepipe.storage.writers import written_info
 
 UNLIMITED_SHARD = 1 << 62  # in memory the output is one buffer
 
@@ -74,7 +75,7 @@ class MemoryPipeline(MergePipeline):
 
         from mergepipe.storage.dtypes import torch_dtype_of as torch_dtype
         out = {}
-        for info in self.order:
+        for info in (written_info(t, self.out_dtype) for t in self.order):
             writer = self.writers[self.shard_of[info.name].fname]
             offset = self.shard_of[info.name].offsets[info.name]
             count = info.nbytes // ITEMSIZE[info.dtype]

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from mergepipe.engine.blocks import merge_block, warm_kernels
+from mergepipe.engine.blocks import converted_block, merge_block, warm_kernels
 from mergepipe.engine.compact_inputs import CompactInputs
 # check_realized is re-exported (its importers know it from here)
 from mergepipe.engine.finish import check_realized, finish_snapshot  # noqa: F401
@@ -32,7 +32,8 @@ from mergepipe.storage.grid import BlockSpan, tensor_grid
 from mergepipe.storage.registry import open_checkpoint
 from mergepipe.storage.safetensors import FLOAT_DTYPES, TensorInfo
 from mergepipe.storage.sources import open_source
-from mergepipe.storage.writers import ShardWriter, plan_shards
+from mergepipe.storage.dtypes import ITEMSIZE
+from mergepipe.storage.writers import ShardWriter, plan_shards, written_info
 
 REMOTE_READAHEAD = 8  # groups fetched at once from remote inputs (still within the in-flight byte budget)
 
@@ -82,7 +83,8 @@ class MergePipeline:
         vocab = vocab_setting(plan)  # different vocabularies: re-ordered embedding rows (engine/vocab.py)
         self.vocab_rows = VocabRows(self, vocab) if vocab else None
         self.order = order = self._output_tensors()
-        self.shards = plan_shards(order, out_shard_bytes)
+        self.out_dtype = plan.out_dtype  # float tensors written in it, each block rounded once (None: as they are)
+        self.shards = plan_shards([written_info(t, self.out_dtype) for t in order], out_shard_bytes)
         self.shard_of = {n: s for s in self.shards for n in s.offsets}
         self.selected = {e["id"]: {t: set(expand_ranges(rs)) for t, rs in plan.access_for(e["id"]).items()}
                          for e in experts}
@@ -263,7 +265,8 @@ class MergePipeline:
         t_c = time.perf_counter()
         data = merge_block(self.engine.fused, self.op, self.params_for(info.name), self.plan.seed, self.experts, self.sources,
                            self.weight_sums[info.name], info, span, raw, contributors, self.thresholds,
-                           self.coefficients.get(info.name), self.soup_weights(info.name))
+                           self.coefficients.get(info.name), self.soup_weights(info.name),
+                           written_info(info, self.out_dtype).dtype)
         self.timing["compute_s"] += time.perf_counter() - t_c
         return data
 
@@ -277,28 +280,35 @@ class MergePipeline:
         scale = self.scale.get(info.name)
         in_info = replace(info, name=name)
         composed = bool(self.vocab_rows and self.vocab_rows.covers(info.name))
+        out_item, in_item = ITEMSIZE[written_info(info, self.out_dtype).dtype], ITEMSIZE[info.dtype]
         for k, span in enumerate(group):
             raw = memoryview(base_buf)[span.rel_offset - g0: span.rel_offset - g0 + span.nbytes]
             contributors = [(ei, bufs[span.index]) for ei, bufs in enumerate(exp_bufs)
                             if span.index in bufs and self.takes_part(ei, name, span.index, composed)]
             if self.op.copies:  # passthrough: the input tensor as it is, or times its scale
-                data = raw if scale is None or info.dtype not in FLOAT_DTYPES else self.executor.submit(
-                    self.scale_one, in_info, span, raw, scale)
+                data = self.as_written(in_info, span, raw) if scale is None or info.dtype not in FLOAT_DTYPES \
+                    else self.executor.submit(self.scale_one, in_info, span, raw, scale)
             elif info.dtype not in FLOAT_DTYPES or (not contributors and self.passthrough_ok(name)
                                                     and not self.method_merges(name, span.index)):
-                data = raw
+                data = self.as_written(in_info, span, raw)
             else:
                 data = self.executor.submit(self.merge_one, in_info, span, raw, contributors)
             last = k == len(group) - 1
-            self.pending.append((writer, base_off + span.rel_offset, data, len(group) if last else 0,
-                                 cost if last else 0))
+            self.pending.append((writer, base_off + span.rel_offset // in_item * out_item, data,
+                                 len(group) if last else 0, cost if last else 0))
             for ei, _ in contributors:
                 self.touched[self.experts[ei]["id"]].setdefault(name, []).append(span.index)
 
     def scale_one(self, info, span, raw, scale):
         """A passthrough block with a scale (the operator's block kernel, the scale as its scalar)."""
         return merge_block(False, self.op, self.params, self.plan.seed, [], [], 0.0, info, span, raw, [], {},
-                           [scale])
+                           [scale], out_dtype=written_info(info, self.out_dtype).dtype)
+
+    def as_written(self, info, span, raw):
+        """A block copied from its input: the bytes as they are, or (a float tensor the plan converts) a task
+        converting them to the output dtype."""
+        out = written_info(info, self.out_dtype).dtype
+        return raw if out == info.dtype else self.executor.submit(converted_block, info, span, raw, out)
 
     # --- writes ---------------------------------------------------------------------------------------
     def write_in_order(self, limit: int) -> None:

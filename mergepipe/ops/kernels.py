@@ -5,8 +5,8 @@ weighted copy and masks: several full-size float32 temporaries per expert, which
 cost and why memory grew with K. The kernels here walk the block in chunks of ``CHUNK`` elements (a
 few KiB, so every intermediate stays in L1) and, per chunk, go over the K experts' raw bytes (bf16 or
 fp32) directly: delta, threshold / random mask, L1 rescale, weight, sum, elected sign, agreeing
-magnitude, divisor, lambda, base, and the conversion back to the base's dtype. Nothing K-sized is
-materialised.
+magnitude, divisor, lambda, base, and the conversion to the output dtype (the base's, or bf16/fp32 when
+the plan converts). Nothing K-sized is materialised.
 
 The arithmetic repeats the torch path operation for operation in float32 (scalars rounded to float32
 as torch does for Python numbers, the same order of additions, no fused multiply-add: numba does not
@@ -148,7 +148,7 @@ def _set_random_rescale(ex: _ExpertArrays, base_addr: int, base_code: int, n: in
 
 
 def fused_merge(spec, params: dict, base_raw, base_dtype: str, n: int, contributions: list, weight_sum: float,
-                block: int = 0):
+                block: int = 0, out_dtype: str | None = None):
     """Merge one block with the fused kernel, or return None when it does not apply (then the caller
     uses the torch path of ops.sparsify + ops.combine, which the kernel reproduces bit for bit).
 
@@ -157,10 +157,11 @@ def fused_merge(spec, params: dict, base_raw, base_dtype: str, n: int, contribut
     stored delta (else a full checkpoint: delta = expert - base), its weight and density for this
     tensor, the catalog statistics of the tensor (TIES: threshold, L1 ratio, exact-k cut) and the block's
     random seed; ``block``: the block's index in the grid (the exact-k cut). Returns a uint8 array
-    of the merged block in the base's dtype."""
-    if spec.sparsify not in FUSED_SPARSIFY or base_dtype not in CODES or not contributions:
+    of the merged block in ``out_dtype`` (None: the base's dtype; the float32 result rounded once)."""
+    out_dtype = out_dtype or base_dtype
+    if spec.sparsify not in FUSED_SPARSIFY or base_dtype not in CODES or out_dtype not in CODES or not contributions:
         return None
-    base_code = CODES[base_dtype]
+    base_code, out_code = CODES[base_dtype], CODES[out_dtype]
     if len(base_raw) != n * _ITEMSIZE[base_code]:
         return None
     keep: list = []
@@ -174,8 +175,8 @@ def fused_merge(spec, params: dict, base_raw, base_dtype: str, n: int, contribut
     normalize = bool(params["normalize"])
     divisor = weight_sum if abs(weight_sum) >= 1e-8 else 1.0
     scale_base = bool(spec.whole_models and not normalize)
-    out = np.empty(n * _ITEMSIZE[base_code], np.uint8)
-    merge_block(base_addr, base_code, out.ctypes.data, base_code, n, ex.addrs, ex.codes, ex.is_delta, ex.kinds,
+    out = np.empty(n * _ITEMSIZE[out_code], np.uint8)
+    merge_block(base_addr, base_code, out.ctypes.data, out_code, n, ex.addrs, ex.codes, ex.is_delta, ex.kinds,
                 ex.weights, ex.thrs, ex.ties, ex.denss, ex.ratios, ex.use_ratio, ex.k1s, ex.k2s, bool(spec.consensus),
                 normalize, np.float32(lam), lam == 1, np.float32(divisor), scale_base, np.float32(weight_sum))
     del keep

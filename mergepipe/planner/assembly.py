@@ -16,6 +16,7 @@ from mergepipe.planner import methods, vocab_rows
 from mergepipe.planner.candidates import tensor_info
 from mergepipe.planner.plan import PLAN_FORMAT, Plan, compact_ranges
 from mergepipe.planner.tiers import NO_COMPACTS, compact_store, tier_summary
+from mergepipe.storage.dtypes import FLOAT_DTYPES, ITEMSIZE
 from mergepipe.storage.grid import tensor_grid
 from mergepipe.storage.safetensors import TensorInfo
 from mergepipe.storage.tiers import transfer_estimate
@@ -94,6 +95,8 @@ def _core(ctx, chosen: np.ndarray, access: dict, budget: dict, tier: np.ndarray 
         core["tokenizer"] = ctx.request.tokenizer
     if ctx.output_layout is not None:  # a `slices:` config: which input tensor each output tensor is made of
         core["layout"] = ctx.output_layout
+    if out_dtype(ctx):  # only when a float tensor is converted: other plans keep their digests
+        core["out_dtype"] = out_dtype(ctx)
     if ctx.tensor_params:  # lambda/normalize/rescale per tensor (only then: other plans keep their digests)
         core["tensor_params"] = ctx.tensor_params
     if ctx.base_member:  # a soup: the base is averaged in (only then: other plans keep their digests)
@@ -131,6 +134,8 @@ def _outside_digest(ctx, data: dict, selected_mask: np.ndarray, compact: dict | 
         data["compact_store"] = store
     if ctx.warnings:  # they follow from the catalog, like the estimates
         data["warnings"] = list(ctx.warnings)
+    if out_dtype(ctx):  # what the conversion changes in the output (EXPLAIN's dtype line)
+        data["conversion"] = conversion_note(ctx)
 
 
 def access_of(ctx, chosen: np.ndarray) -> tuple[dict, dict, dict]:
@@ -202,9 +207,48 @@ def output_info(ctx, row: dict) -> TensorInfo:
 
 
 def output_bytes(ctx) -> int:
-    if ctx.vocab is None:
-        return base_bytes(ctx)
-    return base_bytes(ctx) + sum(output_info(ctx, t).nbytes - t["nbytes"] for t in ctx.tensors)
+    """Bytes of the output's tensors (re-ordered embedding rows, float tensors in the output dtype)."""
+    total = base_bytes(ctx)
+    if ctx.vocab is not None:
+        total += sum(output_info(ctx, t).nbytes - t["nbytes"] for t in ctx.tensors)
+    out = out_dtype(ctx)
+    if out is None:
+        return total
+    return total + sum(converted_bytes(n, r["dtype"], out) - n for r in _written_rows(ctx)
+                       for n in [output_info(ctx, r).nbytes])
+
+
+def _written_rows(ctx) -> list[dict]:
+    """The input tensor of each output tensor, in output order."""
+    if ctx.output_layout is None:
+        return ctx.tensors
+    return [ctx.tensors[ctx.tensor_index[t[2]]] for t in ctx.output_layout["tensors"]]
+
+
+def out_dtype(ctx) -> str | None:
+    """The request's output dtype when some float tensor of the base is in another one (else None: the
+    tensors are written in their own dtypes)."""
+    out = ctx.request.out_dtype
+    if out is None or all(t["dtype"] == out or t["dtype"] not in FLOAT_DTYPES for t in ctx.tensors):
+        return None
+    return out
+
+
+def conversion_note(ctx) -> dict:
+    """The base's float dtypes, the output's, and the output's bytes without and with the conversion."""
+    out = out_dtype(ctx)
+    written = output_bytes(ctx)
+    floats = sorted({t["dtype"] for t in ctx.tensors if t["dtype"] in FLOAT_DTYPES})
+    return {"from": floats, "to": out, "bytes": written,
+            "bytes_unconverted": written - sum(converted_bytes(n, r["dtype"], out) - n for r in _written_rows(ctx)
+                                               for n in [output_info(ctx, r).nbytes])}
+
+
+def converted_bytes(nbytes: int, dtype: str, out: str | None) -> int:
+    """Bytes of a tensor of ``nbytes`` in ``dtype`` written in ``out`` (float tensors only; None: as is)."""
+    if out is None or dtype not in FLOAT_DTYPES:
+        return nbytes
+    return nbytes // ITEMSIZE[dtype] * ITEMSIZE[out]
 
 
 def vocab_blocks(ctx) -> int:

@@ -135,7 +135,22 @@ def method_lines(plan) -> list[str]:
 def shape_lines(plan) -> list[str]:
     """What the output is made of besides the merge: a `slices:` layout, a soup's base, the tokenizer."""
     lines = [layout_line(plan.data)] if plan.layout else []
-    return lines + soup_lines(plan) + tokenizer_lines(plan)
+    return lines + soup_lines(plan) + tokenizer_lines(plan) + dtype_lines(plan)
+
+
+def dtype_lines(plan) -> list[str]:
+    """The output dtype when the plan converts the float tensors (mergekit's out_dtype, else dtype)."""
+    from mergepipe.planner.budget import human_bytes
+    out = plan.out_dtype
+    if not out:  # each tensor in its own dtype (no line)
+        return []
+    note = plan.data.get("conversion") or {}
+    sizes = "" if note.get("bytes") is None else (
+        f"; output {human_bytes(note['bytes'])}" + (f" instead of {human_bytes(note['bytes_unconverted'])}"
+                                                    if note["bytes"] != note["bytes_unconverted"] else " (as unconverted)"))
+    return [f"  dtype      float tensors written in {out} (the base's: {', '.join(note.get('from', ['?']))}): "
+            f"merged in float32, each output block rounded once to {out} as it is written; non-float buffers "
+            f"copied as they are{sizes}"]
 
 
 def soup_lines(plan) -> list[str]:

@@ -72,6 +72,10 @@ class _ExtendContext:
             raise PlanError(f"snapshot {request.snapshot} re-ordered its models' embedding rows to another vocabulary "
                             f"(tokenizer_source): adding or removing an expert changes that vocabulary; merge from "
                             f"scratch instead")
+        if core.get("out_dtype"):
+            raise PlanError(f"snapshot {request.snapshot} was written in {core['out_dtype']}, not its base's dtype: "
+                            f"an incremental merge adds to the base's values in the base's dtype; merge from "
+                            f"scratch instead")
         self.params = core["params"]
         if self.params["lambda"] == 0:
             raise PlanError(f"snapshot {request.snapshot} was merged with lambda 0: it holds no trace of its "

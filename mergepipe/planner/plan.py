@@ -218,6 +218,11 @@ class Plan:
         return self.data.get("tokenizer")
 
     @property
+    def out_dtype(self) -> str | None:
+        """The float tensors' output dtype when the plan converts them (None: each tensor's own dtype)."""
+        return self.data.get("out_dtype")
+
+    @property
     def vocab(self) -> dict | None:
         """A re-ordered vocabulary (the tokenizer's ``vocab``), else None."""
         return (self.data.get("tokenizer") or {}).get("vocab")

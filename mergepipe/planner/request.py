@@ -36,6 +36,7 @@ PARAM_KEYS = ("lam", "normalize", "rescale", "gamma", "epsilon")
 # Under normalize: |sum of the weights| must exceed this fraction of the sum of their magnitudes.
 WEIGHT_SUM_EPS = 1e-12
 MAX_SEED = 2**64 - 1
+OUT_DTYPES = ("F32", "F16", "BF16")  # the float dtypes an output may be written in
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,9 @@ class MergeRequest:
     # the compact tier (planner/tiers.py): auto (the levels the catalog's compacts hold), off (exact or omitted
     # only: today's plans), or a codec name restricting the levels read (storage/compact.py)
     compact: str = "auto"
+    # the float tensors' output dtype (a safetensors code: F32, F16, BF16) when not the base's (mergekit's
+    # out_dtype, else dtype): each output block is rounded once from float32 to it; recorded when it converts
+    out_dtype: str | None = None
 
     @classmethod
     def build(cls, base: str, experts, operator: str = "linear", *, weights=None, weight=None, density=None,
@@ -83,7 +87,7 @@ class MergeRequest:
               target_bound=None, strategy: str | None = None, seed: int | None = None, out=None,
               model_id: str | None = None, tokenizer: dict | None = None, layout: dict | None = None,
               base_member: dict | None = None, coalesce: str | None = None,
-              coalesce_tolerance: float | None = None, compact=None,
+              coalesce_tolerance: float | None = None, compact=None, out_dtype: str | None = None,
               **unknown) -> MergeRequest:
         """Shape keyword arguments (the API's, the CLI's flags, a page's widgets) into a validated request.
         ``weights`` lists one weight per expert, in order; ``budget`` is any spelling :class:`Budget` takes."""
@@ -103,7 +107,7 @@ class MergeRequest:
                       tokenizer=_tokenizer_setting(tokenizer), layout=_layout_setting(layout), base_member=base_member,
                       coalesce="auto" if coalesce is None else coalesce,
                       coalesce_tolerance=0.10 if coalesce_tolerance is None else coalesce_tolerance,
-                      compact=compact_setting(compact))
+                      compact=compact_setting(compact), out_dtype=out_dtype)
         return request.validated()
 
     def validated(self) -> MergeRequest:
@@ -122,6 +126,8 @@ class MergeRequest:
         tol = self.coalesce_tolerance
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not (0 <= tol < 1):
             raise PlanError(f"the coalesce tolerance must be a number in [0, 1), not {tol!r}")
+        if self.out_dtype is not None and self.out_dtype not in OUT_DTYPES:
+            raise PlanError(f"unknown output dtype {self.out_dtype!r} (choose from {', '.join(OUT_DTYPES)})")
         if self.compact not in COMPACT_MODES:
             raise PlanError(f"unknown compact setting {self.compact!r} (choose from {', '.join(COMPACT_MODES)})")
         seed = check_seed(self.seed)

@@ -32,6 +32,9 @@ _TORCH_NAMES = {
 }
 
 
+TORCH_NAMES = _TORCH_NAMES  # the public name of the table (a config.json's torch_dtype)
+
+
 def _torch_tables() -> dict:
     """DTYPES (code -> (torch dtype, item size)) and TORCH_TO_CODE, built on first use."""
     import torch

@@ -9,10 +9,11 @@ import json
 import os
 import shutil
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mergepipe.errors import ExecutionError
+from mergepipe.storage.dtypes import FLOAT_DTYPES, ITEMSIZE, TORCH_NAMES
 from mergepipe.storage.safetensors import INDEX_NAME, Checkpoint, TensorInfo
 
 from mergepipe.storage.tokenizer_files import copy_tokenizer_files, write_chat_template
@@ -37,6 +38,13 @@ class OutShard:
     header: bytes
     offsets: dict[str, int]  # tensor -> absolute offset of its data in the file
     size: int
+
+
+def written_info(info: TensorInfo, out_dtype: str | None) -> TensorInfo:
+    """A tensor as written: a float tensor in ``out_dtype`` (its size in that dtype) when given, else as it is."""
+    if out_dtype is None or info.dtype == out_dtype or info.dtype not in FLOAT_DTYPES:
+        return info
+    return replace(info, dtype=out_dtype, nbytes=info.nbytes // ITEMSIZE[info.dtype] * ITEMSIZE[out_dtype])
 
 
 def plan_shards(tensors: list[TensorInfo], shard_bytes: int) -> list[OutShard]:
@@ -189,6 +197,21 @@ def write_layout_config(staging: Path, layout: dict) -> None:
     for key in keys:  # the key the architecture uses (GPT-2's n_layer), as mergekit writes it
         config[key] = len(layers)
     write_text(path, json.dumps(config, indent=2) + "\n")
+def write_dtype_config(staging: Path, out_dtype: str) -> None:
+    """A converted output's config.json names its dtype (``torch_dtype``, or transformers v5's ``dtype``, where
+    the base's names one; else ``torch_dtype``), as mergekit writes its ``out_dtype`` there."""
+    path = staging / "config.json"
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text())
+    if not isinstance(config, dict):
+        return
+    keys = [k for k in ("torch_dtype", "dtype") if isinstance(config.get(k), str)] or ["torch_dtype"]
+    for key in keys:
+        config[key] = TORCH_NAMES[out_dtype]
+    write_text(path, json.dumps(config, indent=2) + "\n")
+
+
 def write_bytes(path: Path, data: bytes) -> None:
     try:
         path.write_bytes(data)

@@ -336,8 +336,6 @@ def _bad(fam):
          ["unsupported key `lora` in models[0]"]),
         ("duplicate key", f"merge_method: linear\nmerge_method: ties\nbase_model: {base}\n{ok_models}",
          ["duplicate key 'merge_method'"]),
-        ("out_dtype", f"merge_method: linear\nbase_model: {base}\n{ok_models}dtype: float32\nout_dtype: float16\n",
-         ["out_dtype: float16 cannot be honoured", "float32"]),
         ("unknown dtype", f"merge_method: linear\nbase_model: {base}\n{ok_models}dtype: int4\n",
          ["unknown dtype 'int4'"]),
         ("tokenizer union", (f"merge_method: linear\nbase_model: {base}\n{ok_models}"
@@ -506,15 +504,14 @@ def test_dtypes_honoured_on_a_bf16_base(tmp_path):
         def cfg(extra):
             return parse_config(f"merge_method: linear\nbase_model: {paths['base']}\n"
                                 f"models:\n  - model: {paths['experts'][0]}\n{extra}")
-        # the usual mergekit config for a bf16 family: computed in float32 here, written as bf16
-        for ok in ("", "dtype: float32\nout_dtype: bfloat16\n", "out_dtype: bf16\n", "dtype: bfloat16\n"):
+        # the usual mergekit config for a bf16 family: computed in float32 here, written as bf16; any other
+        # float output dtype is written too (mergekit's out_dtype, else dtype: issue 32)
+        for ok, out in (("", None), ("dtype: float32\nout_dtype: bfloat16\n", "BF16"), ("out_dtype: bf16\n", "BF16"),
+                        ("dtype: bfloat16\n", "BF16"), ("dtype: float32\n", "F32"), ("out_dtype: float16\n", "F16"),
+                        ("dtype: float16\n", "F16")):
             r = prepare(cat, cfg(ok))
             assert [k["model_id"] for k in r.to_register] == ["base", "expert_1"]
-        with pytest.raises(ConfigError, match=r"dtype \(which mergekit also uses as the output dtype\): float32 "
-                                              r"cannot be honoured.*out_dtype: bfloat16"):
-            prepare(cat, cfg("dtype: float32\n"))
-        with pytest.raises(ConfigError, match="out_dtype: float16 cannot be honoured"):
-            prepare(cat, cfg("out_dtype: float16\n"))
+            assert r.request().out_dtype == out
         assert cat.query("SELECT COUNT(*) AS n FROM models")[0]["n"] == 0  # prepare only looks
     finally:
         cat.close()

@@ -17,9 +17,8 @@ from mergepipe import api
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.models import register
 from mergepipe.config.export import export_mergekit
-from mergepipe.config.model import ConfigError
 from mergepipe.config.parse import parse_config
-from mergepipe.config.resolve import plan_from_config, prepare
+from mergepipe.config.resolve import plan_from_config
 from mergepipe.engine.engine import Engine
 from mergepipe.storage.dtypes import dtype_label, label_float_dtype
 
@@ -116,15 +115,19 @@ def test_config_dtype_float32_applies_to_float_tensors(family):
     assert "out_dtype: float32" in export_mergekit(cat, plan.id)  # the float dtype, buffers aside
 
 
-def test_config_other_dtype_names_the_real_fix(family):
+def test_config_other_dtype_converts_the_float_tensors_only(family):
+    """``out_dtype: bfloat16`` on an fp32 base with int64 buffers (issue 32): the float tensors are written in
+    bf16 (the float32 merge rounded once), the buffers copied as they are."""
     root, base, experts = family
     cat = Catalog(root / "c.sqlite")
     cfg = parse_config(config(root, experts, "out_dtype: bfloat16\n"), "bert.yml")
-    with pytest.raises(ConfigError) as exc:
-        prepare(cat, cfg)
-    msg = str(exc.value)
-    assert "F32 (+I64 buffers)" in msg and "set `out_dtype: float32`" in msg and "I64 buffers are copied" in msg
-    assert "leave out_dtype out" not in msg
+    plan, _ = plan_from_config(cat, cfg)
+    assert plan.out_dtype == "BF16"
+    Engine(cat).execute(plan, out=root / "out")
+    out = load_file(str(root / "out" / "model.safetensors"))
+    assert torch.equal(out["bert.embeddings.position_ids"], base["bert.embeddings.position_ids"])
+    assert {v.dtype for n, v in out.items() if "_ids" not in n} == {torch.bfloat16}
+    assert "out_dtype: bfloat16" in export_mergekit(cat, plan.id)
 
 
 def test_pretrained_bert_as_people_have_it_merges_from_a_config(tmp_path):
