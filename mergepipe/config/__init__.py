@@ -9,10 +9,10 @@ lets them keep doing so:
   mergekit settings (per-tensor ``filter`` conditions, gradients over the layers), resolved with
   mergekit's precedence (a model's own value, else the global one) by the planner. Everything
   MergePipe cannot do exactly is refused with one message naming the key (filters or
-  gradients of the other parameters, unknown merge methods and parameters, an output dtype other than
-  the base's float dtype, tokenizer settings that would move embedding rows); nothing is silently
-  approximated. Tokenizer settings are resolved against the models' vocabularies by resolve.py. The compute ``dtype`` may be any float type: MergePipe
-  computes in float32 whatever it says, which is at least as precise.
+  gradients of the other parameters, unknown merge methods and parameters, tokenizer settings that
+  would move embedding rows); nothing is silently approximated. Tokenizer settings are resolved against
+  the models' vocabularies by resolve.py. ``dtype`` and ``out_dtype`` may be any float type: MergePipe
+  computes in float32 whatever they say and writes ``out_dtype``, else ``dtype``, as mergekit does.
 * ``slices:`` and ``modules:`` (slices.py reads them, slice_expand.py expands them, slice_export.py writes them
   back; modules.py for multi-module architectures): layer ranges, frankenmerges and per-slice parameters are
   expanded into the plan's ``layout`` and per-tensor settings (see those modules for what is refused).

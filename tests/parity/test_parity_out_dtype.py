@@ -158,3 +158,41 @@ def test_half_budget_reads_the_planned_bytes_and_rounds_the_float32_merge_once(f
             {"float16": "F16", "float32": "F32", "bfloat16": "BF16"}[out]}
     text = plan.explain()
     assert f"float tensors written in {plan.out_dtype}" in text
+
+
+@pytest.mark.parametrize("family,keys", [("tiny-bf16", {"dtype": "float16"}), ("tiny-fp32", {"out_dtype": "bfloat16"})])
+def test_frankenmerge_with_a_scale_in_another_dtype_is_bit_equal(tmp_path_factory, family, keys):
+    """A passthrough `slices:` config (layers repeated from three models, a scale per slice and per source):
+    every copied block converted, every scaled one rounded once; bit-equal to mergekit."""
+    from merge_helpers import open_copy, shared_family, slice_source as src
+    from mergekit_runner import config_merge_both
+
+    fam = shared_family(tmp_path_factory, family)
+    work = tmp_path_factory.mktemp(f"franken-{family}")
+    cat = open_copy(fam, work / "cat.sqlite")
+    slices = [{"sources": [src(fam.base, 0, 2)]}, {"sources": [src(fam.experts[0], 1, 2)],
+                                                   "parameters": {"scale": [{"filter": "o_proj", "value": 0.5},
+                                                                            {"value": 1.0}]}},
+              {"sources": [src(fam.experts[1], 0, 2, scale=0.75)]}, {"sources": [src(fam.base, 0, 1)]}]
+    cfg = {"slices": slices, "merge_method": "passthrough", "base_model": str(fam.base), **keys}
+    try:
+        plan, manifest, got, ref = config_merge_both(cat, work, cfg, "franken")
+    finally:
+        cat.close()
+    want = TORCH[keys.get("out_dtype", keys.get("dtype"))]
+    assert sorted(got) == sorted(ref) and {v.dtype for v in got.values()} == {want}
+    assert all(torch.equal(got[n], ref[n]) for n in ref)
+    assert plan["estimate"]["output_write"] == sum(v.numel() * v.element_size() for v in got.values())
+    assert manifest.core["realized"]["expert_read"] == 0
+
+
+def test_exported_config_of_a_converted_plan_reproduces_its_digest(fams):
+    from mergepipe.config.export import export_plan_data
+    from mergepipe.config.resolve import plan_from_config
+
+    fam = fams["bf16"]
+    plan, _, _ = _merge(fam, "ties", {"dtype": "float32", "out_dtype": "float16"}, budget="50%")
+    text = export_plan_data(fam["cat"], plan.data)
+    assert "out_dtype: float16" in text
+    again, _ = plan_from_config(fam["cat"], parse_config(text), save=False)
+    assert again.digest == plan.digest and again.out_dtype == "F16"
