@@ -114,3 +114,32 @@ def test_a_copied_block_overflowing_fp16_is_refused(tmp_path):
                 out=tmp_path / "out", model_id="m")
     assert "\n" not in str(exc.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_union_vocabulary_in_another_dtype_is_the_fp32_merge_rounded(tmp_path):
+    """Re-ordered embedding rows (tokenizer_source: union) written in bf16: the fp32 output rounded once, in
+    the output vocabulary's shapes."""
+    import sys
+    from pathlib import Path
+
+    from mergepipe.config.parse import parse_config
+    from mergepipe.config.resolve import plan_from_config
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parity"))
+    from vocab_helpers import added_tokens_family
+
+    base, experts = added_tokens_family(tmp_path / "fam")
+    models = "".join(f"  - model: {e}\n    parameters: {{weight: {w}}}\n" for e, w in zip(experts, (0.6, 1.3, 0.35)))
+    outs = {}
+    for tag, extra in (("wide", ""), ("bf16", "out_dtype: bfloat16\n")):
+        cat = Catalog(tmp_path / f"{tag}.sqlite")
+        text = (f"merge_method: task_arithmetic\nbase_model: {base}\nmodels:\n{models}dtype: float32\n"
+                f"tokenizer_source: union\n{extra}mergepipe: {{budget: '50%'}}\n")
+        plan, _ = plan_from_config(cat, parse_config(text, "vocab.yml"))
+        manifest = Engine(cat).execute(plan, out=tmp_path / tag)[1]
+        assert manifest.core["realized"]["expert_read"] == plan["estimate"]["expert_read"]
+        outs[tag] = (plan, load_dir(tmp_path / tag))
+        cat.close()
+    (wide_plan, wide), (plan, got) = outs["wide"], outs["bf16"]
+    assert plan.out_dtype == "BF16" and plan["access"] == wide_plan["access"]
+    assert all(torch.equal(got[n], t.to(torch.bfloat16)) for n, t in wide.items())
+    assert plan["estimate"]["output_write"] == sum(v.numel() * v.element_size() for v in got.values())
