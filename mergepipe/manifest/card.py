@@ -38,8 +38,13 @@ def recipe(core: dict) -> dict:
     spec = core["budget"]["spec"]
     ext = ({"target_bound": float(spec.split()[1])} if spec.startswith("target-bound ") else {"budget": spec})
     ext.update({"strategy": core["strategy"], "seed": core["seed"], "plan": core["plan_id"]})
-    return {"merge_method": core["operator"], "base_model": base.get("uri") or base["id"], "models": models,
-            "parameters": dict(sorted(core["params"].items())), "dtype": "float32", "mergepipe": ext}
+    doc = {"merge_method": core["operator"], "base_model": base.get("uri") or base["id"], "models": models,
+           "parameters": dict(sorted(core["params"].items())), "dtype": "float32", "mergepipe": ext}
+    if core.get("out_dtype"):  # its float tensors converted (mergekit's name of the dtype: torch's)
+        from mergepipe.storage.dtypes import TORCH_NAMES
+        doc = {**{k: v for k, v in doc.items() if k != "mergepipe"}, "out_dtype": TORCH_NAMES[core["out_dtype"]],
+               "mergepipe": ext}
+    return doc
 
 
 def model_card(core: dict) -> str:

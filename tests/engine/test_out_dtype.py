@@ -95,6 +95,7 @@ def test_in_memory_merge_returns_the_output_dtype(tmp_path):
 def test_incremental_merge_of_a_converted_snapshot_is_refused(tmp_path):
     cat, _ = family(tmp_path, "bf16")
     api.run(cat, api.merge_request("base", ["e1"], "linear", out_dtype="F32"), out=tmp_path / "out", model_id="m")
+    assert "out_dtype: float32" in (tmp_path / "out" / "README.md").read_text()  # the card's recipe
     with pytest.raises(PlanError, match="was written in F32, not its base's dtype"):
         api.plan_extend(cat, api.extend_request("m", "add", "e2", weight=0.5, out=tmp_path / "o2"))
 
