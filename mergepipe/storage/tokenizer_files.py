@@ -143,14 +143,17 @@ def write_chat_template(staging: Path, template: str) -> None:
         tj.write_text(json.dumps({"chat_template": template}, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+INSTALL_HINT = "pip install 'mergepipe[tokenizers]'"
+
+
 def load_auto_tokenizer(root: Path, **kwargs):
     """``transformers.AutoTokenizer.from_pretrained(root, local_files_only=True, **kwargs)``, loaded from a
     checked copy of ``root`` (:func:`checked_folder`); any loading failure is one StorageError naming ``root``."""
     try:
         import transformers
     except ImportError:
-        raise StorageError("loading a tokenizer needs transformers, which is not installed: "
-                           "pip install 'mergepipe[eval]'") from None
+        raise StorageError(f"{root}: loading its tokenizer needs the 'transformers' package, which is not "
+                           f"installed: {INSTALL_HINT}") from None
     with checked_folder(root) as folder:
         try:
             return transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True, **kwargs)
@@ -162,8 +165,12 @@ def load_auto_tokenizer(root: Path, **kwargs):
 
 def vocabulary(root: Path) -> dict[str, int]:
     """A tokenizer folder's vocabulary (token -> id, added tokens included), as transformers loads it
-    (``AutoTokenizer.from_pretrained(root, local_files_only=True).get_vocab()``, what mergekit compares)."""
-    return dict(load_auto_tokenizer(root).get_vocab())
+    (``AutoTokenizer.from_pretrained(root, local_files_only=True).get_vocab()``, what mergekit compares):
+    read from its files where they settle it (:func:`~mergepipe.storage.vocab_files.read_vocabulary`,
+    no transformers import), else through transformers."""
+    from mergepipe.storage.vocab_files import read_vocabulary
+    found = read_vocabulary(root)
+    return found if found is not None else dict(load_auto_tokenizer(root).get_vocab())
 
 
 def vocab_difference(want: dict[str, int], have: dict[str, int]) -> str:
