@@ -38,7 +38,7 @@ SHARED_PARAMS = tuple(n for n, p in PARAMS.items() if not p.per_tensor and p.kin
 GRADIENT_PARAMS = tuple(n for n, p in PARAMS.items() if p.gradient)
 GLOBAL_PARAMS = tuple(PARAMS) + ("int8_mask",)
 MODEL_PARAMS = PER_TENSOR + SHARED_PARAMS
-EXTENSION_KEYS = ("budget", "target_bound", "strategy", "seed", "plan", "compact")
+EXTENSION_KEYS = ("budget", "target_bound", "strategy", "seed", "plan", "compact", "moe_layout")
 # mergekit methods MergePipe does not implement (named so that the refusal says so).
 MERGEKIT_ONLY_METHODS = ("slerp", "nuslerp", "multislerp", "model_stock", "passthrough", "karcher", "sce",
                          "arcee_fusion", "nearswap", "ram", "core_space", "task_adapter", "cabs", "lrp", "pcb",
@@ -98,6 +98,7 @@ class MergekitConfig:
     # a multi-module architecture's `modules:` as config/modules.py reads them (Module, ...); None: not given
     modules: tuple | None = None
     slices_reference: bool = False  # slices (modules) without base_model: the base is the first source (a reference)
+    moe_layout: str | None = None  # mergepipe.moe_layout: fused, per-expert (None: mergekit's, storage/moe_layout.py)
 
     def with_overrides(self, operator=None, budget=None, target_bound=None, strategy=None, seed=None,
                        compact=None, **params) -> MergekitConfig:

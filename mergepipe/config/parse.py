@@ -27,6 +27,7 @@ from mergepipe.ops.core import OPERATORS
 from mergepipe.planner.budget import Budget
 from mergepipe.planner.settings import PER_MODEL_PARAMS
 from mergepipe.storage.codecs import COMPACT_MODES
+from mergepipe.storage.moe_layout import LAYOUTS as MOE_LAYOUTS
 from mergepipe.planner.strategies import STRATEGIES
 from mergepipe.storage.paths import read_regular
 
@@ -113,7 +114,7 @@ def _parse(text, source: str) -> MergekitConfig:
         compact=compact,
         plan_id=plan_id, tokenizer_source=tokenizer_source, tokenizer_tokens=tokens,
         pad_to_multiple_of=pad, chat_template=chat_template, method_params=_method_params(globals_, values),
-        slices=slices, modules=modules, slices_reference=reference)
+        slices=slices, modules=modules, slices_reference=reference, moe_layout=_moe_layout(doc))
 
 
 def _method_params(globals_: dict, values: dict) -> dict:
@@ -244,6 +245,14 @@ def _models(entries, globals_: dict) -> tuple[list[ConfigModel], dict]:
                               f"mergekit applies one {p} to every model (a merge-wide parameter)")
         values[p] = distinct[0] if distinct else None
     return models, values
+
+
+def _moe_layout(doc: dict) -> str | None:
+    """``mergepipe: {moe_layout: fused | per-expert}`` (storage/moe_layout.py); None: mergekit's layout."""
+    value = (doc.get("mergepipe") or {}).get("moe_layout") if isinstance(doc.get("mergepipe"), dict) else None
+    if value is not None and value not in MOE_LAYOUTS:
+        raise ConfigError(f"mergepipe.moe_layout {brief(value)} is unknown (choose from {', '.join(MOE_LAYOUTS)})")
+    return value
 
 
 def _extension(doc: dict):

@@ -54,7 +54,7 @@ class Resolved:
         return MergeRequest.build(self.base, self.experts, c.method, budget=c.budget, target_bound=c.target_bound,
                                   lam=c.lam, normalize=c.normalize, rescale=c.rescale, gamma=c.gamma,
                                   epsilon=c.epsilon, seed=c.seed, strategy=c.strategy, compact=c.compact,
-                                  tokenizer=self.tokenizer, out_dtype=c.out_dtype or c.dtype,
+                                  tokenizer=self.tokenizer, out_dtype=c.out_dtype or c.dtype, moe_layout=c.moe_layout,
                                   layout=self.layout, base_member=self.base_member, **method_params)
 
 

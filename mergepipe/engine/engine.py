@@ -205,8 +205,8 @@ class Engine:
         if plan.base_member:  # a model soup: the base (reference) is averaged in
             core["inputs"]["base_member"] = plan.base_member
         # the tokenizer, a `slices:` merge's layout (which input tensor each output tensor is made of), the
-        # dtype the float tensors were converted to
-        for key in ("tokenizer", "layout", "out_dtype"):
+        # dtype the float tensors were converted to, a MoE base's layout
+        for key in ("tokenizer", "layout", "out_dtype", "moe_layout"):
             if getattr(plan, key):
                 core[key] = getattr(plan, key)
         if plan.is_extend:
@@ -235,9 +235,10 @@ class Engine:
 
     def _output_base(self, plan: Plan) -> str | None:
         """The merged model is registered against the base, unless a `slices:` layout gave it other tensors
-        (a frankenmerge's extra or fewer layers) or another dtype: then it is a model of its own (no base)."""
+        (a frankenmerge's extra or fewer layers, fused MoE experts) or another dtype: then it is a model of its
+        own (no base)."""
         outputs = plan.output_tensor_names
-        if plan.out_dtype:
+        if plan.out_dtype or (plan.moe_layout or {}).get("layout") == "fused":
             return None
         if outputs is None:
             return plan.base_id

@@ -29,6 +29,7 @@ from mergepipe.ops.core import get_op
 from mergepipe.planner.plan import Plan, expand_ranges
 from mergepipe.planner.settings import tensor_weight
 from mergepipe.storage.grid import BlockSpan, tensor_grid
+from mergepipe.storage.moe_layout import fused_order
 from mergepipe.storage.registry import open_checkpoint
 from mergepipe.storage.safetensors import FLOAT_DTYPES, TensorInfo
 from mergepipe.storage.sources import open_source
@@ -84,7 +85,11 @@ class MergePipeline:
         self.vocab_rows = VocabRows(self, vocab) if vocab else None
         self.order = order = self._output_tensors()
         self.out_dtype = plan.out_dtype  # float tensors written in it, each block rounded once (None: as they are)
-        self.shards = plan_shards([written_info(t, self.out_dtype) for t in order], out_shard_bytes)
+        moe, heads = plan.moe_layout, {}  # per-expert matrices written as fused tensors (storage/moe_layout.py)
+        if moe and moe["layout"] == "fused":
+            order, heads = fused_order(moe["architecture"], order)
+            self.order = order
+        self.shards = plan_shards([written_info(t, self.out_dtype) for t in order], out_shard_bytes, heads)
         self.shard_of = {n: s for s in self.shards for n in s.offsets}
         self.selected = {e["id"]: {t: set(expand_ranges(rs)) for t, rs in plan.access_for(e["id"]).items()}
                          for e in experts}

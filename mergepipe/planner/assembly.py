@@ -8,9 +8,11 @@ written only when set, so that earlier plans keep their digests."""
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 import numpy as np
 
+from mergepipe.errors import MergePipeError, PlanError
 from mergepipe.manifest.build import canonical
 from mergepipe.planner import methods, vocab_rows
 from mergepipe.planner.candidates import tensor_info
@@ -18,6 +20,7 @@ from mergepipe.planner.plan import PLAN_FORMAT, Plan, compact_ranges
 from mergepipe.planner.tiers import NO_COMPACTS, compact_store, tier_summary
 from mergepipe.storage.dtypes import FLOAT_DTYPES, ITEMSIZE
 from mergepipe.storage.grid import tensor_grid
+from mergepipe.storage.moe_layout import fused_order, has_per_expert
 from mergepipe.storage.safetensors import TensorInfo
 from mergepipe.storage.tiers import transfer_estimate
 from mergepipe.version import __version__
@@ -97,6 +100,8 @@ def _core(ctx, chosen: np.ndarray, access: dict, budget: dict, tier: np.ndarray 
         core["layout"] = ctx.output_layout
     if out_dtype(ctx):  # only when a float tensor is converted: other plans keep their digests
         core["out_dtype"] = out_dtype(ctx)
+    if (moe := moe_setting(ctx)) is not None:  # a Mixtral/Qwen3-MoE base's per-expert matrices: how written
+        core["moe_layout"] = moe
     if ctx.tensor_params:  # lambda/normalize/rescale per tensor (only then: other plans keep their digests)
         core["tensor_params"] = ctx.tensor_params
     if ctx.base_member:  # a soup: the base is averaged in (only then: other plans keep their digests)
@@ -242,6 +247,23 @@ def conversion_note(ctx) -> dict:
     return {"from": floats, "to": out, "bytes": written,
             "bytes_unconverted": written - sum(converted_bytes(n, r["dtype"], out) - n for r in _written_rows(ctx)
                                                for n in [output_info(ctx, r).nbytes])}
+
+
+def moe_setting(ctx) -> dict | None:
+    """How a fused MoE family's per-expert matrices are written (storage/moe_layout.py): fused (the default,
+    mergekit's) or per expert; None for other bases. A fused layout is checked here (the experts fuse)."""
+    arch = ctx.base.get("architecture")
+    rows = _written_rows(ctx)
+    names = [t[0] for t in ctx.output_layout["tensors"]] if ctx.output_layout is not None else [r["name"] for r in rows]
+    if not has_per_expert(arch, names):
+        return None
+    layout = "per-expert" if ctx.request.moe_layout == "per-expert" else "fused"
+    if layout == "fused":
+        try:
+            fused_order(arch, [replace(tensor_info(r), name=n) for r, n in zip(rows, names)])
+        except MergePipeError as exc:
+            raise PlanError(str(exc)) from None
+    return {"layout": layout, "architecture": arch}
 
 
 def converted_bytes(nbytes: int, dtype: str, out: str | None) -> int:

@@ -135,7 +135,20 @@ def method_lines(plan) -> list[str]:
 def shape_lines(plan) -> list[str]:
     """What the output is made of besides the merge: a `slices:` layout, a soup's base, the tokenizer."""
     lines = [layout_line(plan.data)] if plan.layout else []
-    return lines + soup_lines(plan) + tokenizer_lines(plan) + dtype_lines(plan)
+    return lines + soup_lines(plan) + tokenizer_lines(plan) + dtype_lines(plan) + moe_lines(plan)
+
+
+def moe_lines(plan) -> list[str]:
+    """A Mixtral/Qwen3-MoE base's per-expert matrices: fused as mergekit writes them, or per expert."""
+    moe = plan.moe_layout
+    if not moe:
+        return []
+    if moe["layout"] == "per-expert":
+        return [f"  moe        experts written per expert, under the base's names (mergekit 0.1.5 writes the "
+                f"fused layout of transformers v5: moe_layout fused, the default)"]
+    return [f"  moe        experts written fused as transformers v5 and mergekit 0.1.5 write {moe['architecture']}: "
+            f"per layer mlp.experts.gate_up_proj [E, 2I, H] and mlp.experts.down_proj [E, H, I], each the "
+            f"per-expert matrices one after the other (merged, read and budgeted per expert matrix as always)"]
 
 
 def dtype_lines(plan) -> list[str]:

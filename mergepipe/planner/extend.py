@@ -72,6 +72,9 @@ class _ExtendContext:
             raise PlanError(f"snapshot {request.snapshot} re-ordered its models' embedding rows to another vocabulary "
                             f"(tokenizer_source): adding or removing an expert changes that vocabulary; merge from "
                             f"scratch instead")
+        if (core.get("moe_layout") or {}).get("layout") == "fused":
+            raise PlanError(f"snapshot {request.snapshot} wrote its MoE experts fused (moe_layout): an incremental "
+                            f"merge adds to the base's per-expert tensors; merge from scratch instead")
         if core.get("out_dtype"):
             raise PlanError(f"snapshot {request.snapshot} was written in {core['out_dtype']}, not its base's dtype: "
                             f"an incremental merge adds to the base's values in the base's dtype; merge from "

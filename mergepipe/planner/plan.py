@@ -218,6 +218,11 @@ class Plan:
         return self.data.get("tokenizer")
 
     @property
+    def moe_layout(self) -> dict | None:
+        """A Mixtral/Qwen3-MoE base's layout setting ({layout: fused | per-expert, architecture}), else None."""
+        return self.data.get("moe_layout")
+
+    @property
     def out_dtype(self) -> str | None:
         """The float tensors' output dtype when the plan converts them (None: each tensor's own dtype)."""
         return self.data.get("out_dtype")

@@ -30,6 +30,7 @@ from mergepipe.planner.coalesce import MODES
 from mergepipe.planner.settings import check_setting, expert_params, is_scalar
 from mergepipe.planner.strategies import STRATEGIES
 from mergepipe.storage.codecs import COMPACT_MODES
+from mergepipe.storage.moe_layout import LAYOUTS as MOE_LAYOUTS
 
 # The operator parameters a request carries (None: the operator's default).
 PARAM_KEYS = ("lam", "normalize", "rescale", "gamma", "epsilon")
@@ -80,6 +81,9 @@ class MergeRequest:
     # the float tensors' output dtype (a safetensors code: F32, F16, BF16) when not the base's (mergekit's
     # out_dtype, else dtype): each output block is rounded once from float32 to it; recorded when it converts
     out_dtype: str | None = None
+    # a Mixtral/Qwen3-MoE base's per-expert matrices written fused as transformers v5 and mergekit 0.1.5 do
+    # (storage/moe_layout.py): auto (mergekit's: fused), fused, per-expert; recorded for those families only
+    moe_layout: str = "auto"
 
     @classmethod
     def build(cls, base: str, experts, operator: str = "linear", *, weights=None, weight=None, density=None,
@@ -88,7 +92,7 @@ class MergeRequest:
               model_id: str | None = None, tokenizer: dict | None = None, layout: dict | None = None,
               base_member: dict | None = None, coalesce: str | None = None,
               coalesce_tolerance: float | None = None, compact=None, out_dtype: str | None = None,
-              **unknown) -> MergeRequest:
+              moe_layout: str | None = None, **unknown) -> MergeRequest:
         """Shape keyword arguments (the API's, the CLI's flags, a page's widgets) into a validated request.
         ``weights`` lists one weight per expert, in order; ``budget`` is any spelling :class:`Budget` takes."""
         params = {k: v for k, v in (("lam", lam), ("normalize", normalize), ("rescale", rescale),
@@ -107,7 +111,8 @@ class MergeRequest:
                       tokenizer=_tokenizer_setting(tokenizer), layout=_layout_setting(layout), base_member=base_member,
                       coalesce="auto" if coalesce is None else coalesce,
                       coalesce_tolerance=0.10 if coalesce_tolerance is None else coalesce_tolerance,
-                      compact=compact_setting(compact), out_dtype=out_dtype)
+                      compact=compact_setting(compact), out_dtype=out_dtype,
+                      moe_layout="auto" if moe_layout is None else moe_layout)
         return request.validated()
 
     def validated(self) -> MergeRequest:
@@ -128,6 +133,8 @@ class MergeRequest:
             raise PlanError(f"the coalesce tolerance must be a number in [0, 1), not {tol!r}")
         if self.out_dtype is not None and self.out_dtype not in OUT_DTYPES:
             raise PlanError(f"unknown output dtype {self.out_dtype!r} (choose from {', '.join(OUT_DTYPES)})")
+        if self.moe_layout not in MOE_LAYOUTS:
+            raise PlanError(f"unknown MoE layout {self.moe_layout!r} (choose from {', '.join(MOE_LAYOUTS)})")
         if self.compact not in COMPACT_MODES:
             raise PlanError(f"unknown compact setting {self.compact!r} (choose from {', '.join(COMPACT_MODES)})")
         seed = check_seed(self.seed)

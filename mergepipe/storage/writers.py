@@ -38,6 +38,7 @@ class OutShard:
     header: bytes
     offsets: dict[str, int]  # tensor -> absolute offset of its data in the file
     size: int
+    names: list[str] | None = None  # the tensor names its header holds (None: those of ``offsets``)
 
 
 def written_info(info: TensorInfo, out_dtype: str | None) -> TensorInfo:
@@ -47,32 +48,48 @@ def written_info(info: TensorInfo, out_dtype: str | None) -> TensorInfo:
     return replace(info, dtype=out_dtype, nbytes=info.nbytes // ITEMSIZE[info.dtype] * ITEMSIZE[out_dtype])
 
 
-def plan_shards(tensors: list[TensorInfo], shard_bytes: int) -> list[OutShard]:
-    """Split tensors (in order) into shards of at most ``shard_bytes`` of data; build each header."""
-    groups: list[list[TensorInfo]] = [[]]
-    size = 0
+def plan_shards(tensors: list[TensorInfo], shard_bytes: int, heads: dict | None = None) -> list[OutShard]:
+    """Split tensors (in order) into shards of at most ``shard_bytes`` of data; build each header.
+
+    ``heads`` (storage/moe_layout.py): tensor -> (name written, shape written); consecutive tensors written
+    under one name are one fused tensor, their data one after the other (each keeps its own offset)."""
+    heads = heads or {}
+    units: list[list[TensorInfo]] = []  # the tensors of each header entry
     for t in tensors:
-        if groups[-1] and size + t.nbytes > shard_bytes:
+        head = heads.get(t.name, (t.name,))[0]
+        if units and head != t.name and heads.get(units[-1][-1].name, (None,))[0] == head:
+            units[-1].append(t)
+        else:
+            units.append([t])
+    groups: list[list[list[TensorInfo]]] = [[]]
+    size = 0
+    for unit in units:
+        nbytes = sum(t.nbytes for t in unit)
+        if groups[-1] and size + nbytes > shard_bytes:
             groups.append([])
             size = 0
-        groups[-1].append(t)
-        size += t.nbytes
-    shards = []
-    for i, group in enumerate(groups):
-        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" if len(groups) > 1 else "model.safetensors"
-        header: dict = {"__metadata__": {"format": "pt"}}
-        pos = 0
-        rel = {}
-        for t in group:
-            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
+        groups[-1].append(unit)
+        size += nbytes
+    return [_shard(group, heads, i, len(groups)) for i, group in enumerate(groups)]
+
+
+def _shard(group: list[list[TensorInfo]], heads: dict, i: int, n: int) -> OutShard:
+    fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors"
+    header: dict = {"__metadata__": {"format": "pt"}}
+    pos = 0
+    rel = {}
+    for unit in group:
+        name, shape = heads.get(unit[0].name, (unit[0].name, tuple(unit[0].shape)))
+        nbytes = sum(t.nbytes for t in unit)
+        header[name] = {"dtype": unit[0].dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        for t in unit:
             rel[t.name] = pos
             pos += t.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        start = 8 + len(raw)
-        shards.append(OutShard(fname, len(raw).to_bytes(8, "little") + raw,
-                               {n: start + r for n, r in rel.items()}, start + pos))
-    return shards
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    start = 8 + len(raw)
+    return OutShard(fname, len(raw).to_bytes(8, "little") + raw, {n: start + r for n, r in rel.items()}, start + pos,
+                    [k for k in header if k != "__metadata__"])
 
 
 class ShardWriter:
@@ -154,7 +171,7 @@ def finish_files(base_ck: Checkpoint, staging: Path, shards: list[OutShard], tok
     tokenizer source (``tokenizer["source_uri"]``, default the base), and set ``tokenizer["chat_template"]``."""
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(s.size - len(s.header) for s in shards)},
-                 "weight_map": {n: s.fname for s in shards for n in s.offsets}}
+                 "weight_map": {n: s.fname for s in shards for n in (s.names or s.offsets)}}
         write_text(staging / INDEX_NAME, json.dumps(index, indent=2, sort_keys=True))
     tokenizer = tokenizer or {}
     side_files = base_ck.storage.side_files(base_ck) if base_ck.storage is not None else None
