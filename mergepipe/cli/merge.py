@@ -83,6 +83,9 @@ def _add_plan_args(p, with_out: bool):
     p.add_argument("--coalesce-tolerance", type=float, default=None,
                    help="coalescing re-chooses blocks within this fraction of the cut-off score per byte "
                         "(default 0.1)")
+    p.add_argument("--moe-layout", choices=("fused", "per-expert"), default=None,
+                   help="a Mixtral/Qwen3-MoE base's experts: fused (default, as transformers v5 and mergekit write "
+                        "them: mlp.experts.gate_up_proj/down_proj) or per expert (the base's names)")
     if with_out:
         _add_out_args(p)
 
@@ -177,6 +180,7 @@ def _request(args):
     return api.merge_request(args.base, args.experts, args.op or "linear", budget=budget, seed=args.seed,
                              strategy=args.strategy, coalesce=args.coalesce, compact=args.compact,
                              coalesce_tolerance=args.coalesce_tolerance, out=getattr(args, "out", None),
+                             moe_layout=args.moe_layout,
                              model_id=getattr(args, "model_id", None), **_settings(args))
 
 
@@ -198,7 +202,7 @@ def _load_config(args, spelled=None):
     return (spelled or api.load_config(args.config)).with_overrides(
         operator=args.op, budget=None if budget is None or budget.is_target else budget,
         target_bound=args.target_bound, strategy=args.strategy, seed=args.seed, compact=args.compact,
-        **_settings(args))
+        moe_layout=args.moe_layout, **_settings(args))
 
 
 def _config_plan(args, cat, save, reserved_ids):

@@ -38,6 +38,7 @@ def _record(cat: Catalog | None, ref: str) -> dict:
             "strategy": c["strategy"], "budget": c["budget"], "target_bound": target,
             "snapshot_id": m.snapshot_id, "full_expert_bytes": c["full_expert_bytes"], "tokenizer": c.get("tokenizer"),
             "layout": c.get("layout"), "base_member": c["inputs"].get("base_member"), "out_dtype": c.get("out_dtype"),
+            "moe_layout": c.get("moe_layout"),
             "compact": (c.get("compact") or {}).get("mode")}
 
 
@@ -47,7 +48,7 @@ def _plan_record(data: dict) -> dict:
             "operator": p.operator, "params": p.params, "seed": p.seed, "strategy": p.strategy,
             "budget": p.budget, "target_bound": p.target_bound, "snapshot_id": None,
             "full_expert_bytes": p.full_expert_bytes, "tokenizer": p.tokenizer, "layout": p.layout,
-            "out_dtype": p.out_dtype,
+            "out_dtype": p.out_dtype, "moe_layout": p.moe_layout,
             "base_member": p.base_member, "compact": p.compact_mode}
 
 
@@ -213,6 +214,8 @@ def _extension(r: dict) -> dict:
     ext.update({"strategy": r["strategy"], "seed": r["seed"], "plan": r["plan_id"]})
     if r.get("compact") not in (None, "auto"):  # the compact tier as the request set it (planner/tiers.py)
         ext["compact"] = r["compact"]
+    if (r.get("moe_layout") or {}).get("layout") == "per-expert":  # not mergekit's (fused) layout
+        ext["moe_layout"] = "per-expert"
     return ext
 
 

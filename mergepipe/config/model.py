@@ -101,7 +101,7 @@ class MergekitConfig:
     moe_layout: str | None = None  # mergepipe.moe_layout: fused, per-expert (None: mergekit's, storage/moe_layout.py)
 
     def with_overrides(self, operator=None, budget=None, target_bound=None, strategy=None, seed=None,
-                       compact=None, **params) -> MergekitConfig:
+                       compact=None, moe_layout=None, **params) -> MergekitConfig:
         """The config with command-line settings replacing its own (None: keep the config's value).
 
         ``params`` are operator parameters by their request keyword (ops/spec.py declarations:
@@ -137,7 +137,7 @@ class MergekitConfig:
                           for m in models]  # one value for every model now
         changes["models"] = tuple(models)
         changes["method_params"] = method_params
-        for name, value in (("strategy", strategy), ("seed", seed), ("compact", compact)):
+        for name, value in (("strategy", strategy), ("seed", seed), ("compact", compact), ("moe_layout", moe_layout)):
             if value is not None:
                 changes[name] = value
         if budget is not None or target_bound is not None:
