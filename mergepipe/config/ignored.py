@@ -7,16 +7,16 @@ model's or source's own ``parameters`` -- skipping the base for the NON_BASE one
 ``rescale``, ``int8_mask``, ``t``, ``select_topk``, ``scale`` outside passthrough, ...) and a per-model one
 given for the base (DELLA's ``epsilon`` under the base's ``sources:``, as mergekit's model card renders a
 config) change nothing in mergekit's output. MergePipe drops them too, with one ``warning:`` line each on
-stderr; what mergekit does read (a non-base source's ``epsilon``, a slice's ``normalize``) is left to the
-parser, which honours or refuses it.
+stderr -- ``lambda`` per model included, which it once applied when the models agreed -- and so writes
+mergekit's output; what mergekit does read (a non-base source's ``epsilon``, a slice's ``normalize``),
+``weight``/``density`` and unknown keys are left to the parser, which honours or refuses them.
 """
 
 from __future__ import annotations
 
 import sys
 
-from mergepipe.config.model import GLOBAL_PARAMS, MODEL_PARAMS
-from mergepipe.config.slices import SLICE_PARAMS
+from mergepipe.config.model import GLOBAL_PARAMS
 
 # mergekit 0.1.5's per-model parameters of each method (merge_methods/*: ParameterScope INPUT / NON_BASE);
 # a method not listed has none
@@ -39,7 +39,7 @@ def drop_ignored(doc: dict, method: str) -> dict:
     base = base.strip() if isinstance(base, str) else None
     out = dict(doc)
     if isinstance(doc.get("models"), list):
-        out["models"] = _entries(doc["models"], "models", method, base, MODEL_PARAMS)
+        out["models"] = _entries(doc["models"], "models", method, base)
     if isinstance(doc.get("slices"), list):
         out["slices"] = _slices(doc["slices"], "slices", method, base)
     modules = doc.get("modules")
@@ -53,7 +53,7 @@ def _module(body, where: str, method: str, base) -> object:
         return body
     body = dict(body)
     if isinstance(body.get("models"), list):
-        body["models"] = _entries(body["models"], f"{where}.models", method, base, SLICE_PARAMS)
+        body["models"] = _entries(body["models"], f"{where}.models", method, base)
     if isinstance(body.get("slices"), list):
         body["slices"] = _slices(body["slices"], f"{where}.slices", method, base)
     return body
@@ -63,14 +63,13 @@ def _slices(raw: list, where: str, method: str, base) -> list:
     out = []
     for k, sl in enumerate(raw):
         if isinstance(sl, dict) and isinstance(sl.get("sources"), list):
-            sl = {**sl, "sources": _entries(sl["sources"], f"{where}[{k}].sources", method, base, SLICE_PARAMS)}
+            sl = {**sl, "sources": _entries(sl["sources"], f"{where}[{k}].sources", method, base)}
         out.append(sl)
     return out
 
 
-def _entries(raw: list, where: str, method: str, base, accepted: tuple) -> list:
-    """Each model entry / source with the keys mergekit ignores dropped (``accepted``: what the parser reads
-    in that place; only keys outside it, or a base's per-model keys, can be dropped)."""
+def _entries(raw: list, where: str, method: str, base) -> list:
+    """Each model entry / source with the keys mergekit ignores dropped."""
     out = []
     for j, item in enumerate(raw):
         params = item.get("parameters") if isinstance(item, dict) else None
@@ -79,7 +78,7 @@ def _entries(raw: list, where: str, method: str, base, accepted: tuple) -> list:
             is_base = isinstance(model, str) and base is not None and model.strip() == base
             keep = {}
             for key, value in params.items():
-                reason = _ignored(key, method, is_base, accepted)
+                reason = _ignored(key, method, is_base)
                 if reason is None:
                     keep[key] = value
                 else:
@@ -89,14 +88,13 @@ def _entries(raw: list, where: str, method: str, base, accepted: tuple) -> list:
     return out
 
 
-def _ignored(key, method: str, is_base: bool, accepted: tuple) -> str | None:
-    """Why mergekit does not read ``key`` here (None: it does, or MergePipe's parser decides)."""
+def _ignored(key, method: str, is_base: bool) -> str | None:
+    """Why mergekit does not read ``key`` here (None: it does, or MergePipe's parser decides: weight, density,
+    a key it does not know)."""
     if not isinstance(key, str) or key not in GLOBAL_PARAMS or key in ("weight", "density"):
         return None
     per_model = PER_MODEL.get(method, ())
     if key not in per_model:
-        if key in accepted:
-            return None  # lambda/gamma/epsilon per model, t/scale per source: the parser's existing rules
         return (f"{method} takes no per-model `{key}` (a merge-wide parameter goes under the top-level, module "
                 f"or slice `parameters:`)")
     if is_base and key not in FOR_BASE_TOO.get(method, ()):

@@ -302,9 +302,6 @@ def _bad(fam):
         ("soup of one model", f"merge_method: linear\n{ok_models}", ["lists one model"]),
         ("slices", (f"merge_method: linear\nbase_model: {base}\nslices:\n  - sources:\n"
                    f"      - model: {e1}\n        layer_range: [0, 2]\n"), ["slices"]),
-        ("lambda gradient per model", (f"merge_method: ties\nbase_model: {base}\nmodels:\n  - model: {e1}\n"
-                                       f"    parameters:\n      lambda: [0.5, 1.0]\n"),
-         ["models[0].parameters.lambda", "gradient", "not supported for lambda"]),
         ("int8_mask filter", (f"merge_method: ties\nbase_model: {base}\n{ok_models}parameters:\n"
                              f"  int8_mask:\n    - filter: mlp\n      value: true\n"),
          ["parameters.int8_mask", "per-tensor filters", "not supported for int8_mask"]),
@@ -344,9 +341,6 @@ def _bad(fam):
         ("tokenizer config", (f"merge_method: linear\nbase_model: {base}\n{ok_models}"
                               f"tokenizer: {{source: base, tokens: {{'<new>': {{force: true}}}}}}\n"),
          ["tokenizer.tokens", "'<new>' has no source"]),
-        ("lambda differs", (f"merge_method: task_arithmetic\nbase_model: {base}\nmodels:\n"
-                           f"  - model: {e1}\n    parameters: {{weight: 1, lambda: 1.0}}\n"
-                           f"  - model: {e2}\n    parameters: {{weight: 1, lambda: 0.5}}\n"), ["`lambda` differs"]),
         ("per-model gamma out of range", (f"merge_method: breadcrumbs\nbase_model: {base}\nmodels:\n"
                                          f"  - model: {e1}\n    parameters: {{weight: 1, gamma: 0.01}}\n"
                                          f"  - model: {e2}\n    parameters: {{weight: 1, gamma: 1.5}}\n"),

@@ -103,3 +103,20 @@ def test_what_mergekit_reads_is_still_refused(fam):
         parse_config(yaml.safe_dump(slice_level), source="t.yaml")
     with pytest.raises(ConfigError, match="unsupported parameter `wieght`"):  # an unknown key: a typo
         parse_config(yaml.safe_dump(_models(fam, "ties", {"wieght": 1.0})), source="w.yaml")
+
+
+def test_lambda_per_model_is_ignored_like_mergekit(fam, capsys):
+    """mergekit's lambda is merge-wide (SHARED): per model it changes nothing, agreeing or not; MergePipe applied
+    an agreeing one and refused differing ones before issue 32."""
+    ignored._WARNED.clear()
+    cfg = _models(fam, "task_arithmetic", {})
+    for m, lam in zip(cfg["models"], (0.5, 0.5, 2.0)):
+        m["parameters"]["lambda"] = lam
+    plan, ours, theirs = merge_both(fam, cfg, "ta-lambda-per-model")
+    err = capsys.readouterr().err
+    assert [ln.split(":")[1].strip() for ln in err.splitlines() if ln.startswith("warning: ignoring")] == [
+        f"ignoring `lambda` in models[{i}].parameters" for i in range(3)], err
+    assert plan["params"]["lambda"] == 1.0
+    _, _, theirs0 = merge_both(fam, _models(fam, "task_arithmetic", {}), "ta-lambda-none")
+    assert _equal(theirs, theirs0)
+    assert _equal(ours, theirs)

@@ -10,19 +10,16 @@
 * int8_mask: mergekit's int8 sign mask selects exactly the same entries as its float mask (sign values
   -1, 0, 1 are exact in both): its outputs are bit-equal with and without, and so are MergePipe's, which
   accepts the key and computes its mask as it always does;
-* lambda, a merge-wide (SHARED) parameter in mergekit, differing between models is refused, naming it, and
-  the catalog is unchanged.
+* lambda, a merge-wide (SHARED) parameter in mergekit, given per model is ignored by both, with a warning here
+  (tests/parity/test_parity_ignored.py).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import yaml
 
 from mergepipe.api import merge_config
-from mergepipe.catalog.models import model_ids
-from mergepipe.config.model import ConfigError
 from mergepipe.config.parse import parse_config
 
 from mergekit_runner import PARAM_DENSITY, merge_both, params_config, params_family
@@ -101,16 +98,6 @@ def test_int8_mask_is_a_no_op_in_mergekit_and_here(pfam):
     _, ours8, theirs8 = _merge(pfam, cfg8, "ties-int8-mask")
     assert all(torch.equal(theirs[n], theirs8[n]) for n in theirs)
     assert all(torch.equal(ours[n], ours8[n]) for n in ours)
-
-
-def test_lambda_differing_between_models_is_refused(pfam):
-    before = model_ids(pfam["cat"])
-    cfg = _cfg(pfam, "task_arithmetic", {"lambda": [1.0, 0.5, 1.0]})
-    with pytest.raises(ConfigError) as err:
-        parse_config(yaml.safe_dump(cfg), source="lam.yaml")
-    assert str(err.value) == ("lam.yaml: `lambda` differs between models (0.5, 1): mergekit applies one lambda to "
-                              "every model (a merge-wide parameter)")
-    assert model_ids(pfam["cat"]) == before
 
 
 def _ties_cutoff_entries(fam, name) -> torch.Tensor:
