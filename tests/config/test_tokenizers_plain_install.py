@@ -26,6 +26,8 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from vocab_helpers import add_tokens  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a CLI subprocess per case (seconds each): out of the quick loop
+
 BLOCKED = ("transformers", "tokenizers", "sentencepiece")
 RUN_BLOCKED = textwrap.dedent(f"""\
     import importlib.abc, sys
