@@ -176,3 +176,13 @@ def test_search_report_judges_each_goal_from_the_numbers():
     assert judged[4][1].endswith("(0.24x)")
     text = render({"run": "now", "cpus": 2, "torch": "x", "seconds": 60, "family_a": [k]})
     assert "| K=4 search (same trials) takes <= 1/2 of CMA-ES's wall time | 150 s vs 400 s (0.38x) | yes |" in text
+
+
+def test_search_rank_agreement_is_spearmans_rho_over_trials_that_reached_full_budget():
+    from benchmarks.search import rank_agreement, spearman
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
+    assert abs(spearman([1, 1, 2, 3], [1, 2, 3, 4]) - 0.9486832980505138) < 1e-12  # ties share their mean rank
+    trials = [{"steps": [{"budget": "10%", "score": a}, {"budget": "100%", "score": b}]}
+              for a, b in ((1, 5), (2, 6), (3, 7), (4, 8))] + [{"steps": [{"budget": "10%", "score": 9}]}]  # pruned
+    assert rank_agreement(trials) == {"10%": {"trials": 4, "rho": 1.0}}

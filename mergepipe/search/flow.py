@@ -8,6 +8,7 @@ import yaml
 from mergepipe.catalog import searches as table
 from mergepipe.catalog.db import Catalog
 from mergepipe.config.parse import parse_config
+from mergepipe.config.model import ConfigError
 from mergepipe.errors import ExecutionError, MergePipeError
 from mergepipe.search.load import SearchFile, parse_search, sample_values
 from mergepipe.search.objectives import TrialFailed
@@ -22,12 +23,24 @@ def start(catalog: Catalog, sf: SearchFile, on_trial=None) -> dict:
     check_distribution(sf)
     base_dir = None
     for method in sf.space.methods():
-        plan = plan_recipe(catalog, sf.space.recipe(sample_values(sf.space, method)), sf.settings.fidelities[0],
-                           register_paths=True)
+        recipe = sf.space.recipe(sample_values(sf.space, method))
+        preflight_check(catalog, recipe)
+        plan = plan_recipe(catalog, recipe, sf.settings.fidelities[0], register_paths=True)
         base_dir = plan.base["uri"]
     scorer(sf.settings.objective, base_dir)  # files read and parsed, the function imported: now, not mid-search
     search_id = table.start_search(catalog, sf.settings.name, stored_source(sf), sf.settings.describe())
     return proceed(catalog, search_id, sf, on_trial)
+
+
+def preflight_check(catalog: Catalog, recipe: dict) -> None:
+    """The merge's preflight (every model's headers, index and config only) on one of the space's recipes:
+    a layout, vocabulary or head mismatch is refused before anything is registered, read or recorded."""
+    from mergepipe.config.preflight import preflight
+    result = preflight(catalog, parse_config(yaml.safe_dump(recipe, sort_keys=False), source="search space"))
+    if result.resolved and not result.ok:
+        n = len(result.problems)
+        raise ConfigError(f"preflight found {n} problem{'s' if n > 1 else ''} the trials would meet; the first: "
+                          f"{result.problems[0]}")
 
 
 def resume(catalog: Catalog, search_id: str, on_trial=None) -> dict:

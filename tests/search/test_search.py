@@ -396,3 +396,15 @@ def test_a_finished_search_publishes_and_shows_after_its_objective_file_is_gone(
     assert published[0]["trial"] == res["best"]["trial"]
     assert api.search_show(cat, res["id"])["trials"][res["best"]["trial"]]["snapshot_id"] == published[0]["snapshot_id"]
     assert set(api.search_parameter_importance(cat, res["id"])) <= {"expert_1.weight", "expert_2.weight"}
+
+
+def test_a_space_with_a_model_of_another_shape_is_refused_by_the_preflight(tmp_path, cat):
+    from mergepipe.research.family import make_family
+    other = make_family(tmp_path / "other", experts=1, size="small", dtype="fp32")["experts"][0]
+    path = space_file(tmp_path, {"trials": 2}, method="task_arithmetic",
+                      models=f"\n  - model: expert_1\n    parameters: {{weight: {{range: [0.1, 1.0]}}}}"
+                             f"\n  - model: {other}\n")
+    before = dump_db(Path(cat.path))
+    with pytest.raises(ConfigError, match="preflight found .* the trials would meet; the first: "):
+        run(cat, path)
+    assert dump_db(Path(cat.path)) == before
