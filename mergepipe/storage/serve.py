@@ -13,8 +13,10 @@ import email.utils
 import hashlib
 import ipaddress
 import re
+import signal
 import socket
 import sys
+import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -42,6 +44,7 @@ def serve(root, port: int = DEFAULT_PORT, host: str = LOOPBACK, allow_remote: bo
     ``on_ready(url, loopback)`` is called once listening (``port`` 0: a free port; ``loopback``: reachable
     from this machine only); a host that is not loopback is refused unless ``allow_remote``."""
     server = make_server(root, port, host, allow_remote)
+    stop_on_signals()
     try:
         if on_ready is not None:
             on_ready(server_url(server), is_loopback(host))
@@ -50,6 +53,20 @@ def serve(root, port: int = DEFAULT_PORT, host: str = LOOPBACK, allow_remote: bo
         pass
     finally:
         server.server_close()
+
+
+def stop_on_signals() -> None:
+    """Ctrl-C and SIGTERM end the server, even when it was started with SIGINT ignored (a background job of a
+    script, a child of a process that ignores it: Python then keeps SIGINT ignored), when this is the main
+    thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def make_server(root, port: int = DEFAULT_PORT, host: str = LOOPBACK, allow_remote: bool = False):
@@ -85,6 +102,9 @@ def _check_root(root) -> Path:
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    # Closing does not wait for the connection threads: a client's idle keep-alive connection (a reader's pool)
+    # would hold a thread, and an interrupted server would never exit.
+    block_on_close = False
     allow_reuse_address = True
 
     def handle_error(self, request, client_address) -> None:

@@ -177,3 +177,21 @@ def test_bad_input_is_one_error_line(family, tmp_path):
             assert res.stderr.startswith(want) and res.stderr.count("\n") == 1, (args, res.stderr)
     finally:
         taken.server_close()
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_a_server_started_with_sigint_ignored_still_stops(tmp_path, stop):
+    """A background job of a script (or a child of a process that ignores SIGINT) starts with SIGINT ignored,
+    which Python keeps: the server sets its own handlers, so Ctrl-C and SIGTERM end it."""
+    (tmp_path / "a.txt").write_text("a")
+    proc = subprocess.Popen(cli_cmd() + ["serve", str(tmp_path), "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        assert proc.stdout.readline().startswith("serving ")
+        proc.send_signal(stop)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0
+    assert "Traceback" not in err
