@@ -212,8 +212,12 @@ def fsync_tree(*paths: Path) -> None:
 # described in pyproject.toml. Every test with none of them also gets `quick`: `pytest -m quick` is the
 # quick loop (CONTRIBUTING.md). Nothing is deselected by default: plain `pytest` runs everything.
 MARKER_RULES: dict[str, tuple[str, ...]] = {
-    # against mergekit 0.1.5, run in a subprocess
-    "parity": ("tests/parity/*",),
+    # against mergekit 0.1.5 (tests/parity, and the vocabulary merges' parity cases in tests/engine)
+    "parity": ("tests/parity/*", "tests/engine/test_vocab_interp.py::test_parity_with_mergekit",
+               "tests/engine/test_vocab_stats.py::test_parity_with_mergekit",
+               "tests/engine/test_vocab_stats.py::test_breadcrumbs_parity_with_mergekit",
+               "tests/engine/test_vocab_shapes.py::test_parity_with_mergekit",
+               "tests/engine/test_vocab_merge.py::test_parity_with_mergekit"),
     # Debian's chromium driven by Playwright against a real Streamlit server
     "e2e": ("tests/dashboard/test_e2e*.py", "tests/dashboard/test_a11y.py", "tests/dashboard/test_demo_dashboard.py",
             "tests/dashboard/test_direct_page.py"),
@@ -230,6 +234,15 @@ MARKER_RULES: dict[str, tuple[str, ...]] = {
     # the individually slowest of the rest: every test function with a case over 1 s in `--durations` on a loaded
     # 2-core machine (crash and SIGKILL tests, CLI subprocesses, fuzzing, the benchmark profiles)
     "slow": (
+        "tests/test_markers.py",  # collects the whole suite in subprocesses
+        "tests/search/test_search.py::test_cli_json_names_the_best_parameters",
+        "tests/search/test_search.py::test_task_suite_and_perplexity_objectives_with_a_held_out_split",
+        "tests/search/test_search.py::test_same_seed_same_trials",
+        "tests/search/test_search.py::test_bad_spaces_are_one_error_naming_the_key",
+        "tests/storage/test_sources.py::test_analyze_stats_match_twins_and_read_adapter_bytes_only",
+        "tests/dashboard/test_compact_plan.py::test_plan_page_compact_note",
+        "tests/dashboard/test_pages_daily.py::test_snapshot_deep_link_with_two_snapshots",
+        "tests/engine/test_vocab_stats.py::test_budget_keeps_the_embedding_rows",
         "tests/analyze/test_analyze.py::test_block_stats_equal_numpy_reference",
         "tests/analyze/test_analyze.py::test_out_of_memory_path_gives_identical_results",
         "tests/analyze/test_analyze.py::test_thresholds_exact_whatever_share_of_deltas_has_low_bits",
