@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import sqlite3
+import subprocess
 import time
+from contextlib import contextmanager
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,3 +126,51 @@ def open_page(name: str, query: dict | None = None):
         at.switch_page(f"pages/{name}.py").run()
     assert not at.exception, [e.value for e in at.exception]
     return at
+
+
+# --- browser tests: the dashboard's server and a chromium page ------------------------------------------------
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@contextmanager
+def dashboard_server(db: Path, tmp_path: Path):
+    """`mergepipe dashboard`'s server on a free port, healthy; yields its URL; stopped (SIGTERM, then kill) after."""
+    from mergepipe.dashboard.server import run_dashboard
+    port = free_port()
+    log = open(tmp_path / "server.log", "wb")
+    proc = run_dashboard(db, port=port, extra_roots=[tmp_path], wait=False, stdout=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_health(url, timeout=90, proc=proc)  # /_stcore/health runs no script
+        yield url
+    finally:
+        stop_process(proc)
+        log.close()
+
+
+def stop_process(proc, timeout: float = 15) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def chromium_page(profile: Path, timeout_ms: int = 60_000, init_script: str | None = None):
+    """A page of Debian's chromium driven by Playwright, in a fresh profile folder (1400 x 1000)."""
+    import playwright.sync_api as playwright_sync
+    with playwright_sync.sync_playwright() as p:
+        ctx = p.chromium.launch_persistent_context(str(profile), executable_path=CHROMIUM, headless=True,
+                                                   args=CHROMIUM_ARGS, viewport={"width": 1400, "height": 1000})
+        ctx.set_default_timeout(timeout_ms)
+        if init_script:
+            ctx.add_init_script(init_script)
+        try:
+            yield ctx.pages[0] if ctx.pages else ctx.new_page()
+        finally:
+            ctx.close()

@@ -6,20 +6,14 @@ Real browser (Debian chromium, Playwright) against `mergepipe dashboard`'s serve
 
 from __future__ import annotations
 
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from dashboard_helpers import build_catalog, free_port, wait_for_health
-from mergepipe.dashboard.server import run_dashboard
+from dashboard_helpers import CHROMIUM, build_catalog, chromium_page, dashboard_server
 
 pytestmark = pytest.mark.e2e
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 IDLE = "[data-testid='stApp'][data-test-script-state='notRunning']"
 NAV = ["Home", "Models", "Catalog", "Plan", "Run", "Snapshots", "Compare", "Lineage", "Sweeps", "Search"]
 
@@ -33,36 +27,14 @@ expect = playwright_sync.expect
 @pytest.fixture
 def server(tmp_path):
     built = build_catalog(tmp_path / "built", merged=False)
-    port = free_port()
-    log = open(tmp_path / "server.log", "wb")
-    proc = run_dashboard(built.db, port=port, extra_roots=[tmp_path], wait=False, stdout=log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for_health(url, timeout=90, proc=proc)  # /_stcore/health runs no script
+    with dashboard_server(built.db, tmp_path) as url:
         yield {"url": url, "db": built.db}
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
 
 
 @pytest.fixture
 def page(tmp_path):
-    with playwright_sync.sync_playwright() as p:
-        ctx = p.chromium.launch_persistent_context(str(tmp_path / "chromium-profile"), executable_path=CHROMIUM,
-                                                   headless=True, args=CHROMIUM_ARGS,
-                                                   viewport={"width": 1400, "height": 1000})
-        ctx.set_default_timeout(60_000)
-        pg = ctx.pages[0] if ctx.pages else ctx.new_page()
-        try:
-            yield pg
-        finally:
-            ctx.close()
+    with chromium_page(tmp_path / "chromium-profile") as pg:
+        yield pg
 
 
 def _nav_labels(page) -> list[str]:

@@ -9,22 +9,16 @@ from __future__ import annotations
 import csv
 import io
 import re
-import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from dashboard_helpers import build_catalog, free_port, wait_for_health
+from dashboard_helpers import CHROMIUM, build_catalog, chromium_page, dashboard_server
 from mergepipe import api
-from mergepipe.dashboard.server import run_dashboard
 
 pytestmark = pytest.mark.e2e
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 IDLE = "[data-testid='stApp'][data-test-script-state='notRunning']"
 
 import playwright.sync_api as playwright_sync  # noqa: E402  (installed by scripts/setup.sh: the [test] extra)
@@ -64,37 +58,14 @@ def server(tmp_path):
     work = built.root / "catalog-searches"  # the page's working folder: beside the catalog
     work.mkdir()
     (work / "objective.py").write_text(OBJECTIVE.format(ref=str(built.family / "expert_1")))
-    port = free_port()
-    log = open(tmp_path / "server.log", "wb")
-    proc = run_dashboard(built.db, port=port, extra_roots=[tmp_path], wait=False, stdout=log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for_health(url, timeout=90, proc=proc)
+    with dashboard_server(built.db, tmp_path) as url:
         yield {"url": url, "db": built.db, "root": built.root}
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
 
 
 @pytest.fixture
 def page(tmp_path):
-    with playwright_sync.sync_playwright() as p:
-        ctx = p.chromium.launch_persistent_context(str(tmp_path / "chromium-profile"), executable_path=CHROMIUM,
-                                                   headless=True, args=CHROMIUM_ARGS,
-                                                   viewport={"width": 1400, "height": 1000})
-        ctx.set_default_timeout(60_000)
-        ctx.add_init_script(NO_SAVE_PICKER)
-        pg = ctx.pages[0] if ctx.pages else ctx.new_page()
-        try:
-            yield pg
-        finally:
-            ctx.close()
+    with chromium_page(tmp_path / "chromium-profile", init_script=NO_SAVE_PICKER) as pg:
+        yield pg
 
 
 def idle(page):
