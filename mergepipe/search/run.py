@@ -19,7 +19,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from mergepipe.catalog import searches as table
-from mergepipe.catalog.db import Catalog
+from mergepipe.catalog.db import Catalog, now
 from mergepipe.errors import ExecutionError, MergePipeError
 from mergepipe.search.load import SearchFile, check_recipe
 from mergepipe.search.optuna_glue import (add_finished, distribution, make_study, optuna_state, suggest)
@@ -173,15 +173,10 @@ class SearchRun:
         fidelity = running.steps[-1]["budget"] if running.steps else None
         table.update_trial(self.catalog, self.search_id, running.number, status=status, fidelity=fidelity,
                            score=running.score, expert_read=running.expert_read, seconds=running.seconds,
-                           error=error, finished_at=_now())
+                           error=error, finished_at=now())
         if self.on_trial:
             self.on_trial({"number": running.number, "status": status, "score": running.score,
                            "fidelity": fidelity, "params": running.params, "error": error})
-
-
-def _now() -> str:
-    from mergepipe.catalog.db import now
-    return now()
 
 
 def make_runner(settings) -> Runner:

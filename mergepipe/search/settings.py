@@ -21,7 +21,7 @@ search:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from mergepipe.config.model import ConfigError
 from mergepipe.errors import PlanError, brief
@@ -70,7 +70,6 @@ class SearchSettings:
     concurrency: int = 1
     timeout: float | None = None
     top: int = 1
-    extra: dict = field(default_factory=dict)
 
     def describe(self) -> dict:
         return {"name": self.name, "trials": self.trials, "sampler": self.sampler, "seed": self.seed,

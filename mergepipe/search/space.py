@@ -54,11 +54,6 @@ class Dimension:
     def categorical(self) -> bool:
         return self.choices is not None
 
-    def describe(self) -> dict:
-        if self.categorical:
-            return {"name": self.name, "choice": list(self.choices)}
-        return {"name": self.name, "range": [self.low, self.high], "log": self.log, "step": self.step}
-
 
 @dataclass(frozen=True)
 class SearchSpace:
