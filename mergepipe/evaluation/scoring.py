@@ -52,13 +52,7 @@ def accuracy(model_or_dir, suite: dict[str, list[tuple[str, str]]], tokenizer=No
     ``suite`` maps a task name to (prompt, answer) pairs. A prediction is correct when the greedy
     continuation up to ``</s>`` equals the answer exactly; generation stops after the longest answer
     + 1 tokens, so a model that never emits ``</s>`` is never counted correct."""
-    if isinstance(model_or_dir, (str, Path)):
-        tokenizer = tokenizer or load_tokenizer(model_or_dir)
-        model = load_model(model_or_dir)
-    else:
-        model = model_or_dir
-        if tokenizer is None:
-            raise ValueError("pass the tokenizer with a model object")
+    model, tokenizer = _model_and_tokenizer(model_or_dir, tokenizer)
     per_task, outputs = {}, {}
     for name, pairs in suite.items():
         if not pairs:
@@ -122,13 +116,7 @@ def choice_loglik(model, tokenizer, prompt: str, choice: str) -> float:
 def score_task_suite(model_or_dir, suite: dict[str, list[TaskExample]], tokenizer=None, progress=None) -> dict:
     """Accuracy per task (multiple choice by log-likelihood, the rest by exact match) and their unweighted
     mean; ``progress(done, total)`` after each task. Returns {'per_task', 'mean', 'examples'}."""
-    if isinstance(model_or_dir, (str, Path)):
-        tokenizer = tokenizer or load_tokenizer(model_or_dir)
-        model = load_model(model_or_dir)
-    else:
-        model = model_or_dir
-        if tokenizer is None:
-            raise ValueError("pass the tokenizer with a model object")
+    model, tokenizer = _model_and_tokenizer(model_or_dir, tokenizer)
     per_task = {}
     for k, (name, examples) in enumerate(suite.items()):
         mc = [e for e in examples if e.choices]
@@ -144,3 +132,13 @@ def score_task_suite(model_or_dir, suite: dict[str, list[TaskExample]], tokenize
             progress(k + 1, len(suite))
     return {"per_task": per_task, "mean": sum(per_task.values()) / len(per_task),
             "examples": sum(len(v) for v in suite.values())}
+
+
+def _model_and_tokenizer(model_or_dir, tokenizer):
+    """A model folder's model and tokenizer (loaded), or a model object with the tokenizer it must come with."""
+    if isinstance(model_or_dir, (str, Path)):
+        tokenizer = tokenizer or load_tokenizer(model_or_dir)  # first, as before: its errors come first
+        return load_model(model_or_dir), tokenizer
+    if tokenizer is None:
+        raise ValueError("pass the tokenizer with a model object")
+    return model_or_dir, tokenizer
