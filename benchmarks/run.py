@@ -4,6 +4,8 @@ vs the I/O floor, side by side, cold cache, each contender its own process.
     python benchmarks/run.py --profile quick            # medium bf16 family, K=4 (a few minutes)
     python benchmarks/run.py --profile full             # qwen3-0.6b-shaped bf16, K = 2, 4, 8, 16
     python benchmarks/run.py --profile ci --no-mergekit # tiny sanity run used by the test suite
+    python benchmarks/run.py --profile k64              # 40M bf16 family, K = 2, 16, 32, 64 (benchmarks/scale_k.py)
+    python benchmarks/run.py --profile 3b               # Llama-3.2-3B-shaped bf16, K=4 (benchmarks/large.py)
 
 Before every run each input and output file is evicted from the page cache (posix_fadvise DONTNEED).
 Wall time, bytes read/written (getrusage of the child: ru_inblock/ru_oublock x 512) and peak RSS are
@@ -44,6 +46,8 @@ PROFILES = {
                  budgets=["10%", "25%", "100%"], block=1 << 20, mergekit_max_k=4, naive_max_k=4,
                  analyze_runs=1, analyze_k=4),
 }
+# profiles run by a module of their own (its flags follow the profile's name)
+DELEGATED = {"k64": "scale_k", "3b": "large"}
 DENSITY = 0.2
 PY = sys.executable
 
@@ -240,9 +244,25 @@ def bench_family(args, prof, k, fam, work, results, mk_exe, db):
     shutil.rmtree(outdir, ignore_errors=True)
 
 
+def delegated(argv: list[str]) -> int | None:
+    """``--profile k64`` and ``--profile 3b`` hand the rest of the command line to their own module."""
+    for i, arg in enumerate(argv):
+        name = arg.split("=", 1)[1] if arg.startswith("--profile=") else \
+            argv[i + 1] if arg == "--profile" and i + 1 < len(argv) else None
+        if name in DELEGATED:
+            import importlib
+            rest = argv[:i] + argv[i + (1 if "=" in arg else 2):]
+            return importlib.import_module(f"benchmarks.{DELEGATED[name]}").main(rest)
+    return None
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    code = delegated(argv)
+    if code is not None:
+        return code
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profile", choices=sorted(PROFILES), default="quick")
+    ap.add_argument("--profile", choices=sorted([*PROFILES, *DELEGATED]), default="quick")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ks", type=int, nargs="*", help="override the profile's expert counts")
     ap.add_argument("--ops", nargs="*", help="override the profile's operators")

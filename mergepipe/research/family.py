@@ -27,6 +27,9 @@ SIZES = {
                    arch="LlamaForCausalLM", model_type="llama", qk_norm=False),
     "qwen3-0.6b": dict(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, inter=3072, vocab=151936,
                        tie=True, arch="Qwen3ForCausalLM", model_type="qwen3", qk_norm=True),
+    # Llama-3.2-3B's dimensions (3.21B parameters, 6.4 GB in bf16): the scale benchmark's family
+    "llama-3.2-3b": dict(hidden=3072, layers=28, heads=24, kv_heads=8, head_dim=128, inter=8192, vocab=128256,
+                         tie=True, arch="LlamaForCausalLM", model_type="llama", qk_norm=False),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -93,31 +96,48 @@ def delta_tensor(name: str, shape, seed: int, expert: int, n_layers: int) -> tor
     return delta * scale
 
 
-def write_checkpoint(out: Path, tensors: dict[str, torch.Tensor], config: dict, shard_bytes: int) -> None:
+def write_checkpoint(out: Path, tensors, config: dict, shard_bytes: int) -> None:
+    """Write ``tensors`` (a dict, or an iterable of (name, tensor) made one at a time) as safetensors
+    shards of at most ``shard_bytes``: each shard is written as soon as it is full, so a model larger
+    than memory can be generated. Shards are named ``model-0000i-of-0000n``'s way once their count is
+    known (a single shard is ``model.safetensors``)."""
     out.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
+    items = tensors.items() if isinstance(tensors, dict) else tensors
+    written: list[tuple[Path, list[str]]] = []
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+    for name, t in items:
         nb = t.numel() * t.element_size()
-        if shards[-1] and size + nb > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
+        if shard and size + nb > shard_bytes:
+            written.append(_write_shard(out, len(written), shard))
+            shard, size = {}, 0
+        shard[name] = t
         size += nb
-    n = len(shards)
-    weight_map = {}
-    total = 0
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors"
-        save_file(shard, str(out / fname), metadata={"format": "pt"})
-        for name, t in shard.items():
-            weight_map[name] = fname
-            total += t.numel() * t.element_size()
-    if n > 1:
+        total += nb
+    written.append(_write_shard(out, len(written), shard))
+    weight_map = _name_shards(out, written)
+    if len(written) > 1:
         (out / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     (out / "config.json").write_text(json.dumps(config, indent=2))
     _write_tokenizer(out, config["vocab_size"])
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}, indent=2))
+
+
+def _write_shard(out: Path, i: int, shard: dict) -> tuple[Path, list[str]]:
+    path = out / f".shard-{i + 1:05d}.safetensors"
+    save_file(shard, str(path), metadata={"format": "pt"})
+    return path, list(shard)
+
+
+def _name_shards(out: Path, written: list[tuple[Path, list[str]]]) -> dict[str, str]:
+    """Rename the shards to their final names; the weight map (tensor name -> file name)."""
+    n = len(written)
+    weight_map = {}
+    for i, (path, names) in enumerate(written):
+        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors"
+        path.rename(out / fname)
+        weight_map.update(dict.fromkeys(names, fname))
+    return weight_map
 
 
 def _write_tokenizer(out: Path, vocab_size: int) -> None:
@@ -176,13 +196,11 @@ def make_family(out: str | Path, experts: int = 4, size: str = "small", dtype: s
     return paths
 
 
-def expert_tensors(base: dict, shapes: dict, seed: int, e: int, n_layers: int, tdtype) -> dict:
-    """Expert ``e`` of a family: the base plus its seeded deltas."""
-    tensors = {}
+def expert_tensors(base: dict, shapes: dict, seed: int, e: int, n_layers: int, tdtype):
+    """Expert ``e`` of a family: the base plus its seeded deltas, (name, tensor) made one at a time."""
     for n, s in shapes.items():
         d = delta_tensor(n, s, seed, e, n_layers)
-        tensors[n] = base[n] if d is None else (base[n].float() + d).to(tdtype)
-    return tensors
+        yield n, base[n] if d is None else (base[n].float() + d).to(tdtype)
 
 
 def add_expert(out: str | Path, e: int, size: str = "small", dtype: str = "bf16", shard_bytes: int = 256 << 20,
