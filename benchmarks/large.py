@@ -140,20 +140,21 @@ def floors(fam: dict, op: str, db: Path, work: Path, budgets: list[str]) -> list
 
 
 def bench_op(fam: dict, op: str, outdir: Path, mk_exe: Path | None, budgets: list[str]) -> tuple[list, dict]:
-    recs = [mergekit(mk_exe, fam, op, outdir)] if mk_exe else []
+    """MergePipe first, then mergekit: at most two outputs (6.4 GB each at 3B) are on disk at once."""
     first = {**first_merge(fam, op, outdir / f"first-{op}.sqlite", outdir / f"first-{op}", False), "rep": 0}
-    recs.append(first)
-    if "failed" not in first:
-        recs += second_merges(fam, op, Path(first["db"]), outdir, budgets)
-    done = {r["contender"]: Path(r["out"]) for r in recs if "failed" not in r and "out" in r}
+    recs = [first] + (second_merges(fam, op, Path(first["db"]), outdir, budgets) if "failed" not in first else [])
+    full = next((Path(r["out"]) for r in recs if r["contender"] == "mergepipe 100%" and "failed" not in r), None)
     checks = {}
-    full = done.get("mergepipe 100%")
-    if full and first["contender"] in done:
-        checks[f"{op}: first merge vs mergepipe 100%"] = run.compare_outputs(done[first["contender"]], full)
-    if full and "mergekit" in done and op != "dare_ties":
-        checks[f"{op}: mergepipe 100% vs mergekit"] = run.compare_outputs(full, done["mergekit"])
-    for path in done.values():
-        shutil.rmtree(path, ignore_errors=True)
+    if full and "failed" not in first:
+        checks[f"{op}: first merge vs mergepipe 100%"] = run.compare_outputs(Path(first["out"]), full)
+    shutil.rmtree(first["out"], ignore_errors=True)
+    if mk_exe:
+        recs.insert(0, mergekit(mk_exe, fam, op, outdir))
+        if full and "failed" not in recs[0] and op != "dare_ties":
+            checks[f"{op}: mergepipe 100% vs mergekit"] = run.compare_outputs(full, Path(recs[0]["out"]))
+        shutil.rmtree(recs[0]["out"], ignore_errors=True)
+    if full:
+        shutil.rmtree(full, ignore_errors=True)
     return recs, checks
 
 

@@ -104,7 +104,8 @@ def markdown(res: dict, rows: list[dict]) -> list[str]:
              f"({res['family_bytes'] / 1e9:.1f} GB), generated for the run and deleted after it. Cold cache before "
              f"every contender, each its own process, one run each; density {res['density']}; mergekit 0.1.5 with "
              "`--lazy-unpickle` and its default shard size, float32 arithmetic, bfloat16 out. "
-             f"Reproduce: `python benchmarks/run.py --profile {res['profile']}`.", ""]
+             "Reproduce: `" + ("python benchmarks/run.py --profile 3b" if res["profile"] == "3b" else
+                               f"python benchmarks/large.py --size {res['size']} --k {res['k']}") + "`.", ""]
     if cold and "failed" not in cold:
         lines += [f"A plain cold read of the whole family: {cold['wall_s']:.1f} s "
                   f"({cold['read_bytes'] / cold['wall_s'] / MB:.0f} MB/s).", ""]
@@ -116,7 +117,11 @@ def markdown(res: dict, rows: list[dict]) -> list[str]:
               "bytes (all of the base, the chosen expert blocks) and writes the output's size.", ""]
     for op in res["ops"]:
         lines += op_table(res, op)
-    return lines + ["## Output checks", "", *(f"- {n}: {check_text(c)}" for n, c in res["checks"].items())]
+    return lines + ["## Output checks", "", *(f"- {n}: {check_text(c)}" for n, c in res["checks"].items()), "",
+                    "TIES keeps mergekit's count of entries at its magnitude cut-off, but among entries tied at the "
+                    "cut-off it keeps the first in flat order where mergekit keeps torch's arbitrary pick: that "
+                    "alone makes ~0.1-2 % of 16-bit entries differ ([operators](../operators.md)). DARE's random "
+                    "masks differ from mergekit's by design, so dare_ties is not compared."]
 
 
 def figures(res: dict, out: Path, stem: str) -> list[Path]:
