@@ -211,8 +211,8 @@ def mergekit_exe(venv: str | None, work: Path) -> Path:
 
 
 def write(res: dict, out: Path) -> list[Path]:
-    from benchmarks.scale_report import write_scale_report
-    return write_scale_report(res, out)
+    from benchmarks.scale_report import size_figure, write_scale_report
+    return write_scale_report(res, out) + size_figure(out)
 
 
 if __name__ == "__main__":

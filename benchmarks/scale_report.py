@@ -146,3 +146,37 @@ def figures(res: dict, out: Path, stem: str) -> list[Path]:
     html = out / f"{stem}.html"
     fig.write_html(html, include_plotlyjs="cdn")
     return [html, *figures_to_png([(fig, html.with_suffix(".png"))])]
+
+
+def size_figure(out: Path) -> list[Path]:
+    """Wall against model size for every scale-*.json under ``out`` (one figure per operator present in all
+    of them): mergekit, MergePipe at 10 % and 100 %, and the I/O floors of those budgets, log-log."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+    runs = sorted((json.loads(p.read_text()) for p in out.glob("scale-*.json")), key=lambda r: r["model_bytes"])
+    if len(runs) < 2:
+        return []
+    ops = [op for op in ("linear", "ties") if all(op in r["ops"] for r in runs)]
+    fig = make_subplots(rows=1, cols=len(ops), subplot_titles=[f"{op}: wall (s)" for op in ops])
+    styles = {"mergekit": "#d62728", "mergepipe 10%": "#1f77b4", "mergepipe 100%": "#2ca02c",
+              "floor 10%": "#1f77b4", "floor 100%": "#2ca02c"}
+    for col, op in enumerate(ops, 1):
+        for c, color in styles.items():
+            pts = [(r["model_bytes"] / 2e9, rec["wall_s"]) for r in runs
+                   for rec in [floor_of(r, c.split(" ")[1]) if c.startswith("floor") else record(r, op, c)]
+                   if rec and "failed" not in rec]
+            dash = "dot" if c.startswith("floor") else "solid"
+            fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines+markers", name=c,
+                                     legendgroup=c, showlegend=col == 1, line=dict(color=color, dash=dash)), 1, col)
+    fig.update_xaxes(type="log", title_text="parameters (billions, bf16)")
+    fig.update_yaxes(type="log")
+    fig.update_layout(height=440, title="Wall time against model size, K=4, cold cache (dotted: the I/O floor)")
+    html = out / "scale-vs-size.html"
+    fig.write_html(html, include_plotlyjs="cdn")
+    return [html, *figures_to_png([(fig, html.with_suffix(".png"))])]
+
+
+if __name__ == "__main__":
+    target = Path(sys.argv[2])
+    paths = write_scale_report(json.loads(Path(sys.argv[1]).read_text()), target) + size_figure(target)
+    print("\n".join(map(str, paths)))
