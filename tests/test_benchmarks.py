@@ -186,3 +186,52 @@ def test_search_rank_agreement_is_spearmans_rho_over_trials_that_reached_full_bu
     trials = [{"steps": [{"budget": "10%", "score": a}, {"budget": "100%", "score": b}]}
               for a, b in ((1, 5), (2, 6), (3, 7), (4, 8))] + [{"steps": [{"budget": "10%", "score": 9}]}]  # pruned
     assert rank_agreement(trials) == {"10%": {"trials": 4, "rho": 1.0}}
+
+
+def test_model_size_profile_on_a_tiny_family(tmp_path):
+    """`run.py --profile 3b` hands its flags to benchmarks/large.py: here the same steps on the tiny family.
+    The first merge equals the 100 % merge, linear at 100 % equals mergekit, a 10 % merge reads about its
+    budget, the floors and the targets are written, and the generated family is deleted after the run."""
+    out, work = tmp_path / "report", tmp_path / "work"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--profile", "3b", "--size", "tiny", "--k", "2",
+         "--ops", "linear", "ties", "--work", str(work), "--out", str(out)],
+        capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "scale-tiny.json").read_text())
+    assert not (work / "tiny-bf16-K2").exists() and not list((work).glob("scale-tiny/*"))
+    checks = res["checks"]
+    for op in ("linear", "ties"):
+        assert checks[f"{op}: first merge vs mergepipe 100%"]["differing"] == 0
+    assert checks["linear: mergepipe 100% vs mergekit"]["differing"] == 0
+    assert checks["ties: mergepipe 100% vs mergekit"]["total"] == res["model_bytes"] // 2
+    runs = {(r["op"], r["contender"]): r for r in res["runs"]}
+    assert {("-", "floor 10%"), ("-", "floor 25%"), ("-", "floor 100%"), ("ties", "mergekit")} <= set(runs)
+    assert all("failed" not in r for r in runs.values())
+    assert runs[("ties", "mergepipe 10%")]["read_bytes"] < runs[("ties", "mergepipe 100%")]["read_bytes"]
+    targets = {t["target"]: t for t in res["targets"]}
+    assert targets["linear: mergepipe 100% vs mergekit: equal"]["met"] is True
+    assert targets["MergePipe peak RSS <= 2 GB, every step"]["met"] is True
+    md = (out / "scale-tiny.md").read_text()
+    assert md.startswith("# Model size: a tiny-shaped bf16 family") and "| mergepipe 10% |" in md
+
+
+def test_family_writer_streams_shards_and_names_them_as_the_hub_does(tmp_path):
+    """The scale family is written shard by shard from a generator: the same tensors, in shards of at most
+    shard_bytes, an index naming every tensor's file; the 3B shape has Llama-3.2-3B's parameter count."""
+    import math
+
+    import torch
+    from safetensors.torch import load_file
+
+    from mergepipe.research.family import tensor_shapes, write_checkpoint
+    tensors = {f"t{i}": torch.full((256, 64), float(i), dtype=torch.bfloat16) for i in range(5)}  # 32 KiB each
+    write_checkpoint(tmp_path / "m", iter(tensors.items()), {"vocab_size": 8}, shard_bytes=70_000)
+    files = sorted(p.name for p in (tmp_path / "m").glob("*.safetensors"))
+    assert files == ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
+                     "model-00003-of-00003.safetensors"]
+    index = json.loads((tmp_path / "m" / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == {"t0": files[0], "t1": files[0], "t2": files[1], "t3": files[1], "t4": files[2]}
+    loaded = {k: v for f in files for k, v in load_file(str(tmp_path / "m" / f)).items()}
+    assert all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+    assert sum(math.prod(s) for s in tensor_shapes("llama-3.2-3b").values()) == 3_212_749_824
