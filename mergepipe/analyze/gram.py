@@ -26,6 +26,7 @@ import numpy as np
 
 from mergepipe.analyze.sce import SceSelection
 from mergepipe.catalog.gram import set_key
+from mergepipe.catalog.sketch import torch_random32, torch_random64
 
 RAM_EPSILON = 1e-5  # mergekit's default epsilon of ram / ramplus_tl (ops/ram.py)
 
@@ -167,25 +168,23 @@ class ArceeImportance:
         self.offset = 0
         self.parts: list = []
         self.sample = None
-        if self.numel > QUANTILE_SAMPLE_SIZE:
-            import torch
-            g = torch.Generator().manual_seed(SAMPLE_SEED)
-            self.sample = torch.sort(torch.randint(self.numel, (QUANTILE_SAMPLE_SIZE,), generator=g)).values
+        if self.numel > QUANTILE_SAMPLE_SIZE:  # torch.randint(numel, (size,), generator) sorted, with numpy
+            self.sample = np.sort(torch_randint(self.numel, QUANTILE_SAMPLE_SIZE, SAMPLE_SEED))
 
     def add(self, x: np.ndarray, base: np.ndarray | None, n: int, full: bool) -> None:
         """One block: ``x`` the expert's values, ``base`` the base's (float arrays of ``n`` entries)."""
-        import torch
-        from mergepipe.ops.arcee_fusion import importance
         start, self.offset = self.offset, self.offset + n
         if not self.ok or base is None or not full or (len(self.shape) <= 1 and n != self.numel):
             self.ok = False
             return
+        import torch  # arcee_fusion's importance (ops/arcee_fusion.py) is torch's softmax and KL divergence
+        from mergepipe.ops.arcee_fusion import importance
         xt = torch.from_numpy(np.asarray(x, dtype=np.float32)).reshape(-1, self.row)
         bt = torch.from_numpy(np.asarray(base, dtype=np.float32)).reshape(-1, self.row)
         values = importance(xt, bt).reshape(-1)
         if self.sample is not None:  # the sampled indices that fall in this block (repeats kept)
-            lo, hi = torch.searchsorted(self.sample, torch.tensor([start, start + n]))
-            values = values[self.sample[lo:hi] - start]
+            lo, hi = np.searchsorted(self.sample, [start, start + n])
+            values = values[torch.from_numpy(self.sample[lo:hi] - start)]
         self.parts.append(values.clone())
 
     def threshold(self) -> float | None:
@@ -194,6 +193,15 @@ class ArceeImportance:
             return None
         import torch
         return threshold(torch.cat(self.parts))
+
+
+def torch_randint(high: int, count: int, seed: int) -> np.ndarray:
+    """``torch.randint(high, (count,), generator=torch.Generator().manual_seed(seed))`` on the CPU (int64), with
+    numpy: one 32-bit draw modulo ``high`` each, two (a 64-bit draw) when ``high`` >= 2**28 (torch 2.13's
+    switch, found by testing against it)."""
+    if high < 1 << 28:
+        return (torch_random32(seed, count) % np.uint64(high)).astype(np.int64)
+    return (torch_random64(seed, count) % np.uint64(high)).astype(np.int64)
 
 
 def composed_gram(base: np.ndarray, xs: list[np.ndarray], blocks: list[tuple[int, int]]):

@@ -115,8 +115,13 @@ def check_sce_topk(values) -> tuple[float, ...]:
 
 
 def run_analyses(jobs: list[ExpertAnalysis], progress: Progress | None = None) -> None:
-    """Analyze every tensor of every job on a thread pool, tensor-major across the jobs."""
-    import torch  # LoRA deltas are torch matmuls: keep them single-threaded beside the pool
+    """Analyze every tensor of every job on a thread pool, tensor-major across the jobs. Only LoRA experts
+    need torch (their deltas are torch matmuls, kept single-threaded beside the pool): full and delta
+    checkpoints are analyzed without importing it."""
+    if not any(job.source.kind == "lora" for job in jobs):
+        _run_tasks(jobs, progress)
+        return
+    import torch
 
     saved = torch.get_num_threads()
     torch.set_num_threads(1)

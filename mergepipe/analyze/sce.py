@@ -1,7 +1,8 @@
 """ANALYZE's statistics for sce with ``select_topk`` < 1 (ops/sce.py), gathered beside the Gram statistics.
 
 mergekit's sce keeps, per tensor, the k = int(count_nonzero(var) * select_topk) entries with the largest
-variance across the experts (var = torch.var over the stacked task vectors, unbiased=False, float32), then
+variance across the experts (var = torch.var over the stacked task vectors, unbiased=False, float32; here numpy,
+equal bit for bit), then
 weighs each expert by the mean of its *masked* task vector squared. Both are whole-tensor statistics, so
 ANALYZE gathers them for the experts analyzed together (one row set per expert set and select_topk):
 
@@ -31,16 +32,35 @@ TOP_BINS = 1 << 15  # a non-negative float32's top 16 bits
 CACHE_BYTES = 64 << 20  # a tensor's float32 deltas kept in memory for passes two and three
 
 
-def variance(deltas):
-    """mergekit's per-entry variance across the experts (float32 torch tensor [n]) of a [K, n] float32 array."""
-    import torch
-    return torch.var(torch.from_numpy(np.ascontiguousarray(deltas, dtype=np.float32)), dim=0, unbiased=False)
+def variance(deltas) -> np.ndarray:
+    """mergekit's per-entry variance across the experts of a [K, n] float32 array, as torch.var(dim=0,
+    unbiased=False) computes it on the CPU (float32 [n], equal bit for bit; tests/analyze/
+    test_analyze_no_torch.py): Welford's update over the K rows in float64, m2 / K rounded to float32."""
+    d = np.asarray(deltas, dtype=np.float32)
+    mean = np.zeros(d.shape[1])
+    m2 = np.zeros(d.shape[1])
+    x = np.empty(d.shape[1])
+    delta = np.empty(d.shape[1])
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf deltas give NaN/Inf, as in torch
+        _welford(d, x, delta, mean, m2)
+    m2 /= float(d.shape[0])
+    return m2.astype(np.float32)
+
+
+def _welford(d: np.ndarray, x: np.ndarray, delta: np.ndarray, mean: np.ndarray, m2: np.ndarray) -> None:
+    for i, row in enumerate(d):
+        x[:] = row
+        np.subtract(x, mean, out=delta)
+        mean += delta / float(i + 1)
+        x -= mean
+        x *= delta
+        m2 += x
 
 
 def keep_count(nonzero: int, topk: float) -> int:
-    """mergekit's k: int(count_nonzero(var) * density), a float32 product (an int64 tensor times a float)."""
-    import torch
-    return int(torch.tensor(nonzero, dtype=torch.int64) * topk)
+    """mergekit's k: int(count_nonzero(var) * density), a float32 product (torch: an int64 tensor times a
+    float is float32: both sides rounded to float32, then multiplied)."""
+    return int(np.float32(nonzero) * np.float32(topk))
 
 
 class SceSelection:
@@ -56,7 +76,7 @@ class SceSelection:
 
     def add(self, deltas: np.ndarray) -> None:
         """Pass one, one block: [K, n] float32 deltas."""
-        var = variance(deltas).numpy()
+        var = variance(deltas)
         self.zeros += int(np.count_nonzero(var == 0))
         top = var.view(np.uint32).astype(np.int64) >> 16
         self.hist += np.bincount(top, minlength=TOP_BINS)[:TOP_BINS]
@@ -107,7 +127,7 @@ class SceSelection:
         k = self.sq.shape[1]
         hist, sq = np.zeros(1 << 16, dtype=np.int64), np.zeros((1 << 16, k))
         for deltas in self._blocks():
-            bits = variance(deltas).numpy().view(np.uint32).astype(np.int64)
+            bits = variance(deltas).view(np.uint32).astype(np.int64)
             sel = (bits >> 16) == top
             low = bits[sel] & 0xFFFF
             hist += np.bincount(low, minlength=1 << 16)
@@ -120,7 +140,7 @@ class SceSelection:
         threshold in flat order, and their delta^2 sums."""
         seen, sums = 0, np.zeros(self.sq.shape[1])
         for span, deltas in zip(self.spans, self._blocks()):
-            eq = np.flatnonzero(variance(deltas).numpy().view(np.uint32) == pattern)
+            eq = np.flatnonzero(variance(deltas).view(np.uint32) == pattern)
             if seen + eq.size > m:  # the (m+1)-th tied entry is in this block
                 r = m - seen
                 sums += np.square(deltas[:, eq[:r]], dtype=np.float64).sum(axis=1)

@@ -317,7 +317,7 @@ class _TensorPass(SecondPass):
         base_nonfinite = kernels.count_nonfinite(b) if nonfinite and b is not None else 0  # bad blocks only
         self.nonfinite += nonfinite
         self.base_nonfinite += base_nonfinite
-        positions = sample_positions(e.size, self.job.sketch_size).numpy()
+        positions = sample_positions(e.size, self.job.sketch_size)
         (rng,) = self.source.block_ranges(self.binfo.name, span)
         with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf deltas (recorded, refused by the planner)
             sketch = sketch_bytes(kernels.gather_delta(e, b, positions), m)
