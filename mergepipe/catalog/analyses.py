@@ -7,6 +7,7 @@ Functions that return a cursor leave it to the caller to iterate (rows come as t
 from __future__ import annotations
 
 from mergepipe.catalog.db import Catalog, now
+from mergepipe.catalog.packed import packed_row, unpack
 from mergepipe.errors import CatalogError
 
 
@@ -30,7 +31,7 @@ def replace_analyses(catalog: Catalog, jobs, seconds: dict | None = None) -> Non
         for table in ("blocks", "tensor_stats"):
             catalog.conn.execute(f"DELETE FROM {table} WHERE model_id = ?", [job.expert_id])
         catalog.db["blocks"].insert_all((r for rows, _ in job.results.values() for r in rows), batch_size=2000)
-        catalog.db["tensor_stats"].insert_all((s for _, s in job.results.values()), batch_size=2000)
+        catalog.db["tensor_stats"].insert_all((packed_row(s) for _, s in job.results.values()), batch_size=2000)
         catalog.db["analyses"].upsert(job.record((seconds or {}).get(job.expert_id)), pk="model_id")
 
 
@@ -51,9 +52,9 @@ def _check_still_current(catalog: Catalog, job) -> None:
 def changed_tensor_thresholds(catalog: Catalog, model_id: str):
     """(tensor, thresholds JSON, topk JSON or None, delta_l1, delta_max_abs, numel) of the tensors an
     expert changed."""
-    return catalog.conn.execute(
+    return [(t, unpack(thr), unpack(topk), *rest) for t, thr, topk, *rest in catalog.conn.execute(
         "SELECT tensor, thresholds, topk, delta_l1, delta_max_abs, numel FROM tensor_stats "
-        "WHERE model_id = ? AND delta_nnz > 0", [model_id])
+        "WHERE model_id = ? AND delta_nnz > 0", [model_id])]
 
 
 def fixed_bytes_by_tensor(catalog: Catalog, model_id: str) -> dict[str, int]:
@@ -85,6 +86,40 @@ def changed_block_l1(catalog: Catalog, model_id: str):
     """(tensor, block, delta_l1) of the blocks an expert changed."""
     return catalog.conn.execute(
         "SELECT tensor, block, delta_l1 FROM blocks WHERE model_id = ? AND delta_nnz > 0", [model_id])
+
+
+def changed_block_table(catalog: Catalog, model_ids: list[str]) -> list[tuple]:
+    """(model_id, tensor, block, nbytes, delta_l2, delta_l1, delta_max_abs) of the blocks these experts changed,
+    in one query (the planner's candidates for K experts at once)."""
+    return catalog.conn.execute(
+        f"SELECT model_id, tensor, block, nbytes, delta_l2, delta_l1, delta_max_abs FROM blocks "
+        f"WHERE model_id IN ({_in(model_ids)}) AND delta_nnz > 0", list(model_ids)).fetchall()
+
+
+def changed_block_sketch_table(catalog: Catalog, model_ids: list[str]):
+    """(model_id, tensor, block, delta_l2, sketch) of the blocks these experts changed, in one query."""
+    return catalog.conn.execute(
+        f"SELECT model_id, tensor, block, delta_l2, sketch FROM blocks "
+        f"WHERE model_id IN ({_in(model_ids)}) AND delta_nnz > 0", list(model_ids))
+
+
+def changed_tensor_table(catalog: Catalog, model_ids: list[str]) -> list[tuple]:
+    """(model_id, tensor, thresholds JSON, topk JSON or None, delta_l1, delta_max_abs, numel, fixed_bytes, changed)
+    of the tensors these experts changed (``changed``: delta_nnz > 0) or must read whatever the budget (fixed_bytes
+    > 0), in one query."""
+    return [(m, t, unpack(thr), unpack(topk), *rest) for m, t, thr, topk, *rest in catalog.conn.execute(
+        f"SELECT model_id, tensor, thresholds, topk, delta_l1, delta_max_abs, numel, fixed_bytes, delta_nnz > 0 "
+        f"FROM tensor_stats "
+        f"WHERE model_id IN ({_in(model_ids)}) AND (delta_nnz > 0 OR fixed_bytes > 0)", list(model_ids))]
+
+
+def shape_mismatches(catalog: Catalog, base_id: str, model_ids: list[str]) -> list[tuple]:
+    """(model_id, tensor, shape JSON, the base's shape JSON) of these models' tensors whose shape is not the
+    base's tensor of that name, in one query."""
+    return catalog.conn.execute(
+        f"SELECT t.model_id, t.name, t.shape, b.shape FROM tensors t JOIN tensors b ON b.model_id = ? "
+        f"AND b.name = t.name WHERE t.model_id IN ({_in(model_ids)}) AND t.shape != b.shape ORDER BY t.idx",
+        [base_id, *model_ids]).fetchall()
 
 
 def nonfinite_blocks(catalog: Catalog, model_id: str) -> list[tuple]:

@@ -16,6 +16,7 @@ from pathlib import Path
 # catalog_fault and integrity_findings are re-exported (their importers know them from here)
 from mergepipe.catalog.connection import catalog_fault, connect, read_only_reason  # noqa: F401
 from mergepipe.catalog.integrity import integrity_findings  # noqa: F401
+from mergepipe.catalog.packed import unpack
 from mergepipe.catalog.schema import MIGRATIONS, SCHEMA, SCHEMA_VERSION
 from mergepipe.errors import CatalogError
 
@@ -271,7 +272,8 @@ class Catalog:
         rows = self.query("SELECT * FROM tensor_stats WHERE model_id = ?", [model_id])
         out = {}
         for r in rows:
-            r["thresholds"] = {float(k): v for k, v in json.loads(r["thresholds"] or "{}").items()}
+            r["topk"] = unpack(r.get("topk"))
+            r["thresholds"] = {float(k): v for k, v in json.loads(unpack(r["thresholds"]) or "{}").items()}
             out[r["tensor"]] = r
         return out
 

@@ -36,24 +36,19 @@ class Bounds:
     omitted blocks (a mixin of PlanContext: uses its candidates and sketch matrix)."""
 
     def full_norm_estimate(self) -> float:
-        """Estimated ||M_full - base||_2 = ||sum_i c_i delta_i||, with cross terms from the sketches."""
+        """Estimated ||M_full - base||_2 = ||sum_i c_i delta_i||, with cross terms from the sketches: per position
+        (tensor, block), sum_ij c_i c_j ||d_i|| ||d_j|| cos_ij with cos_ij the sketches' cosine, which is
+        ||sum_i c_i ||d_i|| u_i||^2 with u_i the unit sketch: O(K S) per position, not O(K^2 S)."""
         if hasattr(self, "_full_norm"):
             return self._full_norm
-        keys, mat = self._sketch_matrix()
-        key_tensor = np.zeros(len(keys), dtype=np.int64)
-        for (tensor, _), i in keys.items():
-            key_tensor[i] = self.tensor_index.get(tensor, -1)  # -1: not merged (a layer a layout leaves out)
-        coefs = self.coef_matrix[:, key_tensor].T  # [B, K]
-        coefs[key_tensor < 0] = 0.0
-        l2 = np.zeros((len(keys), len(self.experts)))
-        for ei, e in enumerate(self.experts):
-            for tensor, block, value in analyses.changed_block_l2(self.catalog, e["id"]):
-                l2[keys[(tensor, block)], ei] = value
-        gram = np.matmul(mat, mat.transpose(0, 2, 1))  # [B, K, K] sketch inner products (batched BLAS)
-        norms = np.sqrt(np.maximum(np.einsum("bkk->bk", gram), 0))
-        # cos_ij * ||d_i|| * ||d_j|| with cos estimated from the sketches
-        a = np.divide(l2 * coefs, norms, out=np.zeros_like(l2), where=norms > 0)  # [B, K]
-        total = float(np.einsum("bk,bkj,bj->", a, gram, a, optimize=True))
+        ids = [e["id"] for e in self.experts]
+        expert_of = {eid: i for i, eid in enumerate(ids)}
+        sums: dict[tuple[int, int, int], np.ndarray] = {}  # (tensor, block, sketch length) -> sum_i a_i u_i
+        rows = analyses.changed_block_sketch_table(self.catalog, ids) if ids else ()
+        for chunk in _chunks(rows, 2048):
+            for key, acc in _unit_sums(self, chunk, expert_of):
+                sums[key] = acc if key not in sums else sums[key] + acc
+        total = float(sum(float(np.dot(v, v)) for v in sums.values()))
         self._full_norm = math.sqrt(max(total, 0.0))
         return self._full_norm
 
@@ -119,34 +114,28 @@ class Bounds:
         """Per candidate: TIES' L1 ratio (magnitude pruning with rescale), whether an L1-preserving rescale
         applies (the bound takes ||delta||_1), |lambda| and normalize on its tensor."""
         cands = self.candidates
-        ratio = np.ones(len(cands.nbytes))
-        l1_scaled = np.zeros(len(cands.nbytes), dtype=bool)
-        lam = np.zeros(len(cands.nbytes))
-        normalize = np.zeros(len(cands.nbytes), dtype=bool)
-        for ti, name in enumerate(t["name"] for t in self.tensors):
-            at = cands.tensor == ti
-            if not at.any():
-                continue
+        n_t = len(self.tensors)
+        ratio_kt = np.ones((len(self.experts), n_t))
+        scaled_t, lam_t, normalize_t = np.zeros(n_t, dtype=bool), np.zeros(n_t), np.zeros(n_t, dtype=bool)
+        present = np.zeros(n_t, dtype=bool)
+        present[np.unique(cands.tensor)] = True
+        for ti in np.nonzero(present)[0]:
+            name = self.tensors[ti]["name"]
             params = self.params_for(name)
-            lam[at], normalize[at] = abs(float(params["lambda"])), bool(params["normalize"])
+            lam_t[ti], normalize_t[ti] = abs(float(params["lambda"])), bool(params["normalize"])
             if self.op.sparsify is Sparsify.MAGNITUDE and params.get("rescale"):
                 for ei, e in enumerate(self.experts):
                     thr = self.thresholds.get(e["id"], {}).get(name) or []
-                    ratio[at & (cands.expert == ei)] = thr[1] if len(thr) > 1 else 1.0
+                    ratio_kt[ei, ti] = thr[1] if len(thr) > 1 else 1.0
             elif self.op.sparsify is not Sparsify.MAGNITUDE and params.get("rescale"):
-                l1_scaled[at] = True
+                scaled_t[ti] = True
+        ratio = ratio_kt[cands.expert, cands.tensor]
+        l1_scaled, lam, normalize = scaled_t[cands.tensor], lam_t[cands.tensor], normalize_t[cands.tensor]
         return ratio, l1_scaled, lam, normalize
 
     def _block_l1(self) -> np.ndarray:
-        """||delta||_1 of each candidate block, from the catalog."""
-        cands = self.candidates
-        names = [t["name"] for t in self.tensors]
-        stored = {}
-        for ei, e in enumerate(self.experts):
-            for t, b, v in analyses.changed_block_l1(self.catalog, e["id"]):
-                stored[(ei, t, b)] = v
-        return np.array([stored.get((int(e), names[t], int(b)), 0.0)
-                         for e, t, b in zip(cands.expert, cands.tensor, cands.block)])
+        """||delta||_1 of each candidate block, from the catalog (read with the candidates)."""
+        return self.candidates.l1
 
     def _position_bound(self, exact: np.ndarray, full: np.ndarray, plan: np.ndarray, lam: np.ndarray,
                         normalize: np.ndarray) -> dict:
@@ -233,3 +222,42 @@ class Bounds:
                 "bound_fraction": fraction, "blockwise": bound_of(lo), "full_delta_norm": norm,
                 "validation": {"within": rule["within"], "of": rule["of"], "where": WHERE,
                                "plans": "tiered" if getattr(self, "tiers", None) is not None else "exact"}}
+
+
+def _chunks(rows, n: int):
+    """Lists of up to ``n`` rows of a cursor (the sketches are decoded a chunk at a time: bounded memory)."""
+    chunk = []
+    for r in rows:
+        chunk.append(r)
+        if len(chunk) == n:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _unit_sums(ctx, rows: list[tuple], expert_of: dict[str, int]):
+    """Per (tensor, block, sketch length) among ``rows`` (model_id, tensor, block, delta_l2, sketch):
+    sum over its experts of c_i ||d_i|| u_i, u_i the expert's sketch scaled to unit norm (fp16 samples)."""
+    by_len: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        if r[4]:
+            by_len.setdefault(len(r[4]), []).append(i)
+    for length, idx in by_len.items():
+        sk = np.frombuffer(b"".join(rows[i][4] for i in idx), dtype=np.float16).reshape(len(idx), length // 2)
+        sk = sk.astype(np.float32)
+        norms = np.sqrt(np.einsum("rs,rs->r", sk, sk, dtype=np.float64))
+        ti = np.array([ctx.tensor_index.get(rows[i][1], -1) for i in idx])
+        ei = np.array([expert_of[rows[i][0]] for i in idx])
+        coef = np.where(ti >= 0, ctx.coef_matrix[ei, np.maximum(ti, 0)], 0.0)
+        l2 = np.array([rows[i][3] or 0.0 for i in idx], dtype=np.float64)
+        a = np.divide(coef * l2, norms, out=np.zeros(len(idx)), where=norms > 0).astype(np.float32)
+        keys = np.array([ti, [rows[i][2] for i in idx]]).T
+        uniq, group = np.unique(keys, axis=0, return_inverse=True)
+        group = group.ravel()
+        order = np.argsort(group, kind="stable")
+        starts = np.r_[0, np.nonzero(np.diff(group[order]))[0] + 1]
+        acc = np.add.reduceat(a[order, None] * sk[order], starts, axis=0)
+        for (t, b), v in zip(uniq.tolist(), acc.astype(np.float64)):
+            if t >= 0:
+                yield (t, b, length), v

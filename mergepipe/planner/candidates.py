@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mergepipe.catalog import analyses
-from mergepipe.ops.core import lookup_thresholds, tensor_statistics, threshold_fractions, useful_blocks
+from mergepipe.ops.core import lookup_thresholds, tensor_statistics, threshold_fractions
+from mergepipe.ops.spec import Sparsify
 from mergepipe.planner.settings import expert_params, tensor_density
 from mergepipe.planner.strategies import _uniform_priority
 from mergepipe.storage.grid import tensor_grid
@@ -104,18 +105,18 @@ class Candidates:
 
 
 def find_thresholds(ctx) -> dict[str, dict[str, list[float]]]:
-    """Magnitude thresholds per (expert, tensor) from the catalog. An expert lacking one for a
-    density this merge needs is marked to be analyzed on the way (the merge reads it in full)."""
+    """Magnitude thresholds per (expert, tensor) from the catalog (one query for every expert). An expert
+    lacking one for a density this merge needs is marked to be analyzed on the way (the merge reads it in full)."""
     out: dict[str, dict[str, list[float]]] = {}
     if not ctx.op.thresholded:
         return out
+    rows = tensor_rows(ctx)
     for e in ctx.experts:
         if e.get("analyze"):
             continue
-        rows = analyses.changed_tensor_thresholds(ctx.catalog, e["id"])
         per = {}
-        for name, text, topk, l1, max_abs, numel in rows:
-            if name in (ctx.vocab or {}).get("tensors", {}):
+        for name, text, topk, l1, max_abs, numel, _ in rows.get(e["id"], ()):
+            if name in (ctx.vocab or {}).get("tensors", {}) or topk is _FIXED_ONLY:
                 continue  # re-ordered rows: the engine takes their top k (engine/vocab.py)
             params = expert_params(ctx.params_for(name), e, name)
             fracs = threshold_fractions(ctx.op, tensor_density(e, name) or 1.0, params)
@@ -133,6 +134,24 @@ def find_thresholds(ctx) -> dict[str, dict[str, list[float]]]:
         if per and not e.get("analyze"):
             out[e["id"]] = per
     return out
+
+
+# a tensor_stats row read only for its fixed bytes (its delta is zero): no thresholds to look up
+_FIXED_ONLY = object()
+
+
+def tensor_rows(ctx) -> dict[str, list[tuple]]:
+    """Per analyzed expert: its tensor_stats rows (tensor, thresholds, topk, l1, max_abs, numel, fixed_bytes;
+    topk is _FIXED_ONLY on a tensor whose delta is zero), read once per PlanContext for every expert
+    (catalog/analyses.changed_tensor_table)."""
+    if getattr(ctx, "_tensor_rows", None) is None:
+        ids = [e["id"] for e in ctx.experts if not e.get("analyze")]
+        out: dict[str, list[tuple]] = {}
+        for mid, name, text, topk, l1, max_abs, numel, fixed, changed in (
+                analyses.changed_tensor_table(ctx.catalog, ids) if ids else ()):
+            out.setdefault(mid, []).append((name, text, topk if changed else _FIXED_ONLY, l1, max_abs, numel, fixed))
+        ctx._tensor_rows = out
+    return ctx._tensor_rows
 
 
 def find_candidates(ctx) -> Candidates:
@@ -154,34 +173,64 @@ def find_candidates(ctx) -> Candidates:
     cands = Candidates(arr["expert"], arr["tensor"], arr["block"], arr["nbytes"], score, bound_term, priority,
                        arr["setup"])
     cands.l2 = arr["l2"]  # ||delta|| of each block (the sparsified operators' bound, planner/bounds.py)
+    cands.l1 = arr["l1"]  # ||delta||_1 of each block (the same bound where a rescale preserves L1)
     return cands
 
 
 def _candidate_table(ctx) -> dict[str, np.ndarray]:
-    """The candidates' columns: expert, tensor, block, nbytes, l2 (||delta|| of the block), setup."""
-    float_tensor = {t["name"] for t in ctx.tensors if t["dtype"] in FLOAT_DTYPES
-                    and t["name"] not in (ctx.vocab or {}).get("tensors", {})}
-    parts = []
-    for ei, e in enumerate(ctx.experts if not ctx.op.copies else ()):  # passthrough reads no delta
-        if e.get("analyze"):
-            parts.append(_all_blocks(ctx, ei, e))
-            continue
-        fixed = analyses.fixed_bytes_by_tensor(ctx.catalog, e["id"])
-        rows = analyses.changed_block_stats(ctx.catalog, e["id"])
-        by_tensor: dict[str, list] = {}
-        for r in rows:
-            if r[0] in float_tensor:
-                by_tensor.setdefault(r[0], []).append(r)
-        for name, rs in by_tensor.items():
-            a = np.array([r[1:] for r in rs], dtype=np.float64)  # block, nbytes, l2, max_abs
-            useful = useful_blocks(ctx.op, ctx.thresholds.get(e["id"], {}).get(name), a[:, 3])
-            a = a[useful]
-            parts.append(np.column_stack([np.full(len(a), ei), np.full(len(a), ctx.tensor_index[name]), a[:, :3],
-                                          np.full(len(a), fixed.get(name, 0))]))
-    table = np.concatenate(parts) if parts else np.zeros((0, 6))
+    """The candidates' columns: expert, tensor, block, nbytes, l2 (||delta|| of the block), l1, setup; the
+    analyzed experts' blocks come from one query (catalog/analyses.changed_block_table), filtered in arrays."""
+    merged = [t["name"] for t in ctx.tensors if t["dtype"] in FLOAT_DTYPES
+              and t["name"] not in (ctx.vocab or {}).get("tensors", {})]
+    experts = list(enumerate(ctx.experts if not ctx.op.copies else ()))  # passthrough reads no delta
+    parts = [_all_blocks(ctx, ei, e) for ei, e in experts if e.get("analyze")]
+    analyzed = [(ei, e) for ei, e in experts if not e.get("analyze")]
+    if analyzed:
+        parts.append(_analyzed_blocks(ctx, analyzed, merged))
+    table = np.concatenate(parts) if parts else np.zeros((0, 7))
+    table = table[np.argsort(table[:, 0], kind="stable")] if len(parts) > 1 else table
     cols = {"expert": table[:, 0], "tensor": table[:, 1], "block": table[:, 2], "nbytes": table[:, 3],
-            "l2": table[:, 4], "setup": table[:, 5]}
-    return {k: np.array(v, dtype=np.float64 if k == "l2" else np.int64) for k, v in cols.items()}
+            "l2": table[:, 4], "l1": table[:, 5], "setup": table[:, 6]}
+    return {k: np.array(v, dtype=np.float64 if k in ("l2", "l1") else np.int64) for k, v in cols.items()}
+
+
+def _analyzed_blocks(ctx, analyzed: list[tuple[int, dict]], merged: list[str]) -> np.ndarray:
+    """The changed blocks of analyzed experts past their thresholds (ops.core.useful_blocks, per row), as the
+    candidate table's columns, in expert order then the catalog's block order."""
+    rows = analyses.changed_block_table(ctx.catalog, [e["id"] for _, e in analyzed])
+    if not rows:
+        return np.zeros((0, 7))
+    expert_of = {e["id"]: ei for ei, e in analyzed}
+    tensor_of = {name: ctx.tensor_index[name] for name in merged}
+    n_t = len(ctx.tensors)
+    ei = np.fromiter((expert_of[r[0]] for r in rows), dtype=np.int64, count=len(rows))
+    ti = np.fromiter((tensor_of.get(r[1], -1) for r in rows), dtype=np.int64, count=len(rows))
+    num = np.array([r[2:] for r in rows], dtype=np.float64).reshape(-1, 5)  # block, nbytes, l2, l1, max_abs
+    keep = ti >= 0
+    useful = _useful(ctx, analyzed, merged, n_t)  # [K, T] smallest kept magnitude (-inf: every block)
+    keep &= num[:, 4] >= useful[ei, np.maximum(ti, 0)]
+    setup = np.zeros((len(ctx.experts), n_t))
+    for eid, trs in tensor_rows(ctx).items():
+        for name, *_, fixed in trs:
+            if fixed and name in tensor_of:
+                setup[expert_of[eid], tensor_of[name]] = fixed
+    table = np.column_stack([ei, ti, num[:, :4], setup[ei, np.maximum(ti, 0)]])[keep]
+    return table[np.argsort(table[:, 0], kind="stable")]
+
+
+def _useful(ctx, analyzed: list[tuple[int, dict]], merged: list[str], n_t: int) -> np.ndarray:
+    """[K, T]: the smallest max |delta| of a block that contributes (ops.core.useful_blocks, per (expert, tensor)):
+    -inf without a magnitude threshold, +inf where a thresholded operator has none for the tensor."""
+    out = np.full((len(ctx.experts), n_t), -np.inf)
+    if not ctx.op.thresholded:
+        return out
+    at = 0 if ctx.op.sparsify is Sparsify.MAGNITUDE else 1  # TIES' threshold, breadcrumbs' lower one
+    for ei, e in analyzed:
+        thr = ctx.thresholds.get(e["id"], {})
+        for name in merged:
+            t = thr.get(name)
+            out[ei, ctx.tensor_index[name]] = t[at] if t else np.inf
+    return out
 
 
 def _all_blocks(ctx, ei: int, expert: dict) -> np.ndarray:
@@ -197,8 +246,8 @@ def _all_blocks(ctx, ei: int, expert: dict) -> np.ndarray:
         setup = fixed_bytes(source, t["name"])
         for span in tensor_grid(tensor_info(t), ctx.block_bytes):
             nbytes = sum(n for _, _, n in source.block_ranges(t["name"], span))
-            rows.append((ei, ti, span.index, nbytes, 0.0, setup))
-    return np.array(rows, dtype=np.float64).reshape(-1, 6)
+            rows.append((ei, ti, span.index, nbytes, 0.0, 0.0, setup))
+    return np.array(rows, dtype=np.float64).reshape(-1, 7)
 
 
 def tensor_info(row: dict) -> TensorInfo:

@@ -12,7 +12,11 @@ and the error bound covers the other tensors only. A budget below the reserved b
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+
+from mergepipe.catalog import analyses
 
 from mergepipe.errors import PlanError
 from mergepipe.storage.grid import tensor_grid
@@ -26,17 +30,17 @@ def vocab_of(request) -> dict | None:
 def check_shapes(catalog, op, base: dict, experts: list[dict], vocab: dict | None) -> None:
     """Without a vocabulary setting every expert's embedding rows must be the base's; with one, the
     experts must be the models whose rows it re-orders."""
-    base_shapes = {t["name"]: tuple(t["shape"]) for t in catalog.tensors(base["id"])}
     if vocab is None:
-        for e in experts:
-            if e["kind"] != "full":
-                continue
-            for t in catalog.tensors(e["id"]):
-                want = base_shapes.get(t["name"])
-                if want is not None and tuple(t["shape"]) != want:
-                    raise PlanError(f"expert {e['id']}'s {t['name']} has {t['shape'][0]} rows, the base's {want[0]} "
-                                    f"(another vocabulary): merge it from a config with `tokenizer_source` (union, "
-                                    f"base or a model), which re-orders the embedding rows to one tokenizer")
+        full = [e["id"] for e in experts if e["kind"] == "full"]
+        found = {}
+        for mid, name, shape, want in (analyses.shape_mismatches(catalog, base["id"], full) if full else ()):
+            found.setdefault(mid, (name, json.loads(shape), json.loads(want)))
+        for mid in full:
+            if mid in found:
+                name, shape, want = found[mid]
+                raise PlanError(f"expert {mid}'s {name} has {shape[0]} rows, the base's {want[0]} "
+                                f"(another vocabulary): merge it from a config with `tokenizer_source` (union, "
+                                f"base or a model), which re-orders the embedding rows to one tokenizer")
         return
     if vocab.get("copies"):  # passthrough: each embedding tensor copied from one model, re-ordered alone
         return
