@@ -102,18 +102,20 @@ def as_plan(plan) -> Plan:
     return _as_plan(plan)
 
 
-def explain(catalog: Catalog, ref: str) -> str:
-    """EXPLAIN a plan (by plan id) or a snapshot (by snapshot/model id or directory: its plan + realized)."""
+def explain(catalog: Catalog, ref: str, experts_top: int | None = 16, experts: str | None = None) -> str:
+    """EXPLAIN a plan (by plan id) or a snapshot (by snapshot/model id or directory: its plan + realized).
+    ``experts_top``: experts listed, the top ones by bytes read (None: all); ``experts``: an fnmatch pattern of
+    expert ids to list."""
     from mergepipe.planner.plan import load_plan
     plan_id = find_plan_id(catalog, ref)
     if plan_id is not None:
-        return load_plan(catalog, plan_id).explain()
+        return load_plan(catalog, plan_id).explain(experts_top, experts)
     try:
         manifest = load_manifest(catalog, ref)
     except MergePipeError:
         raise MergePipeError(f"unknown plan or snapshot {ref!r}") from None
     core = manifest.core
-    text = load_plan(catalog, core["plan_id"]).explain() if has_plan(
+    text = load_plan(catalog, core["plan_id"]).explain(experts_top, experts) if has_plan(
         catalog, core["plan_id"]) else f"PLAN {core['plan_id']}"
     from mergepipe.planner.explain import realized_line
     return (f"SNAPSHOT {manifest.snapshot_id}  model {manifest.run['model_id']}  at {manifest.run['out']}\n"

@@ -319,6 +319,9 @@ def _add_explain_args(p):
     p.add_argument("ref", help="plan id, snapshot id, merged model id or snapshot directory")
     p.add_argument("--as-mergekit", action="store_true", help="print the equivalent mergekit YAML config instead")
     p.add_argument("--out", help="with --as-mergekit: write the YAML to this file")
+    p.add_argument("--all", action="store_true", help="list every expert (default: the top 16 by bytes read)")
+    p.add_argument("--experts-top", type=int, default=16, metavar="N", help="experts listed (top N by bytes read)")
+    p.add_argument("--experts", metavar="PATTERN", help="list only the experts whose id matches (fnmatch: 'e1*')")
 
 
 @command("explain", "print a plan or a snapshot, per expert and per tensor", arguments=_add_explain_args)
@@ -334,7 +337,9 @@ def cmd_explain(args):
         else:
             print(api.load_manifest(cat, args.ref).to_json())
         return
-    print(api.explain(cat, args.ref))
+    if args.experts_top < 1:
+        raise MergePipeError(f"--experts-top takes a count of at least 1, not {args.experts_top}")
+    print(api.explain(cat, args.ref, None if args.all else args.experts_top, args.experts))
 
 
 def _explain_mergekit(args):

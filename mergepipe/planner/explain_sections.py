@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+from mergepipe.planner.explain_experts import ExpertView, experts_heading, more_line, split_experts
+
 
 def transfer_line(transfer: dict) -> str:
     """``~1.2 s: s3 105 MiB in 40 requests (30 ms, 100 MB/s); local ...`` (storage/tiers.py's model)."""
@@ -37,12 +39,14 @@ _COMPOSED_STATS = {
 }
 
 
-def explain_text(plan) -> str:
+def explain_text(plan, view: ExpertView | None = None) -> str:
     """EXPLAIN-style text of a Plan: inputs, budget, estimates, then selection per expert and per tensor,
-    one section after another."""
+    one section after another; ``view`` (planner/explain_experts.py): which experts are listed (default: the
+    top 16 by bytes read, the rest on one line)."""
+    view = ExpertView() if view is None else view
     lines = header_lines(plan) + [budget_line(plan.data), estimate_line(plan)]
     lines += tier_lines(plan) + transfer_lines(plan) + bound_section(plan) + shape_lines(plan)
-    lines += expert_lines(plan) + tensor_lines(plan)
+    lines += expert_lines(plan, view) + tensor_lines(plan, view)
     return "\n".join(lines)
 
 
@@ -205,12 +209,14 @@ def tokenizer_lines(plan) -> list[str]:
     return lines
 
 
-def expert_lines(plan) -> list[str]:
+def expert_lines(plan, view: ExpertView | None = None) -> list[str]:
     """Per expert: weight, density, blocks selected of the candidates, bytes read (exact and compact), and the
-    plan's warnings."""
+    plan's warnings; with more experts than ``view.top``, the top ones by bytes read and a line for the rest."""
     from mergepipe.planner.budget import human_bytes
-    lines = ["  experts"]
-    for e in plan.experts:
+    view = ExpertView() if view is None else view
+    shown, rest, hidden = split_experts(plan, view)
+    lines = [experts_heading(plan, view, shown, rest, hidden)]
+    for e in shown:
         eid = e["id"]
         extra = f" density {e['density']:g}" if e.get("density") is not None else ""
         weight = "per tensor" if e.get("weight") is None else f"{e['weight']:g}"
@@ -222,27 +228,35 @@ def expert_lines(plan) -> list[str]:
                         f"{compact['group']})" if compact else ""))
         if e.get("analyze"):
             lines.append(f"    {'':<20} {e['analyze']}: read in full and analyzed on the way")
+    if rest:
+        lines.append(more_line(plan, rest))
     for w in plan.warnings:  # e.g. an expert identical to its base (planner/context.py)
         lines.append(f"  warning    {w}")
     return lines
 
 
-def tensor_lines(plan) -> list[str]:
-    """Per tensor: the bytes read and each expert's block ranges (exact, and ~N from the compact tier)."""
+def tensor_lines(plan, view: ExpertView | None = None) -> list[str]:
+    """Per tensor: the bytes read and each listed expert's block ranges (exact, and ~N from the compact tier);
+    ``+N more experts`` where experts not listed (``view``) read some of the tensor too."""
     from mergepipe.planner.budget import human_bytes
+    shown, rest, _ = split_experts(plan, ExpertView() if view is None else view)
     lines = ["  tensors (blocks read per expert" + ("; ~N: from the compact tier at N bits)" if plan.compact else ")")]
     compact = (plan.compact or {}).get("experts") or {}
     tensors = sorted({t for ts in plan.access.values() for t in ts}
                      | {t for c in compact.values() for ts in c["bits"].values() for t in ts})
     for t in tensors:
         parts = []
-        for e in plan.experts:
+        for e in sorted(shown, key=plan.experts.index):
             rs = plan.access_for(e["id"]).get(t, [])
             if rs:
                 parts.append(f"{e['id']}:" + _ranges(rs))
             for level, ts in sorted((compact.get(e["id"]) or {}).get("bits", {}).items()):
                 if ts.get(t):
                     parts.append(f"{e['id']}~{level}:" + _ranges(ts[t]))
+        more = sum(1 for e in rest if plan.access_for(e["id"]).get(t) or any(
+            ts.get(t) for ts in (compact.get(e["id"]) or {}).get("bits", {}).values()))
+        if more:
+            parts.append(f"(+{more} more experts)")
         lines.append(f"    {t:<48} {human_bytes(plan.estimated_by_tensor.get(t, 0)):>12}  {' '.join(parts)}")
     return lines
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from mergepipe.catalog import plans
 from mergepipe.catalog.db import Catalog
 from mergepipe.errors import PlanError
+from mergepipe.planner.explain_experts import DEFAULT_TOP, ExpertView
 from mergepipe.planner.explain_sections import explain_text
 from mergepipe.planner.extend_format import explain_extend, is_extend
 from mergepipe.planner.settings import params_on
@@ -307,10 +308,12 @@ class Plan:
             return [self.base, self.parent, self.changed]
         return [self.base, *self.experts]
 
-    def explain(self) -> str:
+    def explain(self, experts_top: int | None = DEFAULT_TOP, experts: str | None = None) -> str:
+        """EXPLAIN text; ``experts_top``: experts listed (None: all; the rest on one line), ``experts``: an
+        fnmatch pattern of the expert ids to list. The plan is the same whatever is listed."""
         if is_extend(self.data):
             return explain_extend(self.data)
-        return explain_text(self)
+        return explain_text(self, ExpertView.of(experts_top, experts, show_all=experts_top is None))
 
 
 def as_plan(plan) -> Plan:
