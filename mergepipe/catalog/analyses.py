@@ -103,14 +103,20 @@ def changed_block_sketch_table(catalog: Catalog, model_ids: list[str]):
         f"WHERE model_id IN ({_in(model_ids)}) AND delta_nnz > 0", list(model_ids))
 
 
+def fixed_bytes_table(catalog: Catalog, model_ids: list[str]) -> list[tuple]:
+    """(model_id, tensor, fixed_bytes) of these experts' tensors with bytes read whatever the budget, in one query."""
+    return catalog.conn.execute(
+        f"SELECT model_id, tensor, fixed_bytes FROM tensor_stats WHERE model_id IN ({_in(model_ids)}) "
+        f"AND fixed_bytes > 0", list(model_ids)).fetchall()
+
+
 def changed_tensor_table(catalog: Catalog, model_ids: list[str]) -> list[tuple]:
-    """(model_id, tensor, thresholds JSON, topk JSON or None, delta_l1, delta_max_abs, numel, fixed_bytes, changed)
-    of the tensors these experts changed (``changed``: delta_nnz > 0) or must read whatever the budget (fixed_bytes
-    > 0), in one query."""
+    """(model_id, tensor, thresholds JSON, topk JSON or None, delta_l1, delta_max_abs, numel)
+    of the tensors these experts changed, in one query."""
     return [(m, t, unpack(thr), unpack(topk), *rest) for m, t, thr, topk, *rest in catalog.conn.execute(
-        f"SELECT model_id, tensor, thresholds, topk, delta_l1, delta_max_abs, numel, fixed_bytes, delta_nnz > 0 "
+        f"SELECT model_id, tensor, thresholds, topk, delta_l1, delta_max_abs, numel "
         f"FROM tensor_stats "
-        f"WHERE model_id IN ({_in(model_ids)}) AND (delta_nnz > 0 OR fixed_bytes > 0)", list(model_ids))]
+        f"WHERE model_id IN ({_in(model_ids)}) AND delta_nnz > 0", list(model_ids))]
 
 
 def shape_mismatches(catalog: Catalog, base_id: str, model_ids: list[str]) -> list[tuple]:
@@ -134,6 +140,24 @@ def changed_tensors(catalog: Catalog, model_id: str) -> list[str]:
     return [r[0] for r in catalog.conn.execute(
         "SELECT tensor FROM tensor_stats WHERE model_id = ? AND (delta_nnz > 0 OR COALESCE(nonfinite, 0) > 0)",
         [model_id])]
+
+
+def changed_tensors_of(catalog: Catalog, model_ids: list[str]) -> dict[str, set[str]]:
+    """changed_tensors of several experts in one query: model id -> its tensors whose delta is not zero everywhere."""
+    out: dict[str, set[str]] = {m: set() for m in model_ids}
+    for mid, tensor in catalog.conn.execute(
+            f"SELECT model_id, tensor FROM tensor_stats WHERE model_id IN ({_in(model_ids)}) "
+            f"AND (delta_nnz > 0 OR COALESCE(nonfinite, 0) > 0)", list(model_ids)):
+        out[mid].add(tensor)
+    return out
+
+
+def analyzed_ids(catalog: Catalog, model_ids: list[str]) -> set[str]:
+    """The ids among these whose statistics are current (Catalog.is_analyzed of each, in one query)."""
+    return {r[0] for r in catalog.conn.execute(
+        f"SELECT m.id FROM models m JOIN analyses a ON a.model_id = m.id JOIN models b ON b.id = m.base_id "
+        f"LEFT JOIN grids g ON g.base_id = b.id WHERE m.id IN ({_in(model_ids)}) AND a.fingerprint = m.fingerprint "
+        f"AND a.base_fingerprint = b.fingerprint AND a.block_bytes IS g.block_bytes", list(model_ids))}
 
 
 def nonfinite_message(expert_id: str, base_id: str, rows) -> str:

@@ -45,7 +45,7 @@ class Bounds:
         expert_of = {eid: i for i, eid in enumerate(ids)}
         sums: dict[tuple[int, int, int], np.ndarray] = {}  # (tensor, block, sketch length) -> sum_i a_i u_i
         rows = analyses.changed_block_sketch_table(self.catalog, ids) if ids else ()
-        for chunk in _chunks(rows, 2048):
+        for chunk in _chunks(rows, 1024):
             for key, acc in _unit_sums(self, chunk, expert_of):
                 sums[key] = acc if key not in sums else sums[key] + acc
         total = float(sum(float(np.dot(v, v)) for v in sums.values()))
@@ -238,26 +238,23 @@ def _chunks(rows, n: int):
 
 def _unit_sums(ctx, rows: list[tuple], expert_of: dict[str, int]):
     """Per (tensor, block, sketch length) among ``rows`` (model_id, tensor, block, delta_l2, sketch):
-    sum over its experts of c_i ||d_i|| u_i, u_i the expert's sketch scaled to unit norm (fp16 samples)."""
-    by_len: dict[int, list[int]] = {}
-    for i, r in enumerate(rows):
-        if r[4]:
-            by_len.setdefault(len(r[4]), []).append(i)
-    for length, idx in by_len.items():
-        sk = np.frombuffer(b"".join(rows[i][4] for i in idx), dtype=np.float16).reshape(len(idx), length // 2)
+    sum over its experts of c_i ||d_i|| u_i, u_i the expert's sketch scaled to unit norm (fp16 samples).
+    Rows of a merged tensor only, decoded in (position, row) order so that each position's rows are adjacent."""
+    ti = np.fromiter((ctx.tensor_index.get(r[1], -1) for r in rows), dtype=np.int64, count=len(rows))
+    ln = np.fromiter((len(r[4] or b"") for r in rows), dtype=np.int64, count=len(rows))
+    block = np.fromiter((r[2] for r in rows), dtype=np.int64, count=len(rows))
+    live = np.nonzero((ti >= 0) & (ln > 0))[0]
+    order = live[np.lexsort((block[live], ti[live], ln[live]))]
+    for length in np.unique(ln[order]):
+        idx = order[ln[order] == length]
+        sk = np.frombuffer(b"".join([rows[i][4] for i in idx]), dtype=np.float16).reshape(len(idx), -1)
         sk = sk.astype(np.float32)
-        norms = np.sqrt(np.einsum("rs,rs->r", sk, sk, dtype=np.float64))
-        ti = np.array([ctx.tensor_index.get(rows[i][1], -1) for i in idx])
-        ei = np.array([expert_of[rows[i][0]] for i in idx])
-        coef = np.where(ti >= 0, ctx.coef_matrix[ei, np.maximum(ti, 0)], 0.0)
-        l2 = np.array([rows[i][3] or 0.0 for i in idx], dtype=np.float64)
-        a = np.divide(coef * l2, norms, out=np.zeros(len(idx)), where=norms > 0).astype(np.float32)
-        keys = np.array([ti, [rows[i][2] for i in idx]]).T
-        uniq, group = np.unique(keys, axis=0, return_inverse=True)
-        group = group.ravel()
-        order = np.argsort(group, kind="stable")
-        starts = np.r_[0, np.nonzero(np.diff(group[order]))[0] + 1]
-        acc = np.add.reduceat(a[order, None] * sk[order], starts, axis=0)
-        for (t, b), v in zip(uniq.tolist(), acc.astype(np.float64)):
-            if t >= 0:
-                yield (t, b, length), v
+        norms = np.sqrt(np.einsum("rs,rs->r", sk, sk))
+        ei = np.fromiter((expert_of[rows[i][0]] for i in idx), dtype=np.int64, count=len(idx))
+        l2 = np.fromiter((rows[i][3] or 0.0 for i in idx), dtype=np.float64, count=len(idx))
+        a = np.divide(ctx.coef_matrix[ei, ti[idx]] * l2, norms, out=np.zeros(len(idx)), where=norms > 0)
+        sk *= a.astype(np.float32)[:, None]
+        key = ti[idx] * (int(block[idx].max()) + 1) + block[idx]
+        starts = np.r_[0, np.nonzero(np.diff(key))[0] + 1]
+        for start, v in zip(starts.tolist(), np.add.reduceat(sk, starts, axis=0)):
+            yield (int(ti[idx[start]]), int(block[idx[start]]), int(length)), v.astype(np.float64)

@@ -115,13 +115,14 @@ def find_thresholds(ctx) -> dict[str, dict[str, list[float]]]:
         if e.get("analyze"):
             continue
         per = {}
-        for name, text, topk, l1, max_abs, numel, _ in rows.get(e["id"], ()):
-            if name in (ctx.vocab or {}).get("tensors", {}) or topk is _FIXED_ONLY:
+        for name, text, topk, l1, max_abs, numel in rows.get(e["id"], ()):
+            if name in (ctx.vocab or {}).get("tensors", {}):
                 continue  # re-ordered rows: the engine takes their top k (engine/vocab.py)
             params = expert_params(ctx.params_for(name), e, name)
             fracs = threshold_fractions(ctx.op, tensor_density(e, name) or 1.0, params)
-            vals = tensor_statistics(ctx.op, tensor_density(e, name) or 1.0, params, text, topk, l1, max_abs,
-                                     numel)
+            keys = [str(f) for f in fracs] if ctx.op.sparsify is Sparsify.MAGNITUDE else None
+            vals = tensor_statistics(ctx.op, tensor_density(e, name) or 1.0, params, _only(text, keys),
+                                     _only(topk, keys), l1, max_abs, numel)
             if vals is None:
                 table = json.loads(text or "{}")  # fraction 1: the top n - 1 (breadcrumbs, ops.core)
                 missing = ", ".join(f"{f:g}" for f in fracs if lookup_thresholds(table, [f]) is None
@@ -136,22 +137,37 @@ def find_thresholds(ctx) -> dict[str, dict[str, list[float]]]:
     return out
 
 
-# a tensor_stats row read only for its fixed bytes (its delta is zero): no thresholds to look up
-_FIXED_ONLY = object()
+def _only(text: str | None, keys: list[str] | None) -> str | None:
+    """A stored JSON object cut down to the members ``keys`` (TIES needs one density of the hundred stored):
+    each found as ``"key": value`` with a number or a flat list as value, else the text as it is (parsed whole)."""
+    if not text or not keys:
+        return text
+    parts = []
+    for k in keys:
+        at = text.find(f'"{k}": ')
+        start = at + len(k) + 4
+        if at < 0:
+            return text
+        if text.startswith("[", start):
+            end = text.find("]", start) + 1
+            if end <= 0 or "[" in text[start + 1:end]:
+                return text
+        else:
+            end = min((x for x in (text.find(",", start), text.find("}", start)) if x >= 0), default=-1)
+            if end < 0:
+                return text
+        parts.append(text[at:end])
+    return "{" + ", ".join(parts) + "}"
 
 
 def tensor_rows(ctx) -> dict[str, list[tuple]]:
-    """Per analyzed expert: its tensor_stats rows (tensor, thresholds, topk, l1, max_abs, numel, fixed_bytes;
-    topk is _FIXED_ONLY on a tensor whose delta is zero), read once per PlanContext for every expert
-    (catalog/analyses.changed_tensor_table)."""
-    if getattr(ctx, "_tensor_rows", None) is None:
-        ids = [e["id"] for e in ctx.experts if not e.get("analyze")]
-        out: dict[str, list[tuple]] = {}
-        for mid, name, text, topk, l1, max_abs, numel, fixed, changed in (
-                analyses.changed_tensor_table(ctx.catalog, ids) if ids else ()):
-            out.setdefault(mid, []).append((name, text, topk if changed else _FIXED_ONLY, l1, max_abs, numel, fixed))
-        ctx._tensor_rows = out
-    return ctx._tensor_rows
+    """Per analyzed expert: the tensor_stats rows (tensor, thresholds, topk, l1, max_abs, numel) of the tensors it
+    changed, for every expert in one query (catalog/analyses.changed_tensor_table)."""
+    ids = [e["id"] for e in ctx.experts if not e.get("analyze")]
+    out: dict[str, list[tuple]] = {}
+    for mid, *row in (analyses.changed_tensor_table(ctx.catalog, ids) if ids else ()):
+        out.setdefault(mid, []).append(tuple(row))
+    return out
 
 
 def find_candidates(ctx) -> Candidates:
@@ -210,10 +226,9 @@ def _analyzed_blocks(ctx, analyzed: list[tuple[int, dict]], merged: list[str]) -
     useful = _useful(ctx, analyzed, merged, n_t)  # [K, T] smallest kept magnitude (-inf: every block)
     keep &= num[:, 4] >= useful[ei, np.maximum(ti, 0)]
     setup = np.zeros((len(ctx.experts), n_t))
-    for eid, trs in tensor_rows(ctx).items():
-        for name, *_, fixed in trs:
-            if fixed and name in tensor_of:
-                setup[expert_of[eid], tensor_of[name]] = fixed
+    for eid, name, fixed in analyses.fixed_bytes_table(ctx.catalog, list(expert_of)):
+        if name in tensor_of:
+            setup[expert_of[eid], tensor_of[name]] = fixed
     table = np.column_stack([ei, ti, num[:, :4], setup[ei, np.maximum(ti, 0)]])[keep]
     return table[np.argsort(table[:, 0], kind="stable")]
 

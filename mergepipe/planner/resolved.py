@@ -109,6 +109,7 @@ class ResolvedRequest:
         global_w = None if weight is None else check_setting(weight, "weight")
         global_d = None if density is None else check_setting(density, "density")
         check_unchanged(self.base)
+        self._analyzed = analyses.analyzed_ids(self.catalog, ids) if ids else set()
         return [self._expert_spec(s, global_w, global_d) for s in specs]
 
     def _expert_spec(self, s: dict, global_w, global_d) -> dict:
@@ -121,7 +122,7 @@ class ResolvedRequest:
         d = check_setting(s["density"], f"density of {row['id']}") if s.get("density") is not None else None
         spec = {"id": row["id"], "uri": row["uri"], "fingerprint": row["fingerprint"], "kind": row["kind"]}
         spec.update(self._own_params(row["id"], s))
-        if not self.catalog.is_analyzed(row["id"]) and not self.op.copies:  # a copy needs no statistics
+        if row["id"] not in self._analyzed and not self.op.copies:  # a copy needs no statistics
             spec["analyze"] = "not analyzed"
         if all(v is None or is_scalar(v) for v in (w, d, global_w, global_d)):
             spec["weight"] = w if w is not None else (global_w if global_w is not None else 1.0)
@@ -257,10 +258,12 @@ class ResolvedRequest:
         """A warning per analyzed expert whose delta is zero everywhere or in every tensor it is weighted in."""
         out = []
         floats = [i for i, t in enumerate(self.tensors) if t["dtype"] in FLOAT_DTYPES]
+        ids = [e["id"] for e in self.experts if not (e.get("analyze") or self.op.copies)]
+        changed_of = analyses.changed_tensors_of(self.catalog, ids) if ids else {}
         for ei, e in enumerate(self.experts):
             if e.get("analyze") or self.op.copies:
                 continue
-            changed = set(analyses.changed_tensors(self.catalog, e["id"]))
+            changed = changed_of[e["id"]]
             weighted = {names[i] for i in floats if self.weight_matrix[ei, i] != 0}
             if not changed:
                 out.append(f"expert {e['id']!r} has a zero delta everywhere: it is identical to its base "
