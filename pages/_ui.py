@@ -150,6 +150,12 @@ def plan_view(db_path: str, version: str, key: str, budget: float | None, target
     return views.plan_view(_ctx, budget, target)
 
 
+@st.cache_resource(max_entries=64, show_spinner=False)
+def plan_mask(db_path: str, version: str, key: str, budget, target, top: int, search: str, _view):
+    """The access mask of one plan view with its rows chosen (top N by bytes read, a search over expert ids)."""
+    return views.plan_mask(_view, top, search)
+
+
 @st.cache_resource(max_entries=32, show_spinner=False)
 def snapshot_view(db_path: str, version: str, snapshot_id: str):
     """One snapshot's manifest, recipe and figures (shared, never mutated; a manifest never changes)."""

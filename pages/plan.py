@@ -19,6 +19,24 @@ TRI = {"default": None, "on": True, "off": False}
 st.title("Plan")
 
 
+
+def mask_rows(plan, view, key: str, budget, target, version: str):
+    """With more experts than the mask draws at once: how many (the top by bytes read) and a search box over their
+    ids, then the caption of what is drawn; the figure (None when the search matches nothing)."""
+    n = len(plan.experts)
+    if n <= views.MASK_TOP:
+        return view.mask
+    if not 1 <= int(st.session_state.get("mask_top", views.MASK_TOP)) <= n:
+        st.session_state["mask_top"] = min(views.MASK_TOP, n)  # e.g. fewer experts than at the last draw
+    c = st.columns([1, 2])
+    top = c[0].slider("Experts in the mask", 1, n, views.MASK_TOP, key="mask_top",
+                      help="The experts that read the most bytes, most first")
+    search = c[1].text_input("Search experts", key="mask_search", placeholder="e.g. e1 or e1*",
+                             help="A part of the expert id, or a pattern with * and ?")
+    fig, note = ui.plan_mask(ui.db(), version, key, budget, target, top, search, view)
+    st.caption(note)
+    return fig
+
 def reset_experts():
     for k in list(st.session_state):
         if k == "experts" or k.startswith("w_"):
@@ -233,7 +251,9 @@ with ui.user_errors(), ui.catalog() as cat:
             "est. bytes": st.column_config.TextColumn(help="bytes estimated by the plan"),
             "% of changed": st.column_config.TextColumn(help="share of the changed (delta != 0) expert bytes, "
                                                              "what the budget percentage is a share of")})
-        st.plotly_chart(view.mask, key="mask_chart")
+        mask_fig = mask_rows(plan, view, key, budget, target, version)
+        if mask_fig is not None:
+            st.plotly_chart(mask_fig, key="mask_chart")
         st.plotly_chart(view.frontier, key="frontier_chart")
         ui.table(views.plan_experts_table(plan), hide_index=True, key="plan_experts",
                  column_config={"expert": st.column_config.TextColumn(width="large")})

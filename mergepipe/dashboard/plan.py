@@ -23,8 +23,8 @@ from mergepipe.dashboard.plan_frontier import (  # noqa: F401  (re-exported)
     current_point, frontier_df, frontier_figure, omitted_term, plan_residual,
 )
 from mergepipe.dashboard.plan_masks import (  # noqa: F401  (re-exported)
-    COMPACT_STATES, COMPACT_VALUE, MASK_STATES, TIERED_MASK_STATES, block_labels, candidate_tiers, mask_heatmap,
-    mask_levels, mask_matrix, mask_state_counts, mask_states,
+    COMPACT_STATES, COMPACT_VALUE, MASK_STATES, MASK_TOP, TIERED_MASK_STATES, block_labels, candidate_tiers,
+    mask_heatmap, mask_levels, mask_matrix, mask_rows, mask_state_counts, mask_states,
 )
 from mergepipe.dashboard.plan_tiers import (  # noqa: F401  (re-exported)
     COMPACT_MODE_HELP, TIER_ORDER, compact_mode_help, compact_options, compacts_version, tiers_df, tiers_table,
@@ -116,6 +116,8 @@ class PlanView:
     explain: str
     tiers: pd.DataFrame | None = None  # blocks and bytes per tier (tiers_df)
     suggestion: dict | None = None  # the suggested budget (budget_suggestion)
+    mask_matrix: pd.DataFrame | None = None  # every expert's row of the mask (the figure draws the top MASK_TOP)
+    mask_levels: tuple = ()
 
 
 def plan_view(ctx: PlanContext, budget_pct: float | None = None, target_rel: float | None = None) -> PlanView:
@@ -124,10 +126,26 @@ def plan_view(ctx: PlanContext, budget_pct: float | None = None, target_rel: flo
     x, y = current_point(ctx, plan, relative)
     bound = plan.error_bound or {}
     additive = bound.get("additive") is not None and bound.get("additive") != bound.get("absolute")
-    return PlanView(plan=plan, mask=mask_heatmap(mask_matrix(ctx, plan), mask_levels(ctx, plan)),
+    matrix, levels = mask_matrix(ctx, plan), mask_levels(ctx, plan)
+    return PlanView(plan=plan, mask=mask_heatmap(mask_rows(matrix, plan)[0], levels),
                     frontier=frontier_figure(frontier_df(ctx), x, y, relative, ctx.op.name, additive_label=additive),
                     explain=plan.explain(),
-                    tiers=tiers_table(plan, ctx), suggestion=budget_suggestion(plan))
+                    tiers=tiers_table(plan, ctx), suggestion=budget_suggestion(plan), mask_matrix=matrix,
+                    mask_levels=levels)
+
+
+def plan_mask(view: PlanView, top: int | None = MASK_TOP, search: str = "") -> tuple[go.Figure, str | None]:
+    """The access mask of a plan view with its rows chosen (plan_masks.mask_rows: the ``top`` experts by bytes
+    read among those matching ``search``) and the caption saying what is drawn; the view's own figure when every
+    expert is drawn."""
+    if view.mask_matrix is None:
+        return view.mask, None
+    rows, caption = mask_rows(view.mask_matrix, view.plan, top, search)
+    if caption is None:
+        return view.mask, None
+    if rows.empty:
+        return None, caption
+    return mask_heatmap(rows, view.mask_levels), caption
 
 
 def budget_suggestion(plan: Plan | dict) -> dict | None:

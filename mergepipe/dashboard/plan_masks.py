@@ -127,3 +127,37 @@ def candidate_tiers(ctx: PlanContext, plan: Plan | dict) -> np.ndarray:
     for bits, value in COMPACT_VALUE.items():
         tier[v == value] = bits
     return tier
+
+
+MASK_TOP = 16  # experts the Plan page's mask draws by default when a plan has more
+
+
+def mask_rows(mask: pd.DataFrame, plan: Plan | dict, top: int | None = MASK_TOP, search: str = "") \
+        -> tuple[pd.DataFrame, str | None]:
+    """The rows of the access mask the Plan page draws, so that 64 experts stay legible: the experts whose id
+    contains ``search`` (case-insensitive; with ``*`` or ``?`` an fnmatch pattern, ``e1*``), the ``top`` that read
+    the most bytes, most first; and a caption saying what is drawn and what the others read (None when a plan of at
+    most MASK_TOP experts is drawn whole, in its order). Only the drawing changes: the plan is the same."""
+    from fnmatch import fnmatchcase
+
+    plan = api.as_plan(plan)
+    names = [str(i) for i in mask.index]
+    query = (search or "").strip().lower()
+    if query:
+        pattern = any(c in query for c in "*?[")
+        names = [n for n in names if (fnmatchcase(n.lower(), query) if pattern else query in n.lower())]
+    if not query and len(names) <= MASK_TOP and (top is None or len(names) <= top):
+        return mask, None  # few experts: every row, in the plan's order
+    compact = plan.compact_read_by_expert if plan.compact else {}
+    read = {e: int(plan.estimated_by_expert.get(e, 0)) + int(compact.get(e, 0)) for e in map(str, mask.index)}
+    ranked = sorted(names, key=lambda n: (-read.get(n, 0), names.index(n)))
+    shown = ranked if top is None else ranked[:top]
+    total = sum(read.values())
+    rest = [e for e in map(str, mask.index) if e not in shown]
+    rest_read = sum(read.get(e, 0) for e in rest)
+    caption = (f"{len(shown)} of {len(mask)} experts drawn, most bytes read first"
+               + (f" (matching '{search.strip()}': {len(names)})" if query else "")
+               + (f"; the other {len(rest)} read {api.human_bytes(rest_read)} "
+                  f"({100 * rest_read / total:.1f} % of the expert read)" if rest and total else
+                  f"; the other {len(rest)} read nothing" if rest else ""))
+    return mask.loc[shown], caption

@@ -29,7 +29,8 @@ here. The surface, by defining module:
     norm_transform, tensor_stats_df
 ``plan``
     op_info, operators, plan_context, plan_experts_table, plan_request, plan_summary, plan_view, plans_df,
-    request_key, request_key_digest, target_default, TARGET_HELP, TARGET_TYPICAL, url_replacements
+    request_key, request_key_digest, target_default, TARGET_HELP, TARGET_TYPICAL, url_replacements, plan_mask,
+    MASK_TOP
 ``plan_tiers``
     compact_mode_help, compact_options, compacts_version
 ``plan_config``
@@ -70,7 +71,7 @@ from mergepipe.dashboard.catalog import (  # noqa: F401
 )
 from mergepipe.dashboard.plan import (  # noqa: F401
     op_info, operators, plan_context, plan_experts_table, plan_request, plan_summary, plan_view, plans_df,
-    request_key, request_key_digest, target_default, TARGET_HELP, TARGET_TYPICAL, url_replacements,
+    request_key, request_key_digest, target_default, TARGET_HELP, TARGET_TYPICAL, url_replacements, plan_mask, MASK_TOP,
 )
 from mergepipe.dashboard.plan_tiers import compact_mode_help, compact_options, compacts_version  # noqa: F401
 from mergepipe.dashboard.plan_config import (  # noqa: F401
