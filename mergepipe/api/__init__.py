@@ -35,7 +35,6 @@ from mergepipe.manifest.lineage import lineage, lineage_dot  # noqa: F401  (line
 from mergepipe.manifest.verify import load_manifest, verify  # noqa: F401
 from mergepipe.storage.paths import ROOTS_ENV, allowed_roots as env_allowed_roots, check_output  # noqa: F401
 from mergepipe.storage.procs import pid_alive  # noqa: F401
-from mergepipe.storage.serve import serve as serve_files  # noqa: F401  (`mergepipe serve DIR`)
 
 from mergepipe.api.planning import (  # noqa: F401
     merge_request, plan, plan_merge, plan_session, operators, parameters, operator_spec, compact_codecs,
@@ -115,6 +114,12 @@ _LAZY = {
     "CODECS": "mergepipe.storage.codecs", "CARD_NAME": "mergepipe.manifest.card",
     "load_yaml": "mergepipe.config.parse", "MAX_CONFIG_BYTES": "mergepipe.config.model",
 }
+
+
+def serve_files(root, **kw):
+    """``mergepipe serve DIR``: mergepipe.storage.serve.serve (its HTTP modules imported only here)."""
+    from mergepipe.storage.serve import serve
+    return serve(root, **kw)
 
 
 def __getattr__(name: str):

@@ -190,11 +190,15 @@ def _fmt(v) -> str:
 
 
 def progress_bar(description: str):
-    """A rich progress bar usable as an analyze/engine progress callback: cb(label, done, total)."""
+    """A rich progress bar usable as an analyze/engine progress callback: cb(label, done, total); on a stderr
+    that is not a terminal, a bar that shows nothing (and rich is not imported)."""
+    if not sys.stderr.isatty():
+        import contextlib
+        return contextlib.nullcontext(), lambda label, done, total: None
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
     prog = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                    TransferSpeedColumn(), TimeRemainingColumn(), transient=True, disable=not sys.stderr.isatty())
+                    TransferSpeedColumn(), TimeRemainingColumn(), transient=True)
     tasks = {}
 
     def cb(label, done, total):

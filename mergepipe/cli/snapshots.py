@@ -8,7 +8,6 @@ from pathlib import Path
 
 from mergepipe import api
 from mergepipe.cli.common import command, emit, open_catalog, short_date, table
-from mergepipe.dashboard.server import run_dashboard
 from mergepipe.errors import MergePipeError, VerifyError
 
 
@@ -224,6 +223,7 @@ def _add_dashboard(p):
 
 @command("dashboard", "start the Streamlit dashboard on 127.0.0.1", arguments=_add_dashboard)
 def cmd_dashboard(args):
+    from mergepipe.dashboard.server import run_dashboard  # (http.client, ssl: only this command needs them)
     run_dashboard(args.db, port=args.port, extra_roots=args.allow_root)
 
 

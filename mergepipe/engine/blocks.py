@@ -12,18 +12,25 @@ from __future__ import annotations
 
 import math
 
-import torch
-
+from mergepipe.engine.threads import torch_module
 from mergepipe.errors import ExecutionError
 from mergepipe.ops.core import combine, sparsify
 from mergepipe.ops.streams import block_seed, content_id
 from mergepipe.planner.settings import expert_params, tensor_density, tensor_weight
 from mergepipe.storage.compact import CompactBlock
-from mergepipe.storage.safetensors import DTYPES, bytes_to_tensor, rows_shape
+from mergepipe.storage.dtypes import torch_dtype_of
+from mergepipe.storage.safetensors import bytes_to_tensor, rows_shape
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
+def tensor_bytes(t) -> memoryview:
+    """The raw bytes of a torch tensor (the torch path; torch is loaded when there is one)."""
+    torch = torch_module()
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def as_bytes(t, code: str) -> memoryview:
+    """The raw bytes of torch tensor ``t`` converted to safetensors dtype ``code`` (torch's rounding)."""
+    return tensor_bytes(t.to(torch_dtype_of(code)))
 
 
 def merge_block(fused, op, params, seed, experts, sources, weight_sum, info, span, raw, contributors, thresholds,
@@ -45,10 +52,10 @@ def merge_block(fused, op, params, seed, experts, sources, weight_sum, info, spa
 
 
 def converted_block(info, span, raw, out_dtype: str):
-    """A block copied from the base, in the output dtype (torch's rounding, as mergekit's ``.to``),
-    refused when the conversion overflows it (a bf16 value beyond fp16's range)."""
-    shape = rows_shape(info, span.row_end - span.row_start)
-    data = tensor_bytes(bytes_to_tensor(raw, info.dtype, shape).to(DTYPES[out_dtype][0]))
+    """A block copied from the base, in the output dtype (torch's rounding, as mergekit's ``.to``, by
+    numpy: storage/convert.py), refused when the conversion overflows it (a bf16 value beyond fp16's range)."""
+    from mergepipe.storage.convert import convert
+    data = memoryview(convert(raw, info.dtype, out_dtype))
     check_finite(data, info, span, out_dtype)
     return data
 
@@ -76,6 +83,7 @@ def _merged_bytes(fused, op, params, seed, experts, sources, weight_sum, info, s
                            contributors, thresholds, out)
         if data is not None:
             return data
+    torch = torch_module()  # the torch path, with this thread's intra-op threads (engine/threads.py)
     base = bytes_to_tensor(raw, info.dtype, shape).float()
     deltas = []
     for ei, (bufs, fixed) in contributors:
@@ -90,7 +98,7 @@ def _merged_bytes(fused, op, params, seed, experts, sources, weight_sum, info, s
         d = sparsify(op, delta, density, expert_params(params, e, info.name), thr, bseed, span.index)
         deltas.append((tensor_weight(e, info.name), d))
     merged = combine(op, base, deltas, weight_sum, params)
-    return tensor_bytes(merged.to(DTYPES[out][0]))
+    return as_bytes(merged, out)
 
 
 def soup_block(params, sources, info, span, raw, contributors, n_experts, weights, position, out=None):
@@ -98,11 +106,12 @@ def soup_block(params, sources, info, span, raw, contributors, n_experts, weight
     read for this block is the base's values there: its delta is omitted, as in any additive merge)."""
     from mergepipe.ops.linear import soup_block as kernel
     shape, base, xs = _values(sources, info, span, raw, contributors, n_experts)
-    return tensor_bytes(kernel(base, xs, weights, position, params).reshape(shape).to(DTYPES[out or info.dtype][0]))
+    return as_bytes(kernel(base, xs, weights, position, params).reshape(shape), out or info.dtype)
 
 
 def _values(sources, info, span, raw, contributors, n_experts):
-    """(block shape, the base's values, every expert's values) in float32."""
+    """(block shape, the base's values, every expert's values) in float32 (torch tensors)."""
+    torch_module()  # the torch path, with this thread's intra-op threads (engine/threads.py)
     shape = rows_shape(info, span.row_end - span.row_start)
     base = bytes_to_tensor(raw, info.dtype, shape).float()
     xs = [base] * n_experts
@@ -124,13 +133,14 @@ def method_block(op, params, sources, info, span, raw, contributors, scalars, n_
     shape, base, xs = _values(sources, info, span, raw, contributors, n_experts)
     # the block's index in the tensor's grid: sce's exact-k cut among tied entries is by block (ops/topk.py)
     merged = METHODS[op.name][1](op, base, xs, scalars, {**params, "block_index": span.index}, len(info.shape))
-    return tensor_bytes(merged.reshape(shape).to(DTYPES[out or info.dtype][0]))
+    return as_bytes(merged.reshape(shape), out or info.dtype)
 
 
 def fused_block(op, params, seed, experts, sources, weight_sum, info, span, shape, raw, contributors, thresholds,
                 out=None):
     """The fused kernel (kernels.fused_merge) for full or delta checkpoints with linear, task
-    arithmetic, TIES or DARE; None where it does not apply (LoRA, other operators, fp16/fp64 in or out)."""
+    arithmetic, TIES, DARE, breadcrumbs or DELLA; None where it does not apply (LoRA, other operators,
+    fp16/fp64 in or out)."""
     from mergepipe.ops import kernels
     if op.sparsify not in kernels.FUSED_SPARSIFY or info.dtype not in kernels.CODES or \
             (out or info.dtype) not in kernels.CODES:
@@ -147,9 +157,12 @@ def fused_block(op, params, seed, experts, sources, weight_sum, info, span, shap
         data, dtype, is_delta = ((memoryview(decoded(bufs)).cast("B"), "F32", True) if compact else
                                  (bufs[0], src.checkpoint.tensors[info.name].dtype, src.kind == "delta"))
         contributions.append((data, dtype, is_delta, tensor_weight(e, info.name), density,
-                              thresholds.get(e["id"], {}).get(info.name, []), bseed))
-    data = kernels.fused_merge(op, params, raw, info.dtype, math.prod(shape), contributions, weight_sum,
-                               span.index, out_dtype=out)
+                              thresholds.get(e["id"], {}).get(info.name, []), bseed,
+                              expert_params(params, e, info.name)))
+    n = math.prod(shape)
+    row = math.prod(shape[1:]) if len(shape) >= 2 else n  # DELLA ranks within rows (ops/della.py)
+    data = kernels.fused_merge(op, params, raw, info.dtype, n, contributions, weight_sum, span.index, out_dtype=out,
+                               row=max(1, row))
     return None if data is None else memoryview(data)
 
 

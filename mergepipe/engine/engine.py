@@ -20,14 +20,13 @@ import threading
 import time
 from pathlib import Path
 
-import torch
-
 from mergepipe.catalog.db import Catalog, now
 from mergepipe.catalog.models import check_content_hash, check_unchanged, input_change, register
 from mergepipe.catalog.compacts import check_compact_inputs
 from mergepipe.catalog.plans import has_plan
 from mergepipe.catalog.runs import mark_run_published
 from mergepipe.catalog.snapshots import record_snapshot
+from mergepipe.engine import threads as torch_threads
 from mergepipe.engine.executor import Executor, LocalExecutor, RangeExecutor
 from mergepipe.engine.extend import ExtendPipeline, check_parent_present
 from mergepipe.engine.pipeline import MergePipeline
@@ -137,8 +136,7 @@ class Engine:
         previous = _own_sigterm()
         if previous is not _NOT_OURS and previous in (signal.SIG_DFL, None):
             signal.signal(signal.SIGTERM, _raise_interrupt)
-        saved_threads = torch.get_num_threads()
-        torch.set_num_threads(self.threads)
+        torch_threads.want(self.threads)  # applied if and when this thread uses torch
         result = None
         try:
             staging = txn.begin()
@@ -157,7 +155,7 @@ class Engine:
                 result["inflight"].discard()
             raise
         finally:
-            torch.set_num_threads(saved_threads)
+            torch_threads.release()
             if previous is not _NOT_OURS and previous in (signal.SIG_DFL, None):
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
         return manifest.snapshot_id, manifest
@@ -192,7 +190,7 @@ class Engine:
             "touched": result["touched"],
             "error_bound": plan.error_bound,
             "outputs": outputs,
-            "software": {"mergepipe": __version__, "torch": torch.__version__},
+            "software": {"mergepipe": __version__, "torch": torch_threads.torch_version()},
             "parents": [_base_parent(plan)]
             + [{"id": e["id"], "role": "expert", "weight": e["weight"]} for e in plan.experts],
         }

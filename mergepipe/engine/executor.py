@@ -10,8 +10,11 @@ a worker and hand back a future of its bytes; see docs/architecture.md for what 
 
 from __future__ import annotations
 
+import sys
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
+
+from mergepipe.engine import threads as torch_threads
 
 
 class Executor(ABC):
@@ -27,22 +30,28 @@ class Executor(ABC):
 
 
 class LocalExecutor(Executor):
-    """A thread pool of ``workers`` threads, each limited to ``threads`` torch intra-op threads.
+    """A thread pool of ``workers`` threads, each limited to ``threads`` torch intra-op threads where it
+    uses torch (engine/threads.py: a merge that never needs torch never imports it).
 
     Block-sized kernels gain nothing from intra-op threads, and OpenMP spin-waits collapse when the
     cores are shared, so ``threads`` is 1 by default (see Engine)."""
 
     def __init__(self, workers: int, threads: int = 1):
-        import torch
-
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mergepipe-compute",
-                                        initializer=torch.set_num_threads, initargs=(threads,))
+                                        initializer=torch_threads.want, initargs=(threads,))
 
     def submit(self, fn, /, *args) -> Future:
-        return self._pool.submit(fn, *args)
+        return self._pool.submit(_limited, fn, *args)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _limited(fn, *args):
+    """``fn(*args)`` on a worker, torch's thread limit applied first where torch got loaded since."""
+    if "torch" in sys.modules:
+        torch_threads.torch_module()
+    return fn(*args)
 
 
 class RangeExecutor(ABC):

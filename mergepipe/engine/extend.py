@@ -16,10 +16,8 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch
-
 from mergepipe.catalog.snapshots import snapshot_manifest_hash
-from mergepipe.engine.blocks import check_finite, tensor_bytes
+from mergepipe.engine.blocks import as_bytes, check_finite
 from mergepipe.engine.delete import lock_snapshot
 from mergepipe.engine.pipeline import block_groups
 from mergepipe.engine.write_behind import WriteBehind
@@ -28,7 +26,7 @@ from mergepipe.manifest.build import MANIFEST_NAME, file_sha256
 from mergepipe.manifest.verify import load_manifest
 from mergepipe.planner.plan import Plan, expand_ranges
 from mergepipe.storage.registry import open_checkpoint
-from mergepipe.storage.safetensors import DTYPES, FLOAT_DTYPES, bytes_to_tensor, rows_shape
+from mergepipe.storage.safetensors import FLOAT_DTYPES, ITEMSIZE, bytes_to_tensor, rows_shape
 from mergepipe.storage.sources import open_source
 from mergepipe.storage.writers import ShardWriter, finish_files, plan_shards
 
@@ -264,9 +262,11 @@ class ExtendPipeline:
         return None if out is None else memoryview(out)
 
     def torch_block(self, info, span, raw, base_raw, expert):
+        from mergepipe.engine.threads import torch_module
+        torch = torch_module()  # with this thread's intra-op threads (engine/threads.py)
         c = self.coefs
         shape = rows_shape(info, span.row_end - span.row_start)
-        wide = torch.float64 if DTYPES[info.dtype][0].itemsize > 2 else torch.float32
+        wide = torch.float64 if ITEMSIZE[info.dtype] > 2 else torch.float32
         out = bytes_to_tensor(raw, info.dtype, shape).to(wide, copy=True)  # updated in place
         if c["a"] != 1:
             out.mul_(c["a"])
@@ -282,7 +282,7 @@ class ExtendPipeline:
                                    c["b"]))
         if g != 0:
             out.add_(torch.mul(bytes_to_tensor(base_raw, info.dtype, shape).to(wide), g))
-        return tensor_bytes(out.to(DTYPES[info.dtype][0]))
+        return as_bytes(out, info.dtype)
 
     def changes(self, info, span) -> bool:
         return info.dtype in FLOAT_DTYPES and (not self.coefs["copy_unread"]

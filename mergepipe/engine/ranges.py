@@ -113,10 +113,10 @@ class RangeWorker(MergePipeline):
 def run_range(shared: tuple, task: tuple[int, int]) -> dict:
     """One range task: ``shared`` = (settings, plan data, staging, out_shard_bytes, kill marker),
     ``task`` = (first, stop) work items. Returns the task's counters."""
-    import torch
+    from mergepipe.engine import threads as torch_threads
 
     settings, plan_data, staging, out_shard_bytes, kill_marker = shared
-    torch.set_num_threads(settings.threads)
+    torch_threads.want(settings.threads)  # applied if and when this task uses torch
     worker = RangeWorker(settings, Plan(plan_data), Path(staging), out_shard_bytes, task[0], task[1], kill_marker)
     return worker.run()
 

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 
-from mergepipe.analyze.gram import composed_arcee, composed_counts, composed_gram, composed_sce
 from mergepipe.errors import ExecutionError
 from mergepipe.ops.spec import Sparsify
 from mergepipe.ops.topk import NO_CUT
@@ -108,6 +107,8 @@ class VocabRows:
         settings = p.plan.composed_coefficients.get(name)
         if settings is None:
             return
+        # ANALYZE's kernels (numba), imported only by a merge over re-ordered vocabularies
+        from mergepipe.analyze.gram import composed_arcee, composed_counts, composed_gram, composed_sce
         info = next(t for t in p.order if t.name == name)
         itemsize = info.nbytes // max(1, info.shape[0] * info.shape[1])
         blocks = [(s.rel_offset // itemsize, (s.rel_offset + s.nbytes) // itemsize)

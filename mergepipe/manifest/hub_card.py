@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import re
 
-import yaml
-
 from mergepipe.manifest.card import model_card
 
 RECIPE_HEADING = "## Recipe (mergekit)"
@@ -100,6 +98,8 @@ def hub_card(core: dict, manifest_hash: str, *, name: str, repo_ids: list[str], 
              evaluations: list[dict], recipe_yaml: str, reproduce_uri: str) -> str:
     """README.md for the Hub: ``name`` the repository, ``repo_ids`` the inputs' Hub repo ids (``missing``: the
     inputs that have none), ``evaluations`` the snapshot's stored results, ``recipe_yaml`` its mergekit export."""
+    import yaml  # (an import of ~0.03 s: only where a Hub card is written)
+
     body = card_body(model_card(core))
     body = body.split("\n## Recipe\n", 1)[0].rstrip("\n")
     front = hub_front(core, repo_ids, name, evaluations)

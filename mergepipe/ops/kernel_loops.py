@@ -10,6 +10,7 @@ norm in a fixed lane order, one expert's weighted sparsified delta, DARE's per-b
 
 from __future__ import annotations
 
+import mergepipe.ops.numba_setup  # noqa: F401 (numba's start-up without scipy; before any @njit)
 import numba
 import numpy as np
 from numba import njit, types
@@ -23,8 +24,8 @@ LANES = 256  # float64 partial sums of abs_sum64: element i goes to lane i % LAN
 # element codes of the raw buffers the kernel reads and writes
 BF16, F32 = 0, 1
 CODES = {"BF16": BF16, "F32": F32}
-# per-expert sparsification
-KEEP_ALL, MAGNITUDE, RANDOM = 0, 1, 2
+# per-expert sparsification (MASKED: a keep mask computed beforehand, ops/kernel_masks.py)
+KEEP_ALL, MAGNITUDE, RANDOM, MASKED = 0, 1, 2, 3
 
 _INV24 = np.float32(1.0 / (1 << 24))
 
@@ -179,7 +180,8 @@ def _store(addr, code, n, start, m, vals):
 
 
 @njit(inline="always")
-def _weighted_delta(addr, code, n, start, m, sub, kind, w, thr, ties, k, dens, ratio, use_ratio, k1, k2, wd, acc):
+def _weighted_delta(addr, code, n, start, m, sub, kind, w, thr, ties, k, dens, ratio, use_ratio, k1, k2, wd, acc,
+                    mask):
     """wd[:m] = w * sparsify(delta) for elements [start, start + m) of one expert, and acc += wd, with
     the operations of ops.sparsify then ``w * d`` (float32, same order). delta = x - sub, where ``sub``
     is the base chunk for a full checkpoint and zeros for a stored delta (x - (+0.0) == x exactly)."""
@@ -215,6 +217,13 @@ def _weighted_delta(addr, code, n, start, m, sub, kind, w, thr, ties, k, dens, r
                 x = w * (d * (one if _u01(_add32(lo0, np.uint32(j)), k1, hi) < dens else zero))
                 v[j] = x
                 a[j] = a[j] + x
+    elif kind == MASKED:
+        mk = mask[start:start + m]
+        for j in range(m):
+            kept = (v[j] - bs[j]) * (one if mk[j] else zero)
+            x = w * (kept * ratio if use_ratio else kept)
+            v[j] = x
+            a[j] = a[j] + x
     else:
         for j in range(m):
             x = w * (v[j] - bs[j])
@@ -319,13 +328,13 @@ def _add_to_base(r, bb, m, lam, lam_is_one):
 @njit(nogil=True, cache=True, error_model="numpy")
 def merge_block(base_addr, base_code, out_addr, out_code, n, addrs, codes, is_delta, kinds, weights, thrs, ties,
                 denss, ratios, use_ratio, k1s, k2s, consensus, normalize, lam, lam_is_one, divisor, scale_base,
-                base_scale):
+                base_scale, masks):
     """Merge one block of ``n`` elements into the raw output buffer at ``out_addr``.
 
     Per expert k (in contribution order): raw buffer ``addrs[k]`` of element code ``codes[k]``, delta
     (``is_delta[k]``) or full checkpoint, sparsification ``kinds[k]`` with threshold ``thrs[k]`` or keep
     density ``denss[k]`` and rescale ``ratios[k]`` (when ``use_ratio[k]``), weight ``weights[k]``, random
-    stream keys ``k1s[k], k2s[k]``. ``consensus``: TIES sign election and disjoint merge (divisor of
+    stream keys ``k1s[k], k2s[k]``, keep mask ``masks[k]`` (MASKED). ``consensus``: TIES sign election and disjoint merge (divisor of
     agreeing weights when ``normalize``); else a weighted sum divided by ``divisor`` when ``normalize``,
     with the base scaled by ``base_scale`` when ``scale_base`` (linear without normalize).
     Scratch: a few chunks, plus K chunks of weighted deltas with consensus (K * 8 KiB)."""
@@ -347,7 +356,7 @@ def merge_block(base_addr, base_code, out_addr, out_code, n, addrs, codes, is_de
         for k in range(K):
             _weighted_delta(addrs[k], codes[k], n, start, m, zeros if is_delta[k] else base, kinds[k], weights[k],
                             thrs[k], ties, k, denss[k], ratios[k], use_ratio[k], k1s[k], k2s[k],
-                            wds[k if consensus else 0], acc)
+                            wds[k if consensus else 0], acc, masks[k])
         bb = base[:m]
         r = res[:m]
         if consensus:

@@ -26,13 +26,14 @@ from __future__ import annotations
 import numpy as np
 
 from mergepipe.ops.kernel_loops import (  # noqa: F401
-    BF16, CHUNK, CODES, F32, KEEP_ALL, LANES, MAGNITUDE, RANDOM, _abs_sum64, _affine_bf16, _fill_uniform,
+    BF16, CHUNK, CODES, F32, KEEP_ALL, LANES, MAGNITUDE, MASKED, RANDOM, _abs_sum64, _affine_bf16, _fill_uniform,
     merge_block, random_l1, seed_keys,
 )
+from mergepipe.ops.kernel_masks import MASKED_SPARSIFY, floats, keep_mask
 from mergepipe.ops.nonfinite import FLOAT_BITS, nonfinite_count, nonfinite_kinds  # noqa: F401
 from mergepipe.ops.spec import Sparsify
 
-FUSED_SPARSIFY = (None, Sparsify.MAGNITUDE, Sparsify.RANDOM)
+FUSED_SPARSIFY = (None, Sparsify.MAGNITUDE, Sparsify.RANDOM, *MASKED_SPARSIFY)
 _ITEMSIZE = {BF16: 2, F32: 4}
 
 
@@ -95,13 +96,15 @@ class _ExpertArrays:
         self.use_ratio = np.zeros(K, np.bool_)
         self.k1s = np.zeros(K, np.uint32)
         self.k2s = np.zeros(K, np.uint32)
+        self.masks = np.zeros((K, 0), np.bool_)  # (K, n) once an expert's mask is computed beforehand
 
 
-def _expert_arrays(spec, n: int, contributions: list, block: int, keep: list) -> _ExpertArrays | None:
+def _expert_arrays(spec, params: dict, n: int, contributions: list, block: int, keep: list, base: tuple,
+                   row: int) -> _ExpertArrays | None:
     """The experts' arguments of merge_block from ``contributions`` (see :func:`fused_merge`), or None when
-    one does not fit the kernel."""
+    one does not fit the kernel. ``base``: (raw, dtype) of the base block; ``row``: entries per row."""
     ex = _ExpertArrays(len(contributions), n)
-    for k, (raw, dtype, delta_kind, weight, density, thresholds, seed) in enumerate(contributions):
+    for k, (raw, dtype, delta_kind, weight, density, thresholds, seed, *own) in enumerate(contributions):
         if dtype not in CODES or weight is None:
             return None
         code = CODES[dtype]
@@ -111,9 +114,30 @@ def _expert_arrays(spec, n: int, contributions: list, block: int, keep: list) ->
         ex.codes[k] = code
         ex.is_delta[k] = bool(delta_kind)
         ex.weights[k] = np.float32(weight)  # torch rounds a Python scalar to the tensor's dtype
-        if not _set_sparsify(ex, k, spec, n, density, thresholds, seed, block):
+        if spec.sparsify in MASKED_SPARSIFY and density < 1.0:
+            delta = floats(raw, dtype) if delta_kind else floats(raw, dtype) - floats(*base)
+            if not _set_mask(ex, k, spec, delta, density, own[0] if own else params, thresholds, seed, block, row):
+                return None
+        elif not _set_sparsify(ex, k, spec, n, density, thresholds, seed, block):
             return None
     return ex
+
+
+def _set_mask(ex: _ExpertArrays, k: int, spec, delta, density: float, params: dict, thresholds, seed: int,
+              block: int, row: int) -> bool:
+    """Expert k's keep mask (breadcrumbs, DELLA: ops/kernel_masks.py) and L1 ratio; False when the kernel
+    does not cover it."""
+    got = keep_mask(spec.sparsify, delta, density, params, thresholds, seed, block, row)
+    if got is None:
+        return False
+    if ex.masks.shape[1] != delta.size:
+        ex.masks = np.zeros((len(ex.addrs), delta.size), np.bool_)
+    ex.masks[k], ratio = got
+    ex.kinds[k] = MASKED
+    if ratio is not None:
+        ex.ratios[k] = np.float32(ratio)
+        ex.use_ratio[k] = True
+    return True
 
 
 def _set_sparsify(ex: _ExpertArrays, k: int, spec, n: int, density: float, thresholds, seed: int,
@@ -148,15 +172,16 @@ def _set_random_rescale(ex: _ExpertArrays, base_addr: int, base_code: int, n: in
 
 
 def fused_merge(spec, params: dict, base_raw, base_dtype: str, n: int, contributions: list, weight_sum: float,
-                block: int = 0, out_dtype: str | None = None):
+                block: int = 0, out_dtype: str | None = None, row: int | None = None):
     """Merge one block with the fused kernel, or return None when it does not apply (then the caller
     uses the torch path of ops.sparsify + ops.combine, which the kernel reproduces bit for bit).
 
     ``contributions``: per contributing expert, in order, ``(raw, dtype, is_delta, weight, density,
-    thresholds, seed)``: the expert block's raw bytes and safetensors dtype code, whether they are a
+    thresholds, seed[, params])``: the expert block's raw bytes and safetensors dtype code, whether they are a
     stored delta (else a full checkpoint: delta = expert - base), its weight and density for this
     tensor, the catalog statistics of the tensor (TIES: threshold, L1 ratio, exact-k cut) and the block's
-    random seed; ``block``: the block's index in the grid (the exact-k cut). Returns a uint8 array
+    random seed (and the expert's own operator parameters, DELLA's epsilon; default ``params``); ``block``: the
+    block's index in the grid (the exact-k cut); ``row``: entries per row (DELLA's ranks; default n). Returns a uint8 array
     of the merged block in ``out_dtype`` (None: the base's dtype; the float32 result rounded once)."""
     out_dtype = out_dtype or base_dtype
     if spec.sparsify not in FUSED_SPARSIFY or base_dtype not in CODES or out_dtype not in CODES or not contributions:
@@ -166,7 +191,7 @@ def fused_merge(spec, params: dict, base_raw, base_dtype: str, n: int, contribut
         return None
     keep: list = []
     base_addr = _address(base_raw, _ITEMSIZE[base_code], keep)
-    ex = _expert_arrays(spec, n, contributions, block, keep)
+    ex = _expert_arrays(spec, params, n, contributions, block, keep, (base_raw, base_dtype), row or n)
     if ex is None:
         return None
     if spec.sparsify is Sparsify.RANDOM and params["rescale"] and (ex.kinds == RANDOM).any():
@@ -178,7 +203,8 @@ def fused_merge(spec, params: dict, base_raw, base_dtype: str, n: int, contribut
     out = np.empty(n * _ITEMSIZE[out_code], np.uint8)
     merge_block(base_addr, base_code, out.ctypes.data, out_code, n, ex.addrs, ex.codes, ex.is_delta, ex.kinds,
                 ex.weights, ex.thrs, ex.ties, ex.denss, ex.ratios, ex.use_ratio, ex.k1s, ex.k2s, bool(spec.consensus),
-                normalize, np.float32(lam), lam == 1, np.float32(divisor), scale_base, np.float32(weight_sum))
+                normalize, np.float32(lam), lam == 1, np.float32(divisor), scale_base, np.float32(weight_sum),
+                ex.masks)
     del keep
     return out
 
@@ -188,9 +214,10 @@ def warm_up() -> None:
     """Load (or compile, on a cold cache) the kernels the engine calls, on a tiny block."""
     from types import SimpleNamespace
     raw = bytes(2 * LANES)
-    for sparsify, consensus in ((None, False), ("magnitude", True), ("random", True)):
+    for sparsify, consensus in ((None, False), (Sparsify.MAGNITUDE, True), (Sparsify.RANDOM, True),
+                                (Sparsify.DELLA, False)):
         spec = SimpleNamespace(sparsify=sparsify, consensus=consensus, whole_models=False)
-        params = {"normalize": True, "rescale": True, "lambda": 1.0}
+        params = {"normalize": True, "rescale": True, "lambda": 1.0, "epsilon": 0.1}
         fused_merge(spec, params, raw, "BF16", LANES, [(raw, "BF16", False, 1.0, 0.5, [0.0], 1)], 1.0)
     uniform_array(1, LANES)
     affine_bf16(raw, 2.0, raw, "BF16", 1.0, raw, -1.0)

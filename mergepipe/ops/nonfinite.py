@@ -3,6 +3,7 @@ pass (numba), and told apart for error messages."""
 
 from __future__ import annotations
 
+import mergepipe.ops.numba_setup  # noqa: F401 (numba's start-up without scipy; before any @njit)
 import numpy as np
 from numba import njit
 

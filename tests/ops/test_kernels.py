@@ -73,13 +73,16 @@ def random_case(rng, op: str):
     return spec, params, base_raw, dtype, shape, contributions, weight_sum
 
 
-@pytest.mark.parametrize("op", ["ties", "dare_ties", "dare_linear", "linear", "task_arithmetic"])
+@pytest.mark.parametrize("op", ["ties", "dare_ties", "dare_linear", "linear", "task_arithmetic", "della",
+                                "della_linear"])
 def test_fused_kernel_equals_torch_path_bit_for_bit(op):
     rng = np.random.default_rng(sum(map(ord, op)))
     for _ in range(40):
         spec, params, base_raw, dtype, shape, contributions, weight_sum = random_case(rng, op)
         ref = torch_path(spec, params, base_raw, dtype, shape, contributions, weight_sum)
-        got = kernels.fused_merge(spec, params, base_raw, dtype, int(np.prod(shape)), contributions, weight_sum)
+        n = int(np.prod(shape))
+        row = int(np.prod(shape[1:])) if len(shape) >= 2 else n  # DELLA ranks within rows
+        got = kernels.fused_merge(spec, params, base_raw, dtype, n, contributions, weight_sum, row=row)
         assert got is not None
         word = np.uint16 if dtype == "BF16" else np.uint32
         assert np.array_equal(ref.view(word), got.view(word)), (op, params, dtype, shape)
@@ -88,7 +91,7 @@ def test_fused_kernel_equals_torch_path_bit_for_bit(op):
 def test_fused_kernel_declines_what_it_does_not_cover():
     spec, params, base_raw, dtype, shape, contributions, ws = random_case(np.random.default_rng(0), "ties")
     n = int(np.prod(shape))
-    assert kernels.fused_merge(get_op("della"), params, base_raw, dtype, n, contributions, ws) is None
+    assert kernels.fused_merge(spec, params, base_raw, dtype, n, contributions, ws, out_dtype="F16") is None
     assert kernels.fused_merge(spec, params, base_raw, "F16", n, contributions, ws) is None
     assert kernels.fused_merge(spec, params, base_raw, dtype, n, [], ws) is None
     no_thr = [c[:5] + ([],) + c[6:] for c in contributions]
@@ -129,6 +132,10 @@ def test_l1_ratio_fixed_order_sum():
     ("dare_linear", dict(density=0.5, seed=1, rescale=False)),
     ("linear", {}),
     ("task_arithmetic", dict(lam=0.7)),
+    ("breadcrumbs", dict(density=0.3)),
+    ("breadcrumbs_ties", dict(density=0.5, rescale=True)),
+    ("della", dict(density=0.5, seed=2)),
+    ("della_linear", dict(density=0.3, seed=1, rescale=False, epsilon=0.2)),
 ])
 def test_engine_fused_equals_torch_path(tmp_path_factory, monkeypatch, family, op, kw):
     fam = shared_family(tmp_path_factory, family)
