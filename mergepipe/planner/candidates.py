@@ -120,9 +120,7 @@ def find_thresholds(ctx) -> dict[str, dict[str, list[float]]]:
                 continue  # re-ordered rows: the engine takes their top k (engine/vocab.py)
             params = expert_params(ctx.params_for(name), e, name)
             fracs = threshold_fractions(ctx.op, tensor_density(e, name) or 1.0, params)
-            keys = [str(f) for f in fracs] if ctx.op.sparsify is Sparsify.MAGNITUDE else None
-            vals = tensor_statistics(ctx.op, tensor_density(e, name) or 1.0, params, _only(text, keys),
-                                     _only(topk, keys), l1, max_abs, numel)
+            vals = _statistics(ctx.op, tensor_density(e, name) or 1.0, params, fracs, text, topk, l1, max_abs, numel)
             if vals is None:
                 table = json.loads(text or "{}")  # fraction 1: the top n - 1 (breadcrumbs, ops.core)
                 missing = ", ".join(f"{f:g}" for f in fracs if lookup_thresholds(table, [f]) is None
@@ -135,6 +133,42 @@ def find_thresholds(ctx) -> dict[str, dict[str, list[float]]]:
         if per and not e.get("analyze"):
             out[e["id"]] = per
     return out
+
+
+def _statistics(op, density: float, params: dict, fracs: list[float], text, topk, l1, max_abs, numel):
+    """ops.core.tensor_statistics of one (expert, tensor), given only the stored densities it can use: TIES its
+    own; breadcrumbs its threshold fractions, the zero thresholds and the exact-k entries of its two cut-offs (a
+    stored fraction f serves k = int(f n) and int(f n) - 1, ops.core.kth_statistics), with the whole text as the
+    fallback should those not answer (they do: the same statistics, a hundred densities fewer to read)."""
+    if op.sparsify is Sparsify.MAGNITUDE:
+        keys = [str(f) for f in fracs]
+        return tensor_statistics(op, density, params, _only(text, keys), _only(topk, keys), l1, max_abs, numel)
+    cut = _outlier_cut(text, topk, int(numel or 0), density, params, fracs) if density < 1.0 and topk else None
+    vals = tensor_statistics(op, density, params, *cut, l1, max_abs, numel) if cut else None
+    return vals if vals is not None else tensor_statistics(op, density, params, text, topk, l1, max_abs, numel)
+
+
+_KEY_FLOATS: dict[tuple, np.ndarray] = {}  # the stored fractions' keys -> their float values (one grid for all)
+
+
+def _outlier_cut(text: str | None, topk: str, n: int, density: float, params: dict, fracs: list[float]):
+    """(thresholds JSON, topk JSON) cut down to what breadcrumbs reads for its two cut-offs k (as
+    ops.core._outlier_statistics counts them); None where they cannot be told."""
+    if not text or n <= 0 or "gamma" not in params:
+        return None
+    table = json.loads(text)
+    keys = tuple(table)
+    if keys not in _KEY_FLOATS:
+        _KEY_FLOATS.clear()  # one grid at a time
+        _KEY_FLOATS[keys] = np.array([float(k) for k in keys], dtype=np.float64)
+    target = int(density * n)
+    n_bot = max(0, n - target - int(params["gamma"] * n))
+    ks = np.array([n - n_bot - target, n - n_bot])
+    kf = (_KEY_FLOATS[keys] * n).astype(np.int64)
+    serve = np.isin(kf, np.concatenate([ks, ks + 1]))
+    own = {str(f) for f in fracs}
+    kept = {k: v for (k, v), s in zip(table.items(), serve) if s or v == 0.0 or k in own}
+    return json.dumps(kept), _only(topk, [k for k, s in zip(keys, serve) if s])
 
 
 def _only(text: str | None, keys: list[str] | None) -> str | None:

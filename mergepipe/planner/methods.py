@@ -87,7 +87,7 @@ def tensor_scalars(ctx) -> tuple[dict[str, list[float]], dict[str, dict]]:
     op, params = ctx.op, ctx.params
     ids = [e["id"] for e in ctx.experts]
     gram = load_gram(ctx.catalog, ctx.base["id"], ids) if op.gram else {}
-    changed = {e: set(analyses.changed_tensors(ctx.catalog, e)) for e in ids} if op.gram else {}
+    changed = analyses.changed_tensors_of(ctx.catalog, ids) if op.gram and ids else {}
     counts = load_set_counts(ctx.catalog, ctx.base["id"], set_key(ids)) if op.name == "ramplus_tl" else None
     arcee = load_arcee_thresholds(ctx.catalog, ctx.base["id"], ids[0]) if op.name == "arcee_fusion" else None
     topk = params.get("select_topk", 1.0) if op.name == "sce" else 1.0
@@ -154,21 +154,31 @@ def _sce_selection(rows: dict, ids: list[str], t, topk: float) -> tuple:
 
 def _gram(op, rows: dict, ids: list[str], name: str, t, zero: set, whole: bool = False) -> Gram:
     """The tensor's Gram statistics; a pair with an expert whose delta is zero on this tensor (a LoRA
-    adapter that does not target it has no rows) is 0."""
-    def get(a, b, what):
-        key = tuple(sorted((a, b))) if a and b else (a, b)
-        if key not in rows and (a in zero or b in zero):
-            return 0.0
-        if key not in rows:
-            raise NeedsAnalysis(f"{op.name} needs {what} on tensor {name}, which the catalog does not hold: the "
-                            f"experts must be analyzed together (`mergepipe analyze --gram {' '.join(ids)}`)"
-                            + ("; the base is not read for delta checkpoints" if a == "" else ""))
-        return rows[key]
+    adapter that does not target it has no rows) is 0. Built as one (K+1) x (K+1) matrix (the base first)."""
+    pos = {"": 0, **{e: i + 1 for i, e in enumerate(ids)}}
+    m = np.full((len(pos), len(pos)), np.nan)
+    for (a, b), value in rows.items():
+        i, j = pos.get(a), pos.get(b)
+        if i is not None and j is not None:
+            m[i, j] = m[j, i] = value
+    zeroed = np.array([False] + [e in zero for e in ids])
+    m[np.isnan(m) & (zeroed[:, None] | zeroed[None, :])] = 0.0
     needs_base = op.name in ("slerp", "karcher") or whole  # whole models: ||x_i||^2 and <x_i, x_j> need the base
-    bb = get("", "", "||base||^2") if needs_base else rows.get(("", ""))
-    bd = tuple(get("", e, "<base, delta>") if needs_base else rows.get(("", e), 0.0) for e in ids)
-    dd = tuple(tuple(get(a, b, "the dot products of the experts' deltas") for b in ids) for a in ids)
-    return Gram(bb, bd, dd, int(np.prod(t["shape"])))
+    if needs_base:
+        _require(op, m[:1, :1], ["", ""], name, ids, "||base||^2")
+        _require(op, m[:1, 1:], ids, name, ids, "<base, delta>")
+    _require(op, m[1:, 1:], ids, name, ids, "the dot products of the experts' deltas")
+    bb = None if np.isnan(m[0, 0]) else float(m[0, 0])
+    bd = tuple(np.nan_to_num(m[0, 1:], nan=0.0).tolist())
+    return Gram(bb, bd, tuple(map(tuple, m[1:, 1:].tolist())), int(np.prod(t["shape"])))
+
+
+def _require(op, part: np.ndarray, ids: list[str], name: str, all_ids: list[str], what: str) -> None:
+    """NeedsAnalysis when a Gram value this merge needs is missing (NaN) on tensor ``name``."""
+    if np.isnan(part).any():
+        raise NeedsAnalysis(f"{op.name} needs {what} on tensor {name}, which the catalog does not hold: the "
+                            f"experts must be analyzed together (`mergepipe analyze --gram {' '.join(all_ids)}`)"
+                            + ("; the base is not read for delta checkpoints" if what[0] in "|<" else ""))
 
 
 def select_joint(cands, budget_bytes: int) -> np.ndarray:
