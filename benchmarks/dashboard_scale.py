@@ -22,6 +22,7 @@ step on the Plan page; with ``--baseline TREE`` another checkout's app is served
 both are timed page by page, side by side. Results go to docs/dashboard-scale.md.
 
     .venv/bin/python benchmarks/dashboard_scale.py [--experts 16] [--browser [--baseline TREE]] [--out docs/dashboard-scale.md]
+    .venv/bin/python benchmarks/dashboard_scale.py --experts 64 --out /tmp/k64.md   # the 64-expert section
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from mergepipe.dashboard import views  # noqa: E402
+from mergepipe.dashboard import plan as _plan, plan_frontier as _frontier, snapshots as _snapshots  # noqa: E402
+from mergepipe.dashboard import views as _views  # noqa: E402
+from mergepipe.dashboard.figures import layer_of  # noqa: E402
 from mergepipe.catalog.db import Catalog, now  # noqa: E402
 from mergepipe.research.family import hf_config, tensor_shapes  # noqa: E402
 from mergepipe.storage.grid import tensor_grid  # noqa: E402
@@ -56,6 +59,20 @@ from mergepipe.planner.plan import save_plan  # noqa: E402
 from mergepipe.catalog.models import register  # noqa: E402
 from mergepipe.storage.safetensors import TensorInfo  # noqa: E402
 
+
+
+class _Views:
+    """mergepipe.dashboard.views and the page modules whose functions it no longer re-exports (the plan's mask,
+    frontier and snapshot figures), under one name as the pages reach them."""
+
+    def __getattr__(self, name):
+        for module in (_views, _plan, _frontier, _snapshots):
+            if hasattr(module, name):
+                return getattr(module, name)
+        raise AttributeError(name)
+
+
+views = _Views()
 SIZE = "qwen3-0.6b"
 SKETCH = 2048
 DENSITIES = (0.3, 0.5)
@@ -106,8 +123,8 @@ def build(root: Path, experts: int, block_bytes: int, seed: int = 0) -> dict:
         for t in tensors:
             info = TensorInfo(t["name"], t["dtype"], tuple(t["shape"]), t["file"], t["offset"], t["nbytes"])
             spans = tensor_grid(info, block_bytes)
-            layer = views.layer_of(t["name"])
-            frozen = rng.random() < (0.7 if views.layer_of(t["name"]) is None else 0.1)
+            layer = layer_of(t["name"])
+            frozen = rng.random() < (0.7 if layer_of(t["name"]) is None else 0.1)
             scale = 0.02 * math.exp(-6 * abs((layer if layer is not None else n_layers) - focus) / n_layers)
             numel_per_byte = 1 / 2
             tot_sq = tot_l1 = tot_max = 0.0
@@ -375,7 +392,7 @@ def time_browser(db: Path, trees: dict[str, Path], pages=None, repeat: int = 2) 
                     out[label].append((page_label(name, q), first[label], min(warm[label])))
             for label in trees:  # one budget-slider step on the Plan page
                 visit(servers[label][2], "/plan")
-                slider = page.locator("[data-testid='stSlider'] input[type='range']")
+                slider = page.locator("[data-testid='stSlider'] input[type='range']").first  # the budget
                 steps = []
                 for _ in range(3):
                     v = int(slider.input_value())
