@@ -11,6 +11,8 @@ time is the sum of their walls. Then, on the same catalog (now analyzed), the se
     python benchmarks/first_merge.py --with-analyze-step             # also today's register, analyze, merge
     python benchmarks/first_merge.py --profile ci                    # small family, K=2, no mergekit
     python benchmarks/first_merge.py --analyze-only --runs 3         # ANALYZE vs cold read alone -> analyze.md
+    python benchmarks/first_merge.py --profile medium --analyze-only --runs 3   # K=4,16,64 -> analyze-medium.md
+    python benchmarks/first_merge.py --profile medium --ks 4 --runs 3           # first merge vs mergekit, medium
 
 A family with at least max(--ks) experts already under --work is reused (the first K experts of it),
 never rewritten. Each K starts with one unmeasured read of its files (the virtual disk's host cache
@@ -42,7 +44,12 @@ PROFILES = {
     "ci": dict(size="small", dtype="bf16", ks=[2], ops=["linear", "ties"], mergekit=False, cli_reps=1),
     "full": dict(size="qwen3-0.6b", dtype="bf16", ks=[4, 16], ops=["linear", "task_arithmetic", "ties"],
                  mergekit=True, cli_reps=5),
+    # the medium family (80 MB a model): ANALYZE against a cold read up to K=64 (5.2 GB on disk) fits the disk
+    "medium": dict(size="medium", dtype="bf16", ks=[4, 16, 64], ops=["linear", "task_arithmetic", "ties"],
+                   mergekit=True, cli_reps=5),
 }
+# analyze-only reports: the full profile's is docs/benchmarks/analyze.md (as before), others analyze-<profile>.md
+ANALYZE_STEM = {"full": "analyze"}
 DENSITY_OPS = ("ties", "dare_ties", "dare_linear", "breadcrumbs", "breadcrumbs_ties", "della", "della_linear")
 BUDGETS = ("10%", "100%")
 FIRST = "mergepipe first merge"
@@ -106,6 +113,11 @@ def find_family(work: Path, size: str, dtype: str, k: int) -> dict:
 
 def first_k(fam: dict, k: int) -> dict:
     return {**fam, "experts": fam["experts"][:k]}
+
+
+def fam_bytes(fam: dict) -> int:
+    """One model's bytes (the base's)."""
+    return open_checkpoint(fam["base"]).nbytes
 
 
 # --- contenders ---------------------------------------------------------------------------------------
@@ -408,19 +420,21 @@ def analyze_only(args, prof, fam, work: Path, results: dict) -> int:
                          f"{r['read_bytes'] / r['wall_s'] / MB:.0f} | {r['peak_rss_bytes'] / MB:.0f} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "analyze.json").write_text(json.dumps({**results, "targets": rows}, indent=2, default=str))
+    stem = ANALYZE_STEM.get(args.profile, f"analyze-{args.profile}")
+    (out / f"{stem}.json").write_text(json.dumps({**results, "targets": rows}, indent=2, default=str))
     mach = results["machine"]
-    (out / "analyze.md").write_text("\n".join([
+    (out / f"{stem}.md").write_text("\n".join([
         "# ANALYZE against a plain cold sequential read", "",
-        f"Run {results['started']} on {mach['cpus']} CPUs, {mach['memory_gib']} GiB RAM. `mergepipe analyze` on a "
-        "fresh catalog holding the base and K experts vs benchmarks/coldread.py over the same files, alternating, "
-        f"every input evicted before each; {args.runs} round(s), medians in the targets.", "",
+        f"Run {results['started']} on {mach['cpus']} CPUs, {mach['memory_gib']} GiB RAM; the {prof['size']} "
+        f"{prof['dtype']} family ({fam_bytes(fam) / 1e6:.0f} MB a model). `mergepipe analyze` (a fresh process, "
+        "start-up included) on a fresh catalog holding the base and K experts vs benchmarks/coldread.py over the "
+        f"same files, alternating, every input evicted before each; {args.runs} round(s), medians in the targets.", "",
         f"Reproduce: `{results['command']}`", "",
         "| target | measured | met |", "|---|---|---|",
         *(f"| {r['target']} | {r['measured']} | {'yes' if r['met'] else 'no'} |" for r in rows), "",
         "| K | round | contender | wall s | read MB | MB/s | peak RSS MB |", "|---:|---:|---|---:|---:|---:|---:|",
         *lines, ""]))
-    print(f"wrote {out / 'analyze.md'}")
+    print(f"wrote {out / f'{stem}.md'}")
     return 0
 
 
@@ -449,7 +463,7 @@ def main(argv=None) -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     mk_exe = None
-    if prof["mergekit"] and not args.no_mergekit:
+    if prof["mergekit"] and not args.no_mergekit and not args.analyze_only:
         mk_exe = run.ensure_mergekit(Path(args.mergekit_venv or work / "mergekit-venv"))
     fam = find_family(work, prof["size"], prof["dtype"], max(prof["ks"]))
     results = {"profile": args.profile, "machine": run.machine_info(), "density": run.DENSITY, "runs": args.runs,

@@ -66,7 +66,7 @@ def _delta(e, b, i):
 
 
 @njit(**_C)
-def block_stats(e, b, hist, keys, pos, l1hist):
+def block_stats(e, b, hist, keys, pos, l1hist, lowcnt=None):
     """(sum d^2, sum |d|, max |d|, non-zeros, entries whose low 16 bits are not all zero) of one
     block's delta; counts the top 16 bits of each |d| (its float32 pattern) in ``hist`` [4, 65536]
     (lane i % 4; zeros land in bin 0) and adds |d| to ``l1hist[top 16 bits]`` (float64 [65536]: the
@@ -76,7 +76,8 @@ def block_stats(e, b, hist, keys, pos, l1hist):
 
     Unrolled by four with independent float64 sums and four histogram lanes: the latency of a
     running sum and of back-to-back increments of one hot bin (quantised bf16 deltas fill few
-    bins) is what a plain loop waits on."""
+    bins) is what a plain loop waits on. With ``lowcnt``, only entries with low bits set go to ``l1hist``
+    (and are counted in ``lowcnt``): :func:`fold_l1` adds the others at the end, the same in every bit."""
     s0 = s1 = s2 = s3 = 0.0
     a0 = a1 = a2 = a3 = 0.0
     mx = np.float32(0.0)
@@ -99,16 +100,13 @@ def block_stats(e, b, hist, keys, pos, l1hist):
         a3 += x3
         mx = max(mx, max(max(x0, x1), max(x2, x3)))
         nnz += _count(x0, hist, 0) + _count(x1, hist, 1) + _count(x2, hist, 2) + _count(x3, hist, 3)
-        _add_l1(x0, l1hist)
-        _add_l1(x1, l1hist)
-        _add_l1(x2, l1hist)
-        _add_l1(x3, l1hist)
+        if lowcnt is None:
+            _add_l1_4(x0, x1, x2, x3, l1hist)
         l0, l1, l2, l3 = _low(x0), _low(x1), _low(x2), _low(x3)
         if l0 | l1 | l2 | l3:
-            pos = _keep(keys, pos, x0, l0)
-            pos = _keep(keys, pos, x1, l1)
-            pos = _keep(keys, pos, x2, l2)
-            pos = _keep(keys, pos, x3, l3)
+            pos = _keep(keys, _keep(keys, _keep(keys, _keep(keys, pos, x0, l0), x1, l1), x2, l2), x3, l3)
+            if lowcnt is not None:
+                _add_low_l1_4(x0, x1, x2, x3, l0, l1, l2, l3, l1hist, lowcnt)
         low += l0 + l1 + l2 + l3
     for i in range(n - n % 4, n):
         d0 = _delta(e, b, i)
@@ -117,8 +115,11 @@ def block_stats(e, b, hist, keys, pos, l1hist):
         a0 += x0
         mx = max(mx, x0)
         nnz += _count(x0, hist, 0)
-        _add_l1(x0, l1hist)
         l0 = _low(x0)
+        if lowcnt is None:
+            _add_l1(x0, l1hist)
+        else:
+            _add_low_l1(x0, l0, l1hist, lowcnt)
         pos = _keep(keys, pos, x0, l0)
         low += l0
     return (s0 + s1) + (s2 + s3), (a0 + a1) + (a2 + a3), mx, nnz, low, pos
@@ -142,6 +143,42 @@ def _count(x, hist, lane):
 @njit(inline="always", **_C)
 def _add_l1(x, l1hist):
     l1hist[np.float32(x).view(np.uint32) >> np.uint32(16)] += np.float64(x)
+
+
+@njit(inline="always", **_C)
+def _add_l1_4(x0, x1, x2, x3, l1hist):
+    _add_l1(x0, l1hist)
+    _add_l1(x1, l1hist)
+    _add_l1(x2, l1hist)
+    _add_l1(x3, l1hist)
+
+
+@njit(inline="always", **_C)
+def _add_low_l1_4(x0, x1, x2, x3, l0, l1, l2, l3, l1hist, lowcnt):
+    _add_low_l1(x0, l0, l1hist, lowcnt)
+    _add_low_l1(x1, l1, l1hist, lowcnt)
+    _add_low_l1(x2, l2, l1hist, lowcnt)
+    _add_low_l1(x3, l3, l1hist, lowcnt)
+
+
+@njit(inline="always", **_C)
+def _add_low_l1(x, low, l1hist, lowcnt):
+    if low:
+        top = np.float32(x).view(np.uint32) >> np.uint32(16)
+        l1hist[top] += np.float64(x)
+        lowcnt[top] += 1
+
+
+@njit(**_C)
+def fold_l1(total, lowcnt, l1hist):
+    """l1hist[j] += (entries of bin j whose low 16 bits are zero: total[j] - lowcnt[j]) * the bin's value,
+    after block_stats with ``lowcnt``. The same in every bit as adding them one by one: every sum within
+    one bin is exact (its values are multiples of one float32 ulp; fewer than 2**29 of them, the caller's
+    condition), and skipping that add spares block_stats a float64 add per entry chained on a hot bin."""
+    for j in range(total.size):
+        c = total[j] - lowcnt[j]
+        if c > 0:
+            l1hist[j] += np.float64(c) * np.float64(np.uint32(j << 16).view(np.float32))
 
 
 @njit(inline="always", **_C)
@@ -315,3 +352,42 @@ def shared_unique_counts(deltas, epsilon, shared, unique):
                     u += 1
         shared[i] += s
         unique[i] += u
+
+
+
+@njit(**_C)
+def lane_sums(hist, out):
+    """out[j] = sum over the lanes of hist[:, j] (int64); lane by lane, so every loop is sequential."""
+    n = hist.shape[1]
+    for j in range(n):
+        out[j] = hist[0, j]
+    for lane in range(1, hist.shape[0]):
+        for j in range(n):
+            out[j] += hist[lane, j]
+
+
+@njit(**_C)
+def walk_bins(hist, l1hist, ks, j, n_hi, s_hi):
+    """For sorted ks, from the top bin of ``hist`` (int64 counts per bin) down: j[q] = how many bins from the
+    top hold the ks[q]-th largest (np.searchsorted(cumsum(hist[::-1]), k)), n_hi[q] the entries in the bins
+    above it and s_hi[q] the sum of ``l1hist`` over those bins, added in the same order as np.cumsum."""
+    q = 0
+    cum = 0
+    s = 0.0
+    n = hist.size
+    for idx in range(n):
+        nxt = cum + hist[n - 1 - idx]
+        while q < ks.size and ks[q] <= nxt:
+            j[q] = idx
+            n_hi[q] = cum
+            s_hi[q] = s
+            q += 1
+        if q == ks.size:
+            return
+        cum = nxt
+        s += l1hist[n - 1 - idx]
+    while q < ks.size:
+        j[q] = n
+        n_hi[q] = cum
+        s_hi[q] = s
+        q += 1

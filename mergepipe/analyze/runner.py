@@ -3,6 +3,7 @@ tasks on a thread pool in tensor-major order, and storing the results in one cat
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -118,17 +119,23 @@ def run_analyses(jobs: list[ExpertAnalysis], progress: Progress | None = None) -
     """Analyze every tensor of every job on a thread pool, tensor-major across the jobs. Only LoRA experts
     need torch (their deltas are torch matmuls, kept single-threaded beside the pool): full and delta
     checkpoints are analyzed without importing it."""
-    if not any(job.source.kind == "lora" for job in jobs):
-        _run_tasks(jobs, progress)
-        return
-    import torch
-
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
+    gc_was_on = gc.isenabled()
+    gc.disable()  # the pass allocates many small objects and frees them: collections cost ~4 % (measured)
     try:
-        _run_tasks(jobs, progress)
+        if not any(job.source.kind == "lora" for job in jobs):
+            _run_tasks(jobs, progress)
+            return
+        import torch
+
+        saved = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            _run_tasks(jobs, progress)
+        finally:
+            torch.set_num_threads(saved)
     finally:
-        torch.set_num_threads(saved)
+        if gc_was_on:
+            gc.enable()
 
 
 def _run_tasks(jobs: list[ExpertAnalysis], progress: Progress | None) -> None:

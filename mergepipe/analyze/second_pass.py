@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from mergepipe.analyze import kernels
-from mergepipe.analyze.thresholds import NO_CUT, DenseSelection, KeySelection, block_cut, tie_cut_queries
+from mergepipe.analyze.thresholds import NO_CUT, DenseSelection, KeySelection, block_cuts, tie_cut_queries
 
 NO_KEYS = np.empty(0, dtype=np.uint32)  # the first pass ran out of room: the select reads again
 
@@ -57,8 +57,8 @@ class SecondPass:
             for i, (e, b) in enumerate(blocks):
                 kernels.count_patterns(e, b, pats, first, per_block[i])
         column = {int(p): j for j, p in enumerate(pats.tolist())}
-        for pat, m, d, at in queries:
-            b, r = block_cut(per_block[:, column[pat]], m)
+        for (_, _, d, at), b, r in zip(queries, *block_cuts(per_block, [column[q[0]] for q in queries],
+                                                            [q[1] for q in queries])):
             topk[d][at], topk[d][at + 1] = self.spans[b].index, r
 
     def select(self, bins: list[int]):

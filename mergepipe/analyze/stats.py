@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mergepipe.analyze import kernels
+from mergepipe.analyze import buffers, kernels
 from mergepipe.analyze.compact_store import CompactWriter
 from mergepipe.analyze.gram import GramAccumulator
 from mergepipe.analyze.second_pass import NO_KEYS, SecondPass
@@ -54,6 +54,7 @@ from mergepipe.storage.sources import open_source
 DEFAULT_DENSITIES = (0.001, 0.005) + tuple(round(i / 100, 2) for i in range(1, 100)) + (1.0,)
 IN_MEMORY_TENSOR_BYTES = 64 << 20
 KEY_CAP = 4 << 20  # most |d| patterns kept per (expert, tensor) for the select (16 MiB)
+L1_FOLD_NUMEL = 1 << 29  # below: l1hist's per-bin sums are exact, block_stats folds the common entries at the end
 PREFETCH_BLOCKS = 8  # blocks read ahead of the one being analyzed, per file
 KEEP_TASK_BYTES = 512 << 20  # base and expert bytes of one tensor kept for the second pass, all experts
 # numpy views of raw bytes the kernels accept (bf16 and fp16 need distinct 16-bit types)
@@ -246,11 +247,11 @@ class _TensorPass(SecondPass):
         fixed = self.source.fixed_ranges(binfo.name)
         self.fixed_bytes = sum(n for _, _, n in fixed)
         self.fixed = job.re.read_ranges(fixed) if fixed and is_float(binfo) else []
-        self.hist = np.zeros((4, 1 << 16), dtype=np.int32 if binfo.numel < 2**31 else np.int64)
-        self.l1hist = np.zeros(1 << 16, dtype=np.float64)  # sum of |d| per top-16 bin
+        self.buf = buffers.take(binfo.numel)  # histograms and scratch, reused (analyze/buffers.py)
+        self.hist, self.l1hist = self.buf.hist, self.buf.l1hist  # |d| patterns' top 16 bits; sum of |d| per bin
+        self.lowcnt = self.buf.lowcnt if binfo.numel < L1_FOLD_NUMEL else None  # kernels.fold_l1
         # tensors not kept in memory: per block (bins, counts, first key, end key) for the exact-k cuts
         self.block_bins: list[tuple] = []
-        self._hist_before = None
         self.rows: list[dict] = []
         self.compacts: list[tuple] = []  # (block, entries, record, error norms) when the job writes compacts
         self.cached: list[tuple] = []  # (expert, base) arrays of every block, when the tensor is kept
@@ -258,8 +259,8 @@ class _TensorPass(SecondPass):
         self.nnz = self.nonzero_low = 0
         self.nonfinite = self.base_nonfinite = 0
         # |d| bit patterns with non-zero low 16 bits, collected by the first pass up to a cap
-        self.keys, self.nkeys = np.empty(0, dtype=np.uint32), 0
         self.key_cap = min(binfo.numel, KEY_CAP)
+        self.keys, self.nkeys = np.empty(min(self.key_cap, 1 << 16), dtype=np.uint32), 0
 
     def _collect_rest(self, e, b, before: int, low: int) -> None:
         """The key buffer was too small for this block: grow it (doubling, up to the cap) and collect
@@ -300,17 +301,13 @@ class _TensorPass(SecondPass):
         if b is not None:
             self.job.base_read += b.nbytes
         before = self.nkeys
-        s2, s1, m, n, low, self.nkeys = kernels.block_stats(e, b, self.hist, self.keys, before, self.l1hist)
+        s2, s1, m, n, low, self.nkeys = kernels.block_stats(e, b, self.hist, self.keys, before, self.l1hist, self.lowcnt)
         if self.nkeys - before < low:
             self._collect_rest(e, b, before, low)
         # this block's histogram counts, sparse: the exact-k cuts then need no second pass over the data
-        if self._hist_before is None:
-            width = self.hist.shape[1]
-            self._hist_before = np.zeros(width, dtype=np.int64)
-            self._bin_scratch = (np.empty(width, dtype=np.int64), np.empty(width, dtype=np.int64))
-        bins, counts = self._bin_scratch
+        bins, counts = self.buf.bins, self.buf.counts
         top = int(np.float32(m).view(np.uint32)) >> 16 if np.isfinite(m) else self.hist.shape[1]
-        n_bins = kernels.hist_delta(self.hist, self._hist_before, bins, counts, top + 1)
+        n_bins = kernels.hist_delta(self.hist, self.buf.before, bins, counts, top + 1)
         self.block_bins.append((bins[:n_bins].copy(), counts[:n_bins].copy(), before, self.nkeys))
         m = float(m)
         nonfinite = kernels.nonfinite_in_hist(self.hist) - self.nonfinite  # this block's (a histogram read)
@@ -338,7 +335,9 @@ class _TensorPass(SecondPass):
         if not is_float(binfo):  # not read: block rows with zero statistics
             self.rows = [_row(job.expert_id, binfo.name, span, self.source.block_ranges(binfo.name, span)[0])
                          for span in self.spans]
-        hist = self.hist.sum(axis=0, dtype=np.int64)
+        hist = self.buf.lane_sums()
+        if self.lowcnt is not None:
+            kernels.fold_l1(hist, self.lowcnt, self.l1hist)
         topk: dict = {}
         thresholds = (kth_largest_thresholds(hist[:HIST_BINS], binfo.numel, self.nnz, job.densities, self.select,
                                              self.l1hist, topk)
@@ -350,7 +349,9 @@ class _TensorPass(SecondPass):
                  "topk": json.dumps({str(k): v for k, v in topk.items()}),
                  "fixed_bytes": self.fixed_bytes if self.nnz else 0,
                  "nonfinite": self.nonfinite, "base_nonfinite": self.base_nonfinite}
-        self.cached, self.keys, self.block_bins, self._hist_before = [], NO_KEYS, [], None
+        self.cached, self.keys, self.block_bins = [], NO_KEYS, []
+        buffers.give_back(self.buf)
+        self.buf = self.hist = self.l1hist = self.lowcnt = None
         if job.compact is not None and self.compacts:
             job.compact.append(binfo.name, self.compacts)
             self.compacts = []

@@ -3,6 +3,9 @@ largest from a histogram of the top 16 bits, then the low 16 bits of only the bi
 
 from __future__ import annotations
 
+import math
+import struct
+
 import numpy as np
 
 from mergepipe.analyze import kernels
@@ -26,6 +29,9 @@ class DenseSelection:
         above = row[low + 1:]
         return int(above.sum()), _pattern_sum(top, np.nonzero(above)[0] + low + 1, above[above != 0]), int(row[low])
 
+    def split_many(self, slots, tops, lows, counts) -> list[tuple[int, float, int]]:
+        return [self.split(*q) for q in zip(slots, tops, lows, counts)]
+
 
 class KeySelection:
     """The entries of a few top-16 bins whose low 16 bits are not zero, as sorted ``slot << 16 | low``
@@ -35,12 +41,13 @@ class KeySelection:
         self.keys = sorted_keys
 
     def kth_low_bits(self, slots: list[int], ranks: list[int]) -> list[int]:
-        out = []
-        for slot, rank in zip(slots, ranks):
-            end = int(np.searchsorted(self.keys, (slot + 1) << 16))
-            start = int(np.searchsorted(self.keys, (slot << 16) + 1))
-            out.append(int(self.keys[end - rank]) & 0xFFFF if rank <= end - start else 0)
-        return out
+        slots, ranks = np.asarray(slots, dtype=np.int64), np.asarray(ranks, dtype=np.int64)
+        end = np.searchsorted(self.keys, (slots + 1) << 16)
+        start = np.searchsorted(self.keys, (slots << 16) + 1)
+        if not self.keys.size:
+            return [0] * len(slots)
+        found = self.keys[np.minimum(np.maximum(end - ranks, 0), self.keys.size - 1)] & 0xFFFF
+        return np.where(ranks <= end - start, found, 0).tolist()
 
     def split(self, slot: int, top: int, low: int, count: int) -> tuple[int, float, int]:
         """(entries above, their sum, entries equal) to the pattern ``top << 16 | low`` in its bin of
@@ -51,6 +58,28 @@ class KeySelection:
         above = lows[lows > low]
         equal = int((lows == low).sum()) if low else count - (end - start)
         return int(above.size), _pattern_sum(top, above, None), equal
+
+    def split_many(self, slots, tops, lows, counts) -> list[tuple[int, float, int]]:
+        """:meth:`split` of many patterns at once. The sums are exact (the values of one top-16 bin are
+        multiples of one float32 ulp, fewer than 2**29 of them add up exactly in float64), so they are
+        taken from a prefix sum of the low bits: equal to :meth:`split`'s in every bit."""
+        keys = self.keys
+        slots, tops, lows = (np.asarray(v, dtype=np.int64) for v in (slots, tops, lows))
+        if keys.size >= 1 << 29 or (tops >= 0x7F80).any():  # not provably exact, or Inf/NaN: one by one
+            return [self.split(*q) for q in zip(slots.tolist(), tops.tolist(), lows.tolist(), counts)]
+        start = np.searchsorted(keys, (slots << 16) + 1)
+        end = np.searchsorted(keys, (slots + 1) << 16)
+        lo = np.searchsorted(keys, (slots << 16) + lows, side="left")
+        hi = np.searchsorted(keys, (slots << 16) + lows, side="right")
+        above = end - hi
+        low_sums = np.concatenate([[0], np.cumsum(keys & 0xFFFF)])
+        exp = tops >> 7
+        mant = ((tops & 0x7F) << 16) + np.where(exp > 0, 1 << 23, 0)  # the bin's mantissa, low bits 0
+        total = above * mant + (low_sums[end] - low_sums[hi])  # sum of the entries' mantissas, exact int
+        scale = np.where(exp > 0, exp, 1) - 150
+        equal = np.where(lows > 0, hi - lo, np.asarray(counts, dtype=np.int64) - (end - start))
+        return [(a, math.ldexp(float(t), sc), q) for a, t, sc, q in
+                zip(above.tolist(), total.tolist(), scale.tolist(), equal.tolist())]
 
 
 def _pattern_sum(top: int, lows: np.ndarray, counts) -> float:
@@ -78,34 +107,31 @@ def kth_largest_thresholds(hist: np.ndarray, numel: int, nnz: int, densities, se
     threshold, above and equal counts and cut of k - 1 (thr1 = inf when k = 1), which breadcrumbs' k = int(gamma n) + int(density n)
     needs where it is one less than int((gamma + density) n) (d = 1: the top n - 1, where gamma + density = 1;
     ops.core.kth_statistics)."""
-    desc = np.cumsum(hist[::-1])  # desc[j] = entries in the top j+1 bins
     ks = {int(d * numel) for d in densities}
     if topk is not None:
         ks |= {k - 1 for k in ks}
-    wanted: dict[int, tuple[int, int]] = {}
-    for k in sorted(ks):
-        if 0 < k <= nnz:
-            j = int(np.searchsorted(desc, k))
-            above = int(desc[j - 1]) if j > 0 else 0
-            wanted[k] = (HIST_BINS - 1 - j, k - above)
-    bins = sorted({b for b, _ in wanted.values()})
+    kk = np.array(sorted(k for k in ks if 0 < k <= nnz), dtype=np.int64)
+    # j: the bins from the top down to the one holding the k-th largest, n_hi / s_hi: the entries / sum of
+    # |d| in the bins above it (cumulative sums from the top, as np.cumsum(hist[::-1]) and its searchsorted)
+    j, n_hi, s_hi = np.empty(kk.size, np.int64), np.empty(kk.size, np.int64), np.empty(kk.size, np.float64)
+    kernels.walk_bins(np.ascontiguousarray(hist, dtype=np.int64),
+                      np.zeros(hist.size) if l1hist is None else l1hist[:hist.size], kk, j, n_hi, s_hi)
+    kbins = HIST_BINS - 1 - j
+    wanted: dict[int, tuple[int, int]] = dict(zip(kk.tolist(), zip(kbins.tolist(), (kk - n_hi).tolist())))
     values: dict[int, float] = {}
     counts: dict[int, list] = {}
-    if bins:
-        slot = {b: i for i, b in enumerate(bins)}
-        sel = select(bins)
-        low = sel.kth_low_bits([slot[b] for b, _ in wanted.values()], [r for _, r in wanted.values()])
-        bits = np.array([(b << 16) | lo for (b, _), lo in zip(wanted.values(), low)], dtype=np.uint32)
-        values = dict(zip(wanted, bits.view(np.float32).tolist()))
+    if kk.size:
+        bins = np.unique(kbins)
+        slots = np.searchsorted(bins, kbins)
+        sel = select(bins.tolist())
+        low = np.asarray(sel.kth_low_bits(slots.tolist(), (kk - n_hi).tolist()), dtype=np.int64)
+        bits = ((kbins << 16) | low).astype(np.uint32)
+        values = dict(zip(kk.tolist(), bits.view(np.float32).tolist()))
         if l1hist is not None and topk is not None:
-            l1desc = np.cumsum(l1hist[:HIST_BINS][::-1])
-            for (k, (b, _)), lo in zip(wanted.items(), low):
-                j = HIST_BINS - 1 - b
-                n_hi = int(desc[j - 1]) if j > 0 else 0
-                s_hi = float(l1desc[j - 1]) if j > 0 else 0.0
-                n_in, s_in, equal = sel.split(slot[b], b, lo, int(hist[b]))
-                above = n_hi + n_in
-                counts[k] = [above, equal, s_hi + s_in + (k - above) * values[k]]
+            parts = sel.split_many(slots.tolist(), kbins.tolist(), low.tolist(), hist[kbins].tolist())
+            for k, nh, sh, (n_in, s_in, equal) in zip(kk.tolist(), n_hi.tolist(), s_hi.tolist(), parts):
+                above = nh + n_in
+                counts[k] = [above, equal, sh + s_in + (k - above) * values[k]]
     out = {}
     for d in densities:
         k = int(d * numel)
@@ -141,18 +167,26 @@ def tie_cut_queries(topk: dict, thresholds: dict, numel: int) -> list[tuple[int,
         above, equal, thr1, above1, equal1 = entry[0], entry[1], entry[5], entry[6], entry[7]
         if k - above < equal:
             out.append((_pattern(thresholds[d]), k - above, d, 3))
-        if not np.isinf(thr1) and (k - 1) - above1 < equal1:
+        if not math.isinf(thr1) and (k - 1) - above1 < equal1:
             out.append((_pattern(thr1), (k - 1) - above1, d, 8))
     return out
 
 
-def block_cut(per_block: np.ndarray, m: int) -> tuple[int, int]:
-    """(B, r) from the tied entries of each block in grid order: the (m+1)-th is in block B, r of that
-    block's tied entries come before it."""
-    before = np.concatenate([[0], np.cumsum(per_block)])
-    b = int(np.searchsorted(before, m, side="right")) - 1
-    return b, int(m - before[b])
+def block_cuts(per_block: np.ndarray, columns, ms) -> tuple[list[int], list[int]]:
+    """Exact-k cuts from the tied entries of each block in grid order (per_block [blocks, patterns]): for
+    query q on column ``columns[q]``, the (m+1)-th tied entry (m = ``ms[q]``) is in block B, and r of that
+    block's tied entries come before it; returns (the B's, the r's)."""
+    before = np.zeros((per_block.shape[0] + 1, per_block.shape[1]), dtype=np.int64)
+    np.cumsum(per_block, axis=0, out=before[1:])
+    cols, ms = np.asarray(columns, dtype=np.int64), np.asarray(ms, dtype=np.int64)
+    at = before[:, cols]  # [blocks + 1, queries], non-decreasing down each column
+    b = (at <= ms).sum(axis=0) - 1  # searchsorted(side="right") - 1 in every column
+    return b.tolist(), (ms - at[b, np.arange(cols.size)]).tolist()
 
 
 def _pattern(value: float) -> int:
-    return int(np.array([value], dtype=np.float32).view(np.uint32)[0])
+    """The float32 bit pattern of a float32 value (given as a Python float)."""
+    return _UNPACK_U32(_PACK_F32(value))[0]
+
+
+_PACK_F32, _UNPACK_U32 = struct.Struct("<f").pack, struct.Struct("<I").unpack
