@@ -39,7 +39,7 @@ def execute(catalog: Catalog, plan: Plan | str, out, model_id: str | None = None
             progress=None, run_id: int | None = None, executor: str = "local", address: str | None = None):
     """Execute a plan (or a stored plan's id) on ``executor`` (``local`` or ``ray``, see make_engine);
     returns (snapshot_id, manifest)."""
-    if executor == "local" and not isinstance(plan, str):  # the disk works while torch loads
+    if executor == "local" and not isinstance(plan, str):  # the disk works while the engine and numba load
         from mergepipe.engine.prefetch import start_warm_up
         start_warm_up(plan)
     from mergepipe.engine.engine import DEFAULT_SHARD_BYTES

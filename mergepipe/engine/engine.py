@@ -4,8 +4,8 @@
 into a staging directory (reads, block merges on an :class:`~mergepipe.engine.executor.Executor`,
 in-order writes of pre-sized shards by mergepipe.storage.writers), then writes the manifest,
 publishes the directory and registers the snapshot in one catalog transaction. Blocks of full/delta checkpoints with linear, task arithmetic,
-TIES or DARE are merged by the fused kernels of mergepipe.ops.kernels (no per-expert float32
-temporaries); the rest by the torch path of mergepipe.ops. Memory is bounded by a byte budget on the
+TIES, DARE, breadcrumbs or DELLA are merged by the fused kernels of mergepipe.ops.kernels (no per-expert float32
+temporaries, and no torch: engine/threads.py); the rest by the torch path of mergepipe.ops. Memory is bounded by a byte budget on the
 input in flight (groups read ahead plus blocks waiting to be merged and written, ``inflight_bytes``),
 so it does not grow with K; groups are cut so that each reads at most ``group_read_bytes`` (at least
 one block).

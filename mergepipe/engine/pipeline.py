@@ -22,7 +22,6 @@ from mergepipe.engine.blocks import converted_block, merge_block, warm_kernels
 from mergepipe.engine.compact_inputs import CompactInputs
 # check_realized is re-exported (its importers know it from here)
 from mergepipe.engine.finish import check_realized, finish_snapshot  # noqa: F401
-from mergepipe.engine.inflight import InflightAnalysis
 from mergepipe.engine.vocab import VocabRows, vocab_setting
 from mergepipe.errors import ExecutionError
 from mergepipe.ops.core import get_op
@@ -93,9 +92,10 @@ class MergePipeline:
         self.shard_of = {n: s for s in self.shards for n in s.offsets}
         self.selected = {e["id"]: {t: set(expand_ranges(rs)) for t, rs in plan.access_for(e["id"]).items()}
                          for e in experts}
+        if plan.analyzed_on_the_way:  # ANALYZE's modules (engine/inflight.py): imported by a first merge only
+            from mergepipe.engine.inflight import InflightAnalysis
         self.inflight = inflight = (InflightAnalysis(plan, base_ck, order, catalog=engine.catalog)
-                                    if plan.analyzed_on_the_way
-                                    else None)
+                                    if plan.analyzed_on_the_way else None)
         # per expert, the plan's thresholds (copied: engine/vocab.py adds a re-ordered tensor's to them) and, for an
         # expert analyzed on the way, the analysis' own dict, which it fills tensor by tensor (the same object)
         self.thresholds = {eid: dict(per) for eid, per in plan.thresholds.items()}

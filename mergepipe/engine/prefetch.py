@@ -1,6 +1,6 @@
 """Warm-up reads: the first bytes a plan reads, asked of the kernel while the engine is still loading.
 
-Importing the engine (torch, numba) takes seconds of CPU during which the disk is idle. Once a plan is
+Importing the engine (numba; torch where an operator needs it) takes CPU time during which the disk is idle. Once a plan is
 known, its first reads are known too: :func:`start_warm_up` hands the leading ``limit`` bytes of them,
 in the order the engine reads them, to the kernel (``POSIX_FADV_WILLNEED``: asynchronous reads of exactly
 those ranges, rounded to pages) on a background thread, so the engine's exact reads find them in the page

@@ -4,7 +4,8 @@ The torch path of the engine builds, per block and per expert, a float32 delta, 
 weighted copy and masks: several full-size float32 temporaries per expert, which is both the compute
 cost and why memory grew with K. The kernels here walk the block in chunks of ``CHUNK`` elements (a
 few KiB, so every intermediate stays in L1) and, per chunk, go over the K experts' raw bytes (bf16 or
-fp32) directly: delta, threshold / random mask, L1 rescale, weight, sum, elected sign, agreeing
+fp32) directly: delta, threshold / random mask (or a keep mask computed beforehand: breadcrumbs and DELLA,
+ops/kernel_masks.py), L1 rescale, weight, sum, elected sign, agreeing
 magnitude, divisor, lambda, base, and the conversion to the output dtype (the base's, or bf16/fp32 when
 the plan converts). Nothing K-sized is materialised.
 
