@@ -212,8 +212,11 @@ def markdown(results: dict) -> str:
 def merge_section(results: dict, fams: list[dict]) -> list[str]:
     if not any(f.get("merges") for f in fams):
         return []
-    lines = ["", "## Merges: wall time and peak RSS (child process, cold cache; median of repeats)", "",
-             "| K | op | budget | wall s | peak RSS MiB | read from disk GB |", "|---:|---|---|---:|---:|---:|"]
+    lines = ["", "## Merges: wall time and peak RSS (child process, cold cache; median of repeats)", ""]
+    if results.get("merges_run"):  # merges measured by an earlier run of this script (the same catalogs)
+        lines += [f"Measured in the run of {results['merges_run']['started']} (load average at start "
+                  f"{results['merges_run']['load']}).", ""]
+    lines += ["| K | op | budget | wall s | peak RSS MiB | read from disk GB |", "|---:|---|---|---:|---:|---:|"]
     for f in fams:
         by = {}
         for r in f.get("merges", []):
