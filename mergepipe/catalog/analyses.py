@@ -110,10 +110,11 @@ def fixed_bytes_table(catalog: Catalog, model_ids: list[str]) -> list[tuple]:
         f"AND fixed_bytes > 0", list(model_ids)).fetchall()
 
 
-def changed_tensor_table(catalog: Catalog, model_ids: list[str]) -> list[tuple]:
+def changed_tensor_table(catalog: Catalog, model_ids: list[str], packed: bool = False) -> list[tuple]:
     """(model_id, tensor, thresholds JSON, topk JSON or None, delta_l1, delta_max_abs, numel)
-    of the tensors these experts changed, in one query."""
-    return [(m, t, unpack(thr), unpack(topk), *rest) for m, t, thr, topk, *rest in catalog.conn.execute(
+    of the tensors these experts changed, in one query; ``packed``: the JSON columns as stored (v12: compressed)."""
+    read = (lambda v: v) if packed else unpack  # packed: as stored (catalog/packed.members reads a part)
+    return [(m, t, read(thr), read(topk), *rest) for m, t, thr, topk, *rest in catalog.conn.execute(
         f"SELECT model_id, tensor, thresholds, topk, delta_l1, delta_max_abs, numel "
         f"FROM tensor_stats "
         f"WHERE model_id IN ({_in(model_ids)}) AND delta_nnz > 0", list(model_ids))]

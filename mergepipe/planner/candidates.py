@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mergepipe.catalog import analyses
+from mergepipe.catalog.packed import members, unpack
 from mergepipe.ops.core import lookup_thresholds, tensor_statistics, threshold_fractions
 from mergepipe.ops.spec import Sparsify
 from mergepipe.planner.settings import expert_params, tensor_density
@@ -122,7 +123,7 @@ def find_thresholds(ctx) -> dict[str, dict[str, list[float]]]:
             fracs = threshold_fractions(ctx.op, tensor_density(e, name) or 1.0, params)
             vals = _statistics(ctx.op, tensor_density(e, name) or 1.0, params, fracs, text, topk, l1, max_abs, numel)
             if vals is None:
-                table = json.loads(text or "{}")  # fraction 1: the top n - 1 (breadcrumbs, ops.core)
+                table = json.loads(unpack(text) or "{}")  # fraction 1: the top n - 1 (breadcrumbs, ops.core)
                 missing = ", ".join(f"{f:g}" for f in fracs if lookup_thresholds(table, [f]) is None
                                     or (f >= 1.0 and "1.0" not in table))
                 e["analyze"] = (f"no magnitude threshold for top-{missing}" if missing else
@@ -142,7 +143,15 @@ def _statistics(op, density: float, params: dict, fracs: list[float], text, topk
     fallback should those not answer (they do: the same statistics, a hundred densities fewer to read)."""
     if op.sparsify is Sparsify.MAGNITUDE:
         keys = [str(f) for f in fracs]
-        return tensor_statistics(op, density, params, _only(text, keys), _only(topk, keys), l1, max_abs, numel)
+        # the stored densities ascend: one in the first half is found decompressing a part; later ones, whole
+        small = (members(text, keys), members(topk, keys) if topk is not None else None) if max(fracs, default=1.0) \
+            <= 0.5 else (None, None)
+        if small[0] is not None and (topk is None or small[1] is not None):
+            vals = tensor_statistics(op, density, params, *small, l1, max_abs, numel)
+            if vals is not None:
+                return vals
+        return tensor_statistics(op, density, params, unpack(text), unpack(topk), l1, max_abs, numel)
+    text, topk = unpack(text), unpack(topk)
     cut = _outlier_cut(text, topk, int(numel or 0), density, params, fracs) if density < 1.0 and topk else None
     vals = tensor_statistics(op, density, params, *cut, l1, max_abs, numel) if cut else None
     return vals if vals is not None else tensor_statistics(op, density, params, text, topk, l1, max_abs, numel)
@@ -168,38 +177,17 @@ def _outlier_cut(text: str | None, topk: str, n: int, density: float, params: di
     serve = np.isin(kf, np.concatenate([ks, ks + 1]))
     own = {str(f) for f in fracs}
     kept = {k: v for (k, v), s in zip(table.items(), serve) if s or v == 0.0 or k in own}
-    return json.dumps(kept), _only(topk, [k for k, s in zip(keys, serve) if s])
-
-
-def _only(text: str | None, keys: list[str] | None) -> str | None:
-    """A stored JSON object cut down to the members ``keys`` (TIES needs one density of the hundred stored):
-    each found as ``"key": value`` with a number or a flat list as value, else the text as it is (parsed whole)."""
-    if not text or not keys:
-        return text
-    parts = []
-    for k in keys:
-        at = text.find(f'"{k}": ')
-        start = at + len(k) + 4
-        if at < 0:
-            return text
-        if text.startswith("[", start):
-            end = text.find("]", start) + 1
-            if end <= 0 or "[" in text[start + 1:end]:
-                return text
-        else:
-            end = min((x for x in (text.find(",", start), text.find("}", start)) if x >= 0), default=-1)
-            if end < 0:
-                return text
-        parts.append(text[at:end])
-    return "{" + ", ".join(parts) + "}"
+    serving = [k for k, s in zip(keys, serve) if s]
+    return json.dumps(kept), (members(topk, serving) if serving else None) or topk
 
 
 def tensor_rows(ctx) -> dict[str, list[tuple]]:
     """Per analyzed expert: the tensor_stats rows (tensor, thresholds, topk, l1, max_abs, numel) of the tensors it
-    changed, for every expert in one query (catalog/analyses.changed_tensor_table)."""
+    changed, for every expert in one query (catalog/analyses.changed_tensor_table), the JSON as stored (packed:
+    read with catalog/packed.unpack, or a part of it with members)."""
     ids = [e["id"] for e in ctx.experts if not e.get("analyze")]
     out: dict[str, list[tuple]] = {}
-    for mid, *row in (analyses.changed_tensor_table(ctx.catalog, ids) if ids else ()):
+    for mid, *row in (analyses.changed_tensor_table(ctx.catalog, ids, packed=True) if ids else ()):
         out.setdefault(mid, []).append(tuple(row))
     return out
 

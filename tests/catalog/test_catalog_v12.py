@@ -73,3 +73,17 @@ def test_v11_catalog_migrates_and_plans_the_same(tmp_path, tmp_path_factory):
         assert _digests(cat) == before
     finally:
         cat.close()
+
+
+def test_members_reads_a_part_of_a_packed_object():
+    from mergepipe.catalog.packed import members
+    table = {str(round(0.01 * i, 2)): [i, i + 0.5, 1e-7 * i] for i in range(1, 101)}
+    text = json.dumps(table)
+    for value in (text, pack(text)):
+        assert json.loads(members(value, ["0.2"])) == {"0.2": table["0.2"]}
+        assert json.loads(members(value, ["0.03", "1.0"])) == {"0.03": table["0.03"], "1.0": table["1.0"]}
+        assert members(value, ["0.205"]) is None
+    numbers = json.dumps({"0.1": 0.5, "0.2": float("inf")})
+    assert json.loads(members(pack(numbers), ["0.2"])) == {"0.2": float("inf")}
+    assert members(json.dumps({"0.1": [[1, 2]]}), ["0.1"]) is None  # not a flat list: read whole
+    assert members(None, ["0.1"]) is None
