@@ -128,7 +128,7 @@ class RayExecutor(RangeExecutor):
 
     def warm_up(self) -> float:
         """Start one worker per task slot and load the merge code and kernels in it (a worker's first task
-        otherwise pays for importing torch and numba); returns the seconds it took."""
+        otherwise pays for importing the engine and numba); returns the seconds it took."""
         import time
         t0 = time.perf_counter()
         warm = self.ray.remote(num_cpus=self.num_cpus)(_warm_worker)
