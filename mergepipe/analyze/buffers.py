@@ -1,7 +1,8 @@
 """Working arrays of ANALYZE's tensor passes (analyze/stats.py), reused within each thread.
 
 Every (expert, tensor) pass needs a histogram of its |delta| patterns ([4, 65536] counters), the L1 sum per
-bin, the running lane sums and two scratch arrays for each block's sparse counts: 3 MB. Fresh zeroed arrays
+bin, the running lane sums and the low-bit counts (2.3 MB), and scratch for each block's sparse counts (one
+per thread). Fresh zeroed arrays
 of that size are new mappings whose pages fault in one by one as the kernels touch them, which cost more
 than the statistics of a small tensor (measured ~0.75 ms a pass against ~0.2 ms for zeroing kept ones);
 a medium-sized model has ~75 tensors per expert. A pass takes a set here and gives it back zeroed when it
@@ -14,7 +15,7 @@ import threading
 
 import numpy as np
 
-from mergepipe.analyze import kernels
+from mergepipe.analyze import bins
 
 WIDTH = 1 << 16  # top-16-bit bins of a float32 pattern
 _LOCAL = threading.local()
@@ -23,24 +24,29 @@ _KEEP = 256  # sets kept per thread at most (one per expert of a task in flight)
 
 class PassBuffers:
     """``hist`` [4, WIDTH] (int32, or int64 for tensors of 2**31 entries or more), ``l1hist`` [WIDTH] float64,
-    ``before`` [WIDTH] int64 (the lane sums at the last block), ``bins``/``counts`` [WIDTH] int64 scratch and
-    ``total`` [WIDTH] int64 (the lane sums at the end), ``lowcnt`` [WIDTH] int32: all zero when taken."""
+    ``before`` [WIDTH] int64 (the lane sums at the last block), ``lowcnt`` [WIDTH] int32: all zero when
+    taken; ``bins``, ``counts`` and ``total`` [WIDTH] int64: this thread's scratch, shared by its passes
+    (filled and read within one call: a block's sparse counts, the lane sums at the end)."""
 
-    __slots__ = ("wide", "hist", "l1hist", "before", "bins", "counts", "total", "lowcnt")
+    __slots__ = ("wide", "hist", "l1hist", "before", "lowcnt", "bins", "counts", "total", "used")
 
     def __init__(self, wide: bool):
         self.wide = wide
         self.hist = np.zeros((4, WIDTH), dtype=np.int64 if wide else np.int32)
         self.l1hist = np.zeros(WIDTH, dtype=np.float64)
         self.before = np.zeros(WIDTH, dtype=np.int64)
-        self.bins = np.zeros(WIDTH, dtype=np.int64)
-        self.counts = np.zeros(WIDTH, dtype=np.int64)
-        self.total = np.zeros(WIDTH, dtype=np.int64)
         self.lowcnt = np.zeros(WIDTH, dtype=np.int32)  # entries with low 16 bits set, per bin (kernels.fold_l1)
+        scratch = getattr(_LOCAL, "scratch", None)
+        if scratch is None:
+            scratch = _LOCAL.scratch = tuple(np.zeros(WIDTH, dtype=np.int64) for _ in range(3))
+        self.bins, self.counts, self.total = scratch
+        self.used = (0, WIDTH)  # the bins that may be non-zero (all, until lane_sums says which)
 
-    def lane_sums(self) -> np.ndarray:
-        """The histogram's four lanes added up (int64 [WIDTH]; valid until the set is given back)."""
-        kernels.lane_sums(self.hist, self.total)
+    def lane_sums(self, upto: int = WIDTH) -> np.ndarray:
+        """The histogram's four lanes added up (int64 [WIDTH]; valid until this thread's next lane_sums), no
+        bin at or above ``upto`` counting anything."""
+        # every non-zero entry of the set is in a bin that counts something: give_back zeroes only those
+        self.used = bins.lane_sums(self.hist, self.total, upto)
         return self.total
 
 
@@ -56,9 +62,12 @@ def take(numel: int) -> PassBuffers:
 
 
 def give_back(buf: PassBuffers) -> None:
-    """Zero the set and keep it for this thread's next pass."""
-    for arr in (buf.hist, buf.l1hist, buf.before, buf.lowcnt):
-        arr.fill(0)
+    """Zero the set (the bins it used: ``lane_sums`` says which) and keep it for this thread's next pass."""
+    lo, hi = buf.used
+    buf.hist[:, lo:hi] = 0
+    for arr in (buf.l1hist, buf.before, buf.lowcnt):
+        arr[lo:hi] = 0
+    buf.used = (0, 0)
     pool = getattr(_LOCAL, "pool", None)
     if pool is None:
         pool = _LOCAL.pool = []

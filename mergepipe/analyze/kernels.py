@@ -169,18 +169,6 @@ def _add_low_l1(x, low, l1hist, lowcnt):
         lowcnt[top] += 1
 
 
-@njit(**_C)
-def fold_l1(total, lowcnt, l1hist):
-    """l1hist[j] += (entries of bin j whose low 16 bits are zero: total[j] - lowcnt[j]) * the bin's value,
-    after block_stats with ``lowcnt``. The same in every bit as adding them one by one: every sum within
-    one bin is exact (its values are multiples of one float32 ulp; fewer than 2**29 of them, the caller's
-    condition), and skipping that add spares block_stats a float64 add per entry chained on a hot bin."""
-    for j in range(total.size):
-        c = total[j] - lowcnt[j]
-        if c > 0:
-            l1hist[j] += np.float64(c) * np.float64(np.uint32(j << 16).view(np.float32))
-
-
 @njit(inline="always", **_C)
 def _low(x):
     return np.int64((np.float32(x).view(np.uint32) & np.uint32(0xFFFF)) != 0)
@@ -356,38 +344,21 @@ def shared_unique_counts(deltas, epsilon, shared, unique):
 
 
 @njit(**_C)
-def lane_sums(hist, out):
-    """out[j] = sum over the lanes of hist[:, j] (int64); lane by lane, so every loop is sequential."""
-    n = hist.shape[1]
+def lane_sums(hist, out, upto):
+    """out[j] = sum over the lanes of hist[:, j] (int64) for j < upto, 0 above (no bin at or above ``upto``
+    counts anything); lane by lane, so every loop is sequential. Returns (lo, hi): the bins from the first to
+    one past the last that count anything ((0, 0): none)."""
+    n = min(upto, hist.shape[1])
+    out[n:] = 0
     for j in range(n):
         out[j] = hist[0, j]
     for lane in range(1, hist.shape[0]):
         for j in range(n):
             out[j] += hist[lane, j]
-
-
-@njit(**_C)
-def walk_bins(hist, l1hist, ks, j, n_hi, s_hi):
-    """For sorted ks, from the top bin of ``hist`` (int64 counts per bin) down: j[q] = how many bins from the
-    top hold the ks[q]-th largest (np.searchsorted(cumsum(hist[::-1]), k)), n_hi[q] the entries in the bins
-    above it and s_hi[q] the sum of ``l1hist`` over those bins, added in the same order as np.cumsum."""
-    q = 0
-    cum = 0
-    s = 0.0
-    n = hist.size
-    for idx in range(n):
-        nxt = cum + hist[n - 1 - idx]
-        while q < ks.size and ks[q] <= nxt:
-            j[q] = idx
-            n_hi[q] = cum
-            s_hi[q] = s
-            q += 1
-        if q == ks.size:
-            return
-        cum = nxt
-        s += l1hist[n - 1 - idx]
-    while q < ks.size:
-        j[q] = n
-        n_hi[q] = cum
-        s_hi[q] = s
-        q += 1
+    lo = 0
+    while lo < n and out[lo] == 0:
+        lo += 1
+    hi = n
+    while hi > lo and out[hi - 1] == 0:
+        hi -= 1
+    return lo, hi

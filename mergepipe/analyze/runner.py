@@ -13,6 +13,7 @@ from mergepipe.analyze.stats import (
     AnalyzeResult, DEFAULT_DENSITIES, ExpertAnalysis, analysis_workers, analyze_tensor,
 )
 from mergepipe.analyze.compact_store import CompactWriter
+from mergepipe.analyze.warm import prefetch_start
 from mergepipe.catalog import compacts
 from mergepipe.catalog.analyses import replace_analyses
 from mergepipe.catalog.db import Catalog
@@ -191,6 +192,7 @@ def analyze(catalog: Catalog, model_ids=None, progress: Progress | None = None, 
         for job in todo:  # one grid per base
             if grids.setdefault(job.base["id"], job.block_bytes) != job.block_bytes:
                 raise CatalogError(f"experts of {job.base['id']} analyzed with different block sizes in one run")
+        prefetch_start(todo)  # the disk reads while numba and the pool start (analyze/warm.py)
         run_analyses(todo, progress)
         wall = time.perf_counter() - t0
         if todo:

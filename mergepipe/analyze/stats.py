@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mergepipe.analyze import buffers, kernels
+from mergepipe.analyze import bins, buffers, kernels
 from mergepipe.analyze.compact_store import CompactWriter
 from mergepipe.analyze.gram import GramAccumulator
 from mergepipe.analyze.second_pass import NO_KEYS, SecondPass
@@ -215,7 +215,10 @@ def _first_pass(passes: list["_TensorPass"], binfo: TensorInfo) -> None:
     needs_base = any(p.source.needs_base for p in passes)
     per_span = [(span.nbytes + 8 if needs_base else 0) + sum(p.expert_bytes(span) + 8 for p in passes)
                 for span in spans]
-    keep = binfo.numel * 4 <= IN_MEMORY_TENSOR_BYTES and sum(per_span) <= KEEP_TASK_BYTES
+    # blocks kept for a second look, which only a tensor of more entries than its key buffer may need, and
+    # hardly a bf16 one (a difference of two bf16 values rarely has low bits: its keys fit; else it re-reads)
+    keep = (KEY_CAP < binfo.numel <= IN_MEMORY_TENSOR_BYTES // 4 and sum(per_span) <= KEEP_TASK_BYTES
+            and binfo.dtype != "BF16")
     arena = _Arena(sum(per_span) if keep else max(per_span))
     gram = GramAccumulator(passes, binfo) if any(p.job.with_gram or p.job.with_arcee or p.job.sce_topk
                                                        for p in passes) else None
@@ -306,7 +309,7 @@ class _TensorPass(SecondPass):
             self._collect_rest(e, b, before, low)
         # this block's histogram counts, sparse: the exact-k cuts then need no second pass over the data
         bins, counts = self.buf.bins, self.buf.counts
-        top = int(np.float32(m).view(np.uint32)) >> 16 if np.isfinite(m) else self.hist.shape[1]
+        top = _top_bin(m) if np.isfinite(m) else self.hist.shape[1]
         n_bins = kernels.hist_delta(self.hist, self.buf.before, bins, counts, top + 1)
         self.block_bins.append((bins[:n_bins].copy(), counts[:n_bins].copy(), before, self.nkeys))
         m = float(m)
@@ -335,9 +338,10 @@ class _TensorPass(SecondPass):
         if not is_float(binfo):  # not read: block rows with zero statistics
             self.rows = [_row(job.expert_id, binfo.name, span, self.source.block_ranges(binfo.name, span)[0])
                          for span in self.spans]
-        hist = self.buf.lane_sums()
+        # no |d| above the largest (a NaN is above every number, but then count them all)
+        hist = self.buf.lane_sums(_top_bin(self.mx) + 1 if self.nonfinite == 0 else buffers.WIDTH)
         if self.lowcnt is not None:
-            kernels.fold_l1(hist, self.lowcnt, self.l1hist)
+            bins.fold_l1(hist, self.lowcnt, self.l1hist, bins.BIN_VALUES, *self.buf.used)
         topk: dict = {}
         thresholds = (kth_largest_thresholds(hist[:HIST_BINS], binfo.numel, self.nnz, job.densities, self.select,
                                              self.l1hist, topk)
@@ -364,6 +368,11 @@ def _row(expert_id: str, tensor: str, span: BlockSpan, rng, **stats) -> dict:
            "delta_max_abs": 0.0, "delta_nnz": 0, "sketch": b"", "nonfinite": 0, "base_nonfinite": 0}
     row.update(stats)
     return row
+
+
+def _top_bin(value) -> int:
+    """The top 16 bits of a finite non-negative value's float32 pattern."""
+    return int(np.float32(value).view(np.uint32)) >> 16
 
 
 def is_float(binfo: TensorInfo) -> bool:

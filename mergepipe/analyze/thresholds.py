@@ -9,6 +9,7 @@ import struct
 import numpy as np
 
 from mergepipe.analyze import kernels
+from mergepipe.analyze.bins import walk_bins
 
 
 HIST_BINS = 1 << 15  # top 16 bits of a non-negative float32: sign 0, so 2**15 bins
@@ -114,7 +115,7 @@ def kth_largest_thresholds(hist: np.ndarray, numel: int, nnz: int, densities, se
     # j: the bins from the top down to the one holding the k-th largest, n_hi / s_hi: the entries / sum of
     # |d| in the bins above it (cumulative sums from the top, as np.cumsum(hist[::-1]) and its searchsorted)
     j, n_hi, s_hi = np.empty(kk.size, np.int64), np.empty(kk.size, np.int64), np.empty(kk.size, np.float64)
-    kernels.walk_bins(np.ascontiguousarray(hist, dtype=np.int64),
+    walk_bins(np.ascontiguousarray(hist, dtype=np.int64),
                       np.zeros(hist.size) if l1hist is None else l1hist[:hist.size], kk, j, n_hi, s_hi)
     kbins = HIST_BINS - 1 - j
     wanted: dict[int, tuple[int, int]] = dict(zip(kk.tolist(), zip(kbins.tolist(), (kk - n_hi).tolist())))
