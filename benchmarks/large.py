@@ -69,22 +69,39 @@ def available_memory() -> int:
     return 0
 
 
+def tree_rss(pid: int) -> int:
+    import psutil
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for proc in procs:
+        try:
+            total += proc.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
 def guarded(cmd: list, label: str) -> dict:
     """run.measure, but the process group is stopped when the machine's available memory falls under
-    MIN_AVAILABLE; the record then says so (with the wall until then), and the run goes on."""
+    MIN_AVAILABLE; the record then says so, with the wall and the largest RSS of its processes until then,
+    and the run goes on."""
     t0 = time.perf_counter()
     proc = subprocess.Popen([run.PY, str(ROOT / "benchmarks" / "child.py"), *map(str, cmd)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    least = available_memory()
+    least, peak = available_memory(), 0
     while proc.poll() is None:
-        least = min(least, available_memory())
+        least, peak = min(least, available_memory()), max(peak, tree_rss(proc.pid))
         if least < MIN_AVAILABLE:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             wall = time.perf_counter() - t0
-            print(f"[scale] {label} stopped after {wall:.0f} s: available memory {least / 2**30:.2f} GiB", flush=True)
-            return {"failed": f"stopped after {wall:.0f} s: the machine's available memory fell to "
-                              f"{least / 2**30:.2f} GiB (no swap)", "stopped_after_s": wall}
+            print(f"[scale] {label} stopped after {wall:.0f} s at {peak / 1e9:.1f} GB RSS", flush=True)
+            return {"failed": f"stopped after {wall:.0f} s at {peak / 1e9:.1f} GB RSS: the machine's available "
+                              f"memory fell to {least / 2**30:.2f} GiB (24 GiB, no swap)",
+                    "stopped_after_s": wall, "rss_when_stopped_bytes": peak}
         time.sleep(0.25)
     err = proc.stderr.read().decode().strip().splitlines()
     usage = json.loads(err[-1])
