@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import struct
+from functools import lru_cache
 
 import numpy as np
 
@@ -108,10 +109,8 @@ def kth_largest_thresholds(hist: np.ndarray, numel: int, nnz: int, densities, se
     threshold, above and equal counts and cut of k - 1 (thr1 = inf when k = 1), which breadcrumbs' k = int(gamma n) + int(density n)
     needs where it is one less than int((gamma + density) n) (d = 1: the top n - 1, where gamma + density = 1;
     ops.core.kth_statistics)."""
-    ks = {int(d * numel) for d in densities}
-    if topk is not None:
-        ks |= {k - 1 for k in ks}
-    kk = np.array(sorted(k for k in ks if 0 < k <= nnz), dtype=np.int64)
+    pairs, all_ks = _density_ks(tuple(densities), numel, topk is not None)
+    kk = all_ks[(all_ks > 0) & (all_ks <= nnz)]
     # j: the bins from the top down to the one holding the k-th largest, n_hi / s_hi: the entries / sum of
     # |d| in the bins above it (cumulative sums from the top, as np.cumsum(hist[::-1]) and its searchsorted)
     j, n_hi, s_hi = np.empty(kk.size, np.int64), np.empty(kk.size, np.int64), np.empty(kk.size, np.float64)
@@ -134,8 +133,7 @@ def kth_largest_thresholds(hist: np.ndarray, numel: int, nnz: int, densities, se
                 above = nh + n_in
                 counts[k] = [above, equal, sh + s_in + (k - above) * values[k]]
     out = {}
-    for d in densities:
-        k = int(d * numel)
+    for d, k in pairs:
         if k <= 0:
             out[d] = float("inf")  # keep nothing
         elif k not in wanted:
@@ -146,6 +144,19 @@ def kth_largest_thresholds(hist: np.ndarray, numel: int, nnz: int, densities, se
                 prev = [float("inf"), 0, 0] if k == 1 else [values[k - 1], *counts[k - 1][:2]]
                 topk[d] = counts[k][:3] + [None, None] + prev + [None, None]
     return out
+
+
+@lru_cache(maxsize=256)
+def _density_ks(densities: tuple, numel: int, with_prev: bool) -> tuple[tuple, np.ndarray]:
+    """((d, int(d * numel)) for each density, and the sorted distinct k (with every k - 1 when
+    ``with_prev``)): the same for every expert of a tensor, so computed once."""
+    pairs = tuple((d, int(d * numel)) for d in densities)
+    ks = {k for _, k in pairs}
+    if with_prev:
+        ks |= {k - 1 for k in ks}
+    kk = np.array(sorted(ks), dtype=np.int64)
+    kk.flags.writeable = False
+    return pairs, kk
 
 
 NO_CUT = 1 << 62  # a cut block past every block: every entry tied at the threshold is in the top k
