@@ -52,6 +52,7 @@ def execute(catalog: Catalog, plan: Plan | str, out, model_id: str | None = None
 
 def analyze(catalog: Catalog, model_ids=None, progress=None, **kw):
     """ANALYZE experts (default: every registered model with a base); see analyze.runner.analyze."""
+    import mergepipe.ops.numba_setup  # noqa: F401  (numba's start-up without scipy.linalg, before ANALYZE's kernels)
     from mergepipe.analyze.runner import analyze as run_analyze
     return run_analyze(catalog, model_ids, progress=progress, **kw)
 

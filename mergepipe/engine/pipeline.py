@@ -93,6 +93,7 @@ class MergePipeline:
         self.selected = {e["id"]: {t: set(expand_ranges(rs)) for t, rs in plan.access_for(e["id"]).items()}
                          for e in experts}
         if plan.analyzed_on_the_way:  # ANALYZE's modules (engine/inflight.py): imported by a first merge only
+            import mergepipe.ops.numba_setup  # noqa: F401  (numba's start-up without scipy.linalg)
             from mergepipe.engine.inflight import InflightAnalysis
         self.inflight = inflight = (InflightAnalysis(plan, base_ck, order, catalog=engine.catalog)
                                     if plan.analyzed_on_the_way else None)
