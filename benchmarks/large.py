@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     from mergepipe.storage.safetensors import open_checkpoint
     res = {"profile": "3b" if args.size == PROFILE["size"] else args.size, "size": args.size, "k": args.k,
            "machine": run.machine_info(), "density": run.DENSITY, "budgets": args.budgets, "ops": args.ops,
-           "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "started": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit(),
            "model_bytes": open_checkpoint(fam["base"]).nbytes,
            "family_bytes": sum(open_checkpoint(p).nbytes for p in inputs(fam)), "runs": [], "checks": {}}
     try:
@@ -218,6 +218,11 @@ def main(argv=None) -> int:
     for p in write(res, Path(args.out)):
         print(f"wrote {p}")
     return 0
+
+
+def commit() -> str:
+    out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
 
 
 def mergekit_exe(venv: str | None, work: Path) -> Path:

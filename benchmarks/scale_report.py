@@ -75,7 +75,7 @@ def op_table(res: dict, op: str) -> list[str]:
         if r is None:
             continue
         if "failed" in r:
-            lines.append(f"| {c} | {r['failed'].strip().splitlines()[-1][-160:]} | | | | |")
+            lines.append(f"| {c} | {r['failed'].strip().splitlines()[-1][-400:]} | | | | |")
             continue
         x = ratio(res, op, c)
         fl = floor_of(res, c.split(" ")[1]) if c.startswith("mergepipe ") and "%" in c else None
@@ -100,7 +100,7 @@ def write_scale_report(res: dict, out: Path) -> list[Path]:
 def markdown(res: dict, rows: list[dict]) -> list[str]:
     mach, cold = res["machine"], record(res, "-", "cold read")
     lines = [f"# Model size: a {res['size']}-shaped bf16 family, side by side with mergekit", "",
-             f"Run {res['started']} on {mach['cpus']} CPUs, {mach['memory_gib']} GiB RAM, Python {mach['python']}. "
+             f"Run {res['started']} (commit {res.get('commit', '79abed0')}) on {mach['cpus']} CPUs, {mach['memory_gib']} GiB RAM, Python {mach['python']}. "
              f"A base and {res['k']} experts of {res['model_bytes'] / 1e9:.2f} GB each "
              f"({res['family_bytes'] / 1e9:.1f} GB), generated for the run and deleted after it. Cold cache before "
              f"every contender, each its own process, one run each; density {res['density']}; mergekit 0.1.5 with "
