@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from operator import itemgetter
+
 from mergepipe.catalog.db import Catalog
 
 
@@ -45,9 +47,35 @@ def load_gram(catalog: Catalog, base_id: str, expert_ids: list[str]) -> dict[str
     marks = ",".join("?" * len(wanted))
     cur = catalog.conn.execute(f"SELECT tensor, a, b, value FROM gram WHERE base_id = ? AND a IN ({marks}) "
                                f"AND b IN ({marks})", [base_id, *wanted, *wanted])
-    for tensor, a, b, value in cur:
+    for tensor, a, b, value in cur.fetchall():
         out.setdefault(tensor, {})[(a, b)] = value
     return out
+
+
+def load_gram_matrices(catalog: Catalog, base_id: str, expert_ids: list[str]) -> dict:
+    """tensor -> its (K+1) x (K+1) float64 matrix of the rows ``load_gram`` returns (the base first, then
+    ``expert_ids`` in order; NaN where no row is stored), filled as ``m[i, j] = m[j, i] = value`` row by row.
+    One query and a few whole-array steps: no Python step per row (K^2 rows per tensor)."""
+    import numpy as np
+    pos = {"": 0, **{e: i + 1 for i, e in enumerate(expert_ids)}}
+    marks = ",".join("?" * len(pos))
+    rows = catalog.conn.execute(f"SELECT tensor, a, b, value FROM gram WHERE base_id = ? AND a IN ({marks}) "
+                                f"AND b IN ({marks})", [base_id, *pos, *pos]).fetchall()
+    if not rows:
+        return {}
+    column = [list(map(itemgetter(c), rows)) for c in range(4)]  # tensor, a, b, value
+    names = {t: k for k, t in enumerate(dict.fromkeys(column[0]))}
+    n, count = len(pos), len(rows)
+    cell = np.fromiter(map(names.__getitem__, column[0]), np.int64, count) * (n * n)
+    i = np.fromiter(map(pos.__getitem__, column[1]), np.int64, count)
+    j = np.fromiter(map(pos.__getitem__, column[2]), np.int64, count)
+    flat = np.empty(2 * count, np.int64)  # (i, j) then (j, i) of each row, in the rows' order: the last one wins
+    flat[0::2] = cell + i * n + j
+    flat[1::2] = cell + j * n + i
+    m = np.full(len(names) * n * n, np.nan)
+    m[flat] = np.repeat(np.array(column[3], dtype=np.float64), 2)  # NULL: NaN
+    m = m.reshape(len(names), n, n)
+    return {t: m[k] for t, k in names.items()}
 
 
 def load_set_counts(catalog: Catalog, base_id: str, key: str) -> dict[str, dict[str, tuple[float, float]]]:
@@ -55,7 +83,7 @@ def load_set_counts(catalog: Catalog, base_id: str, key: str) -> dict[str, dict[
     out: dict[str, dict[str, list[float]]] = {}
     cur = catalog.conn.execute("SELECT tensor, a, b, value FROM gram WHERE base_id = ? AND a IN (?, ?)",
                                [base_id, f"~shared:{key}", f"~unique:{key}"])
-    for tensor, a, b, value in cur:
+    for tensor, a, b, value in cur.fetchall():
         out.setdefault(tensor, {}).setdefault(b, [0.0, 0.0])[0 if a.startswith("~shared") else 1] = value
     return {t: {e: tuple(v) for e, v in per.items()} for t, per in out.items()}
 
@@ -75,6 +103,32 @@ def load_sce_selection(catalog: Catalog, base_id: str, keys: dict[str, str]) -> 
     cur = catalog.conn.execute(f"SELECT tensor, a, b, value FROM gram WHERE base_id = ? AND a IN ({marks})",
                                [base_id, *kind_of])
     out: dict[str, dict[str, dict]] = {}
-    for tensor, a, b, value in cur:
+    for tensor, a, b, value in cur.fetchall():
         out.setdefault(tensor, {}).setdefault(kind_of[a], {})[b] = value
     return out
+
+
+def load_gram_diagonal(catalog: Catalog, base_id: str, expert_ids: list[str]) -> tuple[dict, set]:
+    """For methods that use only ||base||^2, <base, delta_i> and ||delta_i||^2: the matrices of
+    ``load_gram_matrices`` with only those rows read (NaN between two experts), and the tensors on which every
+    pair of these experts is stored (a non-NULL value for each a <= b, counted in SQL; none stored as a > b).
+    K + 1 rows a tensor read instead of K^2."""
+    import numpy as np
+    pos = {"": 0, **{e: i + 1 for i, e in enumerate(expert_ids)}}
+    experts = [e for e in pos if e]
+    marks, emarks = ",".join("?" * len(pos)), ",".join("?" * len(experts))
+    pairs = len(experts) * (len(experts) + 1) // 2
+    complete = {t for t, count, flipped in catalog.conn.execute(
+        f"SELECT tensor, COUNT(value), SUM(a > b) FROM gram WHERE base_id = ? AND a IN ({emarks}) "
+        f"AND b IN ({emarks}) GROUP BY tensor", [base_id, *experts, *experts]).fetchall()
+        if count == pairs and not flipped}
+    rows = catalog.conn.execute(f"SELECT tensor, a, b, value FROM gram WHERE base_id = ? AND (a = '' OR a = b) "
+                                f"AND a IN ({marks}) AND b IN ({marks})", [base_id, *pos, *pos]).fetchall()
+    n = len(pos)
+    out: dict = {}
+    for tensor, a, b, value in rows:
+        m = out.get(tensor)
+        if m is None:
+            m = out[tensor] = np.full((n, n), np.nan)
+        m[pos[a], pos[b]] = m[pos[b], pos[a]] = value
+    return out, complete

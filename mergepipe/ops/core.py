@@ -174,12 +174,17 @@ def tensor_statistics(spec: OpSpec, density: float, params: dict, thresholds_jso
     Density >= 1: ``[0.0]`` / ``[0.0, 0.0]`` (the delta is kept as it is)."""
     import json
 
+    topk = json.loads(topk_json) if topk_json else None
+    return statistics_of(spec, density, params, json.loads(thresholds_json or "{}"), topk, delta_l1, max_abs, numel)
+
+
+def statistics_of(spec: OpSpec, density: float, params: dict, table: dict, topk: dict | None, delta_l1: float,
+                  max_abs: float, numel: int) -> list[float] | None:
+    """:func:`tensor_statistics` of the parsed JSON (``table``: the thresholds, ``topk``: None where not stored)."""
     fractions = threshold_fractions(spec, density, params)
-    table = json.loads(thresholds_json or "{}")
     vals = lookup_thresholds(table, fractions)
     if vals is None or not spec.thresholded or density >= 1.0:
         return vals
-    topk = json.loads(topk_json) if topk_json else None
     if spec.sparsify is Sparsify.MAGNITUDE:
         return _magnitude_statistics(vals[0], fractions[0], topk, params, delta_l1, max_abs)
     return _outlier_statistics(table, topk, density, params, numel)
@@ -245,12 +250,14 @@ def kth_statistics(table: dict, topk: dict | None, k: int, n: int) -> list | Non
         return [float("inf"), *NO_CUT]
     if k >= n:
         return [0.0, *NO_CUT]
-    found = None
+    found, topk = None, topk or {}
     for key, value in table.items():
+        if found is not None and value != 0.0:  # found: only a stored 0 still matters
+            continue
         kf = int(float(key) * n)
         if value == 0.0 and k >= kf - 1:  # int(f n) > nnz: k >= nnz
             return [0.0, *NO_CUT]
-        entry = (topk or {}).get(key)
+        entry = topk.get(key)
         if entry is None or found is not None:
             continue
         if kf == k and not math.isinf(value):

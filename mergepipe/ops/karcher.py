@@ -32,26 +32,47 @@ SPECS = (OpSpec("karcher", None, Consensus.NONE, False, False, extras=(MAX_ITER,
                 bound_note="n/a: the Karcher mean is not additive (an iteration over whole-tensor angles)"),)
 
 
+def _matrix(gram: Gram):
+    """[[<x_i, x_j>, <x_i, base>], [<base, x_j>, ||base||^2]] in float64, each entry summed in Gram.xx's order."""
+    import numpy as np
+    k = len(gram.bd)
+    bd = np.array(gram.bd, dtype=np.float64)
+    g = np.zeros((k + 1, k + 1))
+    bx = gram.bb + bd
+    g[:k, :k] = bx[:, None] + bd[None, :] + np.array(gram.dd, dtype=np.float64).reshape(k, k)
+    g[:k, k] = g[k, :k] = bx
+    g[k, k] = gram.bb
+    return g
+
+
+def _clip(values):
+    """min(1.0, max(-1.0, v)) of each value, as Python's min and max take it (NaN -> -1.0)."""
+    import numpy as np
+    values = np.where(values > -1.0, values, -1.0)
+    return np.where(values < 1.0, values, 1.0)
+
+
+def _tangent(g, mean, units, na, tol: float):
+    """sum over the valid models, in their order, of a (theta / sin theta) (u - <mean, u> mean): mergekit's
+    loop with every model's term computed at once (<mean, u> = (mean @ g) @ u; terms added one after another)."""
+    import numpy as np
+    dots = _clip(units @ (mean @ g)).tolist()
+    thetas = [math.acos(d) for d in dots]
+    keep = [i for i, theta in enumerate(thetas) if not theta < tol]
+    coef = np.array([na[i] * (thetas[i] / math.sin(thetas[i])) for i in keep])
+    terms = coef[:, None] * (units[keep] - np.array(dots)[keep][:, None] * mean[None, :])
+    return np.concatenate([np.zeros((1, len(mean))), terms]).sum(axis=0)
+
+
 def scalars(spec: OpSpec, gram: Gram, settings: dict, params: dict, ndim: int) -> list[float]:
     """Coefficients of [x_1, ..., x_K, base] in the output."""
     import numpy as np
-    k = len(gram.bd)
-    n = k + 1
-    g = np.zeros((n, n))
-    for i in range(k):
-        for j in range(k):
-            g[i, j] = gram.xx(i, j)
-        g[i, k] = g[k, i] = gram.bx(i)
-    g[k, k] = gram.bb
+    g = _matrix(gram)
+    n = len(g)
     max_iter, tol = int(params["max_iter"]), params["tol"]
     alphas = [1.0 / n] * n
-    norms = [float(f32(math.sqrt(max(g[i, i], 0.0)))) for i in range(n)]
-
-    def unit(i):
-        c = np.zeros(n)
-        if norms[i] != 0.0:
-            c[i] = 1.0 / norms[i]
-        return c
+    diag = np.diagonal(g)
+    norms = np.sqrt(np.where(0.0 > diag, 0.0, diag)).astype(np.float32).astype(np.float64).tolist()
 
     def norm(c):
         return math.sqrt(max(float(c @ g @ c), 0.0))
@@ -61,18 +82,14 @@ def scalars(spec: OpSpec, gram: Gram, settings: dict, params: dict, ndim: int) -
         return [0.0] * n
     asum = sum(alphas[i] for i in valid)
     na = [alphas[i] / asum for i in valid]
-    units = [unit(i) for i in valid]
-    mean = sum(a * u for a, u in zip(na, units))
+    units = np.zeros((len(valid), n))  # row r: the unit vector of model valid[r], 1 / |x| at its own position
+    units[np.arange(len(valid)), valid] = [1.0 / norms[i] for i in valid]
+    mean = np.zeros(n)  # sum_r na_r u_r: one term per position
+    mean[valid] = np.array(na) * units[np.arange(len(valid)), valid]
     mn = norm(mean)
     mean = units[0].copy() if mn < tol else mean / mn
     for _ in range(max_iter):
-        tangent = np.zeros(n)
-        for a, u in zip(na, units):
-            dot = min(1.0, max(-1.0, float(mean @ g @ u)))
-            theta = math.acos(dot)
-            if theta < tol:
-                continue
-            tangent += a * (theta / math.sin(theta)) * (u - dot * mean)
+        tangent = _tangent(g, mean, units, na, tol)
         tn = norm(tangent)
         if tn < tol:
             break

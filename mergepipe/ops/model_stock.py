@@ -35,16 +35,19 @@ def _ratio(cos_theta, count: int):
 
 
 def scalars(spec: OpSpec, gram: Gram, settings: dict, params: dict, ndim: int) -> list[float]:
-    """[t] of the whole tensor."""
+    """[t] of the whole tensor: the mean cosine over the pairs i < j of the K x K Gram matrix, in one pass of
+    whole-array steps with the same float64 / float32 operations, element by element, as mergekit's per pair
+    (norms rounded to float32, their float32 product, the float64 quotient rounded to float32, clamped), and
+    torch's float32 mean over the pairs in the same order."""
+    import numpy as np
     import torch
     k = len(gram.bd)
-    norms = [float(f32(gram.dnorm(i))) for i in range(k)]
-    cos_thetas = []
-    for i in range(k):
-        for j in range(i + 1, k):
-            norm_product = float(f32(norms[i]) * f32(norms[j]))
-            cos_thetas.append(f32(gram.dd[i][j] / max(norm_product, 1e-6)).clamp(-1, 1).reshape(()))
-    cos_theta = torch.stack(cos_thetas).mean(dim=0).unsqueeze(-1)
+    dd = np.array(gram.dd, dtype=np.float64).reshape(k, k)
+    norms = np.sqrt(np.maximum(np.diagonal(dd), 0.0)).astype(np.float32)
+    i, j = np.triu_indices(k, 1)  # the pairs in the order of the loops i < j
+    norm_product = (norms[i] * norms[j]).astype(np.float64)
+    cos = np.clip((dd[i, j] / np.maximum(norm_product, 1e-6)).astype(np.float32), np.float32(-1), np.float32(1))
+    cos_theta = torch.from_numpy(np.ascontiguousarray(cos)).mean(dim=0).unsqueeze(-1)
     return [float(_ratio(cos_theta, k))]
 
 

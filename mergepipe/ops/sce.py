@@ -23,7 +23,7 @@ The additive error bound does not apply (sign election and data-dependent weight
 
 from __future__ import annotations
 
-from mergepipe.ops.interp import Gram, f32
+from mergepipe.ops.interp import Gram
 from mergepipe.ops.spec import Consensus, OpSpec, Param
 from mergepipe.ops.topk import NO_CUT, top_mask
 
@@ -52,7 +52,7 @@ def scalars(spec: OpSpec, gram: Gram, settings: dict, params: dict, ndim: int) -
     else:
         energy, thr, cut, rank = selection
         tail = [float(thr), float(cut), float(rank)]
-    weights = torch.stack([f32(e / numel)[0] for e in energy])
+    weights = torch.tensor([e / numel for e in energy], dtype=torch.float32)  # each rounded as f32(e / numel)
     weight_sum = torch.sum(weights).item()
     if abs(weight_sum) < 1e-6:
         weights = torch.ones_like(weights) / k

@@ -11,7 +11,7 @@ import numpy as np
 
 from mergepipe.catalog import analyses
 from mergepipe.catalog.packed import members, unpack
-from mergepipe.ops.core import lookup_thresholds, tensor_statistics, threshold_fractions
+from mergepipe.ops.core import lookup_thresholds, statistics_of, tensor_statistics, threshold_fractions
 from mergepipe.ops.spec import Sparsify
 from mergepipe.planner.settings import expert_params, tensor_density
 from mergepipe.planner.strategies import _uniform_priority
@@ -153,7 +153,7 @@ def _statistics(op, density: float, params: dict, fracs: list[float], text, topk
         return tensor_statistics(op, density, params, unpack(text), unpack(topk), l1, max_abs, numel)
     text, topk = unpack(text), unpack(topk)
     cut = _outlier_cut(text, topk, int(numel or 0), density, params, fracs) if density < 1.0 and topk else None
-    vals = tensor_statistics(op, density, params, *cut, l1, max_abs, numel) if cut else None
+    vals = statistics_of(op, density, params, *cut, l1, max_abs, numel) if cut else None
     return vals if vals is not None else tensor_statistics(op, density, params, text, topk, l1, max_abs, numel)
 
 
@@ -161,8 +161,8 @@ _KEY_FLOATS: dict[tuple, np.ndarray] = {}  # the stored fractions' keys -> their
 
 
 def _outlier_cut(text: str | None, topk: str, n: int, density: float, params: dict, fracs: list[float]):
-    """(thresholds JSON, topk JSON) cut down to what breadcrumbs reads for its two cut-offs k (as
-    ops.core._outlier_statistics counts them); None where they cannot be told."""
+    """(thresholds, topk) cut down to what breadcrumbs reads for its two cut-offs k (as
+    ops.core._outlier_statistics counts them), parsed; None where they cannot be told."""
     if not text or n <= 0 or "gamma" not in params:
         return None
     table = json.loads(text)
@@ -173,12 +173,17 @@ def _outlier_cut(text: str | None, topk: str, n: int, density: float, params: di
     target = int(density * n)
     n_bot = max(0, n - target - int(params["gamma"] * n))
     ks = np.array([n - n_bot - target, n - n_bot])
-    kf = (_KEY_FLOATS[keys] * n).astype(np.int64)
-    serve = np.isin(kf, np.concatenate([ks, ks + 1]))
+    wanted = set(ks.tolist()) | set((ks + 1).tolist())
+    kf = (_KEY_FLOATS[keys] * n).astype(np.int64).tolist()  # int(f n), as kth_statistics counts it
+    serve = [k in wanted for k in kf]
     own = {str(f) for f in fracs}
-    kept = {k: v for (k, v), s in zip(table.items(), serve) if s or v == 0.0 or k in own}
+    # a stored 0 answers k (every non-zero entry kept) when int(f n) - 1 <= k: the one with the least int(f n)
+    # tells for all of them
+    zeros = [i for i, v in enumerate(table.values()) if v == 0.0]
+    least = min(zeros, key=kf.__getitem__) if zeros else -1
+    kept = {k: v for i, ((k, v), s) in enumerate(zip(table.items(), serve)) if s or i == least or k in own}
     serving = [k for k, s in zip(keys, serve) if s]
-    return json.dumps(kept), (members(topk, serving) if serving else None) or topk
+    return kept, json.loads((members(topk, serving) if serving else None) or topk)
 
 
 def tensor_rows(ctx) -> dict[str, list[tuple]]:

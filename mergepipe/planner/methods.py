@@ -23,8 +23,8 @@ import json
 import numpy as np
 
 from mergepipe.catalog import analyses
-from mergepipe.catalog.gram import (load_arcee_thresholds, load_gram, load_sce_selection, load_set_counts,
-                                    sce_row_keys, set_key)
+from mergepipe.catalog.gram import (load_arcee_thresholds, load_gram_diagonal, load_gram_matrices, load_sce_selection,
+                                    load_set_counts, sce_row_keys, set_key)
 from mergepipe.errors import PlanError
 from mergepipe.ops.core import METHODS
 from mergepipe.ops.interp import Gram
@@ -67,6 +67,9 @@ VOCAB_METHODS = ("slerp", "nuslerp", "model_stock", "multislerp", "karcher", "ne
 # ramplus_tl's shared/unique counts, arcee_fusion's importance threshold): over a re-ordered vocabulary the
 # engine takes those of embed_tokens/lm_head from the composed rows too (engine/vocab.py, analyze/gram.py)
 STAT_METHODS = ("sce", "ramplus_tl", "arcee_fusion")
+# Gram methods whose scalars read no dot product between two experts (sce: ||delta_i||^2; ramplus_tl: none): the
+# planner reads only the base's and the diagonal's rows, and counts the pairs (they must be stored all the same)
+DIAGONAL_METHODS = ("sce", "ramplus_tl")
 
 
 def composed_at_merge(op) -> bool:
@@ -86,7 +89,7 @@ def tensor_scalars(ctx) -> tuple[dict[str, list[float]], dict[str, dict]]:
     rows: the engine takes them from the rows it reads in full, engine/vocab.py)."""
     op, params = ctx.op, ctx.params
     ids = [e["id"] for e in ctx.experts]
-    gram = load_gram(ctx.catalog, ctx.base["id"], ids) if op.gram else {}
+    gram, counted = _load_gram(ctx, ids) if op.gram else ({}, set())
     changed = analyses.changed_tensors_of(ctx.catalog, ids) if op.gram and ids else {}
     counts = load_set_counts(ctx.catalog, ctx.base["id"], set_key(ids)) if op.name == "ramplus_tl" else None
     arcee = load_arcee_thresholds(ctx.catalog, ctx.base["id"], ids[0]) if op.name == "arcee_fusion" else None
@@ -124,9 +127,20 @@ def tensor_scalars(ctx) -> tuple[dict[str, list[float]], dict[str, dict]]:
         if sce is not None:
             settings["sce"] = _sce_selection(sce, ids, t, topk)
         zero = {e for e in ids if name not in changed[e]} if op.gram else set()
-        g = _gram(op, gram.get(name, {}), ids, name, t, zero, ctx.base_member is not None) if op.gram else None
+        g = (_gram(op, gram.get(name), ids, name, t, zero, ctx.base_member is not None, name in counted)
+             if op.gram else None)
         out[name] = method_scalars(op, g, settings, params, len(t["shape"]))
     return out, at_merge
+
+
+def _load_gram(ctx, ids: list[str]) -> tuple[dict, set]:
+    """Each tensor's Gram matrix (catalog/gram.py) and the tensors whose pairs of experts were counted, not read
+    (DIAGONAL_METHODS, when every pair of every float tensor is stored; else every row is read)."""
+    if ctx.op.name in DIAGONAL_METHODS and len(set(ids)) == len(ids):
+        gram, complete = load_gram_diagonal(ctx.catalog, ctx.base["id"], ids)
+        if {t["name"] for t in ctx.tensors if t["dtype"] in FLOAT_DTYPES} <= complete:
+            return gram, complete
+    return load_gram_matrices(ctx.catalog, ctx.base["id"], ids), set()
 
 
 def _arcee_threshold(thresholds: dict, expert: str, t) -> float:
@@ -152,22 +166,22 @@ def _sce_selection(rows: dict, ids: list[str], t, topk: float) -> tuple:
     return [per["sums"][e] for e in ids], per["thr"][first], per["cut"][first], per["rank"][first]
 
 
-def _gram(op, rows: dict, ids: list[str], name: str, t, zero: set, whole: bool = False) -> Gram:
-    """The tensor's Gram statistics; a pair with an expert whose delta is zero on this tensor (a LoRA
-    adapter that does not target it has no rows) is 0. Built as one (K+1) x (K+1) matrix (the base first)."""
-    pos = {"": 0, **{e: i + 1 for i, e in enumerate(ids)}}
-    m = np.full((len(pos), len(pos)), np.nan)
-    for (a, b), value in rows.items():
-        i, j = pos.get(a), pos.get(b)
-        if i is not None and j is not None:
-            m[i, j] = m[j, i] = value
+def _gram(op, rows: np.ndarray | None, ids: list[str], name: str, t, zero: set, whole: bool = False,
+          counted: bool = False) -> Gram:
+    """The tensor's Gram statistics from its (K+1) x (K+1) matrix (the base first; catalog/gram.py
+    ``load_gram_matrices``, None: no rows); a pair with an expert whose delta is zero on this tensor (a LoRA
+    adapter that does not target it has no rows) is 0. ``counted``: the pairs of experts were counted, not read
+    (``load_gram_diagonal``: NaN between two experts, which a DIAGONAL_METHODS method does not read)."""
+    n = len({"": 0, **dict.fromkeys(ids)})
+    m = np.full((n, n), np.nan) if rows is None else rows.copy()
     zeroed = np.array([False] + [e in zero for e in ids])
     m[np.isnan(m) & (zeroed[:, None] | zeroed[None, :])] = 0.0
     needs_base = op.name in ("slerp", "karcher") or whole  # whole models: ||x_i||^2 and <x_i, x_j> need the base
     if needs_base:
         _require(op, m[:1, :1], ["", ""], name, ids, "||base||^2")
         _require(op, m[:1, 1:], ids, name, ids, "<base, delta>")
-    _require(op, m[1:, 1:], ids, name, ids, "the dot products of the experts' deltas")
+    if not counted:
+        _require(op, m[1:, 1:], ids, name, ids, "the dot products of the experts' deltas")
     bb = None if np.isnan(m[0, 0]) else float(m[0, 0])
     bd = tuple(np.nan_to_num(m[0, 1:], nan=0.0).tolist())
     return Gram(bb, bd, tuple(map(tuple, m[1:, 1:].tolist())), int(np.prod(t["shape"])))
