@@ -8,6 +8,7 @@ same axes, and wall against model size (this run with the 40M and 0.6B runs alre
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -169,6 +170,12 @@ def size_figure(out: Path) -> list[Path]:
             dash = "dot" if c.startswith("floor") else "solid"
             fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines+markers", name=c,
                                      legendgroup=c, showlegend=col == 1, line=dict(color=color, dash=dash)), 1, col)
+        for r in runs:  # a mergekit that did not finish: where and why, instead of a point
+            mk = record(r, op, "mergekit")
+            if mk and "failed" in mk:
+                fig.add_annotation(x=math.log10(r["model_bytes"] / 2e9), y=math.log10(mk.get("stopped_after_s", 60)),
+                                   text=f"mergekit stopped:<br>{mk.get('rss_when_stopped_bytes', 0) / 1e9:.1f} GB RSS",
+                                   showarrow=True, font=dict(color="#d62728"), row=1, col=col)
     fig.update_xaxes(type="log", title_text="parameters (billions, bf16)")
     fig.update_yaxes(type="log")
     fig.update_layout(height=440, title="Wall time against model size, K=4, cold cache (dotted: the I/O floor)")
