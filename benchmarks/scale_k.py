@@ -152,6 +152,22 @@ def merges(db: Path, fam: Path, k: int, work: Path, repeats: int) -> list[dict]:
             shutil.rmtree(out, ignore_errors=True)
             print(f"[k64] K={k} {op} {b}: {r['wall_s']:.1f} s, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB",
                   flush=True)
+    return runs + floors(plans, inputs, work)
+
+
+def floors(plans: dict, inputs: list[Path], work: Path) -> list[dict]:
+    """The I/O floor of each budget (benchmarks/floor.py over the first MERGE_OPS plan: read exactly its bytes,
+    write the output's size), cold, in a child process like the merges."""
+    runs = []
+    for b in BUDGETS:
+        pj, fl = work / "floor-plan.json", work / "floor.bin"
+        pj.write_text(plans[(MERGE_OPS[0], b)].to_json())
+        fl.unlink(missing_ok=True)
+        cold(inputs)
+        r = measure([PY, str(ROOT / "benchmarks" / "floor.py"), str(pj), str(fl)])
+        r.pop("stdout", None)
+        fl.unlink(missing_ok=True)
+        runs.append({"op": "floor", "budget": b, "rep": 0, **r})
     return runs
 
 
@@ -163,6 +179,8 @@ def rss_flat(results: dict) -> list[dict]:
             by.setdefault((r["op"], r["budget"]), {}).setdefault(f["K"], []).append(r["peak_rss_bytes"])
     rows = []
     for (op, b), per_k in sorted(by.items()):
+        if op == "floor":
+            continue
         lo, hi = min(per_k), max(per_k)
         a, z = statistics.median(per_k[lo]), statistics.median(per_k[hi])
         rows.append({"op": op, "budget": b, "k_lo": lo, "k_hi": hi, "rss_lo": a, "rss_hi": z, "ratio": z / a})
@@ -239,8 +257,8 @@ def figure(results: dict, out: Path) -> list[Path]:
 
     fams = sorted(results["families"], key=lambda f: f["K"])
     ks = [f["K"] for f in fams]
-    fig = make_subplots(rows=1, cols=3, subplot_titles=("planning, median ms (10 %)", "catalog % of family",
-                                                        "merge peak RSS (MiB)"))
+    fig = make_subplots(rows=1, cols=4, subplot_titles=("planning, median ms (10 %)", "catalog % of family",
+                                                        "merge peak RSS (MiB)", "merge wall s (dotted: I/O floor)"))
     for key in fams[-1]["planning"]:
         if key.endswith("@10%") and all("median_s" in f["planning"].get(key, {}) for f in fams):
             fig.add_trace(go.Scatter(x=ks, y=[1e3 * f["planning"][key]["median_s"] for f in fams], mode="lines+markers",
@@ -252,6 +270,12 @@ def figure(results: dict, out: Path) -> list[Path]:
             ys = [statistics.median([r["peak_rss_bytes"] / 2**20 for r in f.get("merges", [])
                                      if r["op"] == op and r["budget"] == b] or [float("nan")]) for f in fams]
             fig.add_trace(go.Scatter(x=ks, y=ys, mode="lines+markers", name=f"{op} {b} RSS"), 1, 3)
+    for op in (*MERGE_OPS, "floor"):
+        for b in BUDGETS:
+            ys = [statistics.median([r["wall_s"] for r in f.get("merges", []) if r["op"] == op and r["budget"] == b]
+                                    or [float("nan")]) for f in fams]
+            fig.add_trace(go.Scatter(x=ks, y=ys, mode="lines+markers", name=f"{op} {b} wall",
+                                     line=dict(dash="dot" if op == "floor" else "solid")), 1, 4)
     fig.update_xaxes(title_text="experts K")
     fig.update_layout(title="Many experts: planning, catalog size and merge memory vs K", height=440)
     html = out / "k64-vs-K.html"
