@@ -54,7 +54,7 @@ def changed_tensor_thresholds(catalog: Catalog, model_id: str):
     expert changed."""
     return [(t, unpack(thr), unpack(topk), *rest) for t, thr, topk, *rest in catalog.conn.execute(
         "SELECT tensor, thresholds, topk, delta_l1, delta_max_abs, numel FROM tensor_stats "
-        "WHERE model_id = ? AND delta_nnz > 0", [model_id])]
+        "WHERE model_id = ? AND delta_nnz > 0", [model_id]).fetchall()]
 
 
 def fixed_bytes_by_tensor(catalog: Catalog, model_id: str) -> dict[str, int]:
@@ -117,7 +117,7 @@ def changed_tensor_table(catalog: Catalog, model_ids: list[str], packed: bool = 
     return [(m, t, read(thr), read(topk), *rest) for m, t, thr, topk, *rest in catalog.conn.execute(
         f"SELECT model_id, tensor, thresholds, topk, delta_l1, delta_max_abs, numel "
         f"FROM tensor_stats "
-        f"WHERE model_id IN ({_in(model_ids)}) AND delta_nnz > 0", list(model_ids))]
+        f"WHERE model_id IN ({_in(model_ids)}) AND delta_nnz > 0", list(model_ids)).fetchall()]
 
 
 def shape_mismatches(catalog: Catalog, base_id: str, model_ids: list[str]) -> list[tuple]:
@@ -140,7 +140,7 @@ def changed_tensors(catalog: Catalog, model_id: str) -> list[str]:
     """The tensors whose stored delta is not zero everywhere (non-zero or non-finite entries)."""
     return [r[0] for r in catalog.conn.execute(
         "SELECT tensor FROM tensor_stats WHERE model_id = ? AND (delta_nnz > 0 OR COALESCE(nonfinite, 0) > 0)",
-        [model_id])]
+        [model_id]).fetchall()]
 
 
 def changed_tensors_of(catalog: Catalog, model_ids: list[str]) -> dict[str, set[str]]:
@@ -148,7 +148,7 @@ def changed_tensors_of(catalog: Catalog, model_ids: list[str]) -> dict[str, set[
     out: dict[str, set[str]] = {m: set() for m in model_ids}
     for mid, tensor in catalog.conn.execute(
             f"SELECT model_id, tensor FROM tensor_stats WHERE model_id IN ({_in(model_ids)}) "
-            f"AND (delta_nnz > 0 OR COALESCE(nonfinite, 0) > 0)", list(model_ids)):
+            f"AND (delta_nnz > 0 OR COALESCE(nonfinite, 0) > 0)", list(model_ids)).fetchall():
         out[mid].add(tensor)
     return out
 
@@ -158,7 +158,7 @@ def analyzed_ids(catalog: Catalog, model_ids: list[str]) -> set[str]:
     return {r[0] for r in catalog.conn.execute(
         f"SELECT m.id FROM models m JOIN analyses a ON a.model_id = m.id JOIN models b ON b.id = m.base_id "
         f"LEFT JOIN grids g ON g.base_id = b.id WHERE m.id IN ({_in(model_ids)}) AND a.fingerprint = m.fingerprint "
-        f"AND a.base_fingerprint = b.fingerprint AND a.block_bytes IS g.block_bytes", list(model_ids))}
+        f"AND a.base_fingerprint = b.fingerprint AND a.block_bytes IS g.block_bytes", list(model_ids)).fetchall()}
 
 
 def nonfinite_message(expert_id: str, base_id: str, rows) -> str:

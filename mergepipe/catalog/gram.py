@@ -58,6 +58,9 @@ def load_gram_matrices(catalog: Catalog, base_id: str, expert_ids: list[str]) ->
     One query and a few whole-array steps: no Python step per row (K^2 rows per tensor)."""
     import numpy as np
     pos = {"": 0, **{e: i + 1 for i, e in enumerate(expert_ids)}}
+    complete = _complete_matrices(catalog, base_id, pos) if len(pos) == len(expert_ids) + 1 else None
+    if complete is not None:
+        return complete
     marks = ",".join("?" * len(pos))
     rows = catalog.conn.execute(f"SELECT tensor, a, b, value FROM gram WHERE base_id = ? AND a IN ({marks}) "
                                 f"AND b IN ({marks})", [base_id, *pos, *pos]).fetchall()
@@ -106,6 +109,33 @@ def load_sce_selection(catalog: Catalog, base_id: str, keys: dict[str, str]) -> 
     for tensor, a, b, value in cur.fetchall():
         out.setdefault(tensor, {}).setdefault(kind_of[a], {})[b] = value
     return out
+
+
+def _complete_matrices(catalog: Catalog, base_id: str, pos: dict[str, int]) -> dict | None:
+    """``load_gram_matrices`` where every tensor holds every pair of the base and these experts, each once, a <= b,
+    none NULL (counted in SQL first): then only the values are read, in primary-key order (tensor, a, b), each
+    tensor's n (n + 1) / 2 values the pairs a <= b of the sorted ids (SQLite's BINARY order is the UTF-8 bytes',
+    which is Python's order of str). None where some tensor does not (the caller reads every row's keys)."""
+    import numpy as np
+    marks = ",".join("?" * len(pos))
+    where = f"FROM gram WHERE base_id = ? AND a IN ({marks}) AND b IN ({marks})"
+    n = len(pos)
+    pairs = n * (n + 1) // 2
+    counts = catalog.conn.execute(f"SELECT tensor, COUNT(value), COUNT(*), SUM(a > b) {where} GROUP BY tensor "
+                                  "ORDER BY tensor", [base_id, *pos, *pos]).fetchall()
+    if not counts or any(c != pairs or rows != pairs or flipped for _, c, rows, flipped in counts):
+        return None
+    values = catalog.conn.execute(f"SELECT value {where} ORDER BY tensor, a, b", [base_id, *pos, *pos]).fetchall()
+    if len(values) != len(counts) * pairs:  # written in between: read the keys
+        return None
+    ids = sorted(pos)
+    i = np.array([pos[ids[x]] for x in range(n) for _ in range(x, n)])
+    j = np.array([pos[ids[y]] for x in range(n) for y in range(x, n)])
+    v = np.fromiter(map(itemgetter(0), values), np.float64, len(values)).reshape(len(counts), pairs)
+    m = np.full((len(counts), n, n), np.nan)
+    m[:, i, j] = v
+    m[:, j, i] = v
+    return {t: m[k] for k, (t, *_) in enumerate(counts)}
 
 
 def load_gram_diagonal(catalog: Catalog, base_id: str, expert_ids: list[str]) -> tuple[dict, set]:

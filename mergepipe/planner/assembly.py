@@ -150,10 +150,11 @@ def access_of(ctx, chosen: np.ndarray) -> tuple[dict, dict, dict]:
     access: dict[str, dict[str, list[int]]] = {e["id"]: {} for e in ctx.experts}
     per_expert_bytes = {e["id"]: 0 for e in ctx.experts}
     per_tensor_bytes: dict[str, int] = {}
-    for c, nbytes in zip(chosen, cands.bytes_of(chosen)):
-        eid = ctx.experts[cands.expert[c]]["id"]
-        tname = names[cands.tensor[c]]
-        access[eid].setdefault(tname, []).append(int(cands.block[c]))
+    ids = [e["id"] for e in ctx.experts]
+    for e, t, block, nbytes in zip(cands.expert[chosen].tolist(), cands.tensor[chosen].tolist(),
+                                   cands.block[chosen].tolist(), cands.bytes_of(chosen).tolist()):
+        eid, tname = ids[e], names[t]
+        access[eid].setdefault(tname, []).append(int(block))
         per_expert_bytes[eid] += int(nbytes)
         per_tensor_bytes[tname] = per_tensor_bytes.get(tname, 0) + int(nbytes)
     access = {e: {t: compact_ranges(b) for t, b in sorted(ts.items())} for e, ts in access.items()}

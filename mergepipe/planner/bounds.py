@@ -226,6 +226,12 @@ class Bounds:
 
 def _chunks(rows, n: int):
     """Lists of up to ``n`` rows of a cursor (the sketches are decoded a chunk at a time: bounded memory)."""
+    fetch = getattr(rows, "fetchmany", None)
+    while fetch is not None:  # a cursor: n rows a call, not a Python step per row
+        chunk = fetch(n)
+        if not chunk:
+            return
+        yield chunk
     chunk = []
     for r in rows:
         chunk.append(r)

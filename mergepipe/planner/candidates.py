@@ -151,18 +151,20 @@ def _statistics(op, density: float, params: dict, fracs: list[float], text, topk
             if vals is not None:
                 return vals
         return tensor_statistics(op, density, params, unpack(text), unpack(topk), l1, max_abs, numel)
-    text, topk = unpack(text), unpack(topk)
-    cut = _outlier_cut(text, topk, int(numel or 0), density, params, fracs) if density < 1.0 and topk else None
+    text = unpack(text)
+    stored = len(topk) >= 16 or bool(unpack(topk)) if isinstance(topk, (bytes, memoryview)) else bool(topk)
+    cut = _outlier_cut(text, topk, int(numel or 0), density, params, fracs) if density < 1.0 and stored else None
     vals = statistics_of(op, density, params, *cut, l1, max_abs, numel) if cut else None
-    return vals if vals is not None else tensor_statistics(op, density, params, text, topk, l1, max_abs, numel)
+    return vals if vals is not None else tensor_statistics(op, density, params, text, unpack(topk), l1, max_abs, numel)
 
 
 _KEY_FLOATS: dict[tuple, np.ndarray] = {}  # the stored fractions' keys -> their float values (one grid for all)
 
 
-def _outlier_cut(text: str | None, topk: str, n: int, density: float, params: dict, fracs: list[float]):
+def _outlier_cut(text: str | None, topk, n: int, density: float, params: dict, fracs: list[float]):
     """(thresholds, topk) cut down to what breadcrumbs reads for its two cut-offs k (as
-    ops.core._outlier_statistics counts them), parsed; None where they cannot be told."""
+    ops.core._outlier_statistics counts them), parsed (``topk`` as stored: decompressed as far as the entries
+    it reads); None where they cannot be told."""
     if not text or n <= 0 or "gamma" not in params:
         return None
     table = json.loads(text)
@@ -173,17 +175,16 @@ def _outlier_cut(text: str | None, topk: str, n: int, density: float, params: di
     target = int(density * n)
     n_bot = max(0, n - target - int(params["gamma"] * n))
     ks = np.array([n - n_bot - target, n - n_bot])
-    wanted = set(ks.tolist()) | set((ks + 1).tolist())
-    kf = (_KEY_FLOATS[keys] * n).astype(np.int64).tolist()  # int(f n), as kth_statistics counts it
-    serve = [k in wanted for k in kf]
-    own = {str(f) for f in fracs}
+    kf = (_KEY_FLOATS[keys] * n).astype(np.int64)  # int(f n), as kth_statistics counts it
+    serve = np.flatnonzero((kf == ks[0]) | (kf == ks[0] + 1) | (kf == ks[1]) | (kf == ks[1] + 1)).tolist()
     # a stored 0 answers k (every non-zero entry kept) when int(f n) - 1 <= k: the one with the least int(f n)
     # tells for all of them
-    zeros = [i for i, v in enumerate(table.values()) if v == 0.0]
-    least = min(zeros, key=kf.__getitem__) if zeros else -1
-    kept = {k: v for i, ((k, v), s) in enumerate(zip(table.items(), serve)) if s or i == least or k in own}
-    serving = [k for k, s in zip(keys, serve) if s]
-    return kept, json.loads((members(topk, serving) if serving else None) or topk)
+    zeros = np.flatnonzero(np.array(list(table.values()), dtype=np.float64) == 0.0)
+    keep = set(serve) | ({int(zeros[np.argmin(kf[zeros])])} if len(zeros) else set())
+    keep |= {keys.index(k) for k in {str(f) for f in fracs} if k in table}
+    kept = {keys[i]: table[keys[i]] for i in sorted(keep)}
+    serving = [keys[i] for i in serve]
+    return kept, json.loads((members(topk, serving) if serving else None) or unpack(topk))
 
 
 def tensor_rows(ctx) -> dict[str, list[tuple]]:
