@@ -42,16 +42,10 @@ class SecondPass:
         tops, at = np.unique(pats >> 16, return_index=True)  # pats sorted: the first pattern of each top
         first[tops] = at
         if self.keys is not NO_KEYS and len(self.block_bins) == len(self.spans):
-            low = (pats & 0xFFFF) != 0
-            eq, same_top = np.zeros(pats.size, np.int64), np.zeros(pats.size, np.int64)
-            for i, (bins, counts, k0, k1) in enumerate(self.block_bins):
-                eq[:], same_top[:] = 0, 0
-                kernels.count_keys(self.keys[k0:k1], pats, first, eq, same_top)
-                # a pattern with low bits 0 is never a key: its bin's count less the bin's listed keys
-                where = np.searchsorted(bins, pats >> 16).clip(max=max(bins.size - 1, 0))
-                in_bin = np.where((bins.size > 0) & (bins[where] == (pats >> 16)), counts[where], 0) \
-                    if bins.size else np.zeros(pats.size, np.int64)
-                per_block[i] = np.where(low, eq, in_bin - same_top)
+            bb = self.block_bins  # per block (bins, counts, first key, end key): counted in one call
+            kernels.tied_per_block(self.keys, np.array([(k0, k1) for _, _, k0, k1 in bb], dtype=np.int64),
+                                   np.concatenate([b for b, _, _, _ in bb]), np.concatenate([c for _, c, _, _ in bb]),
+                                   np.cumsum([b.size for b, _, _, _ in bb], dtype=np.int64), pats, first, per_block)
         else:
             blocks = self.cached if self.keep else (self.reread(s) for s in self.spans)
             for i, (e, b) in enumerate(blocks):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from mergepipe.analyze import bins, buffers, kernels
 from mergepipe.analyze.compact_store import CompactWriter
 from mergepipe.analyze.gram import GramAccumulator
 from mergepipe.analyze.second_pass import NO_KEYS, SecondPass
-from mergepipe.analyze.thresholds import HIST_BINS, kth_largest_thresholds
+from mergepipe.analyze.thresholds import HIST_BINS, density_names, kth_largest_thresholds
 from mergepipe.catalog.db import now
 from mergepipe.catalog.sketch import DEFAULT_SKETCH_SIZE, sample_positions, sketch_bytes
 from mergepipe.storage.grid import BlockSpan, tensor_grid
@@ -206,8 +207,7 @@ def _prefetch(base_reader: Reader | None, passes: list["_TensorPass"], binfo: Te
         base_reader.prefetch(binfo.file, binfo.offset + span.rel_offset, span.nbytes)
     for p in passes:
         if p.source.kind != "lora":
-            (rng,) = p.source.block_ranges(binfo.name, span)
-            p.job.re.prefetch(*rng)
+            p.job.re.prefetch(*p.ranges[span.index])
 
 
 def _first_pass(passes: list["_TensorPass"], binfo: TensorInfo) -> None:
@@ -247,6 +247,9 @@ class _TensorPass(SecondPass):
         self.job, self.binfo = job, binfo
         self.source = job.source
         self.spans = tensor_grid(binfo, job.block_bytes)
+        # each block's expert byte range, once (the passes asked block_ranges ~4 times a block)
+        self.ranges = ([] if self.source.kind == "lora" or not is_float(binfo) else
+                       [self.source.block_ranges(binfo.name, span)[0] for span in self.spans])
         fixed = self.source.fixed_ranges(binfo.name)
         self.fixed_bytes = sum(n for _, _, n in fixed)
         self.fixed = job.re.read_ranges(fixed) if fixed and is_float(binfo) else []
@@ -278,7 +281,7 @@ class _TensorPass(SecondPass):
         self.nkeys = kernels.collect_low_patterns(e, b, self.keys, before)
 
     def expert_bytes(self, span: BlockSpan) -> int:
-        return 0 if self.source.kind == "lora" else self.source.block_ranges(self.binfo.name, span)[0][2]
+        return 0 if self.source.kind == "lora" else self.ranges[span.index][2]
 
     def expert_block(self, span: BlockSpan, into: np.ndarray | None = None) -> np.ndarray:
         """The expert-side array of a block: raw bytes (full, delta) or the float32 delta (LoRA)."""
@@ -286,7 +289,7 @@ class _TensorPass(SecondPass):
         if self.source.kind == "lora":
             bufs = job.re.read_ranges(self.source.block_ranges(name, span))
             return self.source.delta(name, span, bufs, self.fixed, None).reshape(-1).numpy()
-        (rng,) = self.source.block_ranges(name, span)
+        rng = self.ranges[span.index]
         return _read(job.re, rng, self.source.checkpoint.tensors[name].dtype,
                      np.empty(rng[2], dtype=np.uint8) if into is None else into)
 
@@ -318,7 +321,7 @@ class _TensorPass(SecondPass):
         self.nonfinite += nonfinite
         self.base_nonfinite += base_nonfinite
         positions = sample_positions(e.size, self.job.sketch_size)
-        (rng,) = self.source.block_ranges(self.binfo.name, span)
+        rng = self.ranges[span.index]
         with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf deltas (recorded, refused by the planner)
             sketch = sketch_bytes(kernels.gather_delta(e, b, positions), m)
         self.rows.append(_row(self.job.expert_id, self.binfo.name, span, rng, delta_l2=math.sqrt(s2), delta_l1=s1,
@@ -347,10 +350,11 @@ class _TensorPass(SecondPass):
                                              self.l1hist, topk)
                       if self.nnz else {})
         self.tie_cuts(topk, thresholds)
+        names = density_names(job.densities)
         stats = {"model_id": job.expert_id, "tensor": binfo.name, "numel": binfo.numel, "delta_l2": self.l2sq ** 0.5,
                  "delta_l1": self.l1, "delta_max_abs": self.mx, "delta_nnz": self.nnz,
-                 "thresholds": json.dumps({str(k): v for k, v in thresholds.items()}),
-                 "topk": json.dumps({str(k): v for k, v in topk.items()}),
+                 "thresholds": json.dumps({names[k]: v for k, v in thresholds.items()}),
+                 "topk": json.dumps({names[k]: v for k, v in topk.items()}),
                  "fixed_bytes": self.fixed_bytes if self.nnz else 0,
                  "nonfinite": self.nonfinite, "base_nonfinite": self.base_nonfinite}
         self.cached, self.keys, self.block_bins = [], NO_KEYS, []
@@ -370,9 +374,12 @@ def _row(expert_id: str, tensor: str, span: BlockSpan, rng, **stats) -> dict:
     return row
 
 
+_PACK_F32, _UNPACK_U32 = struct.Struct("<f").pack, struct.Struct("<I").unpack
+
+
 def _top_bin(value) -> int:
     """The top 16 bits of a finite non-negative value's float32 pattern."""
-    return int(np.float32(value).view(np.uint32)) >> 16
+    return _UNPACK_U32(_PACK_F32(value))[0] >> 16  # value is a float32 (exact in "<f")
 
 
 def is_float(binfo: TensorInfo) -> bool:

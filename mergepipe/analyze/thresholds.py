@@ -4,7 +4,6 @@ largest from a histogram of the top 16 bits, then the low 16 bits of only the bi
 from __future__ import annotations
 
 import math
-import struct
 from functools import lru_cache
 
 import numpy as np
@@ -159,6 +158,12 @@ def _density_ks(densities: tuple, numel: int, with_prev: bool) -> tuple[tuple, n
     return pairs, kk
 
 
+@lru_cache(maxsize=64)
+def density_names(densities: tuple) -> dict:
+    """str(d) of each density: the JSON keys of the thresholds and topk (the same for every tensor)."""
+    return {d: str(d) for d in densities}
+
+
 NO_CUT = 1 << 62  # a cut block past every block: every entry tied at the threshold is in the top k
 
 
@@ -173,15 +178,19 @@ def tie_cut_queries(topk: dict, thresholds: dict, numel: int) -> list[tuple[int,
     block (of the base's grid) holding the (m+1)-th tied entry, and ``cut_rank`` r, the tied entries of
     block B in the top k (its first r in C order). Blocks before B keep every tied entry, blocks after
     B none. Where no tie straddles, the cut is (NO_CUT, 0): every tied entry is in the top k."""
-    out = []
+    out, values = [], []
     for d, entry in topk.items():
         k = int(d * numel)
         above, equal, thr1, above1, equal1 = entry[0], entry[1], entry[5], entry[6], entry[7]
         if k - above < equal:
-            out.append((_pattern(thresholds[d]), k - above, d, 3))
+            out.append((k - above, d, 3))
+            values.append(thresholds[d])
         if not math.isinf(thr1) and (k - 1) - above1 < equal1:
-            out.append((_pattern(thr1), (k - 1) - above1, d, 8))
-    return out
+            out.append(((k - 1) - above1, d, 8))
+            values.append(thr1)
+    # the float32 patterns of all of them at once (the values are float32 numbers: exact)
+    pats = np.array(values, dtype=np.float32).view(np.uint32).tolist()
+    return [(pat, *q) for pat, q in zip(pats, out)]
 
 
 def block_cuts(per_block: np.ndarray, columns, ms) -> tuple[list[int], list[int]]:
@@ -194,11 +203,3 @@ def block_cuts(per_block: np.ndarray, columns, ms) -> tuple[list[int], list[int]
     at = before[:, cols]  # [blocks + 1, queries], non-decreasing down each column
     b = (at <= ms).sum(axis=0) - 1  # searchsorted(side="right") - 1 in every column
     return b.tolist(), (ms - at[b, np.arange(cols.size)]).tolist()
-
-
-def _pattern(value: float) -> int:
-    """The float32 bit pattern of a float32 value (given as a Python float)."""
-    return _UNPACK_U32(_PACK_F32(value))[0]
-
-
-_PACK_F32, _UNPACK_U32 = struct.Struct("<f").pack, struct.Struct("<I").unpack
