@@ -4,7 +4,15 @@ Streamlit runs a script of the ``pages/`` folder by itself -- with its automatic
 ui"), without app.py's wide layout and sidebar -- until app.py's ``st.navigation`` has run once in the server
 process: on a freshly started server whose very first request opens a page directly (``/plan``). The guard
 notices that app.py did not run before the page and draws app.py's frame (page config, navigation, sidebar
-caption) around it in the same run, so a widget's click or value of that run is kept.)"""
+caption) -- which switches the server process to app.py's navigation for good.
+
+In a session's first run it then reruns at once, before the page draws anything, so the page runs through app.py
+like every later run: drawn in that first run, its widgets would get other ids (Streamlit hashes the running
+script into them) than in every later run, so the next rerun (one budget step) would meet widgets it never saw,
+each falling back to its default: the Plan page's Experts emptied ("choose at least one expert"). A first run
+holds no click; the rerun keeps the URL's query string, so a shared link still sets the widgets. In a later run
+(AppTest runs every page this way, with the same ids each time) the page is drawn in the same run, so a widget's
+click or value of that run is kept."""
 
 from __future__ import annotations
 
@@ -16,6 +24,7 @@ import streamlit as st
 ICON = Path(__file__).resolve().parent.parent / "assets" / "favicon.png"
 
 _VIA_APP = "_nav_via_app"  # set by app.py on each run, taken by the page it runs
+_SEEN = "_nav_seen"  # set by the session's first run of app.py's frame
 
 
 def app_pages() -> list:
@@ -39,6 +48,7 @@ def frame():
     st.set_page_config(page_title="MergePipe", page_icon=str(ICON), layout="wide")
     page = st.navigation(app_pages())
     st.session_state[_VIA_APP] = True
+    st.session_state[_SEEN] = True
     from mergepipe.dashboard import views  # after set_page_config: importing torch takes a moment
     st.sidebar.caption(f"Catalog: `{views.db_path()}`")
     return page
@@ -46,7 +56,10 @@ def frame():
 
 def through_app() -> None:
     """First call of every page: when the page runs without app.py (see the module's text), draw app.py's frame
-    around it now; otherwise nothing."""
+    around it now, and in the session's first run rerun through app.py at once; otherwise nothing."""
     if not st.session_state.pop(_VIA_APP, False):
+        first = _SEEN not in st.session_state
         frame()
         st.session_state.pop(_VIA_APP, None)
+        if first:
+            st.rerun()  # the widgets get the ids of every later run (through app.py): they keep their values
