@@ -22,6 +22,8 @@ analyzes a set together. Experts whose deltas are stored as delta checkpoints do
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from mergepipe.analyze.sce import SceSelection
@@ -42,6 +44,19 @@ def as_float(arr: np.ndarray | None, dtype: str) -> np.ndarray | None:
     if dtype == "F16":
         return arr.view(np.float16).astype(np.float32)
     return arr.astype(np.float32)
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(rows: int, n: int, dtype) -> np.ndarray:
+    """This thread's reusable [rows, n] array for one block's values. A fresh one per block (tens of MB,
+    mapped anew each time) cost more in page faults (system time) than the Gram statistics themselves."""
+    need = rows * n * np.dtype(dtype).itemsize
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.size < need:
+        buf = _SCRATCH.buf = np.empty(need, dtype=np.uint8)
+    return buf[:need].view(dtype).reshape(rows, n)
 
 
 def _fill(dst: np.ndarray, arr: np.ndarray, dtype: str) -> None:
@@ -88,7 +103,7 @@ class GramAccumulator:
         wide = self.binfo.dtype == "F64" or any(d == "F64" for _, _, d in kinds)
         first = 0 if base_raw is None else 1
         n = (base_raw if base_raw is not None else expert_arrays[0]).size
-        m = np.empty((first + len(kinds), n), dtype=np.float64 if wide else np.float32)
+        m = _scratch(first + len(kinds), n, np.float64 if wide else np.float32)  # every row written below
         b = None
         if base_raw is not None:
             _fill(m[0], base_raw, self.binfo.dtype)
