@@ -153,7 +153,7 @@ class GramAccumulator:
         reads = [p.reread(span) for p in self.passes]
         base_raw = next((b for _, b in reads if b is not None), None)
         n = (base_raw if base_raw is not None else reads[0][0]).size
-        out = np.empty((len(reads), n), dtype=np.float32)
+        out = _scratch(len(reads), n, np.float32)  # every row written below; used before the next block's
         base = None
         if base_raw is not None:
             base = np.empty(n, dtype=np.float32)

@@ -23,7 +23,10 @@ the threshold and the cut.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
+from numba import njit
 
 from mergepipe.analyze.thresholds import NO_CUT
 from mergepipe.catalog.gram import sce_row_keys as row_keys
@@ -36,25 +39,71 @@ def variance(deltas) -> np.ndarray:
     """mergekit's per-entry variance across the experts of a [K, n] float32 array, as torch.var(dim=0,
     unbiased=False) computes it on the CPU (float32 [n], equal bit for bit; tests/analyze/
     test_analyze_no_torch.py): Welford's update over the K rows in float64, m2 / K rounded to float32."""
-    d = np.asarray(deltas, dtype=np.float32)
-    mean = np.zeros(d.shape[1])
-    m2 = np.zeros(d.shape[1])
-    x = np.empty(d.shape[1])
-    delta = np.empty(d.shape[1])
-    with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf deltas give NaN/Inf, as in torch
-        _welford(d, x, delta, mean, m2)
-    m2 /= float(d.shape[0])
-    return m2.astype(np.float32)
+    d = np.ascontiguousarray(deltas, dtype=np.float32)  # NaN/Inf deltas give NaN/Inf, as in torch
+    out = np.empty(d.shape[1], dtype=np.float32)
+    _welford_nb(d, np.empty(d.shape[1]), np.empty(d.shape[1]), out)
+    return out
 
 
-def _welford(d: np.ndarray, x: np.ndarray, delta: np.ndarray, mean: np.ndarray, m2: np.ndarray) -> None:
-    for i, row in enumerate(d):
-        x[:] = row
-        np.subtract(x, mean, out=delta)
-        mean += delta / float(i + 1)
-        x -= mean
-        x *= delta
-        m2 += x
+@njit(nogil=True, cache=True)
+def _welford_nb(d, mean, m2, out):
+    """:func:`variance` compiled, into ``out``: the same float64 operations per entry (Welford over the K
+    rows, in row order; the division kept a division), m2 / K rounded to float32; one pass a row, not six
+    (``mean``, ``m2``: float64 scratch of n entries)."""
+    k, n = d.shape
+    mean[:] = 0.0
+    m2[:] = 0.0
+    for i in range(k):
+        c = float(i + 1)
+        for j in range(n):
+            x = np.float64(d[i, j])
+            delta = x - mean[j]
+            mean[j] += delta / c
+            m2[j] += (x - mean[j]) * delta
+    for j in range(n):
+        out[j] = np.float32(m2[j] / float(k))
+
+
+@njit(nogil=True, cache=True)
+def _pass_one(d, hist, sq, block, mean, m2, var, tops):
+    """One block of sce's pass one over [K, n] float32 deltas: each entry's variance (:func:`_welford_nb`),
+    its top 16 bits counted in ``hist`` (patterns past TOP_BINS, a negative NaN, dropped), each expert's
+    delta^2 (float64) summed per bin into ``block`` [K, TOP_BINS] (zeros; entries in flat order, as
+    np.bincount adds its weights), then added to ``sq`` (as ``sq[:, i] += bincount``) and ``block`` zeroed
+    again. Returns the entries whose variance is 0 (mean, m2, var, tops: scratch of n entries)."""
+    k, n = d.shape
+    _welford_nb(d, mean, m2, var)
+    bits = var.view(np.uint32)
+    zeros = 0
+    for j in range(n):
+        if var[j] == 0:
+            zeros += 1
+        top = np.int64(bits[j] >> np.uint32(16))
+        tops[j] = top
+        if top < TOP_BINS:
+            hist[top] += 1
+    for i in range(k):
+        for j in range(n):
+            if tops[j] < TOP_BINS:
+                x = np.float64(d[i, j])
+                block[i, tops[j]] += x * x
+        for t in range(TOP_BINS):
+            sq[t, i] += block[i, t]
+            block[i, t] = 0.0  # zeros again for the next block
+    return zeros
+
+
+_LOCAL = threading.local()
+
+
+def _thread_buffer(name: str, nbytes: int) -> np.ndarray:
+    """This thread's reusable uint8 buffer ``name`` of at least ``nbytes`` (a task's SceSelection is made,
+    used and done in one thread, one at a time)."""
+    buf = getattr(_LOCAL, name, None)
+    if buf is None or buf.size < nbytes:
+        buf = np.empty(nbytes, dtype=np.uint8)
+        setattr(_LOCAL, name, buf)
+    return buf
 
 
 def keep_count(nonzero: int, topk: float) -> int:
@@ -73,17 +122,25 @@ class SceSelection:
         self.sq = np.zeros((TOP_BINS, n_experts))
         self.zeros = 0
         self.cache: list | None = [] if binfo.numel * n_experts * 4 <= CACHE_BYTES else None
+        # the cached blocks' floats, in this thread's reusable buffer (fresh pages each tensor: page faults)
+        self.cache_buf, self.cache_pos = (_thread_buffer("cache", binfo.numel * n_experts * 4)
+                                          if self.cache is not None else None), 0
+        self.block = _thread_buffer("block", n_experts * TOP_BINS * 8).view(np.float64).reshape(n_experts, TOP_BINS)
+        self.block[:] = 0.0
 
     def add(self, deltas: np.ndarray) -> None:
-        """Pass one, one block: [K, n] float32 deltas."""
-        var = variance(deltas)
-        self.zeros += int(np.count_nonzero(var == 0))
-        top = var.view(np.uint32).astype(np.int64) >> 16
-        self.hist += np.bincount(top, minlength=TOP_BINS)[:TOP_BINS]
-        for i, d in enumerate(deltas):
-            self.sq[:, i] += np.bincount(top, weights=np.square(d, dtype=np.float64), minlength=TOP_BINS)[:TOP_BINS]
+        """Pass one, one block: [K, n] float32 deltas (one compiled loop: :func:`_pass_one`)."""
+        d = np.asarray(deltas, dtype=np.float32)
+        n = d.shape[1]
+        work = _thread_buffer("work", 28 * n)  # scratch: mean, m2 (float64), var (float32), tops (int64)
+        self.zeros += _pass_one(d, self.hist, self.sq, self.block, work[:8 * n].view(np.float64),
+                                work[8 * n:16 * n].view(np.float64), work[16 * n:20 * n].view(np.float32),
+                                work[20 * n:28 * n].view(np.int64))
         if self.cache is not None:
-            self.cache.append(np.array(deltas, dtype=np.float32))
+            piece = self.cache_buf[self.cache_pos:self.cache_pos + d.nbytes].view(np.float32).reshape(d.shape)
+            piece[...] = deltas
+            self.cache_pos += d.nbytes
+            self.cache.append(piece)
 
     def _blocks(self):
         return iter(self.cache) if self.cache is not None else (self.reread(s) for s in self.spans)
