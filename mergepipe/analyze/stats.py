@@ -321,7 +321,7 @@ class _TensorPass(SecondPass):
         self.nonfinite += nonfinite
         self.base_nonfinite += base_nonfinite
         positions = sample_positions(e.size, self.job.sketch_size)
-        rng = self.ranges[span.index]
+        rng = self.ranges[span.index] if self.ranges else self.source.block_ranges(self.binfo.name, span)[0]
         with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf deltas (recorded, refused by the planner)
             sketch = sketch_bytes(kernels.gather_delta(e, b, positions), m)
         self.rows.append(_row(self.job.expert_id, self.binfo.name, span, rng, delta_l2=math.sqrt(s2), delta_l1=s1,
