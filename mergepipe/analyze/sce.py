@@ -125,7 +125,8 @@ class SceSelection:
         # the cached blocks' floats, in this thread's reusable buffer (fresh pages each tensor: page faults)
         self.cache_buf, self.cache_pos = (_thread_buffer("cache", binfo.numel * n_experts * 4)
                                           if self.cache is not None else None), 0
-        self.block = _thread_buffer("block", n_experts * TOP_BINS * 8).view(np.float64).reshape(n_experts, TOP_BINS)
+        size = n_experts * TOP_BINS * 8  # the buffer may be larger (an earlier task had more experts)
+        self.block = _thread_buffer("block", size)[:size].view(np.float64).reshape(n_experts, TOP_BINS)
         self.block[:] = 0.0
 
     def add(self, deltas: np.ndarray) -> None:
