@@ -375,25 +375,3 @@ def shared_unique_counts(deltas, epsilon, shared, unique):
                     u += 1
         shared[i] += s
         unique[i] += u
-
-
-
-@njit(**_C)
-def lane_sums(hist, out, upto):
-    """out[j] = sum over the lanes of hist[:, j] (int64) for j < upto, 0 above (no bin at or above ``upto``
-    counts anything); lane by lane, so every loop is sequential. Returns (lo, hi): the bins from the first to
-    one past the last that count anything ((0, 0): none)."""
-    n = min(upto, hist.shape[1])
-    out[n:] = 0
-    for j in range(n):
-        out[j] = hist[0, j]
-    for lane in range(1, hist.shape[0]):
-        for j in range(n):
-            out[j] += hist[lane, j]
-    lo = 0
-    while lo < n and out[lo] == 0:
-        lo += 1
-    hi = n
-    while hi > lo and out[hi - 1] == 0:
-        hi -= 1
-    return lo, hi
