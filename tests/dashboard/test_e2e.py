@@ -346,7 +346,7 @@ def test_dashboard_end_to_end(server, page):
     settled(page, page.get_by_text(re.compile(r"Published snap-[0-9a-f]+ as model merged-e2e")))
     expect(page.get_by_role("combobox", name="Run")).to_have_value(re.compile(r"run \d+ · merged-e2e"))
     expect(settled(page, page.locator("[data-testid='stMetric']", has_text="Status"))).to_contain_text("succeeded")
-    snap = re.search(r"snap-[0-9a-f]+", page.get_by_text(re.compile("Published snap-")).inner_text()).group(0)
+    snap = re.search(r"snap-[0-9a-f]+", page.get_by_text(re.compile("Published snap-")).first.inner_text()).group(0)
     row = cat.query("SELECT status, snapshot_id FROM runs WHERE kind = 'merge'")[0]
     assert row == {"status": "succeeded", "snapshot_id": snap}
     shot(page, "run")
