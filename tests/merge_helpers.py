@@ -200,6 +200,25 @@ def cli_cmd() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "mergepipe.cli"]
 
 
+SLOW_WRITES = """
+import sys, time
+from mergepipe.storage import writers
+real_write = writers.ShardWriter.write
+def write(self, offset, data):
+    time.sleep(0.02)
+    return real_write(self, offset, data)
+writers.ShardWriter.write = write
+from mergepipe.cli.app import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def slowed_cli_cmd() -> list[str]:
+    """The real CLI with every output write 20 ms late: a merge of a small family then lasts seconds, so a
+    test can signal it mid-write however fast the machine merges."""
+    return [sys.executable, "-c", SLOW_WRITES]
+
+
 def run_cli_proc(args: list[str], timeout: float = 120, **kw) -> subprocess.CompletedProcess:
     """Run the real ``mergepipe`` executable."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")

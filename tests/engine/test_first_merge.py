@@ -19,8 +19,8 @@ from mergepipe.engine.inflight import InflightAnalysis
 from mergepipe.planner.context import Planner
 from mergepipe.catalog.models import register
 
-from merge_helpers import (STAGING_MARK, check_catalog_consistent, cli_cmd, dir_hashes, dump_db, rows, run_cli,
-                           shared_family)
+from merge_helpers import (STAGING_MARK, check_catalog_consistent, dir_hashes, dump_db, rows, run_cli,
+                           shared_family, slowed_cli_cmd)
 
 BLOCK = 4096
 EXPERTS = ["e1", "e2", "e3"]
@@ -150,8 +150,8 @@ def test_cancelled_first_merge_cli(tmp_path_factory, tmp_path):
     before = dump_db(db)
     out = tmp_path / "outs" / "m"
     out.parent.mkdir()
-    proc = subprocess.Popen(cli_cmd() + ["--db", str(db), "merge", "--base", "base", "--experts", "e1", "e2",
-                                         "--op", "della", "--density", "0.3", "--out", str(out)],
+    proc = subprocess.Popen(slowed_cli_cmd() + ["--db", str(db), "merge", "--base", "base", "--experts", "e1",
+                                                "e2", "--op", "della", "--density", "0.3", "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     t0 = time.monotonic()
     while not any(STAGING_MARK in p.name for p in out.parent.iterdir()):

@@ -22,7 +22,7 @@ from mergepipe.planner.context import Planner
 from mergepipe.engine.txn import pid_alive
 
 from merge_helpers import (STAGING_MARK, check_catalog_consistent, cli_cmd, copy_catalog, dump_db, rows,
-                           run_cli, run_cli_proc, shared_family)
+                           run_cli, run_cli_proc, shared_family, slowed_cli_cmd)
 
 
 def staging_dirs(parent: Path) -> list[Path]:
@@ -252,7 +252,8 @@ def test_sigterm_aborts_cleanly(small, tmp_path):
     outs.mkdir()
     before = dump_db(db)
     out = outs / "term"
-    proc = subprocess.Popen(merge_cmd(db, out, "term"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(slowed_cli_cmd() + merge_argv(db, out, "term"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
     assert wait_for_staging(lambda: proc.poll() is None, outs, out) is not None
     time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
