@@ -34,14 +34,15 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
-from mergepipe.analyze import bins, buffers, kernels
+from mergepipe.analyze import bins, buffers, finish, kernels
 from mergepipe.analyze.compact_store import CompactWriter
 from mergepipe.analyze.gram import GramAccumulator
 from mergepipe.analyze.second_pass import NO_KEYS, SecondPass
-from mergepipe.analyze.thresholds import HIST_BINS, density_names, kth_largest_thresholds
+from mergepipe.analyze.thresholds import HIST_BINS, _density_ks, density_names, kth_largest_thresholds
 from mergepipe.catalog.db import now
 from mergepipe.catalog.sketch import DEFAULT_SKETCH_SIZE, sample_positions, sketch_bytes
 from mergepipe.storage.grid import BlockSpan, tensor_grid
@@ -345,16 +346,19 @@ class _TensorPass(SecondPass):
         hist = self.buf.lane_sums(_top_bin(self.mx) + 1 if self.nonfinite == 0 else buffers.WIDTH)
         if self.lowcnt is not None:
             bins.fold_l1(hist, self.lowcnt, self.l1hist, bins.BIN_VALUES, *self.buf.used)
-        topk: dict = {}
-        thresholds = (kth_largest_thresholds(hist[:HIST_BINS], binfo.numel, self.nnz, job.densities, self.select,
-                                             self.l1hist, topk)
-                      if self.nnz else {})
-        self.tie_cuts(topk, thresholds)
-        names = density_names(job.densities)
+        texts = self._fused_select(hist) if self._fusable() else None
+        if texts is None:
+            topk: dict = {}
+            thresholds = (kth_largest_thresholds(hist[:HIST_BINS], binfo.numel, self.nnz, job.densities, self.select,
+                                                 self.l1hist, topk)
+                          if self.nnz else {})
+            self.tie_cuts(topk, thresholds)
+            names = density_names(job.densities)
+            texts = (json.dumps({names[k]: v for k, v in thresholds.items()}),
+                     json.dumps({names[k]: v for k, v in topk.items()}))
         stats = {"model_id": job.expert_id, "tensor": binfo.name, "numel": binfo.numel, "delta_l2": self.l2sq ** 0.5,
                  "delta_l1": self.l1, "delta_max_abs": self.mx, "delta_nnz": self.nnz,
-                 "thresholds": json.dumps({names[k]: v for k, v in thresholds.items()}),
-                 "topk": json.dumps({names[k]: v for k, v in topk.items()}),
+                 "thresholds": texts[0], "topk": texts[1],
                  "fixed_bytes": self.fixed_bytes if self.nnz else 0,
                  "nonfinite": self.nonfinite, "base_nonfinite": self.base_nonfinite}
         self.cached, self.keys, self.block_bins = [], NO_KEYS, []
@@ -364,6 +368,63 @@ class _TensorPass(SecondPass):
             job.compact.append(binfo.name, self.compacts)
             self.compacts = []
         return self.rows, stats
+
+
+    def _fusable(self) -> bool:
+        """The common case, which analyze/finish.py computes in two compiled calls: a float tensor with
+        non-zeros, every low-bit key collected, no NaN/Inf, every block's histogram counts recorded."""
+        return (bool(self.nnz) and self.keys is not NO_KEYS and self.nonfinite == 0 and is_float(self.binfo)
+                and len(self.block_bins) == len(self.spans))
+
+    def _fused_select(self, hist: np.ndarray) -> tuple[str, str] | None:
+        """(thresholds JSON, topk JSON) as kth_largest_thresholds and tie_cuts make them, or None where
+        analyze/finish.py leaves the case to them."""
+        numel, densities = self.binfo.numel, self.job.densities
+        pairs, all_ks = _density_ks(densities, numel, True)
+        kk = all_ks[(all_ks > 0) & (all_ks <= self.nnz)]
+        q = kk.size
+        j, n_hi, s_hi = np.empty(q, np.int64), np.empty(q, np.int64), np.empty(q, np.float64)
+        kbins = np.empty(q, np.int64)
+        chosen = np.empty(self.nkeys, np.int64)
+        m, nb = finish.choose_keys(hist, self.l1hist, kk, j, n_hi, s_hi, kbins, self.keys, self.nkeys,
+                                   _slot_scratch(), chosen)
+        chosen = chosen[:m]
+        chosen.sort()
+        dens_k, names = _density_table(densities, numel)
+        d = dens_k.size
+        thr, has = np.empty(d, np.float64), np.zeros(d, np.int8)
+        ti, tf = np.empty((d, 8), np.int64), np.empty((d, 2), np.float64)
+        bb = self.block_bins
+        if not finish.finish_rest(hist, kk, j, n_hi, s_hi, kbins, nb, chosen, dens_k, self.keys,
+                                  np.array([(k0, k1) for _, _, k0, k1 in bb], dtype=np.int64).reshape(-1, 2),
+                                  np.concatenate([b for b, _, _, _ in bb]), np.concatenate([c for _, c, _, _ in bb]),
+                                  np.cumsum([b.size for b, _, _, _ in bb], dtype=np.int64),
+                                  np.array([s.index for s in self.spans], dtype=np.int64), thr, has, ti, tf):
+            return None
+        topk = {name: [t[0], t[1], f[0], t[2], t[3], f[1], t[4], t[5], t[6], t[7]]
+                for name, h, t, f in zip(names, has.tolist(), ti.tolist(), tf.tolist()) if h}
+        return json.dumps(dict(zip(names, thr.tolist()))), json.dumps(topk)
+
+
+_SLOTS = threading.local()
+
+
+def _slot_scratch() -> np.ndarray:
+    """This thread's slot table for finish.choose_keys (int32 [65536], all -1 between calls)."""
+    table = getattr(_SLOTS, "table", None)
+    if table is None:
+        table = _SLOTS.table = np.full(1 << 16, -1, dtype=np.int32)
+    return table
+
+
+@lru_cache(maxsize=256)
+def _density_table(densities: tuple, numel: int) -> tuple[np.ndarray, list[str]]:
+    """(int(d * numel) per density, str(d) per density), in the densities' order."""
+    pairs, _ = _density_ks(densities, numel, True)
+    names = density_names(densities)
+    ks = np.array([k for _, k in pairs], dtype=np.int64)
+    ks.flags.writeable = False
+    return ks, [names[d] for d, _ in pairs]
 
 
 def _row(expert_id: str, tensor: str, span: BlockSpan, rng, **stats) -> dict:
