@@ -7,9 +7,11 @@ asked for (see shared/notes/io-and-compute.md). ``evict`` and ``proc_io`` serve 
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
+import re
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,6 +43,10 @@ def fingerprint(ckpt: Checkpoint) -> str:
         h.update(read_regular(adapter_config))
     return "sha256:" + h.hexdigest()
 
+
+# the weight, index and adapter-config files whose (name, size, mtime) make a checkpoint's change stamp
+_STAMPED = re.compile("|".join(fnmatch.translate(p) for p in ("*.safetensors", "*.safetensors.index.json",
+                                                               ADAPTER_CONFIG, "pytorch_model*.bin", BIN_INDEX)))
 
 class RangeReader:
     """Exact positioned reads from a checkpoint's files, counting every byte read.
@@ -163,10 +169,14 @@ class LocalStorage(Storage):
         """(name, size, mtime) of the weight, index and adapter-config files, from stat() alone."""
         root = Path(uri)
         try:
-            files = [root] if root.is_file() else sorted(
-                [*root.glob("*.safetensors"), *root.glob("*.safetensors.index.json"), *root.glob(ADAPTER_CONFIG),
-                 *root.glob("pytorch_model*.bin"), *root.glob(BIN_INDEX)])
-            return json.dumps([[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files])
+            if root.is_file():
+                st = root.stat()
+                return json.dumps([[root.name, st.st_size, st.st_mtime_ns]])
+            with os.scandir(root) as entries:  # one listing, not one per pattern (planning stamps every expert)
+                files = sorted((e.name, e.stat()) for e in entries if _STAMPED.match(e.name))
+            return json.dumps([[name, st.st_size, st.st_mtime_ns] for name, st in files])
+        except (FileNotFoundError, NotADirectoryError):
+            return "[]"  # nothing there: no files to stamp
         except OSError:
             return None
 
