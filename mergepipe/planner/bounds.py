@@ -253,8 +253,8 @@ def _unit_sums(ctx, rows: list[tuple], expert_of: dict[str, int]):
     order = live[np.lexsort((block[live], ti[live], ln[live]))]
     for length in np.unique(ln[order]):
         idx = order[ln[order] == length]
-        sk = np.frombuffer(b"".join([rows[i][4] for i in idx]), dtype=np.float16).reshape(len(idx), -1)
-        sk = sk.astype(np.float32)
+        sk = _F16_AS_F32().take(np.frombuffer(b"".join([rows[i][4] for i in idx]), dtype=np.uint16))
+        sk = sk.reshape(len(idx), -1)
         norms = np.sqrt(np.einsum("rs,rs->r", sk, sk))
         ei = np.fromiter((expert_of[rows[i][0]] for i in idx), dtype=np.int64, count=len(idx))
         l2 = np.fromiter((rows[i][3] or 0.0 for i in idx), dtype=np.float64, count=len(idx))
@@ -262,5 +262,45 @@ def _unit_sums(ctx, rows: list[tuple], expert_of: dict[str, int]):
         sk *= a.astype(np.float32)[:, None]
         key = ti[idx] * (int(block[idx].max()) + 1) + block[idx]
         starts = np.r_[0, np.nonzero(np.diff(key))[0] + 1]
-        for start, v in zip(starts.tolist(), np.add.reduceat(sk, starts, axis=0)):
+        for start, v in zip(starts.tolist(), _row_sums(sk, starts)):
             yield (int(ti[idx[start]]), int(block[idx[start]]), int(length)), v.astype(np.float64)
+
+
+def _F16_AS_F32() -> np.ndarray:
+    """Every float16 bit pattern's float32 value (a lookup is ~4x faster than numpy's float16 cast, same bits)."""
+    global _F16_TABLE
+    if _F16_TABLE is None:
+        _F16_TABLE = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    return _F16_TABLE
+
+
+_F16_TABLE: np.ndarray | None = None
+
+
+def _row_sums(sk: np.ndarray, starts: np.ndarray) -> list[np.ndarray]:
+    """``np.add.reduceat(sk, starts, axis=0)`` bit for bit, ~10x faster on rows of sketches: reduceat adds a
+    group's first row to numpy's pairwise sum of the others (eight running sums, 8 rows at a time, combined as
+    ((r0+r1)+(r2+r3))+((r4+r5)+(r6+r7)), then the remainder one by one), which is done here on whole rows."""
+    ends = [*starts[1:].tolist(), len(sk)]
+    return [_group_sum(sk[s:e]) if e - s <= _PAIRWISE_BLOCK + 1 else np.add.reduceat(sk[s:e], [0], axis=0)[0]
+            for s, e in zip(starts.tolist(), ends)]
+
+
+_PAIRWISE_BLOCK = 128  # numpy's PW_BLOCKSIZE: longer sums are split in halves (left to reduceat)
+
+
+def _group_sum(rows: np.ndarray) -> np.ndarray:
+    rest, n = rows[1:], len(rows) - 1
+    if n < 8:
+        acc = np.full(rows.shape[1], -0.0, rows.dtype)
+        for i in range(n):
+            acc += rest[i]
+        return rows[0] + acc
+    r = rest[:8].copy()
+    whole = n - n % 8
+    for i in range(8, whole, 8):
+        r += rest[i:i + 8]
+    acc = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]))
+    for i in range(whole, n):
+        acc += rest[i]
+    return rows[0] + acc
