@@ -129,11 +129,17 @@ def shape_mismatches(catalog: Catalog, base_id: str, model_ids: list[str]) -> li
         [base_id, *model_ids]).fetchall()
 
 
-def nonfinite_blocks(catalog: Catalog, model_id: str) -> list[tuple]:
-    """(tensor, block, nonfinite, base_nonfinite) of the blocks whose delta holds NaN/Inf, in order."""
-    return catalog.conn.execute(
-        "SELECT tensor, block, nonfinite, base_nonfinite FROM blocks WHERE model_id = ? AND nonfinite > 0 "
-        "ORDER BY tensor, block", [model_id]).fetchall()
+def nonfinite_blocks_of(catalog: Catalog, model_ids: list[str]) -> dict[str, list[tuple]]:
+    """(tensor, block, nonfinite, base_nonfinite) of the blocks whose delta holds NaN/Inf, in order, per model
+    among these that has any, in one query."""
+    out: dict[str, list[tuple]] = {}
+    if not model_ids:
+        return out
+    for mid, *row in catalog.conn.execute(
+            f"SELECT model_id, tensor, block, nonfinite, base_nonfinite FROM blocks WHERE model_id IN "
+            f"({_in(model_ids)}) AND nonfinite > 0 ORDER BY model_id, tensor, block", list(model_ids)).fetchall():
+        out.setdefault(mid, []).append(tuple(row))
+    return out
 
 
 def changed_tensors(catalog: Catalog, model_id: str) -> list[str]:

@@ -78,6 +78,17 @@ def current_compact(catalog: Catalog, model_id: str, fingerprint: str, block_byt
     return row
 
 
+def current_compacts(catalog: Catalog, experts: list[dict], block_bytes: int) -> dict[str, dict]:
+    """``current_compact`` of each expert ({id, fingerprint}) that has one, in one query."""
+    if not experts:
+        return {}
+    fingerprints = {e["id"]: e["fingerprint"] for e in experts}
+    rows = catalog.query(f"SELECT * FROM compacts WHERE model_id IN ({','.join('?' * len(fingerprints))})",
+                         list(fingerprints))
+    return {r["model_id"]: r for r in rows
+            if r["fingerprint"] == fingerprints[r["model_id"]] and r["block_bytes"] == block_bytes}
+
+
 def compact_blocks(catalog: Catalog, model_id: str):
     """Cursor of (tensor, block, offset, n, err1, err2, err4) of an expert's compact blocks."""
     return catalog.conn.execute("SELECT tensor, block, offset, n, err1, err2, err4 FROM compact_blocks "

@@ -17,7 +17,7 @@ import numpy as np
 
 from mergepipe.catalog import analyses
 from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.models import check_unchanged
+from mergepipe.catalog.models import check_unchanged, model_rows
 from mergepipe.errors import PlanError
 from mergepipe.ops.core import TENSOR_PARAMS, coefficient
 from mergepipe.ops.spec import OpSpec, all_parameters
@@ -110,11 +110,12 @@ class ResolvedRequest:
         global_d = None if density is None else check_setting(density, "density")
         check_unchanged(self.base)
         self._analyzed = analyses.analyzed_ids(self.catalog, ids) if ids else set()
+        self._rows = model_rows(self.catalog, ids)
         return [self._expert_spec(s, global_w, global_d) for s in specs]
 
     def _expert_spec(self, s: dict, global_w, global_d) -> dict:
         """One expert: its catalog row, own parameters, weight and density (one value or per tensor), checked."""
-        row = self.catalog.model(s["model"])
+        row = self._rows.get(s["model"]) or self.catalog.model(s["model"])  # an unknown id: the catalog's refusal
         if row["base_id"] != self.base["id"]:
             raise PlanError(f"expert {row['id']!r} is registered with base {row['base_id']!r}, not {self.base['id']!r}")
         check_unchanged(row)
@@ -235,10 +236,12 @@ class ResolvedRequest:
 
     def _check_finite(self) -> None:
         """Refuse an analyzed expert whose delta holds NaN/Inf in any tensor (see the module docstring)."""
+        analyzed = [e["id"] for e in self.experts if not e.get("analyze")]
+        found = analyses.nonfinite_blocks_of(self.catalog, analyzed)
         for e in self.experts:
             if e.get("analyze"):
                 continue
-            rows = [r for r in analyses.nonfinite_blocks(self.catalog, e["id"]) if r[0] in self.tensor_index]
+            rows = [r for r in found.get(e["id"], ()) if r[0] in self.tensor_index]
             if rows:
                 raise PlanError(analyses.nonfinite_message(e["id"], self.base["id"], rows))
 

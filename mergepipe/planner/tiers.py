@@ -220,12 +220,9 @@ def tier_plan_inputs(ctx) -> tuple["Tiers | None", str | None, dict]:
     mode = ctx.request.compact
     if mode == "off":
         return None, None, {}
-    files = {}
-    for e in ctx.experts:
-        row = None if e.get("analyze") else compacts.current_compact(ctx.catalog, e["id"], e["fingerprint"],
-                                                                       ctx.block_bytes)
-        if row is not None:
-            files[e["id"]] = row
+    stored = compacts.current_compacts(ctx.catalog, [e for e in ctx.experts if not e.get("analyze")],
+                                       ctx.block_bytes)
+    files = {e["id"]: stored[e["id"]] for e in ctx.experts if e["id"] in stored}
     if not files:
         if mode != "auto" and not ctx.to_analyze:  # a first merge stores them on the way (compact_store)
             raise PlanError(f"--compact {mode}: none of the experts has compact deltas for this grid "
