@@ -24,7 +24,8 @@ EXPERTS = ["e1", "e2", "e3"]
 SPARSE = {"ties", "dare_linear", "dare_ties", "breadcrumbs", "breadcrumbs_ties", "della", "della_linear"}
 
 # Runs in a fresh interpreter: argv[1] is a JSON list of steps, each ["api", name, kwargs] or ["cli", argv];
-# prints one JSON line: the steps' results and whether torch (and numba) got imported.
+# prints one JSON line: the steps' results and whether torch (and numba) got imported; also which of the modules
+# numba would import for nothing (ops/numba_setup.py) were.
 CHILD = r"""
 import json, sys
 steps = json.loads(sys.argv[1])
@@ -51,7 +52,8 @@ for mod, names in (("mergepipe.ops.kernel_loops", ("merge_block", "random_l1", "
             fn = getattr(sys.modules[mod], name)
             stats[name] = [sum(fn.stats.cache_hits.values()), sum(fn.stats.cache_misses.values())]
 print("RESULT:" + json.dumps({"results": results, "torch": "torch" in sys.modules,
-                              "numba": "numba" in sys.modules, "kernels": stats}))
+                              "numba": "numba" in sys.modules, "kernels": stats,
+                              "unneeded": sorted(m for m in ("scipy", "cffi") if m in sys.modules)}))
 """
 
 
@@ -123,7 +125,8 @@ def test_cli_commands_import_no_torch(bf16, tmp_path):
         ["--db", str(db), "models"],
     ]
     got = run_child([["cli", argv] for argv in cli], tmp_path)
-    assert got["results"] == [0] * len(cli) and not got["torch"], got
+    assert got["results"] == [0] * len(cli) and not got["torch"] and got["numba"], got
+    assert got["unneeded"] == [], got
     plan_id = _stored_plan(db, "ties")
     got = run_child([["cli", ["--db", str(db), "execute", plan_id, "--out", str(tmp_path / "m2")]],
                      ["cli", ["--db", str(db), "explain", plan_id]],
