@@ -172,7 +172,7 @@ class Catalog:
                 )
             for v in range(version + 1, SCHEMA_VERSION + 1):
                 for stmt in MIGRATIONS.get(v, []):
-                    self.conn.execute(stmt)
+                    stmt(self.conn) if callable(stmt) else self.conn.execute(stmt)
             self.conn.execute(
                 "INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
             )

@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 
-# ANALYZE's per-tensor Gram statistics (catalog/gram.py): a = b = '' is ||base||^2, a = '' <base, delta_b>,
-# else <delta_a, delta_b> (a <= b), for the experts analyzed together.
-GRAM_COLUMNS = """base_id TEXT NOT NULL, tensor TEXT NOT NULL, a TEXT NOT NULL, b TEXT NOT NULL, value REAL,
-        PRIMARY KEY (base_id, tensor, a, b)"""
-# WITHOUT ROWID (v12): the rows live in their primary key's b-tree, not also in a copy of it (K^2 pairs per
-# tensor: half the table's bytes at K = 64)
+# ANALYZE's per-tensor Gram statistics (catalog/gram.py): per (base, tensor, a) one row holding a's values
+# against every stored b: ``b`` the b ids (a JSON list, sorted), ``value`` their float64 values packed
+# little-endian (NaN: no value), one per b. a = b = '' is ||base||^2, a = '' <base, delta_b>, else
+# <delta_a, delta_b> (a <= b), for the experts analyzed together; '~'-prefixed a: other per-expert statistics
+# (ramplus_tl's counts, arcee_fusion's thresholds, sce's top k). v13: K + 1 rows a tensor, not K^2 / 2.
+GRAM_COLUMNS = """base_id TEXT NOT NULL, tensor TEXT NOT NULL, a TEXT NOT NULL, b TEXT NOT NULL, value BLOB NOT NULL,
+        PRIMARY KEY (base_id, tensor, a)"""
 GRAM_TABLE = f"""CREATE TABLE IF NOT EXISTS gram (
         {GRAM_COLUMNS}) WITHOUT ROWID"""
+# v6 to v12: one row per (base, tensor, a, b); WITHOUT ROWID from v12 on (the rows live in their primary key's
+# b-tree, not also in a copy of it)
+GRAM_V12_COLUMNS = """base_id TEXT NOT NULL, tensor TEXT NOT NULL, a TEXT NOT NULL, b TEXT NOT NULL, value REAL,
+        PRIMARY KEY (base_id, tensor, a, b)"""
+
+
+def _pack_gram(conn) -> None:
+    """v13: the v12 Gram table's rows packed, one row per (base, tensor, a) (catalog/gram.py ``pack``)."""
+    from mergepipe.catalog.gram import migrate_packed
+    migrate_packed(conn)
+
 
 # a merge sweep (v9): its config and state, and one row per point (settings, snapshot, bytes, time, quality)
 SWEEP_TABLES = [
@@ -135,7 +147,8 @@ SCHEMA = [
 ]
 
 # Ordered migrations: version -> statements taking the schema from version-1 to version.
-MIGRATIONS: dict[int, list[str]] = {
+# A callable step is called with the connection (db.py), inside the migration's transaction.
+MIGRATIONS: dict[int, list] = {
     2: ["ALTER TABLE models ADD COLUMN file_stats TEXT"],  # (name, size, mtime) of the files, for cheap change checks
     # bytes read once per tensor when any of its blocks is read (a LoRA adapter's A matrix)
     3: ["ALTER TABLE tensor_stats ADD COLUMN fixed_bytes INTEGER DEFAULT 0"],
@@ -165,8 +178,11 @@ MIGRATIONS: dict[int, list[str]] = {
     11: SEARCH_TABLES,  # recipe searches, their trials and each trial's merges
     # smaller statistics: the Gram table rebuilt WITHOUT ROWID; from v12 on tensor_stats' thresholds and topk
     # JSON are stored zlib-compressed (catalog/packed.py; rows stored earlier stay plain text and read as such)
-    12: [f"CREATE TABLE gram_v12 ({GRAM_COLUMNS}) WITHOUT ROWID",
+    12: [f"CREATE TABLE gram_v12 ({GRAM_V12_COLUMNS}) WITHOUT ROWID",
          "INSERT INTO gram_v12 (base_id, tensor, a, b, value) SELECT base_id, tensor, a, b, value FROM gram",
          "DROP TABLE gram",
          "ALTER TABLE gram_v12 RENAME TO gram"],
+    # the Gram table packed: one row per (base, tensor, a) with a's values against every b (K + 1 rows a tensor
+    # instead of K^2 / 2: planning at K = 64 reads 65 rows a tensor); the values bit for bit those stored before
+    13: [_pack_gram],
 }
