@@ -120,14 +120,13 @@ def _count_keys(keys, k0, k1, pats, first, eq, same_top):
 
 
 @njit(**_C)
-def finish_rest(hist, kk, j, n_hi, s_hi, bins, nb, ck, dens_k, keys, key_spans, blk_bins, blk_counts, bin_ends,
-                span_index, thr, has, ti, tf):
+def finish_rest(hist, kk, j, n_hi, s_hi, bins, nb, ck, dens_k, keys, blk, blk_bins, blk_counts, span_index,
+                thr, has, ti, tf):
     """After :func:`choose_keys` and the sort of its keys ``ck``: per density (k = ``dens_k``), its threshold
     into thr (inf for k <= 0; 0.0 where k exceeds the non-zeros, i.e. is not in ``kk``), has = 1 where it has a
     topk entry, and that entry: ti [above, equal, cut_block, cut_rank, above1, equal1, cut_block1, cut_rank1],
-    tf [kept_l1, thr1] (thresholds.kth_largest_thresholds' topk with SecondPass.tie_cuts' cuts). Each block's
-    keys are keys[key_spans[i, 0]:key_spans[i, 1]] and its sparse histogram blk_bins / blk_counts
-    [bin_ends[i - 1]:bin_ends[i]]. Returns False where the general path must decide (nothing to trust then)."""
+    tf [kept_l1, thr1] (thresholds.kth_largest_thresholds' topk with SecondPass.tie_cuts' cuts). Block i's
+    keys are keys[blk[i, 1]:blk[i, 2]] and its sparse histogram blk_bins / blk_counts [blk[i - 1, 0]:blk[i, 0]]. Returns False where the general path must decide (nothing to trust then)."""
     Q = kk.size
     nck = ck.size
     if nck >= (1 << 29):
@@ -232,7 +231,7 @@ def finish_rest(hist, kk, j, n_hi, s_hi, bins, nb, ck, dens_k, keys, key_spans, 
     for p in range(P - 1, -1, -1):
         first[pats[p] >> 16] = p
     # kernels.tied_per_block
-    nblk = key_spans.shape[0]
+    nblk = blk.shape[0]
     per_block = np.zeros((nblk, P), np.int64)
     eqc = np.zeros(P, np.int64)
     same_top = np.zeros(P, np.int64)
@@ -240,18 +239,18 @@ def finish_rest(hist, kk, j, n_hi, s_hi, bins, nb, ck, dens_k, keys, key_spans, 
     for i in range(nblk):
         eqc[:] = 0
         same_top[:] = 0
-        _count_keys(keys, key_spans[i, 0], key_spans[i, 1], pats, first, eqc, same_top)
+        _count_keys(keys, blk[i, 1], blk[i, 2], pats, first, eqc, same_top)
         jj = b0
         for p in range(P):
             if pats[p] & np.uint32(0xFFFF):
                 per_block[i, p] = eqc[p]
                 continue
             top = np.int64(pats[p] >> np.uint32(16))
-            while jj < bin_ends[i] and blk_bins[jj] < top:
+            while jj < blk[i, 0] and blk_bins[jj] < top:
                 jj += 1
-            in_bin = blk_counts[jj] if jj < bin_ends[i] and blk_bins[jj] == top else 0
+            in_bin = np.int64(blk_counts[jj]) if jj < blk[i, 0] and blk_bins[jj] == top else np.int64(0)
             per_block[i, p] = in_bin - same_top[p]
-        b0 = bin_ends[i]
+        b0 = blk[i, 0]
     # thresholds.block_cuts: the block holding the (m+1)-th tied entry, and the tied entries before it there
     before = np.empty(nblk + 1, np.int64)
     for t in range(nq):

@@ -375,3 +375,68 @@ def shared_unique_counts(deltas, epsilon, shared, unique):
                     u += 1
         shared[i] += s
         unique[i] += u
+
+
+@njit(**_C)
+def _f32_to_f16_bits(x):
+    """A finite float32 -> IEEE binary16 bits, rounded to nearest even, as numpy's astype(np.float16) does
+    (overflow to +-inf; subnormals; underflow to +-0). Checked against numpy over every finite float32
+    (tests/analyze/test_block_tail.py checks a sample and the edges)."""
+    f = np.float32(x).view(np.uint32)
+    sign = np.uint16((f >> np.uint32(16)) & np.uint32(0x8000))
+    f_exp = f & np.uint32(0x7F800000)
+    if f_exp >= np.uint32(0x47800000):  # |x| >= 65536: overflow (the caller passes finite values)
+        return np.uint16(sign | np.uint16(0x7C00))
+    if f_exp <= np.uint32(0x38000000):  # a half subnormal or zero
+        if f_exp < np.uint32(0x33000000):
+            return sign
+        e = f_exp >> np.uint32(23)
+        sig = np.uint32(0x00800000) + (f & np.uint32(0x007FFFFF))
+        lost = f & np.uint32(0x000007FF)  # bits the shift below may lose
+        sig = sig >> (np.uint32(113) - e)
+        if (sig & np.uint32(0x00003FFF)) != np.uint32(0x00001000) or lost:
+            sig += np.uint32(0x00001000)
+        return np.uint16(sign + np.uint16(sig >> np.uint32(13)))
+    h_exp = (f_exp - np.uint32(0x38000000)) >> np.uint32(13)
+    sig = f & np.uint32(0x007FFFFF)
+    if (sig & np.uint32(0x00003FFF)) != np.uint32(0x00001000):
+        sig += np.uint32(0x00001000)
+    h = (sig >> np.uint32(13)) + h_exp  # a carry out of the significand bumps the exponent (to inf at most)
+    return np.uint16(sign + np.uint16(h))
+
+
+@njit(**_C)
+def f32_to_f16_bits(values, out):
+    """:func:`_f32_to_f16_bits` over an array (finite float32 values), into uint16 ``out``."""
+    for i in range(values.size):
+        out[i] = _f32_to_f16_bits(values[i])
+
+
+@njit(**_C)
+def block_tail(hist, prev, bins, counts, pos, upto, prev_nonfinite, e, b, positions, mx, sketch):
+    """What add_block needs after block_stats, in one call: this block's sparse histogram counts (hist_delta
+    into bins / counts from ``pos``), the non-finite entries counted so far (nonfinite_in_hist), and, when the
+    block has none, its sketch: the delta at ``positions`` divided by max |delta| ``mx`` (when > 0) in float32,
+    as float16 bits in ``sketch`` (catalog/sketch.sketch_bytes, equal bit for bit). Returns (sparse bins,
+    non-finite so far, sketched: False where the block has NaN/Inf and the caller makes its sketch)."""
+    n = 0
+    for j in range(min(upto, hist.shape[1])):
+        s = 0
+        for lane in range(hist.shape[0]):
+            s += hist[lane, j]
+        d = s - prev[j]
+        if d != 0:
+            bins[pos + n] = j
+            counts[pos + n] = d
+            prev[j] = s
+            n += 1
+    total = nonfinite_in_hist(hist)
+    if total != prev_nonfinite:
+        return n, total, False
+    m = np.float32(mx)
+    for p in range(positions.size):
+        v = _delta(e, b, positions[p])
+        if m > 0:
+            v = v / m
+        sketch[p] = _f32_to_f16_bits(v)
+    return n, total, True

@@ -257,8 +257,11 @@ class _TensorPass(SecondPass):
         self.buf = buffers.take(binfo.numel)  # histograms and scratch, reused (analyze/buffers.py)
         self.hist, self.l1hist = self.buf.hist, self.buf.l1hist  # |d| patterns' top 16 bits; sum of |d| per bin
         self.lowcnt = self.buf.lowcnt if binfo.numel < L1_FOLD_NUMEL else None  # kernels.fold_l1
-        # tensors not kept in memory: per block (bins, counts, first key, end key) for the exact-k cuts
-        self.block_bins: list[tuple] = []
+        # per block, for the exact-k cuts: its sparse histogram counts (bins / counts, appended in block order:
+        # block i's end at blk[i, 0]) and its keys (keys[blk[i, 1]:blk[i, 2]]); ``nblk`` blocks recorded
+        self.bb_bins = self.bb_counts = _NO_BINS
+        self.blk = np.empty((len(self.spans), 3), dtype=np.int64)
+        self.nblk = 0
         self.rows: list[dict] = []
         self.compacts: list[tuple] = []  # (block, entries, record, error norms) when the job writes compacts
         self.cached: list[tuple] = []  # (expert, base) arrays of every block, when the tensor is kept
@@ -311,20 +314,29 @@ class _TensorPass(SecondPass):
         s2, s1, m, n, low, self.nkeys = kernels.block_stats(e, b, self.hist, self.keys, before, self.l1hist, self.lowcnt)
         if self.nkeys - before < low:
             self._collect_rest(e, b, before, low)
-        # this block's histogram counts, sparse: the exact-k cuts then need no second pass over the data
-        bins, counts = self.buf.bins, self.buf.counts
-        top = _top_bin(m) if np.isfinite(m) else self.hist.shape[1]
-        n_bins = kernels.hist_delta(self.hist, self.buf.before, bins, counts, top + 1)
-        self.block_bins.append((bins[:n_bins].copy(), counts[:n_bins].copy(), before, self.nkeys))
+        # this block's histogram counts, sparse: the exact-k cuts then need no second pass over the data;
+        # the non-finite entries so far (a histogram read) and, for a block without any, its sketch: one call
         m = float(m)
-        nonfinite = kernels.nonfinite_in_hist(self.hist) - self.nonfinite  # this block's (a histogram read)
+        upto = (_top_bin(m) if math.isfinite(m) else self.hist.shape[1]) + 1
+        pos = int(self.blk[self.nblk - 1, 0]) if self.nblk else 0
+        if self.bb_bins.size - pos < min(upto, self.hist.shape[1]):
+            self._grow_bins(pos + min(upto, self.hist.shape[1]))
+        positions = sample_positions(e.size, self.job.sketch_size)
+        sketch = _sketch_scratch(positions.size)
+        n_bins, nonfinite, sketched = kernels.block_tail(self.hist, self.buf.before, self.bb_bins, self.bb_counts, pos,
+                                                         upto, self.nonfinite, e, b, positions, m, sketch)
+        self.blk[self.nblk] = (pos + n_bins, before, self.nkeys)
+        self.nblk += 1
+        nonfinite -= self.nonfinite  # this block's
         base_nonfinite = kernels.count_nonfinite(b) if nonfinite and b is not None else 0  # bad blocks only
         self.nonfinite += nonfinite
         self.base_nonfinite += base_nonfinite
-        positions = sample_positions(e.size, self.job.sketch_size)
         rng = self.ranges[span.index] if self.ranges else self.source.block_ranges(self.binfo.name, span)[0]
-        with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf deltas (recorded, refused by the planner)
-            sketch = sketch_bytes(kernels.gather_delta(e, b, positions), m)
+        if sketched:
+            sketch = sketch.tobytes()
+        else:
+            with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf deltas (recorded, refused by the planner)
+                sketch = sketch_bytes(kernels.gather_delta(e, b, positions), m)
         self.rows.append(_row(self.job.expert_id, self.binfo.name, span, rng, delta_l2=math.sqrt(s2), delta_l1=s1,
                               delta_max_abs=m, delta_nnz=n, nonfinite=nonfinite, base_nonfinite=base_nonfinite,
                               sketch=sketch))
@@ -361,7 +373,8 @@ class _TensorPass(SecondPass):
                  "thresholds": texts[0], "topk": texts[1],
                  "fixed_bytes": self.fixed_bytes if self.nnz else 0,
                  "nonfinite": self.nonfinite, "base_nonfinite": self.base_nonfinite}
-        self.cached, self.keys, self.block_bins = [], NO_KEYS, []
+        self.cached, self.keys = [], NO_KEYS
+        self.bb_bins = self.bb_counts = _NO_BINS
         buffers.give_back(self.buf)
         self.buf = self.hist = self.l1hist = self.lowcnt = None
         if job.compact is not None and self.compacts:
@@ -370,11 +383,28 @@ class _TensorPass(SecondPass):
         return self.rows, stats
 
 
+    def _grow_bins(self, need: int) -> None:
+        cap = max(need, 2 * self.bb_bins.size, 1024)
+        for name in ("bb_bins", "bb_counts"):
+            grown = np.empty(cap, dtype=np.int32)
+            old = getattr(self, name)
+            grown[:old.size] = old
+            setattr(self, name, grown)
+
+    @property
+    def block_bins(self) -> list[tuple]:
+        """Per block recorded: (bins, counts, first key, end key), as second_pass.SecondPass.tie_cuts reads them."""
+        out, start = [], 0
+        for end, k0, k1 in self.blk[:self.nblk].tolist():
+            out.append((self.bb_bins[start:end].astype(np.int64), self.bb_counts[start:end].astype(np.int64), k0, k1))
+            start = end
+        return out
+
     def _fusable(self) -> bool:
         """The common case, which analyze/finish.py computes in two compiled calls: a float tensor with
         non-zeros, every low-bit key collected, no NaN/Inf, every block's histogram counts recorded."""
         return (bool(self.nnz) and self.keys is not NO_KEYS and self.nonfinite == 0 and is_float(self.binfo)
-                and len(self.block_bins) == len(self.spans))
+                and self.nblk == len(self.spans))
 
     def _fused_select(self, hist: np.ndarray) -> tuple[str, str] | None:
         """(thresholds JSON, topk JSON) as kth_largest_thresholds and tie_cuts make them, or None where
@@ -394,12 +424,8 @@ class _TensorPass(SecondPass):
         d = dens_k.size
         thr, has = np.empty(d, np.float64), np.zeros(d, np.int8)
         ti, tf = np.empty((d, 8), np.int64), np.empty((d, 2), np.float64)
-        bb = self.block_bins
-        if not finish.finish_rest(hist, kk, j, n_hi, s_hi, kbins, nb, chosen, dens_k, self.keys,
-                                  np.array([(k0, k1) for _, _, k0, k1 in bb], dtype=np.int64).reshape(-1, 2),
-                                  np.concatenate([b for b, _, _, _ in bb]), np.concatenate([c for _, c, _, _ in bb]),
-                                  np.cumsum([b.size for b, _, _, _ in bb], dtype=np.int64),
-                                  np.array([s.index for s in self.spans], dtype=np.int64), thr, has, ti, tf):
+        if not finish.finish_rest(hist, kk, j, n_hi, s_hi, kbins, nb, chosen, dens_k, self.keys, self.blk,
+                                  self.bb_bins, self.bb_counts, _span_index(self.spans), thr, has, ti, tf):
             return None
         topk = {name: [t[0], t[1], f[0], t[2], t[3], f[1], t[4], t[5], t[6], t[7]]
                 for name, h, t, f in zip(names, has.tolist(), ti.tolist(), tf.tolist()) if h}
@@ -407,6 +433,25 @@ class _TensorPass(SecondPass):
 
 
 _SLOTS = threading.local()
+_NO_BINS = np.empty(0, dtype=np.int32)
+
+
+def _sketch_scratch(n: int) -> np.ndarray:
+    """This thread's uint16 buffer for one block's sketch (its float16 bits), ``n`` long."""
+    buf = getattr(_SLOTS, "sketch", None)
+    if buf is None or buf.size < n:
+        buf = _SLOTS.sketch = np.empty(max(n, 4096), dtype=np.uint16)
+    return buf[:n]
+
+
+@lru_cache(maxsize=1024)
+def _span_index_cached(key) -> np.ndarray:
+    return np.array(key, dtype=np.int64)
+
+
+def _span_index(spans) -> np.ndarray:
+    """The grid index of each span (block i of the pass is spans[i])."""
+    return _span_index_cached(tuple(s.index for s in spans))
 
 
 def _slot_scratch() -> np.ndarray:
