@@ -108,9 +108,15 @@ def replace_gram(catalog: Catalog, jobs) -> None:
     if not ids:
         return
     new: dict[str, dict[tuple[str, str], dict]] = {}
+    # the experts of one pass share each tensor's list of rows: a list stored again right after itself changes
+    # nothing (K times fewer steps at K experts)
+    last: dict[tuple[str, str], list] = {}
     for job in jobs:
         per = new.setdefault(job.base["id"], {})
         for tensor, trows in getattr(job, "gram", {}).items():
+            if last.get((job.base["id"], tensor)) is trows:
+                continue
+            last[(job.base["id"], tensor)] = trows
             for a, b, value in trows:
                 per.setdefault((tensor, a), {})[b] = value
     for base_id, per in new.items():
