@@ -413,30 +413,27 @@ def f32_to_f16_bits(values, out):
 
 
 @njit(**_C)
-def block_tail(hist, prev, bins, counts, pos, upto, prev_nonfinite, e, b, positions, mx, sketch):
+def block_tail(hist, prev, bins, counts, dest_bins, dest_counts, pos, upto, prev_nonfinite, e, b, positions, mx,
+               sketch):
     """What add_block needs after block_stats, in one call: this block's sparse histogram counts (hist_delta
-    into bins / counts from ``pos``), the non-finite entries counted so far (nonfinite_in_hist), and, when the
-    block has none, its sketch: the delta at ``positions`` divided by max |delta| ``mx`` (when > 0) in float32,
-    as float16 bits in ``sketch`` (catalog/sketch.sketch_bytes, equal bit for bit). Returns (sparse bins,
-    non-finite so far, sketched: False where the block has NaN/Inf and the caller makes its sketch)."""
-    n = 0
-    for j in range(min(upto, hist.shape[1])):
-        s = 0
-        for lane in range(hist.shape[0]):
-            s += hist[lane, j]
-        d = s - prev[j]
-        if d != 0:
-            bins[pos + n] = j
-            counts[pos + n] = d
-            prev[j] = s
-            n += 1
+    into the scratch bins / counts, and copied to dest_bins / dest_counts from ``pos`` when they have room),
+    the non-finite entries counted so far (nonfinite_in_hist), and, when the block has none, its sketch: the
+    delta at ``positions`` divided by max |delta| ``mx`` (when > 0) in float32, as float16 bits in ``sketch``
+    (catalog/sketch.sketch_bytes, equal bit for bit). Returns (sparse bins, copied, non-finite so far,
+    sketched: False where the block has NaN/Inf and the caller makes its sketch)."""
+    n = hist_delta(hist, prev, bins, counts, upto)
+    copied = pos + n <= dest_bins.size
+    if copied:
+        for i in range(n):
+            dest_bins[pos + i] = bins[i]
+            dest_counts[pos + i] = counts[i]
     total = nonfinite_in_hist(hist)
     if total != prev_nonfinite:
-        return n, total, False
+        return n, copied, total, False
     m = np.float32(mx)
     for p in range(positions.size):
         v = _delta(e, b, positions[p])
         if m > 0:
             v = v / m
         sketch[p] = _f32_to_f16_bits(v)
-    return n, total, True
+    return n, copied, total, True

@@ -319,12 +319,15 @@ class _TensorPass(SecondPass):
         m = float(m)
         upto = (_top_bin(m) if math.isfinite(m) else self.hist.shape[1]) + 1
         pos = int(self.blk[self.nblk - 1, 0]) if self.nblk else 0
-        if self.bb_bins.size - pos < min(upto, self.hist.shape[1]):
-            self._grow_bins(pos + min(upto, self.hist.shape[1]))
         positions = sample_positions(e.size, self.job.sketch_size)
         sketch = _sketch_scratch(positions.size)
-        n_bins, nonfinite, sketched = kernels.block_tail(self.hist, self.buf.before, self.bb_bins, self.bb_counts, pos,
-                                                         upto, self.nonfinite, e, b, positions, m, sketch)
+        n_bins, copied, nonfinite, sketched = kernels.block_tail(
+            self.hist, self.buf.before, self.buf.bins, self.buf.counts, self.bb_bins, self.bb_counts, pos, upto,
+            self.nonfinite, e, b, positions, m, sketch)
+        if not copied:  # the pass's arrays were full
+            self._grow_bins(pos + n_bins)
+            self.bb_bins[pos:pos + n_bins] = self.buf.bins[:n_bins]
+            self.bb_counts[pos:pos + n_bins] = self.buf.counts[:n_bins]
         self.blk[self.nblk] = (pos + n_bins, before, self.nkeys)
         self.nblk += 1
         nonfinite -= self.nonfinite  # this block's
@@ -384,7 +387,7 @@ class _TensorPass(SecondPass):
 
 
     def _grow_bins(self, need: int) -> None:
-        cap = max(need, 2 * self.bb_bins.size, 1024)
+        cap = max(need, self.bb_bins.size + self.bb_bins.size // 2, 256)
         for name in ("bb_bins", "bb_counts"):
             grown = np.empty(cap, dtype=np.int32)
             old = getattr(self, name)

@@ -59,8 +59,10 @@ def test_block_tail_equals_the_steps_it_replaces(dtype):
         prev = np.zeros(1 << 16, dtype=np.int64)
         bb, bc = np.zeros(upto + 5, np.int32), np.zeros(upto + 5, np.int32)
         sketch = np.empty(positions.size, np.uint16)
-        n_bins, nonfinite, sketched = kernels.block_tail(hist, prev, bb, bc, 5, upto, 0, e, b, positions, m, sketch)
-        assert sketched and nonfinite == kernels.nonfinite_in_hist(hist) == 0
+        scratch = np.zeros(1 << 16, np.int64), np.zeros(1 << 16, np.int64)
+        n_bins, copied, nonfinite, sketched = kernels.block_tail(hist, prev, *scratch, bb, bc, 5, upto, 0, e, b,
+                                                                 positions, m, sketch)
+        assert sketched and copied and nonfinite == kernels.nonfinite_in_hist(hist) == 0
         assert n_bins == n_ref
         assert np.array_equal(bb[5:5 + n_bins], bins[:n_ref]) and np.array_equal(bc[5:5 + n_bins], counts[:n_ref])
         assert np.array_equal(prev, prev_ref)
@@ -75,6 +77,7 @@ def test_block_tail_leaves_a_nonfinite_block_to_the_caller():
     hist = np.zeros((4, 1 << 16), dtype=np.int32)
     kernels.block_stats(e, b, hist, np.empty(4, np.uint32), 0, np.zeros(1 << 16), None)
     bb, bc = np.zeros(1 << 16, np.int32), np.zeros(1 << 16, np.int32)
-    n_bins, nonfinite, sketched = kernels.block_tail(hist, np.zeros(1 << 16, np.int64), bb, bc, 0, 1 << 16, 0, e, b,
-                                                     np.arange(4), 3.0, np.empty(4, np.uint16))
-    assert nonfinite == 1 and not sketched
+    scratch = np.zeros(1 << 16, np.int64), np.zeros(1 << 16, np.int64)
+    n_bins, copied, nonfinite, sketched = kernels.block_tail(hist, np.zeros(1 << 16, np.int64), *scratch, bb, bc, 0,
+                                                             1 << 16, 0, e, b, np.arange(4), 3.0, np.empty(4, np.uint16))
+    assert nonfinite == 1 and not sketched and copied
