@@ -8,13 +8,12 @@ no value, as SQLite stored them); the readers give what the v12 ones gave."""
 
 from __future__ import annotations
 
-import json
-from functools import lru_cache
-from itertools import groupby
 from operator import itemgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from mergepipe.catalog.gram_pack import _ids, pack, unpack
 
 if TYPE_CHECKING:
     from mergepipe.catalog.db import Catalog
@@ -31,47 +30,9 @@ def sce_row_keys(topk: float, key: str) -> dict[str, str]:
     return {"sums": f"~sce:{tag}", "thr": f"~scethr:{tag}", "cut": f"~scecut:{tag}", "rank": f"~scerank:{tag}"}
 
 
-# --- the packed rows ---------------------------------------------------------------------------------------
-def pack(values: dict) -> tuple[str, bytes]:
-    """One row's ``b`` and ``value`` columns from {b: value} (None or NaN: no value). The values as SQLite
-    stored a REAL before v13: -0.0 as 0.0, every NaN as no value (one NaN)."""
-    bs = sorted(values)  # SQLite's BINARY order (the UTF-8 bytes') is Python's order of str
-    v = np.array([np.nan if values[b] is None else values[b] for b in bs], dtype=np.float64) + 0.0
-    v[np.isnan(v)] = np.nan
-    return json.dumps(bs), v.astype("<f8").tobytes()
-
-
-@lru_cache(maxsize=4096)
-def _ids(text: str) -> tuple[str, ...]:
-    return tuple(json.loads(text))
-
-
-def unpack(b: str, value: bytes) -> dict[str, float | None]:
-    """{b: value} of one row (None: no value), in b order."""
-    return dict(zip(_ids(b), (None if v != v else v for v in np.frombuffer(value, "<f8").tolist())))
-
-
+# --- reads ---------------------------------------------------------------------------------------------
 def _select(catalog: Catalog, sql: str, args) -> list:
     return catalog.conn.execute(f"SELECT tensor, a, b, value FROM gram WHERE {sql}", args).fetchall()
-
-
-def migrate_packed(conn) -> None:
-    """Schema v13 (schema.py MIGRATIONS): the v12 table (one row per (base, tensor, a, b)) rebuilt packed,
-    in the caller's transaction. A table already packed is left as it is."""
-    from mergepipe.catalog.schema import GRAM_COLUMNS
-    if "b" not in {r[1] for r in conn.execute("PRAGMA table_info(gram)").fetchall() if r[5]}:
-        return
-    conn.execute(f"CREATE TABLE gram_v13 ({GRAM_COLUMNS}) WITHOUT ROWID")
-    cur = conn.execute("SELECT base_id, tensor, a, b, value FROM gram ORDER BY base_id, tensor, a, b")
-    batch = []
-    for key, rows in groupby(cur, key=itemgetter(0, 1, 2)):
-        batch.append((*key, *pack({r[3]: r[4] for r in rows})))
-        if len(batch) >= 2000:
-            conn.executemany("INSERT INTO gram_v13 (base_id, tensor, a, b, value) VALUES (?, ?, ?, ?, ?)", batch)
-            batch = []
-    conn.executemany("INSERT INTO gram_v13 (base_id, tensor, a, b, value) VALUES (?, ?, ?, ?, ?)", batch)
-    conn.execute("DROP TABLE gram")
-    conn.execute("ALTER TABLE gram_v13 RENAME TO gram")
 
 
 def drop_gram(catalog: Catalog, base_id: str, ids) -> dict[tuple[str, str], dict]:

@@ -47,14 +47,6 @@ def file_stats(uri: str) -> str | None:
     return storage_for(uri).stamp(uri)
 
 
-def model_rows(catalog: Catalog, model_ids: list[str]) -> dict[str, dict]:
-    """The rows of these models that are registered, in one query (``Catalog.model`` refuses an unknown id)."""
-    ids = list(dict.fromkeys(model_ids))
-    if not ids:
-        return {}
-    return {r["id"]: r for r in catalog.query(f"SELECT * FROM models WHERE id IN ({','.join('?' * len(ids))})", ids)}
-
-
 def check_unchanged(row: dict) -> None:
     """Refuse to use a model whose files changed since it was registered.
 

@@ -20,9 +20,9 @@ GRAM_V12_COLUMNS = """base_id TEXT NOT NULL, tensor TEXT NOT NULL, a TEXT NOT NU
 
 
 def _pack_gram(conn) -> None:
-    """v13: the v12 Gram table's rows packed, one row per (base, tensor, a) (catalog/gram.py ``pack``)."""
-    from mergepipe.catalog.gram import migrate_packed
-    migrate_packed(conn)
+    """v13: the v12 Gram table's rows packed, one row per (base, tensor, a) (catalog/gram_pack.py)."""
+    from mergepipe.catalog.gram_pack import migrate_packed
+    migrate_packed(conn, GRAM_COLUMNS)
 
 
 # a merge sweep (v9): its config and state, and one row per point (settings, snapshot, bytes, time, quality)

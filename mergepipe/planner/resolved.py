@@ -17,7 +17,7 @@ import numpy as np
 
 from mergepipe.catalog import analyses
 from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.models import check_unchanged, model_rows
+from mergepipe.catalog.models import check_unchanged
 from mergepipe.errors import PlanError
 from mergepipe.ops.core import TENSOR_PARAMS, coefficient
 from mergepipe.ops.spec import OpSpec, all_parameters
@@ -110,7 +110,7 @@ class ResolvedRequest:
         global_d = None if density is None else check_setting(density, "density")
         check_unchanged(self.base)
         self._analyzed = analyses.analyzed_ids(self.catalog, ids) if ids else set()
-        self._rows = model_rows(self.catalog, ids)
+        self._rows = self.catalog.models_by_id(ids)
         return [self._expert_spec(s, global_w, global_d) for s in specs]
 
     def _expert_spec(self, s: dict, global_w, global_d) -> dict:
