@@ -144,7 +144,7 @@ def finish_rest(hist, kk, j, n_hi, s_hi, bins, nb, ck, dens_k, keys, blk, blk_bi
         low_sums[i + 1] = acc
     for q in range(Q):
         kbin = np.int64(HIST_BINS - 1 - j[q])
-        if kbin >= 0x7F80:  # Inf/NaN: KeySelection.split one by one
+        if kbin >= 0x7F80 or kbin < 0:  # Inf/NaN: KeySelection.split one by one; < 0: k past every entry
             return False
         slot = np.int64(_left(bins[:nb], kbin))
         rank = kk[q] - n_hi[q]
