@@ -81,3 +81,27 @@ def test_block_tail_leaves_a_nonfinite_block_to_the_caller():
     n_bins, copied, nonfinite, sketched = kernels.block_tail(hist, np.zeros(1 << 16, np.int64), *scratch, bb, bc, 0,
                                                              1 << 16, 0, e, b, np.arange(4), 3.0, np.empty(4, np.uint16))
     assert nonfinite == 1 and not sketched and copied
+
+
+@pytest.mark.parametrize("view,nan_bits", [(np.uint16, 0x7FC0), (np.int16, 0x7E00)])
+def test_an_unchanged_block_counts_only_zeros_and_a_nan_still_counts(view, nan_bits):
+    """block_stats' shortcut for a block whose expert and base bits are equal (every delta +0.0): the same
+    results and the same lane counts as its loop; equal bits that are NaN/Inf are not zeros (the loop runs)."""
+    rng = np.random.default_rng(2)
+    for n in (1001, 4096, 3):
+        base = rng.integers(0, 0x3F00, n).astype(np.uint16).view(view)
+        hist = np.zeros((4, 1 << 16), dtype=np.int32)
+        out = kernels.block_stats(base.copy(), base, hist, np.empty(n, np.uint32), 7, np.zeros(1 << 16), None)
+        assert out == (0.0, 0.0, 0.0, 0, 0, 7)
+        assert hist[:, 0].tolist() == [n // 4 + n % 4, n // 4, n // 4, n // 4] and hist.sum() == n
+        odd = base.copy()
+        odd[n // 2] = np.uint16(nan_bits).view(view)
+        hist[:] = 0
+        kernels.block_stats(odd.copy(), odd, hist, np.empty(n, np.uint32), 0, np.zeros(1 << 16), None)
+        assert kernels.nonfinite_in_hist(hist) == 1 and hist.sum() == n
+        changed = base.copy()
+        changed[-1] ^= np.uint16(1).view(view)
+        hist[:] = 0
+        s2, s1, m, nnz, low, _ = kernels.block_stats(changed, base, hist, np.empty(n, np.uint32), 0, np.zeros(1 << 16),
+                                                     None)
+        assert nnz == 1 and m > 0 and hist.sum() == n
