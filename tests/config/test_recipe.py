@@ -119,7 +119,7 @@ def test_a_v7_catalog_gets_the_recipe_tables(tmp_path):
     cat.close()
     cat = Catalog(db)
     try:
-        assert cat.query("SELECT value FROM meta WHERE key='schema_version'")[0]["value"] == str(SCHEMA_VERSION) == "12"
+        assert cat.query("SELECT value FROM meta WHERE key='schema_version'")[0]["value"] == str(SCHEMA_VERSION) == "13"
         assert api.recipe_list(cat) == []
     finally:
         cat.close()

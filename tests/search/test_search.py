@@ -373,7 +373,7 @@ def test_a_v10_catalog_gets_the_search_tables(tmp_path, cat):
     cat.close()
     again = Catalog(path)
     try:
-        assert again.query("SELECT value FROM meta WHERE key='schema_version'")[0]["value"] == "12"
+        assert again.query("SELECT value FROM meta WHERE key='schema_version'")[0]["value"] == "13"
         assert api.searches(again) == []
     finally:
         again.close()
