@@ -156,6 +156,7 @@ def test_analyze_and_a_first_merge_import_no_torch(bf16, tmp_path):
     experts = [p.name for p in bf16.experts]
     got = run_child([["cli", ["--db", str(cats["a"]), "analyze", *experts]]], tmp_path)
     assert got["results"] == [0] and not got["torch"], got
+    assert got["numba"] and got["unneeded"] == [], got
     got = run_child([["cli", ["--db", str(cats["b"]), "merge", "--base", "base", "--experts", *experts, "--op", "ties",
                               "--density", "0.5", "--out", str(tmp_path / "first")]]], tmp_path)
     assert got["results"] == [0] and not got["torch"], got

@@ -4,6 +4,7 @@ locates every k-th largest. Kernels of the pass over the data are in analyze/ker
 
 from __future__ import annotations
 
+import mergepipe.ops.numba_setup  # noqa: F401 (numba's start-up without scipy and cffi; before any @njit)
 import numpy as np
 from numba import njit
 

@@ -12,10 +12,12 @@ finishes; sets not given back (a pass that failed) are simply collected.
 from __future__ import annotations
 
 import threading
+from functools import lru_cache
 
 import numpy as np
 
 from mergepipe.analyze import bins
+from mergepipe.storage.base import Reader
 
 WIDTH = 1 << 16  # top-16-bit bins of a float32 pattern
 _LOCAL = threading.local()
@@ -73,3 +75,70 @@ def give_back(buf: PassBuffers) -> None:
         pool = _LOCAL.pool = []
     if len(pool) < _KEEP:
         pool.append(buf)
+
+
+# --- read buffers and per-block scratch (analyze/stats.py's passes) -------------------------------------------
+_READ_BUFFER = threading.local()
+
+
+def read_buffer(nbytes: int) -> np.ndarray:
+    """This thread's reusable read buffer of at least ``nbytes``. Reusing it spares the page faults
+    (kernel time) of a fresh mapping for every block, which cost as much as the reads themselves."""
+    buf = getattr(_READ_BUFFER, "buf", None)
+    if buf is None or buf.size < nbytes:
+        buf = _READ_BUFFER.buf = np.empty(max(nbytes, 8 << 20), dtype=np.uint8)
+    return buf
+
+
+class Arena:
+    """Bump allocation in this thread's reusable buffer, each piece 8-byte aligned."""
+
+    def __init__(self, nbytes: int):
+        self.buf = read_buffer(nbytes)
+        self.pos = 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        piece = self.buf[self.pos:self.pos + nbytes]
+        self.pos += -(-nbytes // 8) * 8
+        return piece
+
+
+_SCRATCH = threading.local()
+
+
+def sketch_scratch(n: int) -> np.ndarray:
+    """This thread's uint16 buffer for one block's sketch (its float16 bits), ``n`` long."""
+    buf = getattr(_SCRATCH, "sketch", None)
+    if buf is None or buf.size < n:
+        buf = _SCRATCH.sketch = np.empty(max(n, 4096), dtype=np.uint16)
+    return buf[:n]
+
+
+@lru_cache(maxsize=1024)
+def _span_index_of(key) -> np.ndarray:
+    return np.array(key, dtype=np.int64)
+
+
+def span_index(spans) -> np.ndarray:
+    """The grid index of each span (block i of the pass is spans[i])."""
+    return _span_index_of(tuple(s.index for s in spans))
+
+
+def slot_scratch() -> np.ndarray:
+    """This thread's slot table for finish.choose_keys (int32 [65536], all -1 between calls)."""
+    table = getattr(_SCRATCH, "table", None)
+    if table is None:
+        table = _SCRATCH.table = np.full(1 << 16, -1, dtype=np.int32)
+    return table
+
+
+# numpy views of raw bytes the kernels accept (bf16 and fp16 need distinct 16-bit types)
+RAW_VIEW = {"BF16": np.uint16, "F16": np.int16, "F32": np.float32, "F64": np.float64}
+
+
+def read_view(reader: Reader, rng: tuple[str, int, int], dtype: str, into: np.ndarray) -> np.ndarray:
+    """One byte range as the kernels' array type, read into ``into`` (a slice of the arena)."""
+    buf = into[:rng[2]]
+    assert buf.size == rng[2]
+    reader.read_into(rng[0], rng[1], buf)
+    return buf.view(RAW_VIEW[dtype])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import mergepipe.ops.numba_setup  # noqa: F401 (numba's start-up without scipy and cffi; before any @njit)
 import numpy as np
 from numba import njit
 

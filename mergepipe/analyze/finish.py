@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+import mergepipe.ops.numba_setup  # noqa: F401 (numba's start-up without scipy and cffi; before any @njit)
 import numpy as np
 from numba import njit
 
@@ -127,10 +128,31 @@ def finish_rest(hist, kk, j, n_hi, s_hi, bins, nb, ck, dens_k, keys, blk, blk_bi
     topk entry, and that entry: ti [above, equal, cut_block, cut_rank, above1, equal1, cut_block1, cut_rank1],
     tf [kept_l1, thr1] (thresholds.kth_largest_thresholds' topk with SecondPass.tie_cuts' cuts). Block i's
     keys are keys[blk[i, 1]:blk[i, 2]] and its sparse histogram blk_bins / blk_counts [blk[i - 1, 0]:blk[i, 0]]. Returns False where the general path must decide (nothing to trust then)."""
+    if ck.size >= (1 << 29):
+        return False
+    ok, value, vbits, above, equal, kept = _select_values(hist, kk, j, n_hi, s_hi, bins, nb, ck)
+    if not ok:
+        return False
+    D = dens_k.size
+    qm = np.empty(2 * D, np.int64)
+    qpat = np.empty(2 * D, np.uint32)
+    qd = np.empty(2 * D, np.int64)
+    qat = np.empty(2 * D, np.int64)
+    nq = _per_density(dens_k, kk, value, vbits, above, equal, kept, thr, has, ti, tf, qm, qpat, qd, qat)
+    if nq <= 0:
+        return nq == 0
+    pats = np.unique(qpat[:nq])
+    per_block = _tied_per_block(keys, blk, blk_bins, blk_counts, pats)
+    return _block_cuts(pats, qm, qpat, qd, qat, nq, per_block, span_index, ti)
+
+
+@njit(**_C)
+def _select_values(hist, kk, j, n_hi, s_hi, bins, nb, ck):
+    """Per query k (``kk``): the k-th largest pattern (its float64 value and float32 bits), the entries above
+    and equal to it, and the exact sum of the top k (KeySelection.split_many); ok False at an Inf/NaN bin or a k
+    past every entry."""
     Q = kk.size
     nck = ck.size
-    if nck >= (1 << 29):
-        return False
     value = np.empty(Q, np.float64)
     vbits = np.empty(Q, np.uint32)
     above = np.empty(Q, np.int64)
@@ -145,7 +167,7 @@ def finish_rest(hist, kk, j, n_hi, s_hi, bins, nb, ck, dens_k, keys, blk, blk_bi
     for q in range(Q):
         kbin = np.int64(HIST_BINS - 1 - j[q])
         if kbin >= 0x7F80 or kbin < 0:  # Inf/NaN: KeySelection.split one by one; < 0: k past every entry
-            return False
+            return False, value, vbits, above, equal, kept
         slot = np.int64(_left(bins[:nb], kbin))
         rank = kk[q] - n_hi[q]
         end = _left(ck, (slot + 1) << 16)
@@ -172,14 +194,16 @@ def finish_rest(hist, kk, j, n_hi, s_hi, bins, nb, ck, dens_k, keys, blk, blk_bi
         above[q] = a
         equal[q] = eq
         kept[q] = s_hi[q] + s_in + np.float64(kk[q] - a) * value[q]
-    # per density
-    D = dens_k.size
+    return True, value, vbits, above, equal, kept
+
+
+@njit(**_C)
+def _per_density(dens_k, kk, value, vbits, above, equal, kept, thr, has, ti, tf, qm, qpat, qd, qat):
+    """Each density's threshold and topk entry (see :func:`finish_rest`), and the tie-cut queries it needs
+    into qm/qpat/qd/qat; returns their number, or -1 where the general path must decide."""
+    Q = kk.size
     nq = 0
-    qm = np.empty(2 * D, np.int64)
-    qpat = np.empty(2 * D, np.uint32)
-    qd = np.empty(2 * D, np.int64)
-    qat = np.empty(2 * D, np.int64)
-    for d in range(D):
+    for d in range(dens_k.size):
         k = dens_k[d]
         has[d] = 0
         if k <= 0:
@@ -198,6 +222,7 @@ def finish_rest(hist, kk, j, n_hi, s_hi, bins, nb, ck, dens_k, keys, blk, blk_bi
         ti[d, 3] = 0
         ti[d, 6] = NO_CUT
         ti[d, 7] = 0
+        p = q
         if k == 1:
             tf[d, 1] = np.inf
             ti[d, 4] = 0
@@ -205,7 +230,7 @@ def finish_rest(hist, kk, j, n_hi, s_hi, bins, nb, ck, dens_k, keys, blk, blk_bi
         else:
             p = _left(kk, k - 1)
             if p == Q or kk[p] != k - 1:
-                return False
+                return -1
             tf[d, 1] = value[p]
             ti[d, 4] = above[p]
             ti[d, 5] = equal[p]
@@ -223,14 +248,16 @@ def finish_rest(hist, kk, j, n_hi, s_hi, bins, nb, ck, dens_k, keys, blk, blk_bi
                 qd[nq] = d
                 qat[nq] = 6
                 nq += 1
-    if nq == 0:
-        return True
-    pats = np.unique(qpat[:nq])
+    return nq
+
+
+@njit(**_C)
+def _tied_per_block(keys, blk, blk_bins, blk_counts, pats):
+    """kernels.tied_per_block: every block's entries equal to each of ``pats`` (sorted patterns)."""
     P = pats.size
     first = np.full(1 << 16, -1, np.int32)
     for p in range(P - 1, -1, -1):
         first[pats[p] >> 16] = p
-    # kernels.tied_per_block
     nblk = blk.shape[0]
     per_block = np.zeros((nblk, P), np.int64)
     eqc = np.zeros(P, np.int64)
@@ -251,7 +278,14 @@ def finish_rest(hist, kk, j, n_hi, s_hi, bins, nb, ck, dens_k, keys, blk, blk_bi
             in_bin = np.int64(blk_counts[jj]) if jj < blk[i, 0] and blk_bins[jj] == top else np.int64(0)
             per_block[i, p] = in_bin - same_top[p]
         b0 = blk[i, 0]
-    # thresholds.block_cuts: the block holding the (m+1)-th tied entry, and the tied entries before it there
+    return per_block
+
+
+@njit(**_C)
+def _block_cuts(pats, qm, qpat, qd, qat, nq, per_block, span_index, ti):
+    """thresholds.block_cuts: per tie-cut query, the block holding the (m+1)-th tied entry and the tied entries
+    before it there, into ti; False where that block is not in the tensor."""
+    nblk = per_block.shape[0]
     before = np.empty(nblk + 1, np.int64)
     for t in range(nq):
         col = _left(pats, qpat[t])

@@ -34,7 +34,7 @@ RAM_EPSILON = 1e-5  # mergekit's default epsilon of ram / ramplus_tl (ops/ram.py
 
 
 def as_float(arr: np.ndarray | None, dtype: str) -> np.ndarray | None:
-    """The float32 (float64 for F64) values of a kernels' raw view (stats.RAW_VIEW)."""
+    """The float32 (float64 for F64) values of a kernels' raw view (buffers.RAW_VIEW)."""
     if arr is None:
         return None
     if arr.dtype == np.float32 or arr.dtype == np.float64:
@@ -95,8 +95,8 @@ class GramAccumulator:
     def add(self, base_raw: np.ndarray | None, expert_arrays: list[np.ndarray]) -> None:
         """One block: the float32 deltas as mergekit forms them (written into one [rows, n] array, the
         base first when it was read), then their Gram matrix accumulated in float64 and the shared/unique
-        counts, by compiled loops (analyze/kernels.py)."""
-        from mergepipe.analyze import kernels
+        counts, by compiled loops (analyze/gram_kernels.py)."""
+        from mergepipe.analyze import gram_kernels
         name = self.binfo.name
         kinds = [(p.source.kind, e, self.binfo.dtype if p.source.kind == "lora" else
                   p.source.checkpoint.tensors[name].dtype) for p, e in zip(self.passes, expert_arrays)]
@@ -114,11 +114,11 @@ class GramAccumulator:
                 self.arcee[i - first].add(m[i], b, n, kind == "full")
             if kind == "full":
                 np.subtract(m[i], b, out=m[i])  # float32, as mergekit's x - base
-        kernels.shared_unique_counts(m[first:], m.dtype.type(RAM_EPSILON), self.shared, self.unique)
+        gram_kernels.shared_unique_counts(m[first:], m.dtype.type(RAM_EPSILON), self.shared, self.unique)
         if self.sce is not None:
             self.sce.add(m[first:])
         g = np.zeros((len(m), len(m)))
-        kernels.gram_accumulate(m, g)
+        gram_kernels.gram_accumulate(m, g)
         if b is not None:
             self.bb += float(g[0, 0])
             self.bd += g[0, 1:]
@@ -224,7 +224,7 @@ def composed_gram(base: np.ndarray, xs: list[np.ndarray], blocks: list[tuple[int
     embedding rows, engine/vocab.py): per block (``blocks``: flat entry ranges of the grid), the float32
     deltas x_i - base, their products summed in float64 by the same kernel as :meth:`GramAccumulator.add`
     and added up block by block, as ANALYZE does for a full checkpoint's tensor."""
-    from mergepipe.analyze import kernels
+    from mergepipe.analyze import gram_kernels
     from mergepipe.ops.interp import Gram
     k = len(xs)
     total = np.zeros((k + 1, k + 1))
@@ -234,7 +234,7 @@ def composed_gram(base: np.ndarray, xs: list[np.ndarray], blocks: list[tuple[int
         for i, x in enumerate(xs, start=1):
             np.subtract(x[start:stop], m[0], out=m[i])  # float32, as mergekit's x - base
         g = np.zeros_like(total)
-        kernels.gram_accumulate(m, g)
+        gram_kernels.gram_accumulate(m, g)
         total += g
     dd = tuple(tuple(float(v) for v in row[1:]) for row in total[1:])
     return Gram(float(total[0, 0]), tuple(float(v) for v in total[0, 1:]), dd, int(base.size))
@@ -251,11 +251,11 @@ def _deltas(base: np.ndarray, xs: list[np.ndarray], start: int, stop: int) -> np
 def composed_counts(base: np.ndarray, xs: list[np.ndarray], blocks: list[tuple[int, int]]):
     """ramplus_tl's per-expert counts of entries with |delta| > 1e-5 shared with another expert / unique to it,
     of whole float32 tensors held in memory (a re-ordered vocabulary's composed rows), by ANALYZE's kernel."""
-    from mergepipe.analyze import kernels
+    from mergepipe.analyze import gram_kernels
     shared = np.zeros(len(xs), dtype=np.int64)
     unique = np.zeros(len(xs), dtype=np.int64)
     for start, stop in blocks:
-        kernels.shared_unique_counts(_deltas(base, xs, start, stop), np.float32(RAM_EPSILON), shared, unique)
+        gram_kernels.shared_unique_counts(_deltas(base, xs, start, stop), np.float32(RAM_EPSILON), shared, unique)
     return [int(v) for v in shared], [int(v) for v in unique]
 
 

@@ -1,20 +1,20 @@
 """Compiled ANALYZE kernels (numba): block statistics and the radix-select passes in one loop each.
 
-Inputs are raw tensor bytes viewed as numpy arrays, so that no float32 copy of a block is ever made:
-bf16 as uint16, fp16 as int16 (the two 16-bit float types need distinct array types to dispatch),
-fp32 as float32, fp64 as float64 (computed in float32). ``base`` is None for a delta that is stored
-directly (a delta checkpoint, or a LoRA block delta computed as float32). The delta is formed exactly
-as torch does (both sides widened to float32, one subtraction), so statistics equal the torch
-reference bit for bit where they are exact (max, nnz, thresholds, sketches).
+Inputs are raw tensor bytes viewed as numpy arrays, so that no float32 copy of a block is ever made: bf16 as uint16,
+fp16 as int16 (the two 16-bit float types need distinct array types to dispatch), fp32 as float32, fp64 as float64
+(computed in float32). ``base`` is None for a delta that is stored directly (a delta checkpoint, or a LoRA block delta
+computed as float32). The delta is formed exactly as torch does (both sides widened to float32, one subtraction), so
+statistics equal the torch reference bit for bit where they are exact (max, nnz, thresholds, sketches).
 
-Non-finite deltas (NaN/Inf in the expert or the base) cost nothing extra: |d| of such an entry has an
-all-ones exponent, so block_stats' histogram already counts them in its top bins
-(:func:`nonfinite_in_hist`, 4 x 128 counters read per block); only a block that has some is looked
-at again (:func:`count_nonfinite`, to tell how many of them the base holds).
+Non-finite deltas (NaN/Inf in the expert or the base) cost nothing extra: |d| of such an entry has an all-ones exponent,
+so block_stats' histogram already counts them in its top bins (:func:`nonfinite_in_hist`, 4 x 128 counters read per
+block); only a block that has some is looked at again (:func:`count_nonfinite`, to tell how many of them the base
+holds).
 """
 
 from __future__ import annotations
 
+import mergepipe.ops.numba_setup  # noqa: F401 (numba's start-up without scipy and cffi; before any @njit)
 import numpy as np
 from numba import njit, types
 from numba.extending import overload
@@ -65,6 +65,14 @@ def _delta(e, b, i):
     return to_f32(e[i]) - to_f32(b[i])
 
 
+@njit(inline="always", **_C)
+def _count_zeros(hist, n):
+    """``n`` zero deltas counted in bin 0, spread over the lanes as block_stats' unrolled loop spreads them."""
+    for lane in range(hist.shape[0]):
+        hist[lane, 0] += n // 4
+    hist[0, 0] += n % 4
+
+
 @njit(**_C)
 def block_stats(e, b, hist, keys, pos, l1hist, lowcnt=None):
     """(sum d^2, sum |d|, max |d|, non-zeros, entries whose low 16 bits are not all zero) of one
@@ -80,9 +88,7 @@ def block_stats(e, b, hist, keys, pos, l1hist, lowcnt=None):
     (and are counted in ``lowcnt``): :func:`fold_l1` adds the others at the end, the same in every bit."""
     n = e.size
     if _unchanged(e, b):  # every delta +0.0: only the zeros' bin counts (a frozen tensor, an untouched block)
-        for lane in range(hist.shape[0]):
-            hist[lane, 0] += n // 4
-        hist[0, 0] += n % 4
+        _count_zeros(hist, n)
         return 0.0, 0.0, np.float32(0.0), 0, 0, pos
     s0 = s1 = s2 = s3 = 0.0
     a0 = a1 = a2 = a3 = 0.0
@@ -301,70 +307,11 @@ def hist_delta(hist, prev, bins, counts, upto):
 
 
 @njit(**_C)
-def count_keys(keys, pats, first, eq, same_top):
-    """Over one block's collected low-bit keys: eq[p] += keys equal to pats[p], same_top[p] += keys in
-    pats[p]'s top-16 bin (``first`` as in count_patterns). No pass over the block's data."""
-    P = pats.size
-    for i in range(keys.size):
-        k = keys[i]
-        top = k >> 16
-        p = first[top]
-        if p < 0:
-            continue
-        while p < P and (pats[p] >> 16) == top:
-            same_top[p] += 1
-            if pats[p] == k:
-                eq[p] += 1
-            p += 1
-
-
-@njit(**_C)
-def tied_per_block(keys, key_spans, bins, counts, bin_ends, pats, first, per_block):
-    """Every block's entries equal to each of ``pats`` (sorted float32 patterns), from what the first
-    pass recorded: block i's collected low-bit keys keys[key_spans[i, 0]:key_spans[i, 1]] and its sparse
-    histogram counts bins/counts[bin_ends[i - 1]:bin_ends[i]] (sorted bins). A pattern with low bits is
-    counted among the keys; one with low bits 0 is never a key: its bin's count less the bin's keys.
-    The loop SecondPass.tie_cuts ran per block (count_keys and a lookup of the bins), in one call."""
-    P = pats.size
-    eq = np.zeros(P, np.int64)
-    same_top = np.zeros(P, np.int64)
-    b0 = 0
-    for i in range(per_block.shape[0]):
-        eq[:] = 0
-        same_top[:] = 0
-        count_keys(keys[key_spans[i, 0]:key_spans[i, 1]], pats, first, eq, same_top)
-        j = b0
-        for p in range(P):
-            if pats[p] & np.uint32(0xFFFF):
-                per_block[i, p] = eq[p]
-                continue
-            top = np.int64(pats[p] >> np.uint32(16))
-            while j < bin_ends[i] and bins[j] < top:
-                j += 1
-            in_bin = counts[j] if j < bin_ends[i] and bins[j] == top else 0
-            per_block[i, p] = in_bin - same_top[p]
-        b0 = bin_ends[i]
-
-
-@njit(**_C)
 def gather_delta(e, b, positions):
     """The delta at ``positions`` (a block's sketch sample), float32."""
     out = np.empty(positions.size, np.float32)
     for j in range(positions.size):
         out[j] = _delta(e, b, positions[j])
-    return out
-
-
-@njit(**_C)
-def kth_from_top(dense, slots, ranks):
-    """For each query q: the index of the ranks[q]-th largest entry (1-based) counted in row
-    dense[slots[q]], i.e. scanning that histogram from its top bin. One scan per row."""
-    out = np.zeros(slots.size, np.int64)
-    for row in np.unique(slots):
-        desc = np.cumsum(dense[row][::-1])
-        for q in range(slots.size):
-            if slots[q] == row:
-                out[q] = dense.shape[1] - 1 - np.searchsorted(desc, ranks[q])
     return out
 
 
@@ -389,43 +336,6 @@ def count_nonfinite(x):
         v = to_f32(x[i])
         n += not (abs(v) <= np.float32(3.4028235e38))
     return n
-
-
-@njit(nogil=True, cache=True, fastmath=True)
-def gram_accumulate(rows, g):
-    """g[i, j] += sum_k rows[i, k] * rows[j, k] in float64 (rows: float32 or float64 [m, n]; the Gram
-    statistics of analyze/gram.py). fastmath only lets the float64 sums be vectorized (reassociated)."""
-    m, n = rows.shape
-    for i in range(m):
-        for j in range(i, m):
-            s = 0.0
-            for k in range(n):
-                s += np.float64(rows[i, k]) * np.float64(rows[j, k])
-            g[i, j] += s
-            if j != i:
-                g[j, i] += s
-
-
-@njit(**_C)
-def shared_unique_counts(deltas, epsilon, shared, unique):
-    """Per expert (row of deltas, float32 [K, n]): entries with |d| > epsilon that another expert also
-    changes (shared) or only it changes (unique). Row by row, so every pass is sequential in memory."""
-    k, n = deltas.shape
-    counts = np.zeros(n, dtype=np.int32)
-    for i in range(k):
-        for c in range(n):
-            counts[c] += abs(deltas[i, c]) > epsilon
-    for i in range(k):
-        s = 0
-        u = 0
-        for c in range(n):
-            if abs(deltas[i, c]) > epsilon:
-                if counts[c] > 1:
-                    s += 1
-                else:
-                    u += 1
-        shared[i] += s
-        unique[i] += u
 
 
 @njit(**_C)

@@ -7,10 +7,11 @@ import gc
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable
 
 from mergepipe.analyze.stats import (
-    AnalyzeResult, DEFAULT_DENSITIES, ExpertAnalysis, analysis_workers, analyze_tensor,
+    DEFAULT_DENSITIES, ExpertAnalysis, analysis_workers, analyze_tensor,
 )
 from mergepipe.analyze.compact_store import CompactWriter
 from mergepipe.analyze.warm import prefetch_start
@@ -27,6 +28,19 @@ from mergepipe.storage.registry import open_checkpoint
 
 
 Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class AnalyzeResult:
+    model_id: str
+    skipped: bool
+    bytes_read: int = 0
+    seconds: float = 0.0
+    n_blocks: int = 0
+    # the compact deltas stored: {"codec", "group", "bytes", "expert_bytes"} (None: none written)
+    compact: dict | None = None
+
+
 def store_analyses(catalog: Catalog, jobs: list[ExpertAnalysis], seconds: dict | None = None) -> None:
     """Replace the statistics of these experts (and their base's grid), and their compact deltas, in one
     transaction; then remove the compact files nothing references any more."""

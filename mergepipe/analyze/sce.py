@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 
+import mergepipe.ops.numba_setup  # noqa: F401 (numba's start-up without scipy and cffi; before any @njit)
 import numpy as np
 from numba import njit
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mergepipe.analyze import kernels
+from mergepipe.analyze import kernels, select_kernels
 from mergepipe.analyze.thresholds import NO_CUT, DenseSelection, KeySelection, block_cuts, tie_cut_queries
 
 NO_KEYS = np.empty(0, dtype=np.uint32)  # the first pass ran out of room: the select reads again
@@ -43,7 +43,7 @@ class SecondPass:
         first[tops] = at
         if self.keys is not NO_KEYS and len(self.block_bins) == len(self.spans):
             bb = self.block_bins  # per block (bins, counts, first key, end key): counted in one call
-            kernels.tied_per_block(self.keys, np.array([(k0, k1) for _, _, k0, k1 in bb], dtype=np.int64),
+            select_kernels.tied_per_block(self.keys, np.array([(k0, k1) for _, _, k0, k1 in bb], dtype=np.int64),
                                    np.concatenate([b for b, _, _, _ in bb]), np.concatenate([c for _, c, _, _ in bb]),
                                    np.cumsum([b.size for b, _, _, _ in bb], dtype=np.int64), pats, first, per_block)
         else:

@@ -30,15 +30,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
 import threading
 import time
-from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
-from mergepipe.analyze import bins, buffers, finish, kernels
+from mergepipe.analyze import bins, buffers, finish, kernels, rows
 from mergepipe.analyze.compact_store import CompactWriter
 from mergepipe.analyze.gram import GramAccumulator
 from mergepipe.analyze.second_pass import NO_KEYS, SecondPass
@@ -59,39 +56,7 @@ KEY_CAP = 4 << 20  # most |d| patterns kept per (expert, tensor) for the select 
 L1_FOLD_NUMEL = 1 << 29  # below: l1hist's per-bin sums are exact, block_stats folds the common entries at the end
 PREFETCH_BLOCKS = 8  # blocks read ahead of the one being analyzed, per file
 KEEP_TASK_BYTES = 512 << 20  # base and expert bytes of one tensor kept for the second pass, all experts
-# numpy views of raw bytes the kernels accept (bf16 and fp16 need distinct 16-bit types)
-RAW_VIEW = {"BF16": np.uint16, "F16": np.int16, "F32": np.float32, "F64": np.float64}
-
-
-_ARENA = threading.local()
-
-
-def _arena(nbytes: int) -> np.ndarray:
-    """This thread's reusable read buffer of at least ``nbytes``. Reusing it spares the page faults
-    (kernel time) of a fresh mapping for every block, which cost as much as the reads themselves."""
-    buf = getattr(_ARENA, "buf", None)
-    if buf is None or buf.size < nbytes:
-        buf = _ARENA.buf = np.empty(max(nbytes, 8 << 20), dtype=np.uint8)
-    return buf
-
-
-def _read(reader: Reader, rng: tuple[str, int, int], dtype: str, into: np.ndarray) -> np.ndarray:
-    """One byte range as the kernels' array type, read into ``into`` (a slice of the arena)."""
-    buf = into[:rng[2]]
-    assert buf.size == rng[2]
-    reader.read_into(rng[0], rng[1], buf)
-    return buf.view(RAW_VIEW[dtype])
-
-
-@dataclass
-class AnalyzeResult:
-    model_id: str
-    skipped: bool
-    bytes_read: int = 0
-    seconds: float = 0.0
-    n_blocks: int = 0
-    # the compact deltas stored: {"codec", "group", "bytes", "expert_bytes"} (None: none written)
-    compact: dict | None = None
+_NO_BINS = np.empty(0, dtype=np.int32)
 
 
 def analysis_workers() -> int:
@@ -174,19 +139,6 @@ class ExpertAnalysis:
             self.compact.close()
 
 
-class _Arena:
-    """Bump allocation in this thread's reusable buffer, each piece 8-byte aligned."""
-
-    def __init__(self, nbytes: int):
-        self.buf = _arena(nbytes)
-        self.pos = 0
-
-    def take(self, nbytes: int) -> np.ndarray:
-        piece = self.buf[self.pos:self.pos + nbytes]
-        self.pos += -(-nbytes // 8) * 8
-        return piece
-
-
 def analyze_tensor(jobs: list[ExpertAnalysis], binfo: TensorInfo) -> None:
     """One base tensor for several experts of that base: each base block is read once for all of them
     (the base's bytes are still counted for every expert that uses them)."""
@@ -196,7 +148,7 @@ def analyze_tensor(jobs: list[ExpertAnalysis], binfo: TensorInfo) -> None:
         _first_pass(passes, binfo)
     for job in jobs:
         p = next((p for p in passes if p.job is job), None)
-        job.store(binfo.name, p.finish() if p else _zero_tensor(binfo, job.block_bytes, job.expert_id),
+        job.store(binfo.name, p.finish() if p else rows.zero_tensor(binfo, job.block_bytes, job.expert_id),
                   (time.perf_counter() - t0) / len(jobs))
 
 
@@ -220,7 +172,7 @@ def _first_pass(passes: list["_TensorPass"], binfo: TensorInfo) -> None:
     # hardly a bf16 one (a difference of two bf16 values rarely has low bits: its keys fit; else it re-reads)
     keep = (KEY_CAP < binfo.numel <= IN_MEMORY_TENSOR_BYTES // 4 and sum(per_span) <= KEEP_TASK_BYTES
             and binfo.dtype != "BF16")
-    arena = _Arena(sum(per_span) if keep else max(per_span))
+    arena = buffers.Arena(sum(per_span) if keep else max(per_span))
     gram = GramAccumulator(passes, binfo) if any(p.job.with_gram or p.job.with_arcee or p.job.sce_topk
                                                        for p in passes) else None
     with passes[0].job.base_ck.reader(sequential=True) as base_reader:
@@ -232,7 +184,7 @@ def _first_pass(passes: list["_TensorPass"], binfo: TensorInfo) -> None:
             base = None
             if needs_base:
                 rng = (binfo.file, binfo.offset + span.rel_offset, span.nbytes)
-                base = _read(base_reader, rng, binfo.dtype, arena.take(span.nbytes))
+                base = buffers.read_view(base_reader, rng, binfo.dtype, arena.take(span.nbytes))
             blocks = [p.add_block(span, base, arena, keep) for p in passes]
             if gram is not None:
                 gram.add(base, blocks)
@@ -294,7 +246,7 @@ class _TensorPass(SecondPass):
             bufs = job.re.read_ranges(self.source.block_ranges(name, span))
             return self.source.delta(name, span, bufs, self.fixed, None).reshape(-1).numpy()
         rng = self.ranges[span.index]
-        return _read(job.re, rng, self.source.checkpoint.tensors[name].dtype,
+        return buffers.read_view(job.re, rng, self.source.checkpoint.tensors[name].dtype,
                      np.empty(rng[2], dtype=np.uint8) if into is None else into)
 
     def reread(self, span: BlockSpan):
@@ -303,9 +255,9 @@ class _TensorPass(SecondPass):
         if not self.source.needs_base:
             return e, None
         rng = (self.binfo.file, self.binfo.offset + span.rel_offset, span.nbytes)
-        return e, _read(self.job.rb, rng, self.binfo.dtype, np.empty(span.nbytes, dtype=np.uint8))
+        return e, buffers.read_view(self.job.rb, rng, self.binfo.dtype, np.empty(span.nbytes, dtype=np.uint8))
 
-    def add_block(self, span: BlockSpan, base: np.ndarray | None, arena: _Arena, keep: bool) -> None:
+    def add_block(self, span: BlockSpan, base: np.ndarray | None, arena: buffers.Arena, keep: bool) -> None:
         e = self.expert_block(span, arena.take(self.expert_bytes(span)))
         b = base if self.source.needs_base else None
         if b is not None:
@@ -317,10 +269,10 @@ class _TensorPass(SecondPass):
         # this block's histogram counts, sparse: the exact-k cuts then need no second pass over the data;
         # the non-finite entries so far (a histogram read) and, for a block without any, its sketch: one call
         m = float(m)
-        upto = (_top_bin(m) if math.isfinite(m) else self.hist.shape[1]) + 1
+        upto = (rows.top_bin(m) if math.isfinite(m) else self.hist.shape[1]) + 1
         pos = int(self.blk[self.nblk - 1, 0]) if self.nblk else 0
         positions = sample_positions(e.size, self.job.sketch_size)
-        sketch = _sketch_scratch(positions.size)
+        sketch = buffers.sketch_scratch(positions.size)
         n_bins, copied, nonfinite, sketched = kernels.block_tail(
             self.hist, self.buf.before, self.buf.bins, self.buf.counts, self.bb_bins, self.bb_counts, pos, upto,
             self.nonfinite, e, b, positions, m, sketch)
@@ -340,7 +292,7 @@ class _TensorPass(SecondPass):
         else:
             with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf deltas (recorded, refused by the planner)
                 sketch = sketch_bytes(kernels.gather_delta(e, b, positions), m)
-        self.rows.append(_row(self.job.expert_id, self.binfo.name, span, rng, delta_l2=math.sqrt(s2), delta_l1=s1,
+        self.rows.append(rows.block_row(self.job.expert_id, self.binfo.name, span, rng, delta_l2=math.sqrt(s2), delta_l1=s1,
                               delta_max_abs=m, delta_nnz=n, nonfinite=nonfinite, base_nonfinite=base_nonfinite,
                               sketch=sketch))
         if self.job.compact is not None and n:
@@ -355,10 +307,10 @@ class _TensorPass(SecondPass):
     def finish(self) -> tuple[list[dict], dict]:
         binfo, job = self.binfo, self.job
         if not is_float(binfo):  # not read: block rows with zero statistics
-            self.rows = [_row(job.expert_id, binfo.name, span, self.source.block_ranges(binfo.name, span)[0])
+            self.rows = [rows.block_row(job.expert_id, binfo.name, span, self.source.block_ranges(binfo.name, span)[0])
                          for span in self.spans]
         # no |d| above the largest (a NaN is above every number, but then count them all)
-        hist = self.buf.lane_sums(_top_bin(self.mx) + 1 if self.nonfinite == 0 else buffers.WIDTH)
+        hist = self.buf.lane_sums(rows.top_bin(self.mx) + 1 if self.nonfinite == 0 else buffers.WIDTH)
         if self.lowcnt is not None:
             bins.fold_l1(hist, self.lowcnt, self.l1hist, bins.BIN_VALUES, *self.buf.used)
         texts = self._fused_select(hist) if self._fusable() else None
@@ -420,88 +372,22 @@ class _TensorPass(SecondPass):
         kbins = np.empty(q, np.int64)
         chosen = np.empty(self.nkeys, np.int64)
         m, nb = finish.choose_keys(hist, self.l1hist, kk, j, n_hi, s_hi, kbins, self.keys, self.nkeys,
-                                   _slot_scratch(), chosen)
+                                   buffers.slot_scratch(), chosen)
         chosen = chosen[:m]
         chosen.sort()
-        dens_k, names = _density_table(densities, numel)
+        dens_k, names = rows.density_table(densities, numel)
         d = dens_k.size
         thr, has = np.empty(d, np.float64), np.zeros(d, np.int8)
         ti, tf = np.empty((d, 8), np.int64), np.empty((d, 2), np.float64)
         if not finish.finish_rest(hist, kk, j, n_hi, s_hi, kbins, nb, chosen, dens_k, self.keys, self.blk,
-                                  self.bb_bins, self.bb_counts, _span_index(self.spans), thr, has, ti, tf):
+                                  self.bb_bins, self.bb_counts, buffers.span_index(self.spans), thr, has, ti, tf):
             return None
         topk = {name: [t[0], t[1], f[0], t[2], t[3], f[1], t[4], t[5], t[6], t[7]]
                 for name, h, t, f in zip(names, has.tolist(), ti.tolist(), tf.tolist()) if h}
         return json.dumps(dict(zip(names, thr.tolist()))), json.dumps(topk)
 
 
-_SLOTS = threading.local()
-_NO_BINS = np.empty(0, dtype=np.int32)
-
-
-def _sketch_scratch(n: int) -> np.ndarray:
-    """This thread's uint16 buffer for one block's sketch (its float16 bits), ``n`` long."""
-    buf = getattr(_SLOTS, "sketch", None)
-    if buf is None or buf.size < n:
-        buf = _SLOTS.sketch = np.empty(max(n, 4096), dtype=np.uint16)
-    return buf[:n]
-
-
-@lru_cache(maxsize=1024)
-def _span_index_cached(key) -> np.ndarray:
-    return np.array(key, dtype=np.int64)
-
-
-def _span_index(spans) -> np.ndarray:
-    """The grid index of each span (block i of the pass is spans[i])."""
-    return _span_index_cached(tuple(s.index for s in spans))
-
-
-def _slot_scratch() -> np.ndarray:
-    """This thread's slot table for finish.choose_keys (int32 [65536], all -1 between calls)."""
-    table = getattr(_SLOTS, "table", None)
-    if table is None:
-        table = _SLOTS.table = np.full(1 << 16, -1, dtype=np.int32)
-    return table
-
-
-@lru_cache(maxsize=256)
-def _density_table(densities: tuple, numel: int) -> tuple[np.ndarray, list[str]]:
-    """(int(d * numel) per density, str(d) per density), in the densities' order."""
-    pairs, _ = _density_ks(densities, numel, True)
-    names = density_names(densities)
-    ks = np.array([k for _, k in pairs], dtype=np.int64)
-    ks.flags.writeable = False
-    return ks, [names[d] for d, _ in pairs]
-
-
-def _row(expert_id: str, tensor: str, span: BlockSpan, rng, **stats) -> dict:
-    row = {"model_id": expert_id, "tensor": tensor, "block": span.index, "row_start": span.row_start,
-           "row_end": span.row_end, "offset": rng[1], "nbytes": rng[2], "delta_l2": 0.0, "delta_l1": 0.0,
-           "delta_max_abs": 0.0, "delta_nnz": 0, "sketch": b"", "nonfinite": 0, "base_nonfinite": 0}
-    row.update(stats)
-    return row
-
-
-_PACK_F32, _UNPACK_U32 = struct.Struct("<f").pack, struct.Struct("<I").unpack
-
-
-def _top_bin(value) -> int:
-    """The top 16 bits of a finite non-negative value's float32 pattern."""
-    return _UNPACK_U32(_PACK_F32(value))[0] >> 16  # value is a float32 (exact in "<f")
-
-
 def is_float(binfo: TensorInfo) -> bool:
     return binfo.dtype in FLOAT_DTYPES
 
 
-def _zero_tensor(binfo: TensorInfo, block_bytes: int, expert_id: str):
-    """Rows for a tensor the expert does not change (untargeted by a LoRA adapter): nothing to read."""
-    rows = [{"model_id": expert_id, "tensor": binfo.name, "block": s.index, "row_start": s.row_start,
-             "row_end": s.row_end, "offset": None, "nbytes": 0, "delta_l2": 0.0, "delta_l1": 0.0,
-             "delta_max_abs": 0.0, "delta_nnz": 0, "sketch": b"", "nonfinite": 0, "base_nonfinite": 0}
-            for s in tensor_grid(binfo, block_bytes)]
-    stats = {"model_id": expert_id, "tensor": binfo.name, "numel": binfo.numel, "delta_l2": 0.0, "delta_l1": 0.0,
-             "delta_max_abs": 0.0, "delta_nnz": 0, "thresholds": "{}", "topk": "{}", "fixed_bytes": 0, "nonfinite": 0,
-             "base_nonfinite": 0}
-    return rows, stats

@@ -8,7 +8,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from mergepipe.analyze import kernels
+from mergepipe.analyze import select_kernels
 from mergepipe.analyze.bins import walk_bins
 
 
@@ -21,7 +21,7 @@ class DenseSelection:
 
     def kth_low_bits(self, slots: list[int], ranks: list[int]) -> list[int]:
         """The low 16 bits of the rank-th largest entry (1-based) within each slot."""
-        return kernels.kth_from_top(self.dense, np.array(slots, dtype=np.int64),
+        return select_kernels.kth_from_top(self.dense, np.array(slots, dtype=np.int64),
                                     np.array(ranks, dtype=np.int64)).tolist()
 
     def split(self, slot: int, top: int, low: int, count: int) -> tuple[int, float, int]:
