@@ -6,7 +6,8 @@ family (the tensor work is negligible there, so what is measured is what every r
     python benchmarks/fixed_costs.py --runs 3 --out /tmp/x # quicker, elsewhere
 
 Each command runs ``--runs`` times (default 5), each in a fresh interpreter, after one unmeasured run (it
-writes Python's bytecode caches and numba's kernel cache, as the first run after an install does); reported:
+writes Python's bytecode caches and numba's kernel cache, as the first run after an install does), the
+checkouts taking turns run by run; reported:
 the median wall time and the median CPU time (user + system) of the child, from ``os.wait4``. Bytecode caches
 are on for the children (``PYTHONDONTWRITEBYTECODE`` removed), as in a normal install. Commands that change
 the catalog or write a snapshot run on a fresh copy of the catalog, made outside the measured time. The
@@ -108,28 +109,15 @@ def commands(s: dict) -> dict:
     }
 
 
-def measure_command(argv: list[str], fresh: str | None, s: dict, env: dict, work: Path, runs: int) -> list[dict]:
-    samples = []
-    for i in range(runs + 1):  # the first run is a warm-up
-        scratch = work / "scratch"
-        shutil.rmtree(scratch, ignore_errors=True)
-        scratch.mkdir()
-        db = scratch / "c.sqlite" if fresh else s["analyzed"]
-        if fresh:
-            shutil.copy(s[fresh], db)
-        args = [a.format(db=db, new=scratch / "new.sqlite", out=scratch / "out") for a in argv]
-        sample = timed([sys.executable, "-m", "mergepipe", *args], env, work)
-        if i:
-            samples.append(sample)
-    return samples
-
-
-def measure_imports(env: dict, work: Path, runs: int) -> dict:
-    out = {}
-    for name, code in IMPORTS.items():
-        samples = [timed([sys.executable, "-c", code], env, work) for _ in range(runs + 1)][1:]
-        out[name] = summary(samples)
-    return out
+def one_run(argv: list[str], fresh: str | None, s: dict, env: dict, work: Path) -> dict:
+    scratch = work / "scratch"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
+    db = scratch / "c.sqlite" if fresh else s["analyzed"]
+    if fresh:
+        shutil.copy(s[fresh], db)
+    args = [a.format(db=db, new=scratch / "new.sqlite", out=scratch / "out") for a in argv]
+    return timed([sys.executable, "-m", "mergepipe", *args], env, work)
 
 
 def summary(samples: list[dict]) -> dict:
@@ -137,15 +125,35 @@ def summary(samples: list[dict]) -> dict:
             "cpu_s": round(statistics.median(x["cpu_s"] for x in samples), 3), "runs": len(samples)}
 
 
-def measure(src: Path, work: Path, runs: int) -> dict:
-    env = child_env(src)
-    s = setup(work, env)
-    rows = {}
-    for name, (argv, fresh) in commands(s).items():
-        rows[name] = summary(measure_command(argv, fresh, s, env, work, runs))
-        print(f"  {name:32s} {rows[name]['wall_s']:6.3f} s wall {rows[name]['cpu_s']:6.3f} s CPU", flush=True)
-    imports = measure_imports(env, work, runs)
-    return {"src": str(src), "commands": rows, "imports": imports}
+def measure(checkouts: dict, runs: int) -> dict:
+    """label -> (source, work dir): every command and import timed ``runs`` times per checkout after one
+    warm-up, the checkouts taking turns run by run, so that a machine growing busier or quieter weighs on
+    every checkout alike."""
+    ready = {label: (child_env(src), work) for label, (src, work) in checkouts.items()}
+    setups = {label: setup(work, env) for label, (env, work) in ready.items()}
+
+    def command(name: str):
+        return lambda label: one_run(*commands(setups[label])[name], setups[label], *ready[label])
+
+    def import_of(code: str):
+        return lambda label: timed([sys.executable, "-c", code], *ready[label])
+
+    steps = {"commands": {name: command(name) for name in commands(next(iter(setups.values())))},
+             "imports": {name: import_of(code) for name, code in IMPORTS.items()}}
+    results = {label: {"src": str(src), "commands": {}, "imports": {}} for label, (src, _) in checkouts.items()}
+    for kind, named in steps.items():
+        for name, step in named.items():
+            samples = {label: [] for label in checkouts}
+            for i in range(runs + 1):  # the first round is a warm-up
+                for label in checkouts:
+                    sample = step(label)
+                    if i:
+                        samples[label].append(sample)
+            for label in checkouts:
+                results[label][kind][name] = summary(samples[label])
+            print(f"  {name:36s} " + "  ".join(f"{lab}: {results[lab][kind][name]['wall_s']:.3f} s"
+                                              for lab in checkouts), flush=True)
+    return results
 
 
 def table(results: dict, key: str, names: list[str]) -> list[str]:
@@ -169,8 +177,8 @@ def write_docs(results: dict, meta: dict, out: Path) -> None:
              "tiny family (base + 3 bf16 experts of ~107k parameters, so the tensor work is negligible) by "
              "`python benchmarks/fixed_costs.py`: the median of "
              f"{meta['runs']} fresh processes per command after one unmeasured run, wall and CPU (user + system, "
-             "from `os.wait4`) of the child, bytecode caches on. The machine is shared (2 cores, another "
-             "benchmark running): CPU time is the steadier number.", "",
+             "from `os.wait4`) of the child, bytecode caches on; the checkouts take turns run by run, so that a machine "
+             "growing busier or quieter weighs on each alike. CPU time is the steadier number.", "",
              f"Measured {meta['date']} on {meta['machine']}; columns: {', '.join(f'`{k}` = {v}' for k, v in meta['labels'].items())}.",
              "", "## Commands", "", *table(results, "commands", list(first["commands"])), "",
              "## Imports", "", *table(results, "imports", list(first["imports"])), "",
@@ -185,18 +193,17 @@ def write_docs(results: dict, meta: dict, out: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--compare", type=Path, help="another MergePipe checkout, measured side by side (first)")
+    ap.add_argument("--compare", type=Path, help="another MergePipe checkout, measured side by side (run by run)")
     ap.add_argument("--compare-label", default="before")
     ap.add_argument("--label", default="this checkout")
     ap.add_argument("--out", type=Path, default=DOCS)
     ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / "work" / "fixed-costs")
     args = ap.parse_args(argv)
-    results, labels = {}, {}
-    for label, src in ([(args.compare_label, args.compare)] if args.compare else []) + [(args.label, ROOT)]:
-        print(f"[{label}] {src}", flush=True)
-        results[label] = measure(src.resolve(), args.work / "".join(c if c.isalnum() else "-" for c in label),
-                                 args.runs)
-        labels[label] = str(src)
+    pairs = ([(args.compare_label, args.compare)] if args.compare else []) + [(args.label, ROOT)]
+    checkouts = {label: (src.resolve(), args.work / "".join(c if c.isalnum() else "-" for c in label))
+                 for label, src in pairs}
+    results = measure(checkouts, args.runs)
+    labels = {label: str(src) for label, src in pairs}
     meta = {"runs": args.runs, "date": time.strftime("%Y-%m-%d"), "labels": labels,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"}
     write_docs(results, meta, args.out)
