@@ -105,7 +105,7 @@ def _right(a, v):
 
 @njit(**_C)
 def _count_keys(keys, k0, k1, pats, first, eq, same_top):
-    """kernels.count_keys over keys[k0:k1]."""
+    """select_kernels.count_keys over keys[k0:k1]."""
     P = pats.size
     for i in range(k0, k1):
         k = keys[i]
@@ -253,7 +253,7 @@ def _per_density(dens_k, kk, value, vbits, above, equal, kept, thr, has, ti, tf,
 
 @njit(**_C)
 def _tied_per_block(keys, blk, blk_bins, blk_counts, pats):
-    """kernels.tied_per_block: every block's entries equal to each of ``pats`` (sorted patterns)."""
+    """select_kernels.tied_per_block: every block's entries equal to each of ``pats`` (sorted patterns)."""
     P = pats.size
     first = np.full(1 << 16, -1, np.int32)
     for p in range(P - 1, -1, -1):
