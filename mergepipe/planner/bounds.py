@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import numpy as np
 
@@ -253,7 +254,7 @@ def _unit_sums(ctx, rows: list[tuple], expert_of: dict[str, int]):
     order = live[np.lexsort((block[live], ti[live], ln[live]))]
     for length in np.unique(ln[order]):
         idx = order[ln[order] == length]
-        sk = _F16_AS_F32().take(np.frombuffer(b"".join([rows[i][4] for i in idx]), dtype=np.uint16))
+        sk = _f16_table().take(np.frombuffer(b"".join([rows[i][4] for i in idx]), dtype=np.uint16))
         sk = sk.reshape(len(idx), -1)
         norms = np.sqrt(np.einsum("rs,rs->r", sk, sk))
         ei = np.fromiter((expert_of[rows[i][0]] for i in idx), dtype=np.int64, count=len(idx))
@@ -266,15 +267,10 @@ def _unit_sums(ctx, rows: list[tuple], expert_of: dict[str, int]):
             yield (int(ti[idx[start]]), int(block[idx[start]]), int(length)), v.astype(np.float64)
 
 
-def _F16_AS_F32() -> np.ndarray:
+@lru_cache(maxsize=1)
+def _f16_table() -> np.ndarray:
     """Every float16 bit pattern's float32 value (a lookup is ~4x faster than numpy's float16 cast, same bits)."""
-    global _F16_TABLE
-    if _F16_TABLE is None:
-        _F16_TABLE = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
-    return _F16_TABLE
-
-
-_F16_TABLE: np.ndarray | None = None
+    return np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
 
 
 def _row_sums(sk: np.ndarray, starts: np.ndarray) -> list[np.ndarray]:

@@ -4,12 +4,12 @@
 import numpy as np
 import pytest
 
-from mergepipe.planner.bounds import _F16_AS_F32, _row_sums
+from mergepipe.planner.bounds import _f16_table, _row_sums
 
 
 def test_float16_table_is_numpys_cast_for_every_bit_pattern():
     every = np.arange(1 << 16, dtype=np.uint16)
-    assert np.array_equal(_F16_AS_F32().take(every).view(np.uint32),
+    assert np.array_equal(_f16_table().take(every).view(np.uint32),
                           every.view(np.float16).astype(np.float32).view(np.uint32))
 
 
