@@ -71,7 +71,6 @@ def tied_at_cut(deltas: list, n: int):
 
 
 def count(fam: Path, k: int, mk: Path, mp: Path) -> dict:
-    import torch
     base = tensors(fam / "base")
     experts = [tensors(fam / f"expert_{i}") for i in range(1, k + 1)]
     ref, ours = tensors(mk), tensors(mp)
